@@ -1,0 +1,79 @@
+"""Per-request sampling settings (vLLM's names), validated when built so a bad request fails alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # > 1 discourages tokens seen in the prompt or output (CTRL-style)
+    presence_penalty: float = 0.0     # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # k: return the sampled token's logprob plus the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check_int("n", self.n, lo=1, hi=1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name, value, lo=None, hi=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
