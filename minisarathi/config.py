@@ -1,7 +1,11 @@
 """Configuration: ModelConfig is read from a Hugging Face config.json; EngineConfig holds the serving knobs."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
@@ -33,3 +37,165 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str                   # "linear" or "llama3" ("default" is stored as rope_scaling=None)
+    factor: float
+    low_freq_factor: float = 1.0     # llama3 only
+    high_freq_factor: float = 4.0    # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool                   # Qwen2 always; Llama with attention_bias
+    o_bias: bool                     # Llama with attention_bias (Qwen2 has none on o_proj)
+    dtype: str                       # the checkpoint's dtype, one of DTYPES
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"path {str(path)!r} has no config.json")
+        config = json.loads(config_file.read_text())
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+        return cls.from_dict(config, generation)
+
+    @classmethod
+    def from_dict(cls, config: dict, generation_config: dict | None = None) -> ModelConfig:
+        """Reads a Hugging Face config.json dict; generation_config.json's bos/eos ids take precedence."""
+        architectures = config.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            raise ValueError(f"architectures must be one of {', '.join(ARCHITECTURES)}, got {architectures!r}")
+        arch = architectures[0]
+        if config.get("quantization_config") is not None:
+            raise ValueError(f"quantization_config is not supported, got {config['quantization_config']!r}")
+        if config.get("mlp_bias", False):
+            raise ValueError(f"mlp_bias must be false, got {config['mlp_bias']!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
+        max_positions = _positive_int(config, "max_position_embeddings")
+        _check_no_sliding_window(arch, config, max_positions)
+
+        hidden = _positive_int(config, "hidden_size")
+        heads = _positive_int(config, "num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"num_key_value_heads must divide num_attention_heads ({heads}), got {kv_heads!r}")
+        head_dim = config.get("head_dim") or hidden // heads
+        if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        rope_theta, rope_scaling = _read_rope(config)
+        attention_bias = bool(config.get("attention_bias", False))
+
+        ids = dict(config)
+        ids.update({k: v for k, v in (generation_config or {}).items() if k in ("bos_token_id", "eos_token_id")})
+        eos = ids.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=arch,
+            vocab_size=_positive_int(config, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(config, "intermediate_size"),
+            num_hidden_layers=_positive_int(config, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            dtype=dtype,
+            bos_token_id=ids.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """float32[head_dim/2]: RoPE frequencies with the scaling folded in, computed in float64."""
+        inv_freq = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        scaling = self.rope_scaling
+        if scaling is None:
+            return inv_freq.astype(np.float32)
+        if scaling.rope_type == "linear":  # positions / factor == frequencies / factor
+            return (inv_freq / scaling.factor).astype(np.float32)
+        # llama3, as transformers' _compute_llama3_parameters: long wavelengths are slowed down by
+        # `factor`, short ones kept, and the band between them interpolated smoothly.
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _positive_int(config: dict, name: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> None:
+    # Full attention only: a window that covers every position is the same thing.
+    if arch == "Qwen2ForCausalLM":
+        if config.get("use_sliding_window", False):
+            raise ValueError(f"use_sliding_window must be false, got {config['use_sliding_window']!r}")
+        return
+    window = config.get("sliding_window")
+    if window is not None and window < max_positions:
+        raise ValueError(f"sliding_window must be null or >= max_position_embeddings ({max_positions}), "
+                         f"got {window!r}")
+
+
+def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or 4's rope_theta/rope_scaling."""
+    params = config.get("rope_parameters")
+    if params is not None:
+        scaling = params
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    else:
+        scaling = config.get("rope_scaling") or {}
+        theta = config.get("rope_theta", 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"rope_type must be one of default, linear, llama3, got {rope_type!r}")
+    keys = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    for key in keys:
+        if not isinstance(scaling.get(key), (int, float)) or scaling[key] <= 0:
+            raise ValueError(f"rope scaling {key} must be a positive number, got {scaling.get(key)!r}")
+    return float(theta), RopeScaling(rope_type, **{k: scaling[k] for k in keys})

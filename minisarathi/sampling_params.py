@@ -1,6 +1,7 @@
 """Per-request sampling settings (vLLM's names), validated when built so a bad request fails alone."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,8 +25,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _check_int("n", self.n, lo=1, hi=1)
@@ -58,8 +66,9 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -75,5 +84,5 @@ def _check_int(name, value, lo=None, hi=None):
 
 
 def _check_float(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

@@ -1,0 +1,397 @@
+"""The CUDA backend: the ops of docs/architecture.md as the kernels of cuda/*.cu, matmuls through cuBLAS.
+
+The wrappers are written once against a launcher that says where kernels run:
+  - CupyLauncher: a real GPU. Kernels are CuPy RawModules compiled once per process with NVRTC, arrays
+    are CuPy arrays, `x @ w.T` is cuBLAS. CuPy is imported only here (cupy-cuda12x or cupy-cuda13x).
+  - EmulatorLauncher: the same .cu sources built with g++ and run on the CPU (device "cuda-emulated");
+    arrays are NumPy, matmuls NumPy.
+Both launch with CuPy's RawKernel convention `kernel(grid, block, args, shared_mem=n)`, with scalars
+passed as exact NumPy types (np.int32, np.float32, np.int64), which the emulator checks.
+
+bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16.
+
+    ops = cuda_ops.emulated()              # float32 kernels on the CPU
+    ops = cuda_ops.gpu("bfloat16")         # a real GPU
+    model = LlamaModel(config, weights, ops)
+"""
+from __future__ import annotations
+
+import math
+import numpy as np
+
+from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16
+from minisarathi.engine.batch import Batch
+from minisarathi.paths import cuda_dir
+
+DTYPES = ("float32", "float16", "bfloat16")
+CXX_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+STORAGE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+# Kernel files and their kernels: templated ones are instantiated for every element type.
+TEMPLATED_KERNELS = {
+    "embedding.cu": ["embedding_kernel"],
+    "rms_norm.cu": ["rms_norm_kernel", "add_rms_norm_kernel"],
+    "rope.cu": ["rope_kernel"],
+    "store_kv.cu": ["store_kv_kernel"],
+    "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
+    "silu_and_mul.cu": ["silu_and_mul_kernel"],
+}
+PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
+
+# Options for NVRTC at run time; CuPy adds the architecture and its own include path.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+# paged_attention.cu's constants
+PA_THREADS = 128
+PA_MAX_ROWS = 16
+PA_MAX_HEAD_DIM = 256
+PA_PARTITION_SIZE = 512          # keys per flash-decoding partition
+SMEM_BUDGET = 48 * 1024          # dynamic shared memory a kernel gets without opting in
+
+
+def name_expressions(file: str) -> list[str]:
+    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `argmax_kernel`."""
+    if file in TEMPLATED_KERNELS:
+        return [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
+    return list(PLAIN_KERNELS[file])
+
+
+def kernel_files() -> list[str]:
+    return [*TEMPLATED_KERNELS, *PLAIN_KERNELS]
+
+
+def _dtype_name(array) -> str:
+    name = array.dtype.name
+    if name in ("uint16", "bfloat16"):
+        return "bfloat16"
+    if name not in ("float32", "float16"):
+        raise ValueError(f"array dtype must be float32, float16 or bfloat16 (uint16 bits), got {name}")
+    return name
+
+
+class EmulatorLauncher:
+    """Kernels on the CPU through minisarathi.backends.emulator; arrays are NumPy."""
+
+    device = "cuda-emulated"
+    xp = np
+
+    def kernel(self, file: str, name: str):
+        from minisarathi.backends import emulator
+        return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
+
+    def to_device(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array)
+
+    def to_host(self, array: np.ndarray) -> np.ndarray:
+        return array
+
+    def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type."""
+        kind = _dtype_name(x)
+        widen = bf16_to_float32 if kind == "bfloat16" else (lambda a: a.astype(np.float32, copy=False))
+        out = widen(x) @ widen(w).T
+        if bias is not None:
+            out += widen(bias)
+        return float32_to_bf16(out) if kind == "bfloat16" else out.astype(x.dtype, copy=False)
+
+
+class CupyLauncher:
+    """Kernels on a real GPU: CuPy RawModules (NVRTC), compiled once per process; cuBLAS matmuls."""
+
+    device = "cuda"
+
+    def __init__(self):
+        try:
+            import cupy
+        except ImportError as exc:
+            raise RuntimeError("device 'cuda' needs CuPy: pip install 'minisarathi[cuda12]' or '[cuda13]'") from exc
+        self.xp = cupy
+        self._modules: dict[str, object] = {}
+
+    def kernel(self, file: str, name: str):
+        module = self._modules.get(file)
+        if module is None:
+            source = (cuda_dir() / file).read_text()
+            module = self.xp.RawModule(code=source, options=(*NVRTC_OPTIONS, f"-I{cuda_dir()}"),
+                                       name_expressions=name_expressions(file))
+            self._modules[file] = module
+        return module.get_function(name)
+
+    def to_device(self, array: np.ndarray):
+        return self.xp.asarray(np.ascontiguousarray(array))
+
+    def to_host(self, array) -> np.ndarray:
+        return self.xp.asnumpy(array)
+
+    def matmul_t(self, x, w, bias):
+        if _dtype_name(x) != "bfloat16":
+            out = x @ w.T   # cuBLAS; CuPy computes half matmuls with float32 accumulation
+            if bias is not None:
+                out += bias
+            return out
+        return self._bf16_gemm(x, w, bias)
+
+    def _bf16_gemm(self, x, w, bias):
+        # CuPy has no bfloat16 dtype, so call cublasGemmEx on the raw bits. Row-major out[T, N] =
+        # x[T, K] @ w[N, K].T is column-major out^T[N, T] = op(w)^T... : A = w (K x N col-major, transposed),
+        # B = x (K x T col-major), C = out (N x T col-major). beta = 1 adds a bias pre-broadcast into C.
+        from cupy.cuda import cublas, device
+        cp = self.xp
+        x = cp.ascontiguousarray(x)
+        T, K = x.shape
+        N = w.shape[0]
+        out = (cp.ascontiguousarray(cp.broadcast_to(bias, (T, N))) if bias is not None
+               else cp.empty((T, N), dtype=cp.uint16))
+        alpha = np.array(1.0, dtype=np.float32)
+        beta = np.array(1.0 if bias is not None else 0.0, dtype=np.float32)
+        CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 14, 68, -1
+        cublas.gemmEx(device.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, T, K,
+                      alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K, x.data.ptr, CUDA_R_16BF, K,
+                      beta.ctypes.data, out.data.ptr, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        return out
+
+
+class CudaOps:
+    """The backend ops (same names as numpy_ops) over one launcher and one activation dtype."""
+
+    def __init__(self, launcher, dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.launcher = launcher
+        self.xp = launcher.xp
+        self.dtype = dtype
+        self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
+        self._uploads: dict[int, tuple[np.ndarray, object]] = {}
+
+    # ---- placement -------------------------------------------------------------------------------
+    def weight(self, array: np.ndarray):
+        """A float32 NumPy array as a device array in the activation dtype."""
+        array = np.asarray(array, dtype=np.float32)
+        stored = float32_to_bf16(array) if self.dtype == "bfloat16" else array.astype(self.activation_dtype)
+        return self.launcher.to_device(stored)
+
+    def zeros(self, shape: tuple[int, ...]):
+        return self.xp.zeros(shape, dtype=self.activation_dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        """float32 NumPy copy of a device array."""
+        host = self.launcher.to_host(x)
+        return bf16_to_float32(host) if self.dtype == "bfloat16" else host.astype(np.float32)
+
+    def _metadata(self, array: np.ndarray, dtype=np.int32):
+        # Batch arrays are immutable and shared by every layer of a step: upload each once.
+        if not isinstance(array, np.ndarray):
+            return array   # already on the device
+        cached = self._uploads.get(id(array))
+        if cached is not None and cached[0] is array:
+            return cached[1]
+        if len(self._uploads) >= 32:
+            self._uploads.clear()
+        device = self.launcher.to_device(np.asarray(array, dtype=dtype))
+        self._uploads[id(array)] = (array, device)
+        return device
+
+    def _kernel(self, file: str, name: str, like):
+        return self.launcher.kernel(file, f"{name}<{CXX_TYPES[_dtype_name(like)]}>")
+
+    def _check(self, x, name: str):
+        if x.dtype != self.activation_dtype:
+            raise ValueError(f"{name} must have dtype {self.activation_dtype} ({self.dtype}), got {x.dtype}")
+
+    # ---- ops ---------------------------------------------------------------------------------------
+    def embedding(self, table, ids):
+        self._check(table, "table")
+        ids_host = np.asarray(ids) if isinstance(ids, np.ndarray) else None
+        V, H = table.shape
+        if ids_host is not None and len(ids_host) and (ids_host.min() < 0 or ids_host.max() >= V):
+            raise ValueError(f"ids must be in [0, {V}), got values {ids_host.min()}..{ids_host.max()}")
+        out = self.xp.empty((len(ids), H), dtype=table.dtype)
+        if len(ids):
+            self._kernel("embedding.cu", "embedding_kernel", table)(
+                (len(ids),), (_threads(H),), (table, self._metadata(ids), out, np.int32(V), np.int32(H)))
+        return out
+
+    def rms_norm(self, x, w, eps: float):
+        self._check(x, "x")
+        x = self.xp.ascontiguousarray(x)
+        out = self.xp.empty_like(x)
+        T, H = x.shape
+        if T:
+            self._kernel("rms_norm.cu", "rms_norm_kernel", x)(
+                (T,), (_threads(H),), (x, w, out, np.int32(H), np.float32(eps)))
+        return out
+
+    def add_rms_norm(self, x, residual, w, eps: float):
+        self._check(x, "x")
+        self._check(residual, "residual")
+        x = self.xp.ascontiguousarray(x)
+        if not residual.flags.c_contiguous:
+            raise ValueError("residual must be contiguous: it is updated in place")
+        out = self.xp.empty_like(x)
+        T, H = x.shape
+        if T:
+            self._kernel("rms_norm.cu", "add_rms_norm_kernel", x)(
+                (T,), (_threads(H),), (x, residual, w, out, np.int32(H), np.float32(eps)))
+        return out, residual
+
+    def linear(self, x, w, bias=None):
+        self._check(x, "x")
+        return self.launcher.matmul_t(x, w, bias)
+
+    def rope(self, q, k, positions, inv_freq) -> None:
+        """Rotates q[T, Hq, D] and k[T, Hk, D] in place (they may be row-strided views of one QKV array)."""
+        T, Hq, D = q.shape
+        Hk = k.shape[1]
+        if D % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {D}")
+        if inv_freq.dtype != np.float32 or inv_freq.shape != (D // 2,):
+            raise ValueError(f"inv_freq must be float32[{D // 2}] (pass config.rope_inv_freq() unconverted), "
+                             f"got {inv_freq.dtype}{list(inv_freq.shape)}")
+        if T:
+            self._kernel("rope.cu", "rope_kernel", q)(
+                (T,), (_threads((Hq + Hk) * D // 2),),
+                (q, k, self._metadata(positions), self._metadata(inv_freq, np.float32), np.int32(Hq), np.int32(Hk),
+                 np.int32(D), np.int64(_row_stride(q, "q")), np.int64(_row_stride(k, "k"))))
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        T, Hk, D = k.shape
+        block_size = k_cache.shape[2]
+        if T:
+            self._kernel("store_kv.cu", "store_kv_kernel", k)(
+                (T,), (_threads(Hk * D),),
+                (k, v, k_cache, v_cache, self._metadata(slot_mapping), np.int32(Hk), np.int32(D), np.int32(block_size),
+                 np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
+
+    def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
+        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position."""
+        T, Hq, D = q.shape
+        Hk, block_size = k_cache.shape[1], k_cache.shape[2]
+        if Hq % Hk:
+            raise ValueError(f"num_q_heads ({Hq}) must be a multiple of num_kv_heads ({Hk})")
+        group = Hq // Hk
+        if group > PA_MAX_ROWS or D > PA_MAX_HEAD_DIM:
+            raise ValueError(f"paged_attention supports up to {PA_MAX_ROWS} query heads per KV head and head_dim "
+                             f"<= {PA_MAX_HEAD_DIM}, got {group} and {D}")
+        xp = self.xp
+        out = xp.empty((T, Hq, D), dtype=q.dtype)
+        if T == 0:
+            return out
+        work = _work_items(np.asarray(batch.query_start), max(1, PA_MAX_ROWS // group))   # int32[W, 3]
+        partitions = max(1, math.ceil(batch.max_context_len / PA_PARTITION_SIZE))
+        key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
+        if partitions > 1:
+            partial_out = xp.empty((partitions, T, Hq, D), dtype=np.float32)
+            partial_max = xp.empty((partitions, T, Hq), dtype=np.float32)
+            partial_sum = xp.empty((partitions, T, Hq), dtype=np.float32)
+        else:
+            partial_out = partial_max = partial_sum = xp.empty((1,), dtype=np.float32)
+        positions = self._metadata(batch.positions)
+        self._kernel("paged_attention.cu", "paged_attention_kernel", q)(
+            (len(work), Hk, partitions), (PA_THREADS,),
+            (q, k_cache, v_cache, self.launcher.to_device(work), positions, self._metadata(batch.block_tables),
+             out, partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
+             np.int32(block_size), np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
+             np.float32(scale), np.int32(PA_PARTITION_SIZE), np.int32(key_tile)),
+            shared_mem=smem)
+        if partitions > 1:
+            self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
+                (T, Hq), (_threads(D, 128),),
+                (partial_out, partial_max, partial_sum, positions, out, np.int32(T), np.int32(Hq), np.int32(D),
+                 np.int32(PA_PARTITION_SIZE)))
+        return out
+
+    def silu_and_mul(self, x):
+        self._check(x, "x")
+        x = self.xp.ascontiguousarray(x)
+        T, two_i = x.shape
+        out = self.xp.empty((T, two_i // 2), dtype=x.dtype)
+        if T:
+            self._kernel("silu_and_mul.cu", "silu_and_mul_kernel", x)(
+                (T,), (_threads(two_i // 2),), (x, out, np.int32(two_i // 2)))
+        return out
+
+    # ---- sampling on the device ----------------------------------------------------------------------
+    def greedy(self, logits) -> np.ndarray:
+        """int32[N]: argmax of each row of float32 logits[N, V] (lowest index on ties)."""
+        logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
+        N, V = logits.shape
+        ids = self.xp.empty((N,), dtype=np.int32)
+        if N:
+            self.launcher.kernel("sampling.cu", "argmax_kernel")((N,), (_threads(V, 1024),), (logits, np.int32(V), ids))
+        return self.launcher.to_host(ids)
+
+    def apply_penalties(self, logits, tokens: list[np.ndarray], output_counts: list[np.ndarray],
+                        repetition: np.ndarray, frequency: np.ndarray, presence: np.ndarray) -> None:
+        """In place on float32 logits[N, V]. Row r: distinct tokens[r] (prompt and output) with their output
+        counts; repetition applies to all of them, frequency and presence to output counts."""
+        N, V = logits.shape
+        offsets = np.zeros(N + 1, dtype=np.int32)
+        np.cumsum([len(t) for t in tokens], out=offsets[1:])
+        flat_tokens = np.concatenate([np.asarray(t, np.int32) for t in tokens] or [np.zeros(0, np.int32)])
+        flat_counts = np.concatenate([np.asarray(c, np.int32) for c in output_counts] or [np.zeros(0, np.int32)])
+        if N:
+            to = self.launcher.to_device
+            self.launcher.kernel("sampling.cu", "apply_penalties_kernel")(
+                (N,), (128,), (logits, np.int32(V), to(offsets), to(flat_tokens), to(flat_counts),
+                               to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
+                               to(np.asarray(presence, np.float32))))
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> tuple[np.ndarray, np.ndarray]:
+        """(int32[N] ids, float32[N] logprobs of those ids under the raw logits). Per-row parameters;
+        uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy."""
+        logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
+        N, V = logits.shape
+        ids = self.xp.empty((N,), dtype=np.int32)
+        logprobs = self.xp.empty((N,), dtype=np.float32)
+        if N:
+            to = self.launcher.to_device
+            self.launcher.kernel("sampling.cu", "sample_kernel")(
+                (N,), (_threads(V, 1024),),
+                (logits, np.int32(V), to(np.asarray(temperature, np.float32)), to(np.asarray(top_k, np.int32)),
+                 to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
+                 to(np.asarray(uniform, np.float32)), ids, logprobs))
+        return self.launcher.to_host(ids), self.launcher.to_host(logprobs)
+
+
+def _threads(work: int, most: int = 256) -> int:
+    """A block size for `work` parallel items: a multiple of 32 (the kernels use warp shuffles)."""
+    return max(32, min(most, 32 * math.ceil(work / 32)))
+
+
+def _row_stride(x, name: str) -> int:
+    """Elements between consecutive tokens of x[T, heads, D], whose (heads, D) part must be contiguous."""
+    item = x.dtype.itemsize
+    if x.strides[2] != item or x.strides[1] != x.shape[2] * item:
+        raise ValueError(f"{name}: heads and head_dim must be contiguous within a token, got strides {x.strides}")
+    return x.strides[0] // item
+
+
+def _work_items(query_start: np.ndarray, tile_tokens: int) -> np.ndarray:
+    """int32[W, 3]: (sequence, first token, token count) runs of at most tile_tokens tokens."""
+    q_lens = np.diff(query_start)
+    tiles = -(-q_lens // tile_tokens)                                  # int[S]
+    seq = np.repeat(np.arange(len(q_lens)), tiles)
+    tile_index = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    first = query_start[seq] + tile_index * tile_tokens
+    count = np.minimum(tile_tokens, query_start[seq + 1] - first)
+    return np.stack([seq, first, count], axis=1).astype(np.int32)
+
+
+def _attention_tiling(head_dim: int, itemsize: int) -> tuple[int, int]:
+    """(keys per tile, dynamic shared memory bytes) for paged_attention_kernel; see its smem layout."""
+    pitch = head_dim + 4 // itemsize
+    for key_tile in range(32, 0, -1):
+        smem = 4 * PA_MAX_ROWS * (head_dim + key_tile) + itemsize * key_tile * (pitch + head_dim)
+        if smem <= SMEM_BUDGET:
+            return key_tile, smem
+    raise ValueError(f"head_dim {head_dim} does not fit paged_attention's shared memory")
+
+
+def emulated(dtype: str = "float32") -> CudaOps:
+    """The CUDA kernels on the CPU emulator (device "cuda-emulated"); arrays are NumPy."""
+    return CudaOps(EmulatorLauncher(), dtype)
+
+
+def gpu(dtype: str = "bfloat16") -> CudaOps:
+    """The CUDA kernels on the current CuPy device (device "cuda")."""
+    return CudaOps(CupyLauncher(), dtype)

@@ -1,0 +1,159 @@
+"""Loads an emulator build with ctypes and launches its kernels with CuPy's RawKernel calling convention."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .builder import build
+
+ORDERS = ("forward", "reverse", "random")
+DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024   # what a GPU allows without opting in through a function attribute
+HARD_MAX_DYNAMIC_SMEM = 227 * 1024     # emu::kMaxDynamicSmem, the H100/H200 opt-in limit
+
+# C++ element type -> NumPy dtype names accepted for a pointer to it. NumPy has no bfloat16: its arrays
+# hold the raw bits as uint16 (or ml_dtypes.bfloat16 where installed).
+POINTER_DTYPES = {
+    "float": ("float32",), "double": ("float64",), "__half": ("float16",), "__nv_bfloat16": ("uint16", "bfloat16"),
+    "int": ("int32",), "unsigned int": ("uint32",), "long long": ("int64",), "unsigned long long": ("uint64",),
+    "long": ("int64",), "unsigned long": ("uint64",), "short": ("int16",), "unsigned short": ("uint16",),
+    "char": ("int8",), "signed char": ("int8",), "unsigned char": ("uint8",), "bool": ("bool",),
+}
+SCALAR_DTYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "unsigned int": np.uint32,
+                 "long long": np.int64, "unsigned long long": np.uint64, "long": np.int64,
+                 "unsigned long": np.uint64, "short": np.int16, "unsigned short": np.uint16, "char": np.int8,
+                 "signed char": np.int8, "unsigned char": np.uint8, "bool": np.bool_}
+
+
+class _LaunchArgs(ctypes.Structure):   # mirrors emu::LaunchArgs
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("dynamic_smem", ctypes.c_ulonglong),
+                ("order", ctypes.c_int), ("num_threads", ctypes.c_int), ("seed", ctypes.c_ulonglong)]
+
+
+_schedule = threading.local()
+
+
+def _env_schedule() -> tuple[str, int]:
+    order = os.environ.get("MINISARATHI_EMU_ORDER", "forward")
+    if order not in ORDERS:
+        raise ValueError(f"MINISARATHI_EMU_ORDER must be one of {', '.join(ORDERS)}, got {order!r}")
+    return order, int(os.environ.get("MINISARATHI_EMU_SEED", "0"))
+
+
+@contextlib.contextmanager
+def schedule(order: str, seed: int = 0):
+    """Runs the launches inside the block with this fiber order (forward, reverse, or random per seed)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    previous = getattr(_schedule, "value", None)
+    _schedule.value = (order, int(seed))
+    try:
+        yield
+    finally:
+        _schedule.value = previous
+
+
+def _dim3(value, name: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1
+                                     for d in dims):
+        raise ValueError(f"{name} must be 1 to 3 positive integers, got {value!r}")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def _convert(index: int, param: str, value, keep: list) -> int:
+    """Returns the address of a buffer that holds `value` exactly as the kernel's parameter type."""
+    where = f"argument {index} ({param})"
+    if param.endswith("*"):
+        element = param[:-1].removeprefix("const ").strip()
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"{where}: expected a NumPy array, got {type(value).__name__}")
+        if value.dtype.name not in POINTER_DTYPES.get(element, ()):
+            raise TypeError(f"{where}: expected dtype {' or '.join(POINTER_DTYPES.get(element, ('?',)))}, "
+                            f"got {value.dtype}")
+        if not param.startswith("const ") and not value.flags.writeable:
+            raise TypeError(f"{where}: the kernel writes through this pointer but the array is read-only")
+        pointer = ctypes.c_void_p(value.ctypes.data)
+        keep += [value, pointer]
+        return ctypes.addressof(pointer)
+    dtype = SCALAR_DTYPES.get(param)
+    if dtype is None:
+        raise TypeError(f"{where}: parameter type not supported by the emulator")
+    if not isinstance(value, np.generic) or value.dtype != np.dtype(dtype):
+        # CuPy passes a Python float as double and a Python int as long long: wrong bytes for a
+        # float or int parameter on a real GPU. Demand the exact type so the bug shows here.
+        raise TypeError(f"{where}: pass numpy.{np.dtype(dtype).name}(...), got {type(value).__name__} "
+                        f"{value!r} (on a GPU, CuPy would pass it with the wrong width)")
+    buffer = np.array(value, dtype=dtype)
+    keep.append(buffer)
+    return buffer.ctypes.data
+
+
+class EmulatedKernel:
+    """One kernel of an emulated module; called like cupy.RawKernel: kernel(grid, block, args, shared_mem=0)."""
+
+    def __init__(self, library: ctypes.CDLL, index: int, name: str):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = DEFAULT_MAX_DYNAMIC_SMEM
+        self._launch = getattr(library, f"minisarathi_emu_launch_{index}")
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(_LaunchArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        signature = getattr(library, f"minisarathi_emu_signature_{index}")
+        signature.restype = ctypes.c_char_p
+        self.param_types = [p for p in signature().decode().split(";") if p]
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        grid, block = _dim3(grid, "grid"), _dim3(block, "block")
+        if block[0] * block[1] * block[2] > 1024:
+            raise ValueError(f"block: at most 1024 threads, got {block}")
+        limit = min(self.max_dynamic_shared_size_bytes, HARD_MAX_DYNAMIC_SMEM)
+        if not 0 <= shared_mem <= limit:
+            raise ValueError(f"shared_mem: {shared_mem} bytes exceeds this kernel's limit of {limit} "
+                             "(raise max_dynamic_shared_size_bytes, as on a GPU)")
+        args = tuple(args)
+        if len(args) != len(self.param_types):
+            raise TypeError(f"{self.name} takes {len(self.param_types)} arguments "
+                            f"({', '.join(self.param_types)}), got {len(args)}")
+        keep: list = []
+        addresses = (ctypes.c_void_p * max(1, len(args)))(
+            *[_convert(i, p, a, keep) for i, (p, a) in enumerate(zip(self.param_types, args))])
+        order, seed = getattr(_schedule, "value", None) or _env_schedule()
+        config = _LaunchArgs((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                             ORDERS.index(order), int(os.environ.get("MINISARATHI_EMU_THREADS", os.cpu_count() or 1)),
+                             seed)
+        error = ctypes.create_string_buffer(4096)
+        # ctypes releases the GIL for the call, so other Python threads run while the kernel does.
+        if self._launch(ctypes.byref(config), addresses, error, len(error)) != 0:
+            raise RuntimeError(f"{self.name}: {error.value.decode(errors='replace')}")
+
+
+class EmulatedModule:
+    """The emulator's cupy.RawModule: one .cu file built with g++, kernels looked up by name expression."""
+
+    def __init__(self, source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = ()):
+        self.path = build(source, list(name_expressions), include_dirs)
+        self._library = ctypes.CDLL(str(self.path))
+        self._kernels = {name: EmulatedKernel(self._library, i, name) for i, name in enumerate(name_expressions)}
+
+    def get_function(self, name: str) -> EmulatedKernel:
+        if name not in self._kernels:
+            raise ValueError(f"name: {name!r} is not among this module's name expressions "
+                             f"({', '.join(self._kernels)})")
+        return self._kernels[name]
+
+
+_modules: dict[tuple[str, tuple[str, ...]], EmulatedModule] = {}
+_modules_lock = threading.Lock()
+
+
+def load_module(source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = ()) -> EmulatedModule:
+    """Builds (or reuses) and loads the module once per process."""
+    key = (str(Path(source).resolve()), tuple(name_expressions), tuple(str(d) for d in include_dirs))
+    with _modules_lock:
+        if key not in _modules:
+            _modules[key] = EmulatedModule(source, list(name_expressions), include_dirs)
+        return _modules[key]

@@ -1,0 +1,84 @@
+"""Capacity: the highest Poisson QPS a system serves within the SLOs (Sarathi-Serve's definition).
+
+A trial at a QPS passes when P99 TBT <= the TBT SLO and the median scheduling delay <= its bound (default
+2 s) and every request completed within the trial's time limit. The search brackets the threshold by
+doubling or halving from a start QPS, then bisects until the bracket is within a relative granularity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Slo:
+    p99_tbt: float                   # seconds
+    median_scheduling_delay: float = 2.0
+
+    def __post_init__(self):
+        for name in ("p99_tbt", "median_scheduling_delay"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Trial:
+    qps: float
+    p99_tbt: float | None
+    median_scheduling_delay: float | None
+    completed: int
+    requests: int
+    passed: bool
+
+    def describe(self) -> str:
+        tbt = "-" if self.p99_tbt is None else f"{self.p99_tbt * 1e3:.1f} ms"
+        delay = "-" if self.median_scheduling_delay is None else f"{self.median_scheduling_delay:.2f} s"
+        verdict = "pass" if self.passed else "FAIL"
+        return (f"qps {self.qps:8.3f}: P99 TBT {tbt:>10}, median sched. delay {delay:>8}, "
+                f"completed {self.completed}/{self.requests} -> {verdict}")
+
+
+def judge(qps: float, metrics: dict, slo: Slo) -> Trial:
+    """A trial from compute_metrics() output. Remote targets can't see scheduling: TTFT stands in for it."""
+    tbt = metrics["tbt"]["p99"]
+    delay = metrics["scheduling_delay"]["p50"]
+    if metrics["scheduling_delay"]["count"] == 0:
+        delay = metrics["ttft"]["p50"]
+    passed = (metrics["completed"] == metrics["requests"] and tbt is not None and tbt <= slo.p99_tbt
+              and delay is not None and delay <= slo.median_scheduling_delay)
+    return Trial(qps, tbt, delay, metrics["completed"], metrics["requests"], passed)
+
+
+def find_capacity(run_trial: Callable[[float], Trial], start_qps: float = 1.0, granularity: float = 0.1,
+                  max_trials: int = 16, on_trial: Callable[[Trial], None] = lambda t: None
+                  ) -> tuple[float, list[Trial]]:
+    """(capacity QPS, trail of trials). Capacity is the highest passing QPS found, 0.0 if none passed."""
+    if not start_qps > 0:
+        raise ValueError(f"start_qps must be positive, got {start_qps!r}")
+    if not 0 < granularity < 1:
+        raise ValueError(f"granularity must be in (0, 1), got {granularity!r}")
+    if max_trials < 1:
+        raise ValueError(f"max_trials must be >= 1, got {max_trials!r}")
+    trail: list[Trial] = []
+
+    def trial(qps: float) -> bool:
+        t = run_trial(qps)
+        trail.append(t)
+        on_trial(t)
+        return t.passed
+
+    passed_qps, failed_qps = None, None
+    qps = start_qps
+    while len(trail) < max_trials and (passed_qps is None or failed_qps is None):
+        if trial(qps):
+            passed_qps, qps = qps, qps * 2
+        else:
+            failed_qps, qps = qps, qps / 2
+    while len(trail) < max_trials and passed_qps is not None and failed_qps is not None \
+            and failed_qps - passed_qps > granularity * passed_qps:
+        mid = (passed_qps + failed_qps) / 2
+        if trial(mid):
+            passed_qps = mid
+        else:
+            failed_qps = mid
+    return (passed_qps or 0.0), trail

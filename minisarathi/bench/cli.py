@@ -1,0 +1,293 @@
+"""`minisarathi bench run | capacity | compare | random-model`: the serving benchmark's command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..cli import add_engine_arguments, engine_options_from_args
+from ..config import SCHEDULERS
+from .capacity import Slo, find_capacity, judge
+from .compare import policy_variants, capacity_table, tbt_ratio
+from .metrics import compute_metrics, format_table, save_run
+from .targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
+from .workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
+
+PROMPT_VOCAB = 512          # synthetic prompt ids stay below this: valid for every Llama-family vocabulary
+REMOTE_MAX_MODEL_LEN = 2048
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{run,capacity,compare,random-model}")
+    run = sub.add_parser("run", help="replay one workload against one target and report its metrics")
+    capacity = sub.add_parser("capacity", help="highest Poisson QPS within the TBT and scheduling-delay SLOs")
+    compare = sub.add_parser("compare", help="the same workload under several policies, side by side")
+    for p in (run, capacity):
+        _add_target_arguments(p)
+    for p in (run, capacity, compare):
+        _add_workload_arguments(p)
+        add_engine_arguments(p, positional_model=False)
+        p.add_argument("--out", type=Path, default=None,
+                       help="results folder (default: bench/out/<date>-<command>)")
+        p.add_argument("--time-limit", type=float, default=None,
+                       help="seconds a run (a capacity trial) may take; what is unfinished then is aborted "
+                            "(default: run 600; trial 2x the arrival span + 30)")
+    for p in (capacity, compare):
+        _add_slo_arguments(p)
+    compare.add_argument("--policies", default="sarathi,vllm,orca,simple_chunking",
+                         help="comma-separated schedulers (default: %(default)s)")
+    compare.add_argument("--chunk-sizes", default=None,
+                         help="comma-separated chunk sizes for sarathi and simple_chunking (default: --chunk-size)")
+    compare.add_argument("--capacity", action="store_true", help="also search each policy's capacity")
+    compare.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
+    random_model = sub.add_parser("random-model", help="write a seeded random-weight Llama folder of a chosen shape")
+    random_model.add_argument("path", type=Path)
+    random_model.add_argument("--hidden-size", type=int, default=512)
+    random_model.add_argument("--num-layers", type=int, default=4)
+    random_model.add_argument("--num-heads", type=int, default=8)
+    random_model.add_argument("--num-kv-heads", type=int, default=4)
+    random_model.add_argument("--intermediate-size", type=int, default=1408)
+    random_model.add_argument("--max-position-embeddings", type=int, default=2048)
+    random_model.add_argument("--seed", type=int, default=0)
+
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--target", choices=("engine", "server", "openai"), default="engine",
+                   help="engine: in this process; server: a minisarathi server; openai: /v1/completions (SSE)")
+    g.add_argument("--host", default="127.0.0.1", help="server target's address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=7000, help="server target's port (default: %(default)s)")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="openai target's base URL (default: %(default)s)")
+    g.add_argument("--openai-model", default=None, help="the `model` field sent to the openai target")
+    g.add_argument("--api-key-file", type=Path, default=None, help="file holding the remote target's API key")
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--lengths", choices=LENGTHS, default="trace",
+                   help="request lengths: fixed, uniform, zipf, or trace rows (default: the bundled ShareGPT trace)")
+    g.add_argument("--prompt-len", type=int, default=128, help="fixed: prompt tokens")
+    g.add_argument("--decode-len", type=int, default=32, help="fixed: output tokens")
+    g.add_argument("--min-total-tokens", type=int, default=64, help="uniform, zipf: least prompt + output tokens")
+    g.add_argument("--max-total-tokens", type=int, default=512, help="uniform, zipf: most prompt + output tokens")
+    g.add_argument("--pd-ratio", type=float, default=4.0, help="uniform, zipf: prefill:decode token ratio")
+    g.add_argument("--zipf-theta", type=float, default=0.6)
+    g.add_argument("--trace", default=None, help="CSV with num_prefill_tokens,num_decode_tokens (default: ShareGPT)")
+    g.add_argument("--trace-scale", type=float, default=1.0, help="multiply trace lengths (before the max-length cut)")
+    g.add_argument("--arrivals", choices=ARRIVALS, default="poisson")
+    g.add_argument("--qps", type=float, default=1.0, help="requests per second (capacity: the first QPS tried)")
+    g.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
+    g.add_argument("--arrival-trace", default=None, help="trace arrivals: CSV with an arrived_at column (s)")
+    g.add_argument("--workload-seed", type=int, default=0)
+
+
+def _add_slo_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capacity")
+    g.add_argument("--slo-tbt", type=float, default=None,
+                   help="P99 TBT SLO in seconds (default: --slo-scale x the measured batch-32 decode step)")
+    g.add_argument("--slo-scale", type=float, default=5.0, help="(default %(default)s: Sarathi-Serve's strict SLO)")
+    g.add_argument("--max-sched-delay", type=float, default=2.0, help="bound on the median scheduling delay (s)")
+    g.add_argument("--granularity", type=float, default=0.1, help="relative precision of the capacity")
+    g.add_argument("--max-trials", type=int, default=10)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "random-model":
+        return _run_random_model(args)
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {args.time_limit}")
+    out_dir = args.out or Path("bench/out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.bench_command}"
+    session = _Session(args, out_dir)
+    try:
+        {"run": session.run, "capacity": session.capacity, "compare": session.compare}[args.bench_command]()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: partial results saved in {out_dir}", file=sys.stderr)
+        return 130
+    print(f"results in {out_dir}")
+    return 0
+
+
+class _Session:
+    """One bench command: its targets, workload and output folder."""
+
+    def __init__(self, args: argparse.Namespace, out_dir: Path):
+        self.args, self.out_dir = args, out_dir
+        self.info = {"command": args.bench_command, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                     "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs".strip(),
+                     "python": platform.python_version()}
+
+    # Targets
+
+    def engine(self, **overrides):
+        from ..engine.engine import LLMEngine
+
+        engine = LLMEngine(**(engine_options_from_args(self.args) | overrides))
+        self.info["engine"] = dataclasses.asdict(engine.config)
+        target = EngineTarget(engine)
+        target.warmup()
+        return target, engine.max_model_len
+
+    def target(self):
+        args = self.args
+        if args.target == "engine":
+            return self.engine()
+        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+        if args.target == "server":
+            target = ServerTarget(args.host, args.port, api_key)
+        else:
+            target = OpenAITarget(args.url, args.openai_model, api_key)
+        return target, args.max_model_len or REMOTE_MAX_MODEL_LEN
+
+    def workload(self, max_model_len: int, qps: float | None = None):
+        a = self.args
+        cfg = WorkloadConfig(num_requests=a.num_requests, lengths=a.lengths, prompt_len=a.prompt_len,
+                             decode_len=a.decode_len, min_total_tokens=a.min_total_tokens,
+                             max_total_tokens=a.max_total_tokens,
+                             pd_ratio=a.pd_ratio, zipf_theta=a.zipf_theta, trace=a.trace, trace_scale=a.trace_scale,
+                             max_model_len=max_model_len, arrivals=a.arrivals, qps=qps or a.qps, cv=a.cv,
+                             arrival_trace=a.arrival_trace, vocab_size=PROMPT_VOCAB, seed=a.workload_seed)
+        self.info["workload"] = dataclasses.asdict(cfg)
+        return make_workload(cfg)
+
+    # One timed run, saved; partial results are saved too when Ctrl-C stops it.
+
+    def timed_run(self, target, specs, label: str, time_limit: float, **run_options) -> dict:
+        try:
+            result = target.run(specs, time_limit, label, **run_options)
+        except KeyboardInterrupt:
+            if target.partial:
+                self.save(label + "_partial", target.partial)
+            raise
+        if result.stopped:
+            print(f"[{label}] stopped early, {result.stopped}: unfinished requests aborted", file=sys.stderr)
+        return self.save(label, result)
+
+    def save(self, label: str, result) -> dict:
+        metrics = compute_metrics(result.requests, result.batches) | {"stopped": result.stopped}
+        save_run(self.out_dir, label, self.info, metrics, result.requests, result.batches)
+        return metrics
+
+    def trial_limit(self, specs) -> float:
+        return self.args.time_limit or 2 * max(s.arrival_time for s in specs) + 30
+
+    # Commands
+
+    def run(self):
+        target, max_model_len = self.target()
+        specs = self.workload(max_model_len)
+        label = self.args.scheduler if self.args.target == "engine" else self.args.target
+        metrics = self.timed_run(target, specs, label, self.args.time_limit or 600.0)
+        print(format_table({label: metrics}))
+
+    def slo(self, target, max_model_len: int) -> Slo:
+        args = self.args
+        if args.slo_tbt is None:
+            if not isinstance(target, EngineTarget):
+                raise ValueError("slo_tbt must be given (seconds) for a remote target")
+            # Decodes over contexts as long as the workload's typical prompt.
+            context = int(np.median([len(s.prompt_token_ids) for s in self.workload(max_model_len)]))
+            step = measure_decode_step(target.engine, batch_size=32, prompt_len=context)
+            args.slo_tbt = args.slo_scale * step
+            self.info["decode_step_s"] = step
+            print(f"decode step at batch 32, context {context}: {step * 1e3:.1f} ms -> P99 TBT SLO "
+                  f"{args.slo_tbt * 1e3:.1f} ms ({args.slo_scale:g}x)")
+        slo = Slo(args.slo_tbt, args.max_sched_delay)
+        self.info["slo"] = dataclasses.asdict(slo)
+        return slo
+
+    def search(self, target, max_model_len: int, slo: Slo, label: str) -> tuple[float, list]:
+        # In process, a trial stops as soon as its scheduling delay is sure to fail: overload costs seconds.
+        options = {"max_scheduling_delay": slo.median_scheduling_delay} if isinstance(target, EngineTarget) else {}
+
+        def trial(qps: float):
+            specs = self.workload(max_model_len, qps)
+            metrics = self.timed_run(target, specs, f"{label}_qps{qps:.3f}", self.trial_limit(specs), **options)
+            return judge(qps, metrics, slo)
+
+        print(f"[{label}] capacity search: P99 TBT <= {slo.p99_tbt * 1e3:.1f} ms, median scheduling delay <= "
+              f"{slo.median_scheduling_delay:g} s, {self.args.num_requests} requests per trial")
+        capacity, trail = find_capacity(trial, self.args.qps, self.args.granularity, self.args.max_trials,
+                                        on_trial=lambda t: print(f"[{label}] {t.describe()}", flush=True))
+        print(f"[{label}] capacity {capacity:.3f} qps")
+        return capacity, trail
+
+    def capacity(self):
+        target, max_model_len = self.target()
+        label = self.args.scheduler if self.args.target == "engine" else self.args.target
+        capacity, trail = self.search(target, max_model_len, self.slo(target, max_model_len), label)
+        self.write_json("capacity.json", {"info": self.info, "capacity_qps": capacity,
+                                          "trail": [dataclasses.asdict(t) for t in trail]})
+
+    def compare(self):
+        args = self.args
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        for p in policies:
+            if p not in SCHEDULERS:
+                raise ValueError(f"policies: unknown scheduler {p!r} (choose from {', '.join(SCHEDULERS)})")
+        chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [args.chunk_size]
+        variants = policy_variants(policies, chunk_sizes)
+        slo = None
+        metrics, runs, capacities, trails = {}, {}, {}, {}
+        try:
+            for v in variants:
+                target, max_model_len = self.engine(scheduler=v.scheduler, chunk_size=v.chunk_size)
+                if slo is None:
+                    slo = self.slo(target, max_model_len)
+                specs = self.workload(max_model_len)
+                metrics[v.label] = self.timed_run(target, specs, v.label, args.time_limit or 600.0)
+                runs[v.label] = (target.partial.requests, target.partial.batches)
+                print(f"[{v.label}] P99 TBT {_ms(metrics[v.label]['tbt']['p99'])}, "
+                      f"P50 TTFT {_ms(metrics[v.label]['ttft']['p50'])}", flush=True)
+                if args.capacity:
+                    capacities[v.label], trails[v.label] = self.search(target, max_model_len, slo, v.label)
+                del target   # frees this engine's KV cache before the next one allocates its own
+        finally:
+            self.report(metrics, runs, capacities, trails)
+
+    def report(self, metrics, runs, capacities, trails):
+        if not metrics:
+            return
+        print(f"\nqps {self.args.qps:g}, {self.args.num_requests} requests, workload seed {self.args.workload_seed}")
+        print(format_table(metrics))
+        baseline = "vllm" if "vllm" in metrics else None
+        ratios = {label: tbt_ratio(metrics, label, baseline) for label in metrics} if baseline else {}
+        for label, ratio in ratios.items():
+            if label != baseline and ratio is not None:
+                print(f"P99 TBT {label} / {baseline}: {ratio:.2f}")
+        if capacities:
+            print()
+            print(capacity_table(capacities, baseline if baseline in capacities else None))
+        self.write_json("compare.json", {"info": self.info, "metrics": metrics, "p99_tbt_ratio_to_vllm": ratios,
+                                         "capacity_qps": capacities,
+                                         "trails": {k: [dataclasses.asdict(t) for t in v] for k, v in trails.items()}})
+        from .plots import plot_comparison
+
+        title = f"({self.args.qps:g} qps)"
+        for folder in {self.out_dir, self.args.plots} - {None}:
+            for path in plot_comparison(runs, capacities, folder, title):
+                print(f"plot: {path}")
+
+    def write_json(self, name: str, data: dict) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / name).write_text(json.dumps(data, indent=1))
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _run_random_model(args) -> int:
+    from .random_model import write_random_model
+
+    path = write_random_model(args.path, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
+                              args.intermediate_size, args.max_position_embeddings, args.seed)
+    print(f"wrote {path} ({(path / 'model.safetensors').stat().st_size / 2**20:.1f} MiB of float32 weights)")
+    return 0

@@ -1,0 +1,45 @@
+"""The same workload and seed under several scheduling policies: side-by-side metrics, capacities and ratios."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNKED = ("sarathi", "simple_chunking")   # the policies whose behaviour depends on the chunk size
+
+
+@dataclass
+class Variant:
+    label: str          # e.g. "sarathi-512", "vllm"
+    scheduler: str
+    chunk_size: int
+
+
+def policy_variants(policies: list[str], chunk_sizes: list[int]) -> list[Variant]:
+    """One variant per policy, and per chunk size for the chunked policies (their label names it)."""
+    if not policies:
+        raise ValueError("policies must name at least one scheduler")
+    if not chunk_sizes or any(c < 1 for c in chunk_sizes):
+        raise ValueError(f"chunk_sizes must be positive integers, got {chunk_sizes!r}")
+    variants = []
+    for policy in policies:
+        if policy in CHUNKED:
+            variants += [Variant(f"{policy}-{c}", policy, c) for c in chunk_sizes]
+        else:
+            # Unchunked policies admit whole prompts; the token limit only matters past max_model_len.
+            variants.append(Variant(policy, policy, max(chunk_sizes)))
+    return variants
+
+
+def capacity_table(capacities: dict[str, float], baseline: str | None) -> str:
+    """Capacity per variant and its ratio to the baseline variant (vllm when present)."""
+    base = capacities.get(baseline) if baseline else None
+    lines = [f"{'policy':<24}{'capacity (qps)':>16}{'ratio to ' + baseline if base else '':>20}"]
+    for label, capacity in capacities.items():
+        ratio = f"{capacity / base:.2f}x" if base else ""
+        lines.append(f"{label:<24}{capacity:>16.3f}{ratio:>20}")
+    return "\n".join(lines)
+
+
+def tbt_ratio(metrics: dict[str, dict], label: str, baseline: str) -> float | None:
+    """P99 TBT of `label` over the baseline's: Sarathi-Serve's headline is <= 1/3 against vLLM."""
+    a, b = metrics[label]["tbt"]["p99"], metrics[baseline]["tbt"]["p99"]
+    return a / b if a is not None and b else None

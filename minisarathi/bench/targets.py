@@ -1,0 +1,307 @@
+"""Where a workload is replayed: the engine in this process, a minisarathi server (msgpack-RPC), or any
+OpenAI-compatible /v1/completions endpoint with streaming (vLLM, llama.cpp server), each in real time.
+
+Every target returns one RequestRecord per request (seconds since the run started) and, in process, one
+BatchRecord per engine step. Runs are bounded by a time limit: what is still running then is aborted and
+recorded as unfinished. Ctrl-C propagates; the result so far stays in `target.partial` to be saved.
+"""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from ..sampling_params import SamplingParams
+from .metrics import BatchRecord, RequestRecord
+from .progress import Progress
+from .workloads import FIRST_PROMPT_TOKEN, RequestSpec
+
+
+@dataclass
+class RunResult:
+    requests: list[RequestRecord]
+    batches: list[BatchRecord]
+    stopped: str | None = None    # why the run ended before every request finished
+
+
+def forced_params(spec: RequestSpec) -> SamplingParams:
+    # Greedy with EOS ignored: every request produces exactly its decode length on every target.
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def new_records(specs: list[RequestSpec]) -> dict[str, RequestRecord]:
+    return {s.request_id: RequestRecord(s.request_id, len(s.prompt_token_ids), s.arrival_time,
+                                        error="not sent") for s in specs}
+
+
+class EngineTarget:
+    """Drives LLMEngine.step() in wall-clock time: a request is added once its arrival time has passed,
+    with that arrival time, so the wait for the step in progress counts as scheduling delay."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.partial: RunResult | None = None
+
+    def warmup(self) -> None:
+        """One short request end to end, so one-time costs (allocations, first calls) stay out of the run."""
+        self.engine.add_request("warmup", list(range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + 8)),
+                                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def run(self, specs: list[RequestSpec], time_limit: float, label: str = "engine",
+            max_scheduling_delay: float | None = None) -> RunResult:
+        """With max_scheduling_delay, the run stops as soon as more than half of the requests are sure to
+        wait longer than it to be scheduled: the median is then over the bound whatever happens next."""
+        engine = self.engine
+        records = new_records(specs)
+        first_step = len(engine.step_records)
+        pending = deque(sorted(specs, key=lambda s: s.arrival_time))
+        in_flight: set[str] = set()
+        progress = Progress(label, len(specs))
+        start = time.monotonic()
+        stopped = None
+        self.partial = RunResult(list(records.values()), [])
+        try:
+            while pending or in_flight:
+                now = time.monotonic()
+                if now - start > time_limit:
+                    stopped = f"time limit ({time_limit:.0f} s)"
+                    break
+                if max_scheduling_delay is not None and \
+                        self._num_late(records, in_flight, pending, start, now, max_scheduling_delay) > len(specs) / 2:
+                    stopped = f"median scheduling delay over {max_scheduling_delay:g} s"
+                    break
+                while pending and start + pending[0].arrival_time <= now:
+                    spec = pending.popleft()
+                    try:
+                        engine.add_request(spec.request_id, spec.prompt_token_ids, forced_params(spec),
+                                           arrival_time=start + spec.arrival_time)
+                    except ValueError as e:   # e.g. longer than the KV pool: that request fails alone
+                        records[spec.request_id].error = f"rejected: {e}"
+                        continue
+                    records[spec.request_id].error = None
+                    in_flight.add(spec.request_id)
+                if not in_flight:
+                    if pending:
+                        wake = start + min(pending[0].arrival_time, time_limit + 1e-3)
+                        time.sleep(max(0.0, wake - time.monotonic()))
+                    continue
+                for out in engine.step():
+                    if out.finished and out.request_id in in_flight:
+                        in_flight.discard(out.request_id)
+                        _fill_from_engine(records[out.request_id], out, start)
+                progress.update(len(specs) - len(pending) - len(in_flight), len(in_flight))
+        finally:
+            progress.close()
+            self.partial = RunResult(list(records.values()), self._batches(first_step, start), stopped)
+        if stopped:
+            for request_id in in_flight:
+                engine.abort_request(request_id)
+                records[request_id].error = f"aborted: {stopped}"
+            while engine.has_unfinished_requests():
+                engine.step()
+            for spec in pending:
+                records[spec.request_id].error = f"not sent: {stopped}"
+        return RunResult(list(records.values()), self._batches(first_step, start), stopped)
+
+    def _num_late(self, records, in_flight, pending, start: float, now: float, bound: float) -> int:
+        """Requests whose scheduling delay is already known to exceed `bound` seconds."""
+        late = sum(r.first_scheduled - r.arrival > bound for r in records.values() if r.first_scheduled is not None)
+        for request_id in in_flight:
+            metrics = self.engine.requests[request_id].metrics   # unfinished requests are still in the engine
+            scheduled = now if metrics.first_scheduled_time is None else metrics.first_scheduled_time
+            late += scheduled - metrics.arrival_time > bound
+        return late + sum(now - start - s.arrival_time > bound for s in pending)
+
+    def _batches(self, first_step: int, start: float) -> list[BatchRecord]:
+        return [BatchRecord(r.start_time - start, r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens,
+                            r.execution_time) for r in self.engine.step_records[first_step:]]
+
+
+def _fill_from_engine(record: RequestRecord, out, start: float) -> None:
+    m = out.metrics
+    record.token_times = [t - start for t in m.token_times]
+    record.first_scheduled = None if m.first_scheduled_time is None else m.first_scheduled_time - start
+    record.num_preemptions = len(m.preemption_times)
+    record.finished = m.finished_time - start
+    if out.outputs[0].finish_reason == "abort":
+        record.error = "aborted"
+
+
+def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, decode_tokens: int = 16) -> float:
+    """Median gap between tokens once `batch_size` requests all decode together (seconds): the decode
+    iteration time a TBT SLO is derived from, as users see it (scheduling and sampling included)."""
+    rng = np.random.default_rng(0)
+    ids = [f"decode-step-{i}" for i in range(batch_size)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size,
+                                                    prompt_len).tolist(),
+                           SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True))
+    token_times = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                token_times[out.request_id] = out.metrics.token_times
+    all_decoding = max(times[0] for times in token_times.values())
+    gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:]) if a >= all_decoding]
+    if not gaps:
+        raise ValueError(f"decode_tokens must leave decode-only steps at batch {batch_size}, got {decode_tokens}")
+    return float(np.median(gaps))
+
+
+class _RemoteTarget:
+    """Shared by the network targets: one asyncio task per request, started at its arrival time."""
+
+    def __init__(self):
+        self.partial: RunResult | None = None
+
+    async def stream(self, spec: RequestSpec, record: RequestRecord, start: float) -> None:
+        raise NotImplementedError
+
+    def run(self, specs: list[RequestSpec], time_limit: float, label: str = "remote") -> RunResult:
+        records = new_records(specs)
+        self.partial = RunResult(list(records.values()), [])
+        result = asyncio.run(self._run(specs, records, time_limit, label))
+        self.partial = result
+        return result
+
+    async def _run(self, specs, records, time_limit, label) -> RunResult:
+        start = time.monotonic()
+        progress = Progress(label, len(specs))
+
+        async def one(spec: RequestSpec) -> None:
+            await asyncio.sleep(max(0.0, start + spec.arrival_time - time.monotonic()))
+            record = records[spec.request_id]
+            record.error = None
+            record.arrival = time.monotonic() - start
+            try:
+                await self.stream(spec, record, start)
+            except asyncio.CancelledError:
+                record.error = "cancelled at the time limit"
+                raise
+            except Exception as e:  # a failed request is a result, not the end of the run
+                record.error = f"{type(e).__name__}: {e}"
+            else:
+                record.finished = time.monotonic() - start
+
+        tasks = [asyncio.create_task(one(s)) for s in specs]
+        deadline = start + time_limit
+        try:
+            while True:
+                done = sum(t.done() for t in tasks)
+                sent = sum(r.error != "not sent" for r in records.values())
+                progress.update(done, sent - done)
+                if done == len(tasks) or time.monotonic() > deadline:
+                    break
+                await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            progress.close()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        stopped = None
+        if not all(r.completed for r in records.values()) and time.monotonic() > deadline:
+            stopped = f"time limit ({time_limit:.0f} s)"
+        return RunResult(list(records.values()), [], stopped)
+
+
+class ServerTarget(_RemoteTarget):
+    """A running minisarathi server, through its AsyncClient; times are what the client observes."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7000, api_key: str | None = None):
+        super().__init__()
+        self.host, self.port, self.api_key = host, port, api_key
+
+    async def stream(self, spec, record, start) -> None:
+        from ..server.client import AsyncClient
+
+        # One connection per request, as an HTTP client would: no per-connection in-flight limit applies.
+        async with AsyncClient(self.host, self.port, api_key=self.api_key) as client:
+            async for chunk in client.generate_stream(spec.prompt_token_ids, max_tokens=spec.max_tokens,
+                                                      temperature=0.0, ignore_eos=True):
+                now = time.monotonic() - start
+                record.token_times.extend([now] * len(chunk.token_ids))
+
+
+class OpenAITarget(_RemoteTarget):
+    """An OpenAI-compatible server's POST /v1/completions with stream: true (server-sent events), over
+    plain asyncio streams. Prompts go as token-id lists; one event counts as one token (vLLM and the
+    llama.cpp server send one event per token); `ignore_eos` is the vLLM / llama.cpp extension."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", model: str | None = None, api_key: str | None = None):
+        super().__init__()
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"url must be http://host[:port][/prefix], got {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.path = parts.path.rstrip("/") + "/v1/completions"
+        self.model, self.api_key = model, api_key
+
+    async def stream(self, spec, record, start) -> None:
+        body = {"prompt": spec.prompt_token_ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
+                "stream": True, "ignore_eos": True}
+        if self.model:
+            body["model"] = self.model
+        payload = json.dumps(body).encode()
+        headers = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}",
+                   "Content-Type: application/json", "Accept: text/event-stream", "Connection: close",
+                   f"Content-Length: {len(payload)}"]
+        if self.api_key:
+            headers.append(f"Authorization: Bearer {self.api_key}")
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(("\r\n".join(headers) + "\r\n\r\n").encode() + payload)
+            await writer.drain()
+            async for event in _sse_events(reader):
+                if event == "[DONE]":
+                    return
+                data = json.loads(event)
+                if "error" in data:
+                    raise RuntimeError(f"server error: {data['error']}")
+                # A closing event with no text only carries the finish reason (llama.cpp sends one).
+                choice = (data.get("choices") or [None])[0]
+                if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
+                    record.token_times.append(time.monotonic() - start)
+        finally:
+            writer.close()
+
+
+async def _sse_events(reader: asyncio.StreamReader):
+    """The `data:` payloads of an HTTP response's server-sent events (raises on a non-200 status)."""
+    status = (await reader.readline()).decode("latin-1").split()
+    headers = {}
+    while (line := (await reader.readline()).decode("latin-1").strip()):
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip().lower()
+    if len(status) < 2 or status[1] != "200":
+        detail = (await reader.read(2048)).decode("utf-8", "replace")
+        raise RuntimeError(f"HTTP {' '.join(status[1:]) or 'no status'}: {detail.strip()[:200]}")
+    buffer = ""
+    text = codecs.getincrementaldecoder("utf-8")()   # a character may straddle two reads
+    async for piece in _body(reader, headers.get("transfer-encoding") == "chunked"):
+        buffer += text.decode(piece)
+        *events, buffer = buffer.replace("\r\n", "\n").split("\n\n")
+        for event in events:
+            data = [line[5:].strip() for line in event.split("\n") if line.startswith("data:")]
+            if data:
+                yield "\n".join(data)
+
+
+async def _body(reader: asyncio.StreamReader, chunked: bool):
+    if not chunked:
+        while piece := await reader.read(65536):
+            yield piece
+        return
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)   # the CRLF after each chunk

@@ -1,0 +1,161 @@
+"""KV block allocator: a free list with ref counts, plus an optional prefix cache of full blocks.
+
+Blocks are allocated lazily: a sequence's block table grows as its chunks and decode tokens are
+scheduled (`grow`). Policies that must never preempt (orca, faster_transformer) simply ask `grow` for the
+sequence's whole final length at admission.
+
+Prefix caching: a full, computed block is named by a chained hash of (parent block's hash, its tokens),
+so a hash stands for the whole prefix up to the block's end. When a sequence is admitted it takes the
+cached blocks of its longest cached prefix (ref count + 1) and skips computing them, but always leaves
+at least its last token to compute, so there are logits to sample. A cached block whose ref count drops
+to 0 stays findable in an LRU list and is evicted only when the free list runs dry. Queries and hits
+are counted in tokens: each admission queries all its tokens and hits the ones it reuses.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from minisarathi.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))   # ref 0 and not in the prefix cache
+        self.evictable: OrderedDict[int, None] = OrderedDict()     # ref 0 but cached, least recently used first
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached_blocks: dict[int, int] = {}                     # hash -> block
+        self.prefix_queries = 0   # tokens looked up at admission
+        self.prefix_hits = 0      # of them, tokens served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get: truly free ones plus evictable cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # admission ----------------------------------------------------------------------------------------
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cached_blocks.get(self._hash(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int) -> bool:
+        """Whether seq can take `cached` and grow to `num_tokens` tokens while `watermark` blocks stay free."""
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)   # evictable blocks it takes off the pool
+        new = self.blocks_for(num_tokens) - len(cached)
+        return self.num_free_blocks - revived - new >= watermark
+
+    def admit(self, seq: Sequence, cached: list[int]) -> None:
+        """Give seq the cached blocks of its prefix; it starts computing after them."""
+        for block in cached:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_registered_blocks = len(cached)
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += seq.num_computed_tokens
+
+    # growth ---------------------------------------------------------------------------------------------
+
+    def max_growth(self, seq: Sequence) -> int:
+        """How many more tokens seq's blocks plus every free block can hold."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend seq's block table to cover its first `num_tokens` tokens."""
+        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._allocate())
+
+    def _allocate(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+        else:
+            raise RuntimeError("out of KV blocks: the scheduler must check before it grows a sequence")
+        self.ref_counts[block] = 1
+        return block
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Offer seq's newly full, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_registered_blocks, num_full):
+            block, h = seq.block_table[i], self._hash(seq, i)
+            # a twin computed concurrently by another sequence keeps the entry; this block stays private
+            if h not in self.cached_blocks:
+                self.cached_blocks[h] = block
+                self.block_hash[block] = h
+        seq.num_registered_blocks = max(num_full, seq.num_registered_blocks)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free_blocks.append(block)
+                else:
+                    self.evictable[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _hash(self, seq: Sequence, i: int) -> int:
+        """Chained hash of seq's full block i, computed once per block (tokens never change)."""
+        hashes, size = seq.block_hashes, self.block_size
+        while len(hashes) <= i:
+            n = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            # tuples of ints hash deterministically (no per-process salt, unlike str)
+            hashes.append(hash((parent, tuple(seq.token_slice(n * size, (n + 1) * size)))))
+        return hashes[i]
+
+    # checks ---------------------------------------------------------------------------------------------
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Ref counts equal the references held by the live sequences; every block is in exactly one place."""
+        expected = [0] * self.num_blocks
+        for seq in live:
+            assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, seq.request_id
+            for block in seq.block_table:
+                expected[block] += 1
+        assert expected == self.ref_counts, "ref counts disagree with the block tables"
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks) and not free & evictable, "a block is listed twice"
+        for block in range(self.num_blocks):
+            idle = self.ref_counts[block] == 0
+            assert idle == (block in free or block in evictable), f"block {block} lost or double-booked"
+            if block in free or block in evictable:
+                assert (block in evictable) == (self.block_hash[block] is not None), f"block {block} misfiled"
+        assert {b: h for h, b in self.cached_blocks.items()} == {
+            b: h for b, h in enumerate(self.block_hash) if h is not None}, "hash index out of sync"

@@ -1,0 +1,246 @@
+"""LLMEngine: requests in, one batch per step (schedule, build, forward, sample, update), outputs out."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from numbers import Integral
+from pathlib import Path
+
+from minisarathi.config import EngineConfig
+from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.engine.block_manager import BlockManager
+from minisarathi.engine.scheduler import make_scheduler
+from minisarathi.engine.sequence import Sequence, SequenceStatus
+from minisarathi.model.llama import load_model
+from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minisarathi.paths import default_model_dir
+from minisarathi.sampler import Sampler, make_generator
+from minisarathi.sampling_params import SamplingParams
+from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class StepRecord:
+    start_time: float          # time.monotonic() at the start of the step
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    schedule_time: float       # scheduling and batch building
+    execution_time: float      # model forward + sampling
+    step_time: float           # the whole step, bookkeeping and outputs included
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options):
+        unknown = set(options) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        config = dataclasses.replace(config, **options) if config else EngineConfig(**options)
+        path = Path(model) if model is not None else default_model_dir()
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.model = load_model(path, device=config.device)
+        self.model_config = self.model.config
+        max_positions = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_positions:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({max_positions})")
+        self.max_model_len = config.max_model_len or max_positions
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.model.kv_cache_bytes_per_block(
+            config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds no KV block of "
+                             f"{config.block_size} tokens")
+        self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(self.model_config.vocab_size, config.seed, self.tokenizer.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}     # unfinished requests by id
+        self.step_records: list[StepRecord] = []
+        self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+
+    # requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        arrival_time: float | None = None) -> Sequence:
+        """Validate and tokenize a request without queueing it (so a batch can be checked whole first)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                        for t in prompt):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError("prompt must be a str or a list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+        # Generation ends at max_tokens or when the sequence reaches max_model_len (at least one token);
+        # the last sampled token is never fed back, so the cache holds one token less than the final length.
+        final_len = min(len(ids) + params.max_tokens, max(self.max_model_len, len(ids) + 1))
+        needed = self.block_manager.blocks_for(final_len - 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV blocks of "
+                f"{self.config.block_size} tokens but the pool has {self.block_manager.num_blocks}; "
+                "lower max_tokens or give the KV cache more blocks")
+        return Sequence(
+            request_id, text, ids, params,
+            RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
+            max_kv_tokens=final_len - 1,
+            generator=None if params.seed is None else make_generator(params.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
+            logprobs=None if params.logprobs is None else [])
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.seq_id = next(self._arrivals)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request in any state and free its blocks; the next step reports it once, as "abort"."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        self.scheduler.abort(seq)
+        self._finish(seq, "abort", None, time.monotonic())
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._aborted)
+
+    # the step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        schedule = self.scheduler.schedule()
+        for seq in schedule.preempted:
+            seq.metrics.preemption_times.append(start)
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        if not schedule.scheduled:
+            return outputs
+
+        chunks, samplers = [], []
+        num_prefill = 0
+        for seq, n in schedule.scheduled.items():
+            begin = seq.num_computed_tokens
+            end = begin + n
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+                seq.num_cached_tokens = begin
+            if seq.in_prefill:
+                num_prefill += n
+                seq.metrics.chunk_times.append((start, n))
+            sample = end == seq.num_tokens
+            chunks.append(ScheduledChunk(seq.token_slice(begin, end), begin, seq.block_table, sample))
+            if sample:
+                samplers.append(seq)
+            seq.num_computed_tokens = end
+        batch = build_batch(chunks, self.config.block_size)
+
+        scheduled = time.monotonic()
+        logits = self.model.forward(batch, self.kv_cache)
+        sampled = self.sampler.sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
+                                      [s.prompt_token_ids for s in samplers],
+                                      [s.output_token_ids for s in samplers])
+        executed = time.monotonic()
+
+        for seq in schedule.scheduled:
+            self.block_manager.register_computed(seq)
+        for i, seq in enumerate(samplers):
+            self._append_token(seq, int(sampled.token_ids[i]), sampled, i, executed)
+            outputs.append(self._output(seq))
+        self.scheduler.remove_finished()
+        num_tokens = batch.num_tokens
+        self.step_records.append(StepRecord(
+            start, len(chunks), num_prefill, num_tokens - num_prefill, len(schedule.preempted),
+            scheduled - start, executed - scheduled, time.monotonic() - start))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
+        seq.output_token_ids.append(token)
+        self.num_generated_tokens += 1
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprobs(sampled.logprobs[row], sampled.ranks[row]))
+        _, stop_string = seq.detokenizer.add(token)
+        params = seq.params
+        # EOS and stop ids cannot come before min_tokens: the sampler masks them until then
+        if stop_string is not None:
+            self._finish(seq, "stop", stop_string, now)
+        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            self._finish(seq, "stop", None, now)
+        elif token in params.stop_token_ids:
+            self._finish(seq, "stop", token, now)
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None, now)
+
+    def _logprobs(self, row: list[tuple[int, float]], rank: int) -> dict[int, Logprob]:
+        (sampled_id, sampled_lp), top = row[0], row[1:]
+        decode = self.tokenizer.decoded_token
+        result = {t: Logprob(lp, r, decode(t)) for r, (t, lp) in enumerate(top, start=1)}
+        result.setdefault(sampled_id, Logprob(sampled_lp, rank, decode(sampled_id)))
+        return result
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finished_time = now
+        seq.detokenizer.flush()
+        del self.requests[seq.request_id]
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            0, seq.detokenizer.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+            None if seq.logprobs is None else list(seq.logprobs))
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+                             seq.metrics, seq.num_cached_tokens)
+
+    # introspection -------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        blocks = self.block_manager
+        queries, hits = blocks.prefix_queries, blocks.prefix_hits
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": blocks.num_used_blocks,
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_usage": blocks.num_used_blocks / blocks.num_blocks,
+            "prefix_cache_queries": queries,     # prompt tokens looked up at admission
+            "prefix_cache_hits": hits,           # of them, tokens served from the cache
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "tokens_generated": self.num_generated_tokens,
+            "steps": len(self.step_records),
+        }
+
+    def check_invariants(self) -> None:
+        """Block-manager consistency against the live sequences (tests call it after every step)."""
+        assert all(not s.block_table for s in self.scheduler.waiting), "a waiting sequence holds blocks"
+        self.block_manager.check_invariants(self.scheduler.running)

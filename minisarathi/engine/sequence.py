@@ -1,0 +1,65 @@
+"""One request's state: its tokens, how many of them are in the KV cache, its blocks, and its timeline."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisarathi.outputs import RequestMetrics
+from minisarathi.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and holding no blocks
+    RUNNING = "running"      # admitted: holds blocks, gets chunks or decode slots
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)   # identity equality: sequences are dict keys in the scheduler
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    max_kv_tokens: int                # most tokens it will ever hold in the KV cache (final length - 1)
+    generator: Any = None             # numpy Generator of a seeded request; None: the engine's shared one
+    detokenizer: Any = None
+    seq_id: int = -1                  # arrival order, given when queued; "newest" = largest
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None      # per output token: dict[int, Logprob]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # KV-cache state, owned by the scheduler and the block manager
+    num_computed_tokens: int = 0      # leading tokens whose K/V are in the cache
+    num_prefill_tokens: int = 0       # length when last admitted: tokens below it are prefill, above decode
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, grown on demand
+    num_registered_blocks: int = 0    # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = 0        # prompt tokens the prefix cache served at first admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole history."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]

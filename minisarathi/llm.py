@@ -1,0 +1,54 @@
+"""Offline generation, vLLM style: LLM(model).generate(prompts, sampling_params) over an LLMEngine."""
+from __future__ import annotations
+
+import itertools
+from numbers import Integral
+from pathlib import Path
+
+from minisarathi.engine.engine import LLMEngine
+from minisarathi.outputs import RequestOutput
+from minisarathi.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, **options):
+        """model: a Hugging Face folder (None: the bundled stories260K); options: EngineConfig fields."""
+        self.engine = LLMEngine(model, **options)
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in prompt order. Every prompt is checked before any runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, Integral) for t in prompts)):
+            prompts = [prompts]      # one prompt: a text or a list of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a str, a list of token ids, or a list of those")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params)
+                for prompt, params in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        finished = {}
+        progress = _progress_bar(len(seqs)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[seq.request_id] for seq in seqs]
+
+
+def _progress_bar(total: int):
+    try:
+        from tqdm import tqdm    # optional: not a dependency
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="Generating", unit="req")

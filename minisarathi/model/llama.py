@@ -1,0 +1,98 @@
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2), written once against a backend's ops.
+
+One call runs a flat batch of tokens from many sequences (docs/architecture.md, the batch contract):
+prefill chunks and decodes alike, writing their K/V into the paged cache and returning logits only for
+the rows that are sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from minisarathi.backends import numpy_ops
+from minisarathi.config import ModelConfig
+from minisarathi.engine.batch import Batch
+from minisarathi.model.loader import load_weights
+
+DEVICES = ("cpu",)
+
+
+@dataclass
+class LayerWeights:
+    input_layernorm: Any           # [H]
+    qkv_proj: Any                  # [(Hq + 2 Hk) D, H]
+    qkv_bias: Any | None           # [(Hq + 2 Hk) D]
+    o_proj: Any                    # [H, Hq D]
+    o_bias: Any | None             # [H]
+    post_attention_layernorm: Any  # [H]
+    gate_up_proj: Any              # [2 I, H]
+    down_proj: Any                 # [H, I]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType):
+        """weights as load_weights returns them; ops a backend module (minisarathi.backends.numpy_ops)."""
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = ops.weight(weights["embed_tokens"])
+        self.norm = ops.weight(weights["norm"])
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            def get(name):
+                array = weights.get(f"layers.{i}.{name}")
+                return None if array is None else ops.weight(array)
+            self.layers.append(LayerWeights(**{name: get(name) for name in LayerWeights.__dataclass_fields__}))
+        self.inv_freq = ops.weight(config.rope_inv_freq())  # [D/2]
+        self.scale = config.head_dim ** -0.5
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:
+        """Per layer (k_cache, v_cache), each [num_blocks, Hk, block_size, D] in the activation dtype."""
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        shape = (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
+        return [(self.ops.zeros(shape), self.ops.zeros(shape)) for _ in range(self.config.num_hidden_layers)]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
+
+    def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]]) -> np.ndarray:
+        """float32[N, vocab]: logits of the rows batch.logits_indices, after writing the batch's K/V."""
+        ops, c = self.ops, self.config
+        T, D = batch.num_tokens, c.head_dim
+        q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
+        hidden = ops.embedding(self.embed_tokens, batch.input_ids)  # [T, H]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm, c.rms_norm_eps)
+            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2 Hk) D]
+            q = qkv[:, :q_size].reshape(T, c.num_attention_heads, D)
+            k = qkv[:, q_size:q_size + kv_size].reshape(T, c.num_key_value_heads, D)
+            v = qkv[:, q_size + kv_size:].reshape(T, c.num_key_value_heads, D)
+            ops.rope(q, k, batch.positions, self.inv_freq)
+            ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
+            hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, c.rms_norm_eps)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+        # Only the sampled rows go through the final norm and the (large) vocabulary projection.
+        rows = batch.logits_indices
+        x, _ = ops.add_rms_norm(hidden[rows], residual[rows], self.norm, c.rms_norm_eps)
+        return ops.to_numpy(ops.linear(x, self.lm_head))
+
+
+def load_model(path: str | Path, device: str = "cpu") -> LlamaModel:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    config = ModelConfig.from_pretrained(path)
+    return LlamaModel(config, load_weights(path, config), numpy_ops)

@@ -1,0 +1,116 @@
+"""`minisarathi serve` and `minisarathi client` (wired into minisarathi/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .client import DEFAULT_PORT, Client
+from .protocol import RPCError, ServerLimits
+
+API_KEY_ENV = "MINISARATHI_API_KEY"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..cli import add_engine_arguments
+
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="TCP address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"TCP port; 0 picks a free one (default {DEFAULT_PORT})")
+    g.add_argument("--unix-socket", default=None, help="also listen on this Unix socket path")
+    g.add_argument("--api-key-file", default=None,
+                   help=f"file holding the API key clients must `auth` with (or set ${API_KEY_ENV})")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    defaults = ServerLimits()
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
+    limits.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
+    limits.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens,
+                        help="largest max_tokens a request may ask for")
+    limits.add_argument("--max-inflight-per-connection", type=int, default=defaults.max_inflight_per_connection)
+    limits.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                        help="unfinished requests server-wide before new ones get `overloaded`")
+    limits.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds")
+    limits.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s, help="seconds")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ..cli import engine_options_from_args
+    from ..engine.engine import LLMEngine
+    from ..paths import default_model_dir
+    from .server import Server
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = ServerLimits(max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens=args.max_tokens_limit,
+                          max_inflight_per_connection=args.max_inflight_per_connection,
+                          max_queued_requests=args.max_queued_requests, idle_timeout_s=args.idle_timeout,
+                          shutdown_grace_s=args.shutdown_grace)
+    api_key = _read_api_key(args.api_key_file)
+    engine = LLMEngine(**engine_options_from_args(args))
+    server = Server(engine, limits, api_key=api_key, model_name=str(args.model or default_model_dir()))
+    asyncio.run(server.run(args.host, args.port, args.unix_socket))
+    return 0
+
+
+def _read_api_key(path: str | None) -> str | None:
+    key = Path(path).read_text(encoding="utf-8").strip() if path else os.environ.get(API_KEY_ENV)
+    if key is not None and not key:
+        raise ValueError("api-key-file: the API key is empty")
+    return key
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    c = parser.add_argument_group("connection")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=DEFAULT_PORT)
+    c.add_argument("--unix-socket", default=None)
+    c.add_argument("--api-key-file", default=None, help=f"(or set ${API_KEY_ENV})")
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the whole result map as JSON")
+
+
+def run_client(args: argparse.Namespace) -> int:
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    try:
+        with Client(args.host, args.port, unix_socket=args.unix_socket,
+                    api_key=_read_api_key(args.api_key_file)) as client:
+            if args.stream:
+                sys.stdout.write(args.prompt)
+                stream = client.generate_stream(args.prompt, **sampling)
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                result = stream.result
+            else:
+                result = client.generate(args.prompt, **sampling)
+                if not args.json:
+                    sys.stdout.write(args.prompt + result.text)
+    except RPCError as e:
+        print(f"minisarathi client: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"minisarathi client: cannot reach the server: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({**{k: v for k, v in vars(result).items() if k != "extra"}, **result.extra}))
+    else:
+        sys.stdout.write("\n")
+    return 0

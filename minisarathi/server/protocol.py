@@ -1,0 +1,151 @@
+"""MessagePack-RPC wire format: message kinds, error codes, limits, and the checks on `generate`'s params.
+
+Spec: github.com/msgpack-rpc/msgpack-rpc/blob/master/spec.md. Messages are unframed msgpack arrays:
+request [0, msgid, method, params], response [1, msgid, error, result], notification [2, method, params].
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+
+from ..sampling_params import SamplingParams
+
+REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
+CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
+
+# Error codes carried as {"code": int, "message": str} in a response's error slot (docs/protocol.md).
+INVALID_MESSAGE = 1     # bytes that are not msgpack, a wrong message shape, an object over the size limit
+UNKNOWN_METHOD = 2
+INVALID_PARAMS = 3      # the message names the offending field
+PROMPT_TOO_LONG = 4
+UNAUTHORIZED = 5
+OVERLOADED = 6          # queue full, too many requests in flight on the connection, or shutting down
+ABORTED = 7             # aborted by the client, or by the server on shutdown
+INTERNAL = 8
+
+ERROR_NAMES = {INVALID_MESSAGE: "invalid_message", UNKNOWN_METHOD: "unknown_method",
+               INVALID_PARAMS: "invalid_params", PROMPT_TOO_LONG: "prompt_too_long",
+               UNAUTHORIZED: "unauthorized", OVERLOADED: "overloaded", ABORTED: "aborted", INTERNAL: "internal"}
+
+
+class RPCError(Exception):
+    """An error that travels in a response: raised by server handlers, and by clients on an error response."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"{ERROR_NAMES.get(code, code)}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def name(self) -> str:
+        return ERROR_NAMES.get(self.code, "unknown")
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_wire(cls, error) -> RPCError:
+        if isinstance(error, dict) and isinstance(error.get("code"), int):
+            return cls(error["code"], str(error.get("message", "")))
+        return cls(INTERNAL, repr(error))
+
+
+@dataclass
+class ServerLimits:
+    max_message_bytes: int = 1 << 20        # one incoming msgpack object, and the unpacker's whole buffer
+    max_prompt_tokens: int = 32768          # also bounded by the engine's max_model_len
+    max_tokens: int = 4096                  # the largest max_tokens a request may ask for
+    max_inflight_per_connection: int = 256
+    max_queued_requests: int = 1024         # unfinished requests server-wide (running + waiting)
+    idle_timeout_s: float = 300.0           # a connection with nothing in flight and no bytes is closed
+    max_write_buffer_bytes: int = 16 << 20  # a client that stops reading is disconnected past this
+    shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{f.name} must be positive, got {value!r}")
+
+
+def make_unpacker(limits: ServerLimits) -> msgpack.Unpacker:
+    # Every length is capped by the message limit, so a hostile length prefix fails at its header (arrays,
+    # maps) or when the buffer overflows (str, bin) instead of allocating what it claims.
+    n = limits.max_message_bytes
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=2 * n, max_str_len=n,
+                            max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+
+
+def pack(message) -> bytes:
+    return msgpack.packb(message, default=_to_builtin)
+
+
+def _to_builtin(value):
+    # NumPy scalars (engine stats) have .item(); anything else is a bug worth a loud error.
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream"}
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stream: bool
+
+
+def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
+    """`generate` takes params = [map]; anything wrong raises RPCError(INVALID_PARAMS) naming the field."""
+    if len(params) != 1 or not isinstance(params[0], dict):
+        raise RPCError(INVALID_PARAMS, "params must be [map] with prompt or prompt_token_ids")
+    fields = params[0]
+    for key in fields:
+        if key not in GENERATE_FIELDS:
+            raise RPCError(INVALID_PARAMS, f"unknown field {key!r}")
+    prompt = fields.get("prompt")
+    token_ids = fields.get("prompt_token_ids")
+    if (prompt is None) == (token_ids is None):
+        raise RPCError(INVALID_PARAMS, "exactly one of prompt, prompt_token_ids must be given")
+    if prompt is not None and not isinstance(prompt, str):
+        raise RPCError(INVALID_PARAMS, f"prompt must be a string, got {type(prompt).__name__}")
+    if token_ids is not None and (not isinstance(token_ids, list) or not token_ids
+                                  or not all(type(t) is int and t >= 0 for t in token_ids)):
+        raise RPCError(INVALID_PARAMS, "prompt_token_ids must be a non-empty list of non-negative integers")
+    stream = fields.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {stream!r}")
+    sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
+    if not isinstance(sampling.get("skip_special_tokens", True), bool):
+        raise RPCError(INVALID_PARAMS, "skip_special_tokens must be a bool")
+    for name in ("stop", "stop_token_ids"):
+        if name in sampling and not isinstance(sampling[name], (list, str)):
+            raise RPCError(INVALID_PARAMS, f"{name} must be a list, got {type(sampling[name]).__name__}")
+    try:
+        sampling_params = SamplingParams(**sampling)
+    except (ValueError, TypeError) as e:
+        raise RPCError(INVALID_PARAMS, str(e)) from None
+    if sampling_params.max_tokens > limits.max_tokens:
+        raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
+    return GenerateRequest(prompt, token_ids, sampling_params, stream)
+
+
+def single_param(params: list, name: str, kind: type):
+    """Methods with one argument accept it bare ([value]) or named ([{name: value}])."""
+    if len(params) == 1 and isinstance(params[0], dict) and kind is not dict:
+        if set(params[0]) != {name}:
+            raise RPCError(INVALID_PARAMS, f"params must be [{name}] or [{{{name!r}: ...}}]")
+        value = params[0][name]
+    elif len(params) == 1:
+        value = params[0]
+    else:
+        raise RPCError(INVALID_PARAMS, f"params must be [{name}]")
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RPCError(INVALID_PARAMS, f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    return value

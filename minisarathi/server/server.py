@@ -1,0 +1,495 @@
+"""The MessagePack-RPC server: asyncio for the sockets, one dedicated thread for the engine.
+
+The engine is not thread-safe and a step can take long (a 512-token prefill chunk), so it runs on its own
+thread (EngineWorker) that loops step() while there is work and takes adds/aborts/stats from an inbox
+between steps. Its outputs come back to the event loop with call_soon_threadsafe, so the loop stays free
+to answer `health` or accept connections while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from .protocol import (ABORTED, CHUNK_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
+                       OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
+                       ServerLimits, make_unpacker, pack, parse_generate, single_param)
+
+log = logging.getLogger("minisarathi.server")
+
+_READ_SIZE = 1 << 16
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineWorker:
+    """Owns the engine: every engine call happens on this thread, in inbox order, between steps."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_outputs, on_step_error):
+        self.engine = engine
+        self._loop = loop
+        self._on_outputs = on_outputs          # called on the loop with list[RequestOutput]
+        self._on_step_error = on_step_error    # called on the loop with the exception
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # callables, or None to stop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._inbox.put(None)
+        self._thread.join()
+
+    def post(self, fn):
+        """Run fn() on the engine thread; errors are logged."""
+        self._inbox.put(fn)
+
+    def call(self, fn) -> asyncio.Future:
+        """Run fn() on the engine thread; the future (on the loop) gets its result or exception."""
+        future = self._loop.create_future()
+
+        def run():
+            try:
+                result, error = fn(), None
+            except Exception as e:  # delivered to the caller, who decides what it means
+                result, error = None, e
+            self._loop.call_soon_threadsafe(_settle, future, result, error)
+        self._inbox.put(run)
+        return future
+
+    def _run(self):
+        while True:
+            # Block only when idle; while requests run, take whatever arrived since the last step.
+            commands = [] if self.engine.has_unfinished_requests() else [self._inbox.get()]
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is None:
+                    return
+                try:
+                    command()
+                except Exception:
+                    log.exception("engine command failed")
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    log.exception("engine step failed")
+                    self._loop.call_soon_threadsafe(self._on_step_error, e)
+                    continue
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+
+def _settle(future: asyncio.Future, result, error):
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class _Connection:
+    def __init__(self, conn_id: int, writer: asyncio.StreamWriter, limits: ServerLimits, authenticated: bool):
+        self.id = conn_id
+        self.writer = writer
+        self.limits = limits
+        self.authenticated = authenticated
+        self.inflight: dict[int, str] = {}    # msgid -> request id of its generate
+        self.closed = False
+
+    def send(self, message):
+        if self.closed:
+            return
+        self.writer.write(pack(message))
+        if self.writer.transport.get_write_buffer_size() > self.limits.max_write_buffer_bytes:
+            log.warning("conn=%d is not reading its responses; disconnecting", self.id)
+            self.close()
+
+    def respond(self, msgid, error: RPCError | None, result=None):
+        self.send([RESPONSE, msgid, None if error is None else error.to_wire(), result])
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+
+
+@dataclass
+class _Pending:
+    """A generate request the server holds until its final response."""
+    request_id: str
+    conn: _Connection
+    msgid: int
+    stream: bool
+    want_logprobs: bool
+    prompt_tokens: int
+    received: float                      # time.monotonic() when the request was read
+    first_token_time: float | None = None
+    sent_chars: int = 0                  # text already streamed
+    sent_tokens: int = 0                 # token ids already streamed
+
+
+class _BadMessage(Exception):
+    """A message of the wrong shape: answered (when its msgid is known), then the connection closes."""
+
+    def __init__(self, msgid, message: str):
+        super().__init__(message)
+        self.msgid = msgid
+
+
+class Server:
+    def __init__(self, engine, limits: ServerLimits | None = None, api_key: str | None = None,
+                 model_name: str = ""):
+        self.engine = engine
+        self.limits = limits or ServerLimits()
+        self._api_key = api_key
+        self._model_name = model_name
+        self._max_model_len = engine.config.max_model_len or engine.model_config.max_position_embeddings
+        self._pending: dict[str, _Pending] = {}
+        self._connections: set[_Connection] = set()
+        self._request_ids = itertools.count()
+        self._conn_ids = itertools.count()
+        self._delivered: collections.deque = collections.deque()    # (time, tokens) in the throughput window
+        self._started = time.monotonic()
+        self._shutting_down = False
+        self._servers: list[asyncio.AbstractServer] = []
+        self._unix_socket: str | None = None
+        self._worker: EngineWorker | None = None
+        self._drained: asyncio.Event | None = None   # set whenever no request is pending
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, host: str | None = "127.0.0.1", port: int = 7000,
+                    unix_socket: str | None = None) -> list[str]:
+        """Start the engine thread and listen; returns the addresses ("HOST:PORT", "unix:PATH")."""
+        loop = asyncio.get_running_loop()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._worker = EngineWorker(self.engine, loop, self._on_outputs, self._on_step_error)
+        self._worker.start()
+        addresses = []
+        if host is not None:
+            server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE)
+            self._servers.append(server)
+            addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
+        if unix_socket is not None:
+            server = await asyncio.start_unix_server(self._serve_connection, unix_socket, limit=_READ_SIZE)
+            self._servers.append(server)
+            self._unix_socket = unix_socket
+            addresses.append(f"unix:{unix_socket}")
+        return addresses
+
+    async def shutdown(self):
+        """Stop accepting, give in-flight requests the grace period, abort the rest, close everything."""
+        self._shutting_down = True
+        for server in self._servers:
+            server.close()
+        if self._pending:
+            log.info("shutting down: waiting up to %.1fs for %d requests", self.limits.shutdown_grace_s,
+                     len(self._pending))
+            try:
+                await asyncio.wait_for(self._drained.wait(), self.limits.shutdown_grace_s)
+            except asyncio.TimeoutError:
+                pass
+        for pending in list(self._pending.values()):
+            self._fail(pending, RPCError(ABORTED, "server shutting down"))
+        for conn in list(self._connections):
+            conn.writer.close()
+        for server in self._servers:
+            await server.wait_closed()
+        if self._unix_socket is not None and os.path.exists(self._unix_socket):
+            os.unlink(self._unix_socket)
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
+        log.info("server stopped")
+
+    async def run(self, host: str | None, port: int, unix_socket: str | None = None):
+        """Serve until SIGINT or SIGTERM, then shut down; prints one 'serving on' line per address."""
+        addresses = await self.start(host, port, unix_socket)
+        for address in addresses:
+            print(f"minisarathi serving on {address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received")
+        await self.shutdown()
+
+    # ---------------------------------------------------------------- connections
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None)
+        self._connections.add(conn)
+        log.info("conn=%d opened from %s", conn.id, writer.get_extra_info("peername") or "unix socket")
+        unpacker = make_unpacker(self.limits)
+        try:
+            while not conn.closed:
+                try:
+                    data = await asyncio.wait_for(reader.read(_READ_SIZE), self.limits.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    if conn.inflight:
+                        continue
+                    log.info("conn=%d idle for %.0fs; closing", conn.id, self.limits.idle_timeout_s)
+                    break
+                if not data:
+                    break
+                try:
+                    unpacker.feed(data)
+                    for message in unpacker:
+                        self._handle_message(conn, message)
+                except _BadMessage as e:
+                    log.warning("conn=%d bad message: %s", conn.id, e)
+                    conn.respond(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
+                    break
+                except (msgpack.UnpackException, ValueError) as e:
+                    what = "message exceeds the size limit" if isinstance(e, msgpack.BufferFull) else \
+                        f"malformed msgpack ({type(e).__name__}: {e})"
+                    log.warning("conn=%d %s", conn.id, what)
+                    conn.respond(None, RPCError(INVALID_MESSAGE, what))
+                    break
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._close_connection(conn)
+
+    def _close_connection(self, conn: _Connection):
+        # Flush what was written (an error about a bad message), then drop the socket.
+        if not conn.closed:
+            conn.closed = True
+            conn.writer.close()
+        self._connections.discard(conn)
+        for request_id in list(conn.inflight.values()):
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                log.info("%s aborted: client disconnected", request_id)
+                self._forget(pending)
+                self._worker.post(lambda rid=request_id: self.engine.abort_request(rid))
+        log.info("conn=%d closed", conn.id)
+
+    def _handle_message(self, conn: _Connection, message):
+        if not isinstance(message, list) or not message:
+            raise _BadMessage(None, "a message must be an array [type, ...]")
+        kind = message[0]
+        if kind == NOTIFICATION and len(message) == 3 and isinstance(message[1], str):
+            return  # the server sends notifications; it has nothing to do with ones it receives
+        msgid = message[1] if kind == REQUEST and len(message) >= 2 and _is_msgid(message[1]) else None
+        if kind != REQUEST or len(message) != 4 or msgid is None:
+            raise _BadMessage(msgid, "a request must be [0, msgid (uint32), method, params]")
+        _, msgid, method, params = message
+        if not isinstance(method, str):
+            raise _BadMessage(msgid, "method must be a string")
+        if isinstance(params, dict):   # liberal: a bare map means [map]
+            params = [params]
+        elif params is None:
+            params = []
+        try:
+            if not isinstance(params, list):
+                raise RPCError(INVALID_PARAMS, "params must be an array")
+            handler = self._handlers.get(method)
+            if handler is None:
+                raise RPCError(UNKNOWN_METHOD, f"unknown method {method!r}")
+            if not conn.authenticated and method != "auth":
+                raise RPCError(UNAUTHORIZED, "call auth with the API key first")
+            result = handler(self, conn, msgid, params)
+        except RPCError as e:
+            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, method, e)
+            conn.respond(msgid, e)
+        except Exception as e:
+            log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
+            conn.respond(msgid, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+        else:
+            if asyncio.iscoroutine(result):
+                asyncio.ensure_future(self._respond_later(conn, msgid, method, result))
+            elif method != "generate":   # generate answers when the engine finishes it
+                conn.respond(msgid, None, result)
+
+    async def _respond_later(self, conn, msgid, method, coroutine):
+        try:
+            result = await coroutine
+        except Exception as e:
+            log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
+            conn.respond(msgid, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+        else:
+            conn.respond(msgid, None, result)
+
+    # ---------------------------------------------------------------- methods
+
+    def _generate(self, conn: _Connection, msgid: int, params: list):
+        if self._shutting_down:
+            raise RPCError(OVERLOADED, "server is shutting down")
+        request = parse_generate(params, self.limits)
+        if msgid in conn.inflight:
+            raise RPCError(INVALID_PARAMS, f"msgid {msgid} is already in flight on this connection")
+        if len(conn.inflight) >= self.limits.max_inflight_per_connection:
+            raise RPCError(OVERLOADED, f"more than {self.limits.max_inflight_per_connection} requests in flight "
+                                       "on this connection")
+        if len(self._pending) >= self.limits.max_queued_requests:
+            raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
+        if request.prompt is not None:
+            token_ids = self.engine.tokenizer.encode(request.prompt)
+        else:
+            token_ids = request.prompt_token_ids
+            if max(token_ids) >= self.engine.tokenizer.vocab_size:
+                raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size "
+                                               f"({self.engine.tokenizer.vocab_size})")
+        limit = min(self.limits.max_prompt_tokens, self._max_model_len)
+        if len(token_ids) > limit:
+            raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is {limit}")
+        request_id = f"req-{next(self._request_ids)}"
+        pending = _Pending(request_id, conn, msgid, request.stream, request.params.logprobs is not None,
+                           len(token_ids), time.monotonic())
+        self._pending[request_id] = pending
+        self._drained.clear()
+        conn.inflight[msgid] = request_id
+        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s", request_id, conn.id, msgid,
+                 len(token_ids), request.params.max_tokens, request.stream)
+        added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, request.params,
+                                                                  arrival_time=pending.received))
+        added.add_done_callback(lambda future: self._on_added(request_id, future))
+
+    def _on_added(self, request_id: str, future: asyncio.Future):
+        error = future.exception()
+        pending = self._pending.get(request_id)
+        if error is None or pending is None:
+            return
+        if isinstance(error, ValueError):
+            log.info("%s rejected by the engine: %s", request_id, error)
+            self._fail(pending, RPCError(INVALID_PARAMS, str(error)))
+        else:
+            log.error("%s add_request failed: %r", request_id, error)
+            self._fail(pending, RPCError(INTERNAL, f"{type(error).__name__}: {error}"))
+
+    def _abort(self, conn: _Connection, msgid: int, params: list) -> bool:
+        target = single_param(params, "msgid", int)
+        request_id = conn.inflight.get(target)
+        if request_id is None:
+            return False   # unknown, or already finished
+        log.info("%s aborted by the client", request_id)
+        self._fail(self._pending[request_id], RPCError(ABORTED, "aborted by the client"))
+        self._worker.post(lambda: self.engine.abort_request(request_id))
+        return True
+
+    def _tokenize(self, conn, msgid, params) -> list[int]:
+        return list(self.engine.tokenizer.encode(single_param(params, "text", str)))
+
+    def _detokenize(self, conn, msgid, params) -> str:
+        token_ids = single_param(params, "token_ids", list)
+        if not all(type(t) is int and 0 <= t < self.engine.tokenizer.vocab_size for t in token_ids):
+            raise RPCError(INVALID_PARAMS, f"token_ids must be integers in [0, {self.engine.tokenizer.vocab_size})")
+        return self.engine.tokenizer.decode(token_ids)
+
+    def _model_info(self, conn, msgid, params) -> dict:
+        config = self.engine.config
+        return {"model": self._model_name, "vocab_size": self.engine.tokenizer.vocab_size,
+                "max_model_len": self._max_model_len, "eos_token_ids": list(self.engine.tokenizer.eos_token_ids),
+                "scheduler": config.scheduler, "chunk_size": config.chunk_size, "block_size": config.block_size,
+                "max_num_seqs": config.max_num_seqs, "device": config.device,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "max_prompt_tokens": min(self.limits.max_prompt_tokens, self._max_model_len),
+                "max_tokens": self.limits.max_tokens}
+
+    def _health(self, conn, msgid, params) -> dict:
+        return {"status": "shutting_down" if self._shutting_down else "ok",
+                "uptime_s": time.monotonic() - self._started}
+
+    async def _stats(self, conn, msgid, params) -> dict:
+        engine_stats = await self._worker.call(self.engine.stats)
+        now = time.monotonic()
+        self._trim_throughput_window(now)
+        window = min(_THROUGHPUT_WINDOW_S, now - self._started)
+        return {**engine_stats,
+                "connections": len(self._connections), "pending_requests": len(self._pending),
+                "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
+                "uptime_s": now - self._started}
+
+    def _auth(self, conn, msgid, params) -> bool:
+        key = single_param(params, "api_key", str)
+        if self._api_key is None:
+            return True
+        if not hmac.compare_digest(key.encode(), self._api_key.encode()):
+            conn.authenticated = False
+            raise RPCError(UNAUTHORIZED, "wrong API key")
+        conn.authenticated = True
+        return True
+
+    _handlers = {"generate": _generate, "abort": _abort, "tokenize": _tokenize, "detokenize": _detokenize,
+                 "model_info": _model_info, "health": _health, "stats": _stats, "auth": _auth}
+
+    # ---------------------------------------------------------------- engine outputs (on the loop)
+
+    def _on_outputs(self, outputs):
+        now = time.monotonic()
+        for output in outputs:
+            pending = self._pending.get(output.request_id)
+            if pending is None:
+                continue   # aborted or failed while the engine was stepping
+            completion = output.outputs[0]
+            piece = completion.text[pending.sent_chars:]
+            new_ids = list(completion.token_ids[pending.sent_tokens:])
+            if new_ids:
+                if pending.first_token_time is None:
+                    pending.first_token_time = now
+                self._delivered.append((now, len(new_ids)))
+            if pending.stream and (piece or new_ids):
+                pending.conn.send([NOTIFICATION, CHUNK_NOTIFICATION, [pending.msgid, {"text": piece,
+                                                                                       "token_ids": new_ids}]])
+            pending.sent_chars = len(completion.text)
+            pending.sent_tokens = len(completion.token_ids)
+            if output.finished:
+                self._finish(pending, output, now)
+        self._trim_throughput_window(now)
+
+    def _finish(self, pending: _Pending, output, now: float):
+        completion = output.outputs[0]
+        result = {"text": completion.text, "token_ids": list(completion.token_ids),
+                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                  "prompt_tokens": pending.prompt_tokens, "completion_tokens": len(completion.token_ids),
+                  "cached_tokens": output.num_cached_tokens,
+                  "ttft_s": None if pending.first_token_time is None else pending.first_token_time - pending.received,
+                  "e2e_s": now - pending.received}
+        if pending.want_logprobs:
+            result["logprobs"] = [[{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
+                                  for position in completion.logprobs or []]
+        log.info("%s finished: %s, %d tokens, %.3fs", pending.request_id, completion.finish_reason,
+                 len(completion.token_ids), result["e2e_s"])
+        self._forget(pending)
+        pending.conn.respond(pending.msgid, None, result)
+
+    def _on_step_error(self, error: Exception):
+        # The engine's state is suspect after a failed step: fail everything it holds.
+        for pending in list(self._pending.values()):
+            self._fail(pending, RPCError(INTERNAL, f"engine step failed: {type(error).__name__}: {error}"))
+            self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
+
+    def _fail(self, pending: _Pending, error: RPCError):
+        self._forget(pending)
+        pending.conn.respond(pending.msgid, error)
+
+    def _forget(self, pending: _Pending):
+        self._pending.pop(pending.request_id, None)
+        pending.conn.inflight.pop(pending.msgid, None)
+        if not self._pending:
+            self._drained.set()
+
+    def _trim_throughput_window(self, now: float):
+        while self._delivered and self._delivered[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._delivered.popleft()
+
+
+def _is_msgid(value) -> bool:
+    return type(value) is int and 0 <= value < 2**32

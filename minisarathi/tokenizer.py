@@ -1,0 +1,169 @@
+"""The Hugging Face `tokenizers` wrapper: BOS/EOS as the model folder says, and streaming detokenization.
+
+Text rule: the text of a completion is the decoded generated ids *as a continuation of the prompt*,
+`decode(prompt_ids + output_ids)[len(decode(prompt_ids)):]`, so "Once upon a time" + [",", "▁there"]
+gives ", there" (the decoder's strip of one leading space applies to the prompt, not to the completion),
+cut before the stop string completed first. It is streamed in pieces that never split a UTF-8 character.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
+# token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
+_STREAM_CONTEXT = 8
+_INVALID_PREFIX = "Invalid prefix"   # DecodeStream's error when new bytes rewrite already released text
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as an AddedToken dict.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 add_bos_token: bool | None, appended_eos_id: int | None):
+        self.hf = tokenizer                   # the tokenizers.Tokenizer underneath
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # None: the tokenizer.json post-processor decides; a bool overrides it (transformers does the same).
+        self._add_bos = add_bos_token
+        self._appended_eos = appended_eos_id   # tokenizer_config's add_eos_token (rare)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Tokenizer":
+        """Load tokenizer.json from a Hugging Face model folder; BOS/EOS ids from its config files."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"path: no tokenizer.json in {path}")
+        tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tok_config = _read_json(path / "tokenizer_config.json")
+        model_config = _read_json(path / "config.json")
+        gen_config = _read_json(path / "generation_config.json")
+
+        def token_id(name: str) -> int | None:
+            content = _token_content(tok_config.get(name))
+            return tokenizer.token_to_id(content) if content else None
+
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = gen_config.get("bos_token_id", model_config.get("bos_token_id"))
+        eos = gen_config.get("eos_token_id")
+        if eos is None:
+            eos = token_id("eos_token")
+        if eos is None:
+            eos = model_config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        add_bos = tok_config.get("add_bos_token")
+        return cls(tokenizer, bos, eos_ids, add_bos if isinstance(add_bos, bool) else None,
+                   token_id("eos_token") if tok_config.get("add_eos_token") is True else None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with the special tokens the model expects (BOS for Llama: "" -> [bos])."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if self._add_bos is None:
+            return self.hf.encode(text).ids
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if self._add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        if self._appended_eos is not None:
+            ids = ids + [self._appended_eos]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decoded_token(self, token_id: int) -> str:
+        """One token's text on its own (for logprobs), as vLLM shows it; a lone byte token gives U+FFFD."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Per-request streaming text: tokens in, stable text out, never broken UTF-8, stop strings cut.
+
+    `add()` returns the text that became final with this token. Text is held back while it could be the
+    start of a stop string (only the longest tail that is a prefix of some stop, so at most
+    max(len(stop)) - 1 characters). When a stop string appears, even split across tokens or inside one
+    token's text, the text before it is released, the stop is reported, and nothing after it ever is.
+    The first stop string to be complete wins, as generation would stop there.
+    Invariant: the pieces from `add()` plus `flush()` concatenate to `text`.
+
+    Generated bytes that are not valid UTF-8 decode to U+FFFD, as in `decode()`, with two exceptions
+    that keep released text final: when they would rewrite text already released (a stray continuation
+    byte merges with the character before it), the stream restarts at the new token and drops them, as
+    vLLM does; and the bytes of a character left unfinished when the generation ends are dropped.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stops = list(stop or [])
+        self._stream = DecodeStream(self._stream_context(prompt_ids), skip_special_tokens=skip_special_tokens)
+        self._held = ""                      # decoded text not yet released: it may start a stop string
+        self.text = ""                       # all text released so far
+        self.stop_hit: str | None = None     # the stop string that ended the text, once one has
+
+    def _stream_context(self, prompt_ids: list[int]) -> list[int]:
+        context = list(prompt_ids[-_STREAM_CONTEXT:])
+        # A prompt given as ids may end inside a character; its bytes belong to the prompt, so they must not
+        # merge with generated bytes.
+        while context and self._tokenizer.decode(context, self._skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        return context
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._tokenizer.hf, token_id) or ""
+        except Exception as error:
+            if not str(error).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._tokenizer.hf, token_id) or ""
+
+    def add(self, token_id: int) -> tuple[str, str | None]:
+        """Feed one generated token; returns (newly final text, the stop string hit or None)."""
+        if self.stop_hit is not None:
+            raise ValueError("token_id: the text already ended at a stop string")
+        pending = self._held + self._step(token_id)
+        # The stop completed first ends the text (of two ending together, the longer).
+        hits = [(start + len(s), start, s) for s in self._stops if (start := pending.find(s)) >= 0]
+        if hits:
+            _, start, self.stop_hit = min(hits)
+            self._held = ""
+            return self._release(pending[:start]), self.stop_hit
+        cut = self._stop_prefix_start(pending)
+        self._held = pending[cut:]
+        return self._release(pending[:cut]), None
+
+    def flush(self) -> str:
+        """At finish (length, EOS, abort): the held-back text, which no later token can turn into a stop."""
+        held, self._held = self._held, ""
+        return self._release(held)
+
+    def _stop_prefix_start(self, text: str) -> int:
+        """Where the longest tail of `text` that is a proper prefix of a stop string starts (len if none)."""
+        start = len(text)
+        for stop in self._stops:
+            # such a tail is shorter than the stop and starts with its first character
+            i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while 0 <= i < start:
+                if stop.startswith(text[i:]):
+                    start = i
+                    break
+                i = text.find(stop[0], i + 1)
+        return start
+
+    def _release(self, piece: str) -> str:
+        self.text += piece
+        return piece

@@ -1,0 +1,41 @@
+// Tiny kernels that the emulator must catch misbehaving (tests/test_kernels.py).
+#include "common.cuh"
+
+// Missing barrier: thread 0 writes, the others read without __syncthreads. Correct only when
+// thread 0 happens to run first (forward order); reverse order exposes it.
+extern "C" __global__ void racy_broadcast(const float* in, float* out) {
+    __shared__ float value;
+    if (threadIdx.x == 0) value = in[0];
+    out[threadIdx.x] = value;
+}
+
+// The same with the barrier: right under every order.
+extern "C" __global__ void synced_broadcast(const float* in, float* out) {
+    __shared__ float value;
+    if (threadIdx.x == 0) value = in[0];
+    __syncthreads();
+    out[threadIdx.x] = value;
+}
+
+// Reads shared memory nobody wrote: the emulator poisons it with NaN at every block start.
+extern "C" __global__ void read_uninitialized(float* out) {
+    __shared__ float never_written[65];
+    extern __shared__ __align__(16) unsigned char smem[];
+    // One store keeps g++ from proving the array is all zeros and folding the reads away.
+    if (threadIdx.x == 0) never_written[64] = 1.0f;
+    out[2 * threadIdx.x] = never_written[threadIdx.x];
+    out[2 * threadIdx.x + 1] = reinterpret_cast<float*>(smem)[threadIdx.x];
+}
+
+// Half the block returns early while the other half waits at __syncthreads: a deadlock on a GPU.
+extern "C" __global__ void early_exit_barrier(float* out) {
+    if (threadIdx.x < 16) return;
+    __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+
+// Warp sum through shuffles, and a float parameter that must arrive as a 32-bit float.
+extern "C" __global__ void scaled_warp_sum(const float* in, float* out, float scale) {
+    const float total = warp_sum(in[blockIdx.x * 32 + threadIdx.x]);
+    if (threadIdx.x == 0) out[blockIdx.x] = total * scale;
+}

@@ -1,0 +1,92 @@
+"""`minisarathi bench ...` end to end on the bundled model (in process, seconds)."""
+import json
+
+import pytest
+
+from minisarathi.bench.metrics import load_run
+from minisarathi.cli import main
+
+SMALL = ["--num-requests", "6", "--lengths", "uniform", "--min-total-tokens", "8", "--max-total-tokens", "48",
+         "--qps", "40", "--num-kv-blocks", "64"]
+
+
+def test_run_saves_json_and_csv_and_prints_a_table(tmp_path, capsys):
+    assert main(["bench", "run", *SMALL, "--chunk-size", "32", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "TBT P99 (ms)" in out and "6/6" in out
+    info, requests, batches = load_run(tmp_path / "sarathi.json")
+    assert info["engine"]["chunk_size"] == 32 and info["workload"]["num_requests"] == 6
+    assert len(requests) == 6 and all(r.completed for r in requests) and batches
+    assert (tmp_path / "sarathi_requests.csv").exists() and (tmp_path / "sarathi_batches.csv").exists()
+
+
+def test_compare_policies_with_capacity(tmp_path, capsys):
+    args = ["bench", "compare", *SMALL, "--policies", "sarathi,vllm", "--chunk-sizes", "16,64", "--capacity",
+            "--slo-tbt", "1.0", "--max-trials", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert list(data["metrics"]) == ["sarathi-16", "sarathi-64", "vllm"]
+    assert set(data["capacity_qps"]) == {"sarathi-16", "sarathi-64", "vllm"}
+    assert all(len(trail) == 1 for trail in data["trails"].values())
+    assert "P99 TBT sarathi-16 / vllm" in out and "capacity (qps)" in out
+    for label in ("sarathi-16", "sarathi-64", "vllm"):
+        assert (tmp_path / f"{label}.json").exists() and (tmp_path / f"{label}_qps40.000.json").exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plots skipped" in capsys.readouterr().err
+    else:
+        for name in ("tbt_cdf.png", "ttft_cdf.png", "batch_tokens.png", "capacity.png"):
+            assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_capacity_with_an_slo_from_the_measured_decode_step(tmp_path, capsys):
+    args = ["bench", "capacity", *SMALL, "--max-trials", "2", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "decode step at batch 32" in out and "capacity" in out
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    assert len(data["trail"]) == 2 and data["info"]["slo"]["p99_tbt"] > 0
+
+
+def test_ctrl_c_saves_partial_results(tmp_path, capsys, monkeypatch):
+    from minisarathi.engine.engine import LLMEngine
+
+    step, calls = LLMEngine.step, []
+
+    def interrupted_step(self):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    assert main(["bench", "run", *SMALL, "--out", str(tmp_path)]) == 130
+    assert "interrupted: partial results saved" in capsys.readouterr().err
+    _, requests, batches = load_run(tmp_path / "sarathi_partial.json")
+    assert len(requests) == 6 and batches
+
+
+def test_random_model_serves(tmp_path):
+    from minisarathi.engine.engine import LLMEngine
+    from minisarathi.sampling_params import SamplingParams
+
+    path = tmp_path / "rand"
+    assert main(["bench", "random-model", str(path), "--hidden-size", "64", "--num-layers", "2",
+                 "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "96",
+                 "--max-position-embeddings", "256"]) == 0
+    engine = LLMEngine(model=path, num_kv_blocks=16)
+    assert engine.model_config.num_hidden_layers == 2 and engine.max_model_len == 256
+    engine.add_request("r", [1, 5, 6, 7], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    outputs = [o for _ in range(10) for o in engine.step()]
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("args, name", [(["compare", "--policies", "fifo"], "policies"),
+                                        (["run", "--qps", "0"], "qps"),
+                                        (["random-model", "x", "--num-heads", "3"], "num_heads")])
+def test_bad_input_names_the_parameter(args, name, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *args, "--out", str(tmp_path)] if args[0] != "random-model" else ["bench", *args])
+    assert exit_info.value.code == 2 and name in capsys.readouterr().err

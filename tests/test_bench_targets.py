@@ -1,0 +1,179 @@
+"""The three targets: the engine in process (bundled model), a real server process, and a fake OpenAI
+/v1/completions endpoint streaming server-sent events."""
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from minisarathi.bench.metrics import compute_metrics
+from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
+from minisarathi.bench.workloads import WorkloadConfig, make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_workload(n=8, qps=50.0, arrivals="poisson"):
+    return make_workload(WorkloadConfig(num_requests=n, lengths="uniform", min_total_tokens=8, max_total_tokens=40,
+                                        pd_ratio=1.0, max_model_len=512, arrivals=arrivals, qps=qps, seed=3))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from minisarathi.engine.engine import LLMEngine
+
+    return LLMEngine(chunk_size=32, num_kv_blocks=64)
+
+
+def check_complete(records, specs):
+    by_id = {r.request_id: r for r in records}
+    for spec in specs:
+        r = by_id[spec.request_id]
+        assert r.completed, r.error
+        assert r.output_len == spec.max_tokens and r.prompt_len == len(spec.prompt_token_ids)
+        assert r.arrival >= spec.arrival_time - 1e-6
+        assert r.arrival <= r.token_times[0] <= r.finished and r.token_times == sorted(r.token_times)
+
+
+def test_engine_target_replays_in_real_time(engine):
+    specs = small_workload()
+    target = EngineTarget(engine)
+    target.warmup()
+    result = target.run(specs, time_limit=60)
+    assert result.stopped is None
+    check_complete(result.requests, specs)
+    for r in result.requests:
+        assert r.arrival <= r.first_scheduled <= r.token_times[0]
+    # Every step of the run is a batch record; their tokens are every prompt token plus every decode input.
+    tokens = sum(b.num_tokens for b in result.batches)
+    assert tokens == sum(len(s.prompt_token_ids) + s.max_tokens - 1 for s in specs)
+    assert max(b.num_tokens for b in result.batches) <= 32
+    assert compute_metrics(result.requests, result.batches)["completed"] == len(specs)
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_engine_target_time_limit_aborts_and_leaves_the_engine_clean(engine):
+    specs = small_workload(n=6, qps=2.0)      # arrivals span ~2.5 s, far past the limit
+    result = EngineTarget(engine).run(specs, time_limit=0.2)
+    assert result.stopped.startswith("time limit")
+    assert any(r.error for r in result.requests) and not all(r.completed for r in result.requests)
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_measure_decode_step(engine):
+    step = measure_decode_step(engine, batch_size=4, prompt_len=16, decode_tokens=6)
+    assert 0 < step < 1.0
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", "--port", "0", "--log-level", "WARNING"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on" in line, line
+        host, port = line.split()[-1].rsplit(":", 1)
+        yield host, int(port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_server_target_end_to_end(server):
+    specs = small_workload()
+    result = ServerTarget(*server).run(specs, time_limit=60)
+    check_complete(result.requests, specs)
+    m = compute_metrics(result.requests)
+    assert m["completed"] == len(specs) and m["tbt"]["count"] > 0 and m["scheduling_delay"]["count"] == 0
+
+
+def test_server_target_unreachable_is_an_error_per_request():
+    result = ServerTarget("127.0.0.1", 9).run(small_workload(n=2), time_limit=10)
+    assert all(r.error and not r.completed for r in result.requests)
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams one SSE event per token over chunked encoding; a character straddles two chunks."""
+    protocol_version = "HTTP/1.1"
+    bodies = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeOpenAI.bodies.append((self.path, body))
+        if body["max_tokens"] == 13:
+            self.send_response(500)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"oops")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(body["max_tokens"]):
+            event = f"data: {json.dumps({'choices': [{'text': 'ö', 'index': 0}]}, ensure_ascii=False)}\n\n".encode()
+            cut = event.index("ö".encode()) + 1     # inside the two UTF-8 bytes of ö
+            for piece in (event[:cut], event[cut:]):
+                self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        closing = json.dumps({"choices": [{"text": "", "index": 0, "finish_reason": "length"}]})
+        done = f"data: {closing}\n\ndata: [DONE]\n\n".encode()
+        self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def openai_server():
+    FakeOpenAI.bodies = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_openai_target_streams_token_ids_and_times(openai_server):
+    specs = small_workload(n=5)
+    result = OpenAITarget(openai_server + "/prefix", model="m").run(specs, time_limit=30)
+    check_complete(result.requests, specs)
+    path, body = FakeOpenAI.bodies[0]
+    assert path == "/prefix/v1/completions"
+    sent = {tuple(b["prompt"]) for _, b in FakeOpenAI.bodies}
+    assert sent == {tuple(s.prompt_token_ids) for s in specs}
+    assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert body["model"] == "m"
+
+
+def test_openai_target_http_error_is_recorded(openai_server):
+    specs = make_workload(WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=13,
+                                         arrivals="static"))
+    result = OpenAITarget(openai_server).run(specs, time_limit=30)
+    assert all(not r.completed and "HTTP 500" in r.error for r in result.requests)
+
+
+def test_openai_target_rejects_bad_url():
+    with pytest.raises(ValueError, match="url"):
+        OpenAITarget("https://example.com")
+
+
+
+def test_engine_target_rejected_request_fails_alone(engine):
+    specs = small_workload(n=3)
+    specs[-1].prompt_token_ids = specs[-1].prompt_token_ids * 200    # longer than max_model_len (512)
+    result = EngineTarget(engine).run(specs, time_limit=30)
+    assert [r.completed for r in result.requests] == [True, True, False]
+    assert "rejected" in result.requests[-1].error and "max_model_len" in result.requests[-1].error
+
+
+def test_engine_target_stops_once_the_median_scheduling_delay_must_fail(engine):
+    specs = small_workload(n=12, arrivals="static")     # 12 prompts against a 32-token budget: most wait
+    result = EngineTarget(engine).run(specs, time_limit=30, max_scheduling_delay=0.001)
+    assert "scheduling delay" in result.stopped
+    assert sum(r.completed for r in result.requests) < 6
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+    # A bound that holds lets the run finish.
+    assert EngineTarget(engine).run(specs[:2], time_limit=30, max_scheduling_delay=10.0).stopped is None

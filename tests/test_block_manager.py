@@ -1,0 +1,148 @@
+"""Block manager: allocation, ref counts, prefix cache (chained hashes, LRU eviction), invariants."""
+import pytest
+
+from minisarathi.engine.block_manager import BlockManager
+from minisarathi.engine.sequence import Sequence
+from minisarathi.outputs import RequestMetrics
+from minisarathi.sampling_params import SamplingParams
+
+
+def make_seq(tokens, name="r"):
+    return Sequence(name, None, list(tokens), SamplingParams(), RequestMetrics(0.0), max_kv_tokens=10_000)
+
+
+def admit(bm, seq, num_tokens=None):
+    cached = bm.lookup_prefix(seq)
+    bm.admit(seq, cached)
+    bm.grow(seq, seq.num_tokens if num_tokens is None else num_tokens)
+    return cached
+
+
+def compute_all(bm, seq):
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_computed(seq)
+
+
+def test_lazy_growth_and_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(range(6))
+    admit(bm, seq, 3)
+    assert len(seq.block_table) == 1 and bm.num_free_blocks == 7
+    bm.grow(seq, 9)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    bm.grow(seq, 9)   # already covered
+    assert len(seq.block_table) == 3
+    bm.check_invariants([seq])
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+    bm.check_invariants([])
+
+
+def test_max_growth_counts_last_block_space():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = make_seq(range(5))
+    admit(bm, seq, 5)             # 2 blocks, 3 free slots in the second
+    seq.num_computed_tokens = 5
+    assert bm.max_growth(seq) == 3 + 2 * 4
+
+
+def test_out_of_blocks_raises():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(range(12))
+    with pytest.raises(RuntimeError):
+        admit(bm, seq)
+
+
+def test_prefix_cache_shares_full_blocks_with_ref_counts():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_seq(range(10), "a")
+    assert admit(bm, a) == []
+    compute_all(bm, a)                              # blocks 0, 1 full and registered; block 2 partial
+    b = make_seq(list(range(8)) + [99, 98, 97], "b")
+    cached = admit(bm, b)
+    assert cached == a.block_table[:2]
+    assert b.num_computed_tokens == 8
+    assert [bm.ref_counts[x] for x in cached] == [2, 2]
+    assert b.block_table[2] != a.block_table[2]     # the first block it writes is its own
+    bm.check_invariants([a, b])
+    assert (bm.prefix_queries, bm.prefix_hits) == (10 + 11, 8)
+
+
+def test_prefix_cache_leaves_last_token_to_compute():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_seq(range(8), "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    same = make_seq(range(8), "same")               # identical prompt, exactly 2 full blocks
+    assert admit(bm, same) == a.block_table[:1]     # the last block is recomputed, not shared
+    assert same.num_computed_tokens == 4
+    bm.check_invariants([a, same])
+
+
+def test_chained_hash_depends_on_the_whole_prefix():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    b = make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")  # same second block, different first block
+    assert admit(bm, b) == []
+
+
+def test_freed_cached_blocks_stay_reusable_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5], "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    bm.free(a)                                       # blocks [1,2] and [3,4] cached, the partial one free
+    assert bm.num_free_blocks == 4 and len(bm.evictable) == 2
+    bm.check_invariants([])
+    again = make_seq([1, 2, 3, 4, 7], "again")
+    assert len(admit(bm, again)) == 2               # revived from the evictable list
+    bm.check_invariants([again])
+    bm.free(again)
+    # tail blocks are freed first, so the LRU order evicts [3,4] before the more shared [1,2]
+    other = make_seq([9, 9, 9, 9, 9], "other")
+    admit(bm, other)                                 # 3 blocks: the 2 free ones, then evicts one
+    compute_all(bm, other)
+    bm.check_invariants([other])
+    probe = make_seq([1, 2, 0], "probe")
+    assert len(bm.lookup_prefix(probe)) == 1        # [1,2] survived, [3,4] was evicted
+    probe_34 = make_seq([1, 2, 3, 4, 0], "probe34")
+    assert len(bm.lookup_prefix(probe_34)) == 1
+
+
+def test_can_admit_counts_revived_blocks_and_watermark():
+    bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5], "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_seq([1, 2, 3, 4, 6], "b")
+    cached = bm.lookup_prefix(b)
+    assert len(cached) == 2
+    assert bm.can_admit(b, cached, 5, watermark=0)        # 2 revived + 1 new = 3
+    assert not bm.can_admit(b, cached, 5, watermark=1)
+    assert not bm.can_admit(b, cached, 7, watermark=0)    # 4 blocks > 3
+
+
+def test_twin_blocks_computed_concurrently_stay_private():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    a, b = make_seq([1, 2, 3], "a"), make_seq([1, 2, 3], "b")
+    admit(bm, a)
+    admit(bm, b)                                     # nothing cached yet: both compute [1,2]
+    compute_all(bm, a)
+    compute_all(bm, b)
+    bm.check_invariants([a, b])
+    assert list(bm.cached_blocks.values()) == [a.block_table[0]]
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 8
+
+
+def test_check_invariants_catches_a_leak():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = make_seq([1, 2, 3])
+    admit(bm, seq)
+    with pytest.raises(AssertionError):
+        bm.check_invariants([])                       # the sequence's blocks are unaccounted for

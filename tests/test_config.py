@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+
+from minisarathi.config import ModelConfig, RopeScaling
+from minisarathi.paths import default_model_dir
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def config(**changes) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE, **changes})
+
+
+def test_bundled_model_config():
+    c = ModelConfig.from_pretrained(default_model_dir())
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 5, 8, 4, 8)
+    assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (512, 172, 512)
+    assert c.tie_word_embeddings and c.rope_scaling is None and c.rope_theta == 10000.0
+    assert (c.bos_token_id, c.eos_token_ids, c.dtype) == (1, (2,), "float32")
+
+
+def test_defaults_and_biases():
+    c = config()
+    assert c.head_dim == 16 and c.rope_theta == 10000.0 and c.dtype == "float32" and not c.qkv_bias
+    assert config(num_key_value_heads=None).num_key_value_heads == 4
+    assert config(head_dim=32).head_dim == 32
+    llama_bias = config(attention_bias=True)
+    assert llama_bias.qkv_bias and llama_bias.o_bias
+    qwen = config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=64)
+    assert qwen.qkv_bias and not qwen.o_bias
+    assert config(torch_dtype="bfloat16").dtype == "bfloat16" and config(dtype="float16").dtype == "float16"
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0}, LLAMA3])
+def test_rope_key_styles_read_identically(rope_scaling):
+    v4 = config(rope_theta=500000.0, rope_scaling=rope_scaling)
+    v5 = config(rope_parameters={"rope_theta": 500000.0, **(rope_scaling or {"rope_type": "default"})})
+    old_type_key = config(rope_theta=500000.0,
+                          rope_scaling=rope_scaling and {"type" if k == "rope_type" else k: v
+                                                         for k, v in rope_scaling.items()})
+    assert v4 == v5 == old_type_key
+    assert v4.rope_theta == 500000.0
+    assert np.array_equal(v4.rope_inv_freq(), v5.rope_inv_freq())
+
+
+def test_inv_freq_variants():
+    default = config(rope_theta=500000.0).rope_inv_freq()
+    expected = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)  # float64
+    assert default.dtype == np.float32 and default.shape == (8,)
+    assert np.array_equal(default, expected.astype(np.float32))
+    linear = config(rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}).rope_inv_freq()
+    assert np.array_equal(linear, (expected / 4).astype(np.float32))
+    llama3 = config(rope_theta=500000.0, rope_scaling=LLAMA3).rope_inv_freq()
+    wavelen = 2 * np.pi / expected
+    short, long_ = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long_.any() and (~short & ~long_).any()
+    assert np.array_equal(llama3[short], default[short])  # high frequencies untouched
+    assert np.allclose(llama3[long_], default[long_] / 8, rtol=1e-6)  # low ones slowed by factor
+    medium = ~short & ~long_
+    assert np.all(llama3[medium] < default[medium]) and np.all(llama3[medium] > default[medium] / 8)
+
+
+def test_generation_config_overrides_ids_and_eos_list():
+    c = ModelConfig.from_dict({**BASE, "bos_token_id": 1, "eos_token_id": 2},
+                              {"bos_token_id": 5, "eos_token_id": [7, 9]})
+    assert c.bos_token_id == 5 and c.eos_token_ids == (7, 9)
+    assert config(eos_token_id=[3, 4]).eos_token_ids == (3, 4) and config().eos_token_ids == ()
+
+
+def test_mistral_window_covering_everything_is_fine():
+    assert config(architectures=["MistralForCausalLM"], sliding_window=None).architecture == "MistralForCausalLM"
+    assert config(architectures=["MistralForCausalLM"], sliding_window=256).architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"architectures": ["GPT2LMHeadModel"]}, ["architectures", "GPT2LMHeadModel"]),
+    ({"architectures": None}, ["architectures"]),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, ["sliding_window", "128"]),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type", "yarn"]),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["rope_type", "dynamic"]),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
+    ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),
+    ({"quantization_config": {"quant_method": "awq"}}, ["quantization_config", "awq"]),
+    ({"mlp_bias": True}, ["mlp_bias", "True"]),
+    ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
+    ({"num_key_value_heads": 3}, ["num_key_value_heads", "3"]),
+    ({"hidden_size": 0}, ["hidden_size", "0"]),
+    ({"dtype": "float8_e4m3fn"}, ["dtype", "float8_e4m3fn"]),
+    ({"head_dim": 7}, ["head_dim", "7"]),
+])
+def test_unsupported_configs_name_the_field(changes, words):
+    with pytest.raises(ValueError) as error:
+        config(**changes)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_rope_scaling_is_a_value():
+    assert config(rope_scaling=LLAMA3).rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)

@@ -1,0 +1,311 @@
+"""LLMEngine on the bundled model: same greedy tokens every way, stall-free batches, aborts, bad input, no leaks."""
+import numpy as np
+import pytest
+
+from minisarathi.engine.engine import LLMEngine
+from minisarathi.paths import default_model_dir
+from minisarathi.sampling_params import SamplingParams
+from minisarathi.tokenizer import Tokenizer
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+         "One day, she saw a big, red ball. She wanted to play with it, but it was too high. Lily's mom said, "
+         "\"Lily, let's go to the park.\" Lily was sad and didn't know what to do. She said, \"I want to play "
+         "with your ball, but I can't find it.\"")
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """~6 greedy requests: 1 to 120 prompt tokens, some sharing long prefixes, 12-24 new tokens each."""
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    story = tok.encode(STORY)
+    assert len(story) >= 120
+    prompts = [story[:120], story[:70] + tok.encode("Tom had a red")[1:], story[:3],
+               "Lily and Tom went to the park.", story[:40], [1]]
+    return [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, [24, 12, 20, 16, 24, 12]))]
+
+
+def run(engine, requests, stagger=3, on_step=None):
+    """Add the first `stagger` requests, take two steps, add the rest, run to the end; check every step."""
+    finals, streamed = {}, {}
+    for rid, prompt, params in requests[:stagger]:
+        engine.add_request(rid, prompt, params)
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        if num_steps == 2:
+            for rid, prompt, params in requests[stagger:]:
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            completion = out.outputs[0]
+            before = streamed.get(out.request_id)
+            if before is not None:   # cumulative and never retracted: no token is streamed twice
+                assert completion.token_ids[:len(before[0])] == before[0] and len(completion.token_ids) > len(before[0]) or out.finished
+                assert completion.text.startswith(before[1])
+            assert out.request_id not in finals, "a finished request reported again"
+            streamed[out.request_id] = (completion.token_ids, completion.text)
+            if out.finished:
+                finals[out.request_id] = out
+        engine.check_invariants()
+        if on_step:
+            on_step(engine)
+        num_steps += 1
+        assert num_steps < 5000, "no progress"
+    assert_no_leaks(engine)
+    return finals
+
+
+def assert_no_leaks(engine):
+    engine.check_invariants()
+    blocks = engine.block_manager
+    assert all(r == 0 for r in blocks.ref_counts)
+    assert blocks.num_free_blocks == blocks.num_blocks       # free, or held only by the prefix cache
+
+
+@pytest.fixture(scope="module")
+def reference(requests):
+    """Each request alone, whole prompt in one step."""
+    engine = LLMEngine(scheduler="sarathi", chunk_size=512, block_size=16)
+    return {rid: run(engine, [(rid, p, sp)], stagger=1)[rid].outputs[0].token_ids for rid, p, sp in requests}
+
+
+GRID = [  # (policy, chunk_size, block_size, prefix caching, KV blocks: None = plenty)
+    (policy, chunk, block, caching, None)
+    for policy in ("sarathi", "simple_chunking", "vllm", "orca", "faster_transformer")
+    for chunk, block, caching in ((1, 16, False), (8, 1, True), (64, 32, False), (512, 16, True))
+] + [
+    (policy, chunk, block, caching, blocks)
+    for policy in ("sarathi", "simple_chunking", "vllm", "orca", "faster_transformer")
+    for chunk, block, caching, blocks in ((8, 16, True, 12), (64, 1, False, 170), (16, 8, False, 20))
+]
+PREEMPTING = ("sarathi", "simple_chunking", "vllm")
+
+
+@pytest.mark.parametrize("policy,chunk,block,caching,num_blocks", GRID)
+def test_greedy_tokens_identical_every_way(requests, reference, policy, chunk, block, caching, num_blocks):
+    engine = LLMEngine(scheduler=policy, chunk_size=chunk, block_size=block, enable_prefix_caching=caching,
+                       num_kv_blocks=num_blocks or 1024 // block)
+    finals = run(engine, requests, on_step=check_batch_shape)
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
+    assert all(out.outputs[0].finish_reason == "length" for out in finals.values())
+    if num_blocks is not None and policy in PREEMPTING:
+        assert engine.scheduler.num_preemptions > 0, "the small pool should force preemptions"
+        assert any(out.metrics.preemption_times for out in finals.values())
+    if policy in ("orca", "faster_transformer"):
+        assert engine.scheduler.num_preemptions == 0
+    if caching and chunk < 64:
+        assert engine.stats()["prefix_cache_hits"] > 0
+
+
+def check_batch_shape(engine):
+    """Sarathi: every decode of the step is in, within the budget; vllm: prefills never share with decodes."""
+    record = engine.step_records[-1]
+    policy = engine.config.scheduler
+    if policy == "sarathi":
+        assert record.num_prefill_tokens + record.num_decode_tokens <= engine.config.chunk_size
+    if policy == "vllm":
+        assert record.num_prefill_tokens == 0 or record.num_decode_tokens == 0
+
+
+def test_sarathi_is_stall_free(requests):
+    """Every sequence decoding before a step is in that step's batch (no decode waits behind a prefill)."""
+    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4)
+    scheduler = engine.scheduler
+    original = scheduler.schedule
+    seen = []
+
+    def schedule():
+        decoding = [s for s in scheduler.running if not s.in_prefill]
+        out = original()
+        has_prefill = any(s.in_prefill for s in out.scheduled)
+        seen.append((decoding, dict(out.scheduled), has_prefill))
+        return out
+
+    scheduler.schedule = schedule
+    run(engine, requests)
+    assert any(decoding and has_prefill for decoding, _, has_prefill in seen), "no hybrid batch to check"
+    for decoding, scheduled, _ in seen:
+        assert all(scheduled.get(s) == 1 for s in decoding)
+        assert sum(scheduled.values()) <= 16
+
+
+def abort_when(state):
+    def ready(seq):
+        return {"waiting": seq.status.value == "waiting" and not seq.metrics.preemption_times,
+                "mid-prefill": seq.status.value == "running" and 0 < seq.num_computed_tokens < seq.num_prefill_tokens,
+                "decoding": seq.status.value == "running" and len(seq.output_token_ids) >= 2,
+                "preempted": seq.status.value == "waiting" and bool(seq.metrics.preemption_times)}[state]
+    return ready
+
+
+@pytest.mark.parametrize("state", ["waiting", "mid-prefill", "decoding", "preempted"])
+def test_abort_in_any_state_frees_blocks_and_stops_output(requests, reference, state):
+    # a small pool and small chunks so that every state occurs; r0 is the victim
+    engine = LLMEngine(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    victim_id = {"waiting": "r5", "preempted": None}.get(state, "r0")
+    aborted = None
+    reports = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        if aborted is None:
+            candidates = [engine.requests[victim_id]] if victim_id else list(engine.requests.values())
+            hit = [s for s in candidates if abort_when(state)(s)]
+            if hit:
+                aborted = hit[0]
+                engine.abort_request(aborted.request_id)
+                engine.abort_request(aborted.request_id)     # twice: a no-op
+                engine.check_invariants()
+                assert not aborted.block_table
+                num_tokens = len(aborted.output_token_ids)
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+        engine.check_invariants()
+    assert aborted is not None, f"never saw a request {state}"
+    last = reports[aborted.request_id][-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert [o.finished for o in reports[aborted.request_id]].count(True) == 1
+    assert len(last.outputs[0].token_ids) == num_tokens
+    assert last.outputs[0].token_ids == reference[aborted.request_id][:num_tokens]
+    for rid, outs in reports.items():     # the others are unaffected
+        if rid != aborted.request_id:
+            assert outs[-1].outputs[0].token_ids == reference[rid]
+    assert_no_leaks(engine)
+
+
+def test_bad_requests_are_rejected_alone(requests, reference):
+    engine = LLMEngine(num_kv_blocks=10, block_size=16, max_model_len=256)
+    rid, prompt, params = requests[0]
+    engine.add_request(rid, prompt, params)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(rid, [1, 2], params)
+    with pytest.raises(ValueError, match="KV blocks"):   # 120 + 100 tokens need 14 blocks of 16 > 10
+        engine.add_request("big", prompt, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [1] * 257)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("vocab", [1, 512])
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("type", 3.5)
+    with pytest.raises(ValueError, match="params"):
+        engine.add_request("params", [1], {"max_tokens": 3})
+    assert list(engine.requests) == [rid]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == reference[rid]
+    assert_no_leaks(engine)
+
+
+def test_engine_options_are_checked():
+    with pytest.raises(ValueError, match="chunk_sise"):
+        LLMEngine(chunk_sise=8)
+    with pytest.raises(ValueError, match="scheduler"):
+        LLMEngine(scheduler="fifo")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(max_model_len=513)
+
+
+def generate(engine, prompt, params, rid="x"):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs[-1]
+
+
+def test_generation_stops_at_max_model_len():
+    engine = LLMEngine(max_model_len=20)
+    out = generate(engine, [1] * 15, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    out = generate(engine, [1] * 20, SamplingParams(temperature=0, max_tokens=100), rid="full")
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens(reference, requests):
+    engine = LLMEngine()
+    rid, prompt, _ = requests[0]
+    tokens = reference[rid]
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]), "a")
+    assert out.outputs[0].token_ids == tokens[:first + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
+
+    full = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24), "b").outputs[0].text
+    stop = full[10:14]
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), "c")
+    assert out.outputs[0].text == full[:full.index(stop)]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+
+    # min_tokens keeps a stop id from ending the request (the sampler masks it) until min_tokens are out
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=first + 1,
+                                                  stop_token_ids=[stop_id]), "d")
+    assert len(out.outputs[0].token_ids) > first + 1
+    assert stop_id not in out.outputs[0].token_ids[:first + 1]
+
+
+def test_eos_ends_a_request_unless_ignored():
+    engine = LLMEngine()
+    # The bundled model almost never emits its EOS (id 2), so declare its favourite first token to be EOS.
+    first = generate(engine, [1], SamplingParams(temperature=0, max_tokens=1), "probe").outputs[0].token_ids[0]
+    engine.tokenizer.eos_token_ids = (first,)
+    engine.sampler.eos_token_ids = (first,)
+    out = generate(engine, [1], SamplingParams(temperature=0, max_tokens=5), "eos")
+    assert out.outputs[0].token_ids == [first]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    out = generate(engine, [1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "ignore")
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(requests):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = generate(LLMEngine(), "Tom had a red", params).outputs[0].token_ids
+    # in a crowd, in small chunks, newest, in a pool small enough that it is preempted mid-decode
+    engine = LLMEngine(chunk_size=8, block_size=4, num_kv_blocks=24)
+    crowd = [(rid, p, SamplingParams(temperature=1.0, max_tokens=sp.max_tokens, ignore_eos=True))
+             for rid, p, sp in requests[1:]] + [("seeded", "Tom had a red", params)]
+    finals = run(engine, crowd, stagger=6)
+    assert finals["seeded"].outputs[0].token_ids == alone
+    metrics = finals["seeded"].metrics
+    assert metrics.preemption_times and metrics.preemption_times[-1] > metrics.first_token_time
+
+
+def test_metrics_timeline_and_stats(requests):
+    engine = LLMEngine(chunk_size=16, block_size=4, num_kv_blocks=40, enable_prefix_caching=True)
+    finals = run(engine, requests)
+    for rid, prompt, params in requests:
+        m = finals[rid].metrics
+        assert m.first_scheduled_time <= m.chunk_times[0][0] <= m.first_token_time <= m.finished_time
+        assert m.arrival_time <= m.first_scheduled_time
+        assert len(m.token_times) == params.max_tokens and m.token_times == sorted(m.token_times)
+        prompt_len = len(finals[rid].prompt_token_ids)
+        assert sum(n for _, n in m.chunk_times) >= prompt_len - finals[rid].num_cached_tokens
+        assert m.token_times[0] == m.first_token_time
+    stats = engine.stats()
+    assert stats["tokens_generated"] == sum(sp.max_tokens for _, _, sp in requests)
+    assert stats["steps"] == len(engine.step_records) > 0
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
+    assert 0 < stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
+    assert sum(finals[r].num_cached_tokens for r in finals) > 0     # r1 and r4 share r0's prefix
+    records = engine.step_records
+    assert sum(r.num_prefill_tokens for r in records) + sum(r.num_decode_tokens for r in records) == sum(
+        r.num_seqs and r.num_prefill_tokens + r.num_decode_tokens for r in records)
+    assert all(r.schedule_time >= 0 and r.execution_time > 0 and r.step_time >= r.execution_time for r in records)
+
+
+def test_logprobs_per_token():
+    engine = LLMEngine()
+    out = generate(engine, "Once upon a time", SamplingParams(temperature=0, max_tokens=6, logprobs=3))
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token].rank == 1                      # greedy: the sampled token is the most likely
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == [1, 2, 3]
+        assert all(lp.logprob <= 0 and isinstance(lp.decoded_token, str) for lp in entry.values())
+        probs = np.exp([lp.logprob for lp in entry.values()])
+        assert probs.sum() <= 1 + 1e-6

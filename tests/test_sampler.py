@@ -1,0 +1,239 @@
+"""Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit."""
+import numpy as np
+import pytest
+
+from minisarathi.sampler import Sampler, make_generator
+from minisarathi.sampling_params import SamplingParams as SP
+
+V = 16
+# chi-square critical values at p = 0.001 for 1..15 degrees of freedom
+CHI2_CRIT_001 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91,
+                 34.53, 36.12, 37.70]
+
+
+def rand_logits(n, vocab=V, seed=0, scale=2.0):
+    return (scale * np.random.default_rng(seed).standard_normal((n, vocab))).astype(np.float32)
+
+
+def run(sampler, logits, params, generators=None, prompts=None, outputs=None):
+    n = len(params)
+    return sampler.sample(logits, params, generators or [None] * n, prompts or [[1]] * n, outputs or [[]] * n)
+
+
+def reference_probs(logits, p: SP) -> np.ndarray:
+    """float64 softmax(logits / T), then min-p, top-k, top-p on the renormalized top-k set."""
+    z = logits.astype(np.float64) / p.temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    probs[probs < p.min_p * probs.max()] = 0
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    if 0 < p.top_k < len(probs):
+        probs[order[p.top_k:]] = 0
+    probs /= probs.sum()
+    mass = 0.0
+    for t in order:
+        if mass >= p.top_p:
+            probs[t] = 0
+        mass += probs[t]
+    return probs / probs.sum()
+
+
+def reference_penalties(logits, p: SP, prompt, output):
+    x = logits.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id():
+    logits = rand_logits(64)
+    logits[5, [3, 9, 11]] = 100.0
+    out = run(Sampler(V), logits, [SP(temperature=0)] * 64)
+    assert out.token_ids.dtype == np.int64
+    assert out.token_ids.tolist() == logits.argmax(axis=1).tolist() and out.token_ids[5] == 3
+    assert out.logprobs == [None] * 64
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = rand_logits(1, seed=3)[0]
+    p = SP(temperature=0.9, top_p=0.95, seed=7)
+
+    def tokens_of_seeded_row(position, companions, engine_seed):
+        sampler, gen = Sampler(V, seed=engine_seed), make_generator(7)
+        tokens = []
+        for step in range(30):
+            params = [SP(temperature=1.3, top_k=3)] * companions
+            params.insert(position, p)
+            gens = [make_generator(step)] * (companions // 2) + [None] * (companions - companions // 2)
+            gens.insert(position, gen)
+            batch = rand_logits(companions + 1, seed=100 + step)
+            batch[position] = logits
+            tokens.append(int(run(sampler, batch, params, gens).token_ids[position]))
+        return tokens
+
+    alone = tokens_of_seeded_row(0, 0, engine_seed=0)
+    assert len(set(alone)) > 1
+    assert tokens_of_seeded_row(3, 5, engine_seed=1) == alone
+    assert tokens_of_seeded_row(6, 6, engine_seed=2) == alone
+
+
+def test_one_uniform_per_seeded_step():
+    gen = make_generator(11)
+    run(Sampler(V), rand_logits(1), [SP(seed=11)], [gen])
+    expected = make_generator(11)
+    expected.random()
+    assert gen.random() == expected.random()
+
+
+def test_unseeded_rows_follow_the_engine_seed():
+    logits, params = rand_logits(32), [SP(temperature=1.0)] * 32
+    a, b, c = Sampler(V, seed=5), Sampler(V, seed=5), Sampler(V, seed=6)
+    first = run(a, logits, params).token_ids
+    assert first.tolist() == run(b, logits, params).token_ids.tolist()
+    assert first.tolist() != run(c, logits, params).token_ids.tolist()
+
+
+@pytest.mark.parametrize("p", [
+    SP(top_k=3), SP(top_p=0.5), SP(min_p=0.2), SP(top_k=5, top_p=0.7, temperature=0.7),
+    SP(top_k=1, temperature=2.0), SP(top_p=0.3, min_p=0.05, temperature=1.5), SP(top_p=1e-6),
+])
+def test_filters_never_return_excluded_tokens(p):
+    n = 4000
+    logits = np.repeat(rand_logits(4, seed=1), n // 4, axis=0)
+    out = run(Sampler(V, seed=2), logits, [p] * n).token_ids
+    for row in range(4):
+        allowed = reference_probs(logits[row * (n // 4)], p) > 0
+        drawn = out[row * (n // 4):(row + 1) * (n // 4)]
+        assert allowed[drawn].all()
+        likely = reference_probs(logits[row * (n // 4)], p) > 0.02
+        assert np.isin(np.flatnonzero(likely), drawn).all()
+
+
+def test_large_vocab_top_k_and_top_p_match_reference():
+    # vocab above the nucleus candidate count, so both the partial and the full-sort paths run
+    vocab, n = 3000, 16
+    logits = rand_logits(n, vocab, seed=4, scale=1.0)
+    logits[: n // 2] *= 8          # peaked rows: the nucleus is among the top candidates
+    params = [SP(top_p=0.9), SP(top_k=40, top_p=0.8), SP(top_k=2000), SP(top_k=1500, top_p=0.95)] * (n // 4)
+    sampler = Sampler(vocab)
+    out = run(sampler, logits, params).token_ids
+    for i, p in enumerate(params):
+        assert reference_probs(logits[i], p)[out[i]] > 0
+    top_k, top_p = np.array([p.top_k or vocab for p in params]), np.array([p.top_p for p in params])
+    kept = sampler._top_k_top_p(np.exp(logits - logits.max(axis=1, keepdims=True)), top_k, top_p)
+    for i, p in enumerate(params):
+        assert ((kept[i] > 0) == (reference_probs(logits[i], p) > 0)).all(), i
+
+
+def test_inverse_cdf_matches_a_full_running_sum():
+    vocab, n = 64, 5000                          # blocks of 8 tokens
+    rng = np.random.default_rng(12)
+    probs = rng.random((n, vocab)).astype(np.float32) * (rng.random((n, vocab)) < 0.3)
+    probs[:, 0] = 0                              # leading and trailing zeros in every row
+    probs[:, -9:] = 0
+    probs[:10, 8:] = 0                           # rows whose only kept tokens are in the first block
+    u = rng.random(n)
+    u[:3] = 0.0
+    u[3:6] = np.nextafter(1.0, 0)
+    drawn = Sampler(vocab)._inverse_cdf(probs, u)
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    expected = [np.searchsorted(cdf[i], u[i] * cdf[i, -1], side="right") for i in range(n)]
+    expected[3:6] = [np.flatnonzero(probs[i])[-1] for i in range(3, 6)]
+    assert drawn.tolist() == expected
+    assert (probs[np.arange(n), drawn] > 0).all()
+
+
+class FixedDraw:
+    """Stands in for a request's generator: always draws u."""
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
+def test_extreme_draws_stay_inside_the_kept_set():
+    logits = np.zeros((2, V), np.float32)
+    logits[:, 7:9] = 3.0                         # top-2 in the middle: tokens at both ends are excluded
+    params = [SP(top_k=2, seed=0)] * 2
+    out = run(Sampler(V), logits, params, [FixedDraw(0.0), FixedDraw(np.nextafter(1.0, 0))])
+    assert out.token_ids.tolist() == [7, 8]
+
+
+@pytest.mark.parametrize("p", [SP(), SP(temperature=0.6, top_k=6),
+                               SP(temperature=1.4, top_p=0.8, min_p=0.02)])
+def test_frequencies_fit_the_distribution(p):
+    n = 20000
+    logits = rand_logits(1, seed=9)
+    expected = reference_probs(logits[0], p) * n
+    drawn = run(Sampler(V, seed=3), np.repeat(logits, n, axis=0), [p] * n).token_ids
+    counts = np.bincount(drawn, minlength=V)
+    kept = expected > 0
+    assert counts[~kept].sum() == 0
+    chi2 = (((counts - expected) ** 2)[kept] / expected[kept]).sum()
+    assert chi2 < CHI2_CRIT_001[kept.sum() - 2]
+
+
+def test_penalties_match_reference():
+    rng = np.random.default_rng(5)
+    n = 6
+    logits = rand_logits(n, seed=6)
+    prompts = [rng.integers(0, V, 10).tolist() for _ in range(n)]
+    outputs = [rng.integers(0, V, k).tolist() for k in (0, 1, 5, 9, 20, 3)]
+    params = [SP(repetition_penalty=1.3, temperature=0), SP(frequency_penalty=0.7, temperature=0),
+              SP(presence_penalty=-1.1, temperature=0), SP(repetition_penalty=0.8, frequency_penalty=-0.4,
+              presence_penalty=1.5, temperature=0), SP(repetition_penalty=2.0, presence_penalty=2.0), SP()]
+    sampler = Sampler(V)
+    penalized = sampler._apply_penalties(logits, params, prompts, outputs)
+    for i, p in enumerate(params):
+        expected = reference_penalties(logits[i], p, prompts[i], outputs[i])
+        np.testing.assert_allclose(penalized[i], expected, rtol=1e-6, atol=1e-6)
+    greedy = run(sampler, logits[:4], params[:4], None, prompts[:4], outputs[:4]).token_ids
+    expected = [reference_penalties(logits[i], params[i], prompts[i], outputs[i]).argmax() for i in range(4)]
+    assert greedy.tolist() == expected
+    assert (logits == rand_logits(n, seed=6)).all()      # the caller's logits are untouched
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = np.zeros((4, V), np.float32)
+    logits[:, 2] = 10      # EOS
+    logits[:, 7] = 9       # a stop token id
+    logits[:, 4] = 8
+    params = [SP(temperature=0, min_tokens=3, stop_token_ids=[7, 99])] * 2 + [
+        SP(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]), SP(temperature=0, min_tokens=2)]
+    outputs = [[5, 5], [5, 5, 5], [5], [5, 5]]
+    out = Sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 4, [[1]] * 4, outputs)
+    assert out.token_ids.tolist() == [4, 2, 2, 2]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = rand_logits(5, seed=8)
+    logits[0, [1, 6]] = 5.0         # a tie: ranked by lowest id
+    params = [SP(temperature=0, logprobs=3), SP(logprobs=0, repetition_penalty=1.7, temperature=0.5),
+              SP(temperature=0), SP(logprobs=V, top_k=2, seed=1), SP(logprobs=20, presence_penalty=2.0)]
+    out = run(Sampler(V), logits, params, None, [[0, 1, 2]] * 5, [[3, 4]] * 5)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            assert out.logprobs[i] is None and out.ranks[i] is None
+            continue
+        entries = out.logprobs[i]
+        k = min(p.logprobs, V)
+        assert len(entries) == 1 + k and entries[0][0] == out.token_ids[i]
+        order = sorted(range(V), key=lambda t: (-ref[i, t], t))[:k]
+        assert [t for t, _ in entries[1:]] == order
+        np.testing.assert_allclose([lp for _, lp in entries], ref[i, [t for t, _ in entries]], atol=1e-6)
+        assert out.ranks[i] == 1 + int((ref[i] > ref[i, out.token_ids[i]]).sum())
+    assert [t for t, _ in out.logprobs[0][1:]] == [1, 6, int(np.argsort(-ref[0])[2])]
+
+
+def test_bad_shapes():
+    sampler = Sampler(V)
+    with pytest.raises(ValueError, match="logits"):
+        run(sampler, rand_logits(2, vocab=V + 1), [SP()] * 2)
+    with pytest.raises(ValueError, match="logits"):
+        run(sampler, rand_logits(3), [SP()] * 2)
+    with pytest.raises(ValueError, match="generators"):
+        sampler.sample(rand_logits(2), [SP()] * 2, [None], [[1]] * 2, [[]] * 2)

@@ -1,0 +1,81 @@
+"""protocol.py on its own: generate's param checks and the unpacker's size limits (no server needed)."""
+import msgpack
+import pytest
+
+from minisarathi.server.protocol import (INVALID_PARAMS, RPCError, ServerLimits, make_unpacker, pack,
+                                         parse_generate, single_param)
+
+LIMITS = ServerLimits(max_message_bytes=4096, max_tokens=100)
+
+
+def test_generate_params_become_sampling_params():
+    request = parse_generate([{"prompt": "hi", "max_tokens": 7, "temperature": 0, "stop": ["x"], "seed": 3,
+                               "stream": True}], LIMITS)
+    assert request.prompt == "hi" and request.prompt_token_ids is None and request.stream
+    assert request.params.max_tokens == 7 and request.params.greedy and request.params.stop == ["x"]
+    assert parse_generate([{"prompt_token_ids": [1, 5]}], LIMITS).prompt_token_ids == [1, 5]
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"prompt": "hi", "bogus": 1}, "bogus"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt_token_ids": [1, -2]}, "prompt_token_ids"),
+    ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+    ({}, "prompt"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "prompt"),
+    ({"prompt": "a", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 101}, "max_tokens"),
+    ({"prompt": "a", "temperature": -1.0}, "temperature"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+    ({"prompt": "a", "stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"prompt": "a", "stream": 1}, "stream"),
+    ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "a", "skip_special_tokens": None}, "skip_special_tokens"),
+])
+def test_bad_generate_params_name_the_field(fields, named):
+    with pytest.raises(RPCError) as info:
+        parse_generate([fields], LIMITS)
+    assert info.value.code == INVALID_PARAMS and named in info.value.message
+
+
+def test_generate_params_must_be_one_map():
+    for params in ([], ["hi"], [{"prompt": "a"}, {"prompt": "b"}]):
+        with pytest.raises(RPCError) as info:
+            parse_generate(params, LIMITS)
+        assert info.value.code == INVALID_PARAMS
+
+
+def test_single_param_takes_bare_or_named():
+    assert single_param(["hello"], "text", str) == "hello"
+    assert single_param([{"text": "hello"}], "text", str) == "hello"
+    for params in ([], [1], [{"txt": "a"}], ["a", "b"]):
+        with pytest.raises(RPCError):
+            single_param(params, "text", str)
+    with pytest.raises(RPCError):
+        single_param([True], "msgid", int)   # a bool is not a msgid
+
+
+def test_unpacker_rejects_a_huge_array_header_without_allocating():
+    unpacker = make_unpacker(LIMITS)
+    unpacker.feed(b"\xdd\xff\xff\xff\xff")   # array32 claiming 4 billion elements
+    with pytest.raises(ValueError):
+        list(unpacker)
+
+
+def test_unpacker_caps_a_huge_string_at_the_buffer():
+    unpacker = make_unpacker(LIMITS)
+    unpacker.feed(b"\xdb\xff\xff\xff\xff")   # str32 claiming 4 GiB: waits for bytes ...
+    assert list(unpacker) == []
+    with pytest.raises(msgpack.BufferFull):  # ... but never buffers more than the limit allows
+        for _ in range(4):
+            unpacker.feed(b"a" * LIMITS.max_message_bytes)
+
+
+def test_pack_round_trips_numpy_scalars():
+    import numpy as np
+    assert msgpack.unpackb(pack({"a": np.int64(3), "b": np.float32(0.5)})) == {"a": 3, "b": 0.5}
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match="max_tokens"):
+        ServerLimits(max_tokens=0)

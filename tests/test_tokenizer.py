@@ -1,0 +1,202 @@
+"""Tokenizer wrapper and streaming detokenizer on the bundled model's real tokenizer (BPE, byte fallback)."""
+import json
+import random
+import shutil
+
+import pytest
+
+from minisarathi.paths import default_model_dir
+from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MODEL = default_model_dir()
+README_STORY = (MODEL / "README.md").read_text().split("```text\n")[1].split("\n```")[0]
+BYTE_TOKENS = range(3, 259)        # <0x00>..<0xFF>
+WORD_TOKENS = range(259, 512)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_pretrained(MODEL)
+
+
+def stream(tok, prompt_ids, output_ids, stop=(), skip_special_tokens=True):
+    """Feed output_ids until a stop hits; returns (pieces incl. the flush, stop hit, detokenizer)."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, list(stop), skip_special_tokens)
+    pieces, hit = [], None
+    for token_id in output_ids:
+        piece, hit = detok.add(token_id)
+        pieces.append(piece)
+        if hit:
+            break
+    pieces.append(detok.flush())
+    assert "".join(pieces) == detok.text
+    return pieces, hit, detok
+
+
+def continuation(tok, prompt_ids, output_ids):
+    return tok.decode(prompt_ids + output_ids)[len(tok.decode(prompt_ids)):]
+
+
+def test_bundled_model_ids(tok):
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), 512)
+    assert tok.encode("") == [1]
+    assert tok.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    assert tok.decode(tok.encode("Once upon a time, there was ö株😀")) == "Once upon a time, there was ö株😀"
+    assert tok.decode([1, 403, 2], skip_special_tokens=False) == "<s> Once</s>"
+    assert [tok.decoded_token(i) for i in (1, 2, 403, 432)] == ["<s>", "</s>", "Once", ","]
+
+
+def test_readme_story_from_bos_streams_exactly(tok):
+    ids = tok.encode(README_STORY)
+    pieces, _, detok = stream(tok, [1], ids[1:])
+    assert detok.text == README_STORY
+    assert "\ufffd" not in "".join(pieces)
+
+
+@pytest.mark.parametrize("prompt, full", [
+    ("Once upon a time", "Once upon a time, there was a little girl named Lily. She loved to play outside "
+                         "in the park. One day, she saw a big, red ball."),
+    ("Tom had a red", "Tom had a red ball. He liked to play with his toys."),
+])
+def test_readme_samples_continue_the_prompt(tok, prompt, full):
+    # The model's greedy ids for these prompts are exactly these encodings (checked through LLMEngine).
+    prompt_ids, full_ids = tok.encode(prompt), tok.encode(full)
+    assert full_ids[:len(prompt_ids)] == prompt_ids
+    _, _, detok = stream(tok, prompt_ids, full_ids[len(prompt_ids):])
+    assert prompt + detok.text == full
+
+
+@pytest.mark.parametrize("text", ["ö", "株式会社", "😀 and 🐉!", "naïve café, 株 😀\n\"quoted\" ok"])
+def test_multibyte_characters_never_break(tok, text):
+    prompt_ids = tok.encode("Once upon a time")
+    out = tok.encode("Once upon a time " + text)[len(prompt_ids):]
+    assert any(t in BYTE_TOKENS for t in out)
+    pieces, _, detok = stream(tok, prompt_ids, out)
+    assert detok.text == " " + text == continuation(tok, prompt_ids, out)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_random_word_tokens_follow_the_continuation_rule(tok):
+    rng = random.Random(0)
+    for _ in range(50):
+        prompt = [1] + [rng.choice(WORD_TOKENS) for _ in range(rng.randrange(0, 12))]
+        out = [rng.choice(WORD_TOKENS) for _ in range(rng.randrange(1, 30))]
+        _, _, detok = stream(tok, prompt, out)
+        assert detok.text == continuation(tok, prompt, out)
+
+
+def test_invalid_bytes_never_raise_or_rewrite_released_text(tok):
+    rng = random.Random(1)
+    for _ in range(200):
+        out = [rng.choice([rng.choice(BYTE_TOKENS), rng.choice(WORD_TOKENS)]) for _ in range(20)]
+        detok = IncrementalDetokenizer(tok, [1], [])
+        released = ""
+        for t in out:
+            released += detok.add(t)[0]
+            assert detok.text == released
+        detok.flush()
+    # "ö" then a stray continuation byte: "ö" was released and stays.
+    pieces, _, detok = stream(tok, [1], [198, 185, 185, 261])
+    assert detok.text.startswith("ö") and detok.text.endswith("a")
+
+
+def test_prompt_ending_inside_a_character(tok):
+    # A prompt given as ids may end with the first byte of "ö"; its bytes stay the prompt's.
+    _, _, detok = stream(tok, [1, 403, 198], [261, 378])
+    assert detok.text == " a time"
+
+
+def test_skip_special_tokens_false_keeps_them(tok):
+    _, _, detok = stream(tok, [1, 403], [407, 2, 1, 261], skip_special_tokens=False)
+    assert detok.text == continuation_special(tok, [1, 403], [407, 2, 1, 261])
+    assert "</s><s>" in detok.text
+
+
+def continuation_special(tok, prompt_ids, output_ids):
+    full = tok.decode(prompt_ids + output_ids, skip_special_tokens=False)
+    return full[len(tok.decode(prompt_ids, skip_special_tokens=False)):]
+
+
+def ids_of(tok, prompt, completion):
+    prompt_ids = tok.encode(prompt)
+    full = tok.encode(prompt + completion)
+    assert full[:len(prompt_ids)] == prompt_ids
+    return prompt_ids, full[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("stop, expected_text, expected_hit", [
+    (["girl"], ", there was a little ", "girl"),           # a whole stop inside one step's text
+    (["e was"], ", ther", "e was"),                        # starts inside a token, spans tokens
+    (["was a", ", there"], "", ", there"),                 # at the very start; earliest of several
+    (["little", "was a"], ", there ", "was a"),            # the first complete wins, not the list order
+    (["e", "there"], ", th", "e"),                         # "e" is complete before "there" is
+    (["ö", "株"], ", there was a little girl ", "ö"),        # a multi-byte character as stop
+    (["dragon"], ", there was a little girl ö株.", None),   # no hit: the held-back text is flushed
+    (["."], ", there was a little girl ö株", "."),
+])
+def test_stop_strings(tok, stop, expected_text, expected_hit):
+    prompt_ids, out = ids_of(tok, "Once upon a time", ", there was a little girl ö株.")
+    pieces, hit, detok = stream(tok, prompt_ids, out, stop)
+    assert (detok.text, hit) == (expected_text, expected_hit)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_holds_back_only_a_possible_stop_start(tok):
+    prompt_ids, out = ids_of(tok, "Once upon a time", ", there was a little girl.")
+    detok = IncrementalDetokenizer(tok, prompt_ids, ["\n\n", "girl!"])
+    for t in out:
+        detok.add(t)
+        decoded = continuation(tok, prompt_ids, out[:out.index(t) + 1])
+        # everything is released except a tail that could start "girl!"
+        held = decoded[len(detok.text):]
+        assert decoded.startswith(detok.text) and (held == "" or "girl!".startswith(held))
+    assert detok.flush() == "" and detok.text == ", there was a little girl."
+
+
+def test_flush_releases_the_held_back_text(tok):
+    prompt_ids, out = ids_of(tok, "Once upon a time", ", there was a little girl")
+    detok = IncrementalDetokenizer(tok, prompt_ids, ["girl!"])
+    assert "".join(detok.add(t)[0] for t in out) == detok.text == ", there was a little "
+    assert detok.flush() == "girl" and detok.text == ", there was a little girl"
+
+
+def test_stop_invariants_on_random_text(tok):
+    rng = random.Random(2)
+    words = ["the", "cat", "ran", "ö", "株", "!", "\n", "a", "big", "dog"]
+    for _ in range(100):
+        text = " " + " ".join(rng.choice(words) for _ in range(12))
+        prompt_ids, out = ids_of(tok, "Once upon a time", text)
+        full = continuation(tok, prompt_ids, out)
+        stops = [full[i:i + rng.randrange(1, 6)] for i in (rng.randrange(len(full)) for _ in range(2))]
+        stops.append("zzz")
+        pieces, hit, detok = stream(tok, prompt_ids, out, stops)
+        # the stop that is complete first (earliest end; the longer when two end together)
+        _, cut, first = min((full.find(s) + len(s), full.find(s), s) for s in stops if s in full)
+        assert (detok.text, hit) == (full[:cut], first)
+
+
+def test_config_variants(tmp_path):
+    shutil.copy(MODEL / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": False, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.encode("") == [] and tok.encode("Once") == [403]
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2, 7))
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": True, "add_eos_token": True, "bos_token": "<s>", "eos_token": "</s>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.encode("Once") == [1, 403, 2] and tok.eos_token_ids == (2,)
+
+
+def test_bad_input(tok, tmp_path):
+    with pytest.raises(ValueError, match="path"):
+        Tokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="text"):
+        tok.encode([1, 2])
+    detok = IncrementalDetokenizer(tok, [1], ["Once"])
+    assert detok.add(403) == ("", "Once")
+    with pytest.raises(ValueError, match="token_id"):
+        detok.add(407)
