@@ -48,14 +48,18 @@ def random_model(args) -> LlamaModel:
     return LlamaModel(config, weights, numpy_ops)
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults, BLAS buffers
-    times = []
+def best_times(fns, repeats: int) -> list[float]:
+    """Best-of-repeats seconds of each function, run in turns so that load from other processes on a
+    shared machine falls on all of them alike."""
+    for fn in fns:
+        fn()  # warm-up: page faults, BLAS buffers
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def matmuls_alone(model: LlamaModel, num_tokens: int, num_logits: int):
@@ -77,8 +81,8 @@ def matmuls_alone(model: LlamaModel, num_tokens: int, num_logits: int):
 def bench_case(model, phase: str, chunks: list[ScheduledChunk], block_size: int, num_blocks: int, repeats: int) -> dict:
     batch = build_batch(chunks, block_size)
     cache = model.new_kv_cache(num_blocks, block_size)
-    forward_s = best_time(lambda: model.forward(batch, cache), repeats)
-    matmul_s = best_time(matmuls_alone(model, batch.num_tokens, len(batch.logits_indices)), repeats)
+    forward_s, matmul_s = best_times([lambda: model.forward(batch, cache),
+                                      matmuls_alone(model, batch.num_tokens, len(batch.logits_indices))], repeats)
     return {"bench": "forward", "phase": phase, "batch": len(chunks), "tokens": batch.num_tokens,
             "context": batch.max_context_len, "forward_ms": round(forward_s * 1e3, 2),
             "matmul_ms": round(matmul_s * 1e3, 2), "ratio": round(forward_s / matmul_s, 3),

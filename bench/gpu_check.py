@@ -60,7 +60,7 @@ def host(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def compare(name: str, ops, got, want: np.ndarray, dtype: str) -> None:
-    got = ops.to_numpy(got) if not isinstance(got, np.ndarray) else got
+    got = ops.to_numpy(got)
     scale = max(1.0, float(np.abs(want).max()))
     error = float(np.abs(got - want).max()) / scale
     ok = error <= TOLERANCE[dtype]
@@ -269,6 +269,13 @@ def time_kernels():
         positions = np.arange(T, dtype=np.int32)
         inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
         bandwidth_row(f"rope T={T}", timed(lambda: ops.rope(q, k, positions, inv_freq)), 2 * (q.size + k.size) * 2)
+        ids = np.arange(T, dtype=np.int32)
+        table = random_device(ops, (128256, H))
+        bandwidth_row(f"embedding T={T}", timed(lambda: ops.embedding(table, ids)), 2 * T * H * 2)
+        v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)
+        k_cache, v_cache = ops.zeros((T // 16 + 1, Hk, 16, D)), ops.zeros((T // 16 + 1, Hk, 16, D))
+        slots = np.arange(T, dtype=np.int32)
+        bandwidth_row(f"store_kv T={T}", timed(lambda: ops.store_kv(k, v, k_cache, v_cache, slots)), 2 * 2 * k.size * 2)
 
     # Decode attention: 64 sequences at 4096 tokens of context, blocks of 16.
     S, ctx, bs = 64, 4096, 16
@@ -328,7 +335,7 @@ def time_decode_step():
 
 @section("pytest on the GPU")
 def run_pytest(out: Path):
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda_backend.py", "-k", "gpu",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda_backend.py::test_bundled_model_on_gpu",
                              "tests/test_nvrtc.py"],
                             capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
     (out / "pytest.txt").write_text(result.stdout + result.stderr)

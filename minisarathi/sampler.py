@@ -142,9 +142,7 @@ class Sampler:
         rows, size = len(probs), self._cdf_block
         blocks = probs.reshape(rows, -1, size)                                # float32[R, V / B, B]
         block_cdf = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)   # float64[R, V / B]
-        total = block_cdf[:, -1]
-        # The cap keeps u * total below total when rounding would reach it.
-        target = np.minimum(u * total, np.nextafter(total, 0))
+        target = u * block_cdf[:, -1]        # below the row's mass even after rounding, as u < 1
         block = (block_cdf <= target[:, None]).sum(axis=1)                   # the first block passing it
         r = np.arange(rows)
         before = np.where(block > 0, block_cdf[r, block - 1], 0.0)

@@ -1,7 +1,8 @@
 """Capacity search on a fake system whose threshold is known."""
+import numpy as np
 import pytest
 
-from minisarathi.bench.capacity import Slo, Trial, find_capacity, judge
+from minisarathi.bench.capacity import Slo, SloWatch, Trial, find_capacity, judge
 from minisarathi.bench.metrics import RequestRecord, compute_metrics
 
 
@@ -73,3 +74,25 @@ def test_bad_search_arguments(kwargs, name):
 def test_bad_slo():
     with pytest.raises(ValueError, match="p99_tbt"):
         Slo(p99_tbt=0)
+
+
+@pytest.mark.parametrize("num_gaps", [1, 7, 100, 101, 2000, 12345])
+def test_slo_watch_p99_threshold_is_exact(num_gaps):
+    """The watch says 'fail' exactly when the gaps over the SLO already force NumPy's P99 over it."""
+    slo = Slo(p99_tbt=1.0)
+    watch = SloWatch(slo, num_requests=10, num_gaps=num_gaps)
+    for over in range(num_gaps + 1):
+        # The most forgiving outcome: the gaps over the SLO barely so, the ones to come all zero.
+        gaps = np.r_[np.full(over, 1.0 + 1e-9), np.zeros(num_gaps - over)]
+        sure = np.percentile(gaps, 99) > slo.p99_tbt
+        assert (watch.verdict(0, over) is not None) == sure, over
+        if over > 30:
+            break
+
+
+def test_slo_watch_median_delay_threshold():
+    watch = SloWatch(Slo(p99_tbt=1.0, median_scheduling_delay=2.0), num_requests=9, num_gaps=0)
+    assert watch.verdict(4, 0) is None and "scheduling delay" in watch.verdict(5, 0)
+    assert np.median([3.0] * 5 + [0.0] * 4) > 2.0 and np.median([3.0] * 4 + [0.0] * 5) <= 2.0
+    even = SloWatch(Slo(p99_tbt=1.0), num_requests=10, num_gaps=0)
+    assert even.verdict(5, 0) is None and even.verdict(6, 0) is not None

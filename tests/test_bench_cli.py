@@ -22,7 +22,7 @@ def test_run_saves_json_and_csv_and_prints_a_table(tmp_path, capsys):
 
 def test_compare_policies_with_capacity(tmp_path, capsys):
     args = ["bench", "compare", *SMALL, "--policies", "sarathi,vllm", "--chunk-sizes", "16,64", "--capacity",
-            "--slo-tbt", "1.0", "--max-trials", "1", "--out", str(tmp_path)]
+            "--slo-tbt", "1.0", "--max-trials", "1", "--out", str(tmp_path), "--plots", str(tmp_path / "docs")]
     assert main(args) == 0
     out = capsys.readouterr().out
     data = json.loads((tmp_path / "compare.json").read_text())
@@ -39,15 +39,21 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
     else:
         for name in ("tbt_cdf.png", "ttft_cdf.png", "batch_tokens.png", "capacity.png"):
             assert (tmp_path / name).stat().st_size > 1000
+            assert (tmp_path / "docs" / name).read_bytes() == (tmp_path / name).read_bytes()
 
 
 def test_capacity_with_an_slo_from_the_measured_decode_step(tmp_path, capsys):
-    args = ["bench", "capacity", *SMALL, "--max-trials", "2", "--out", str(tmp_path)]
+    args = ["bench", "capacity", *SMALL, "--max-trials", "2", "--trial-seconds", "0.05", "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "decode step at batch 32" in out and "capacity" in out
     data = json.loads((tmp_path / "capacity.json").read_text())
     assert len(data["trail"]) == 2 and data["info"]["slo"]["p99_tbt"] > 0
+    assert data["info"]["slo"]["p99_tbt"] == pytest.approx(5 * data["info"]["decode_step_s"])
+    for trial in data["trail"]:   # --trial-seconds: 40 qps x 0.05 s = 2 requests, raised to the floor of 4
+        assert trial["requests"] == 4
+        _, requests, _ = load_run(tmp_path / f"sarathi_qps{trial['qps']:.3f}.json")
+        assert len(requests) == 4
 
 
 def test_ctrl_c_saves_partial_results(tmp_path, capsys, monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from minisarathi.bench.capacity import Slo
 from minisarathi.bench.metrics import compute_metrics
 from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
 from minisarathi.bench.workloads import WorkloadConfig, make_workload
@@ -171,9 +172,28 @@ def test_engine_target_rejected_request_fails_alone(engine):
 
 def test_engine_target_stops_once_the_median_scheduling_delay_must_fail(engine):
     specs = small_workload(n=12, arrivals="static")     # 12 prompts against a 32-token budget: most wait
-    result = EngineTarget(engine).run(specs, time_limit=30, max_scheduling_delay=0.001)
+    result = EngineTarget(engine).run(specs, time_limit=30, slo=Slo(p99_tbt=10.0, median_scheduling_delay=0.001))
     assert "scheduling delay" in result.stopped
     assert sum(r.completed for r in result.requests) < 6
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
-    # A bound that holds lets the run finish.
-    assert EngineTarget(engine).run(specs[:2], time_limit=30, max_scheduling_delay=10.0).stopped is None
+    # An SLO that holds lets the run finish.
+    assert EngineTarget(engine).run(specs[:2], time_limit=30, slo=Slo(10.0, 10.0)).stopped is None
+
+
+def test_engine_target_stops_once_p99_tbt_must_fail(engine):
+    specs = small_workload(n=6, qps=50.0)
+    result = EngineTarget(engine).run(specs, time_limit=30, slo=Slo(p99_tbt=1e-6, median_scheduling_delay=10.0))
+    assert "P99 TBT" in result.stopped and not all(r.completed for r in result.requests)
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["server", "openai"])
+def test_bench_run_cli_against_remote_targets(kind, server, openai_server, tmp_path, capsys):
+    from minisarathi.cli import main
+
+    where = ["--port", str(server[1])] if kind == "server" else ["--url", openai_server]
+    args = ["bench", "run", "--target", kind, *where, "--num-requests", "4", "--lengths", "fixed",
+            "--prompt-len", "12", "--decode-len", "5", "--qps", "20", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "4/4" in capsys.readouterr().out
+    assert (tmp_path / f"{kind}.json").exists()

@@ -4,14 +4,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from minisarathi.client import Client, RPCError
 from minisarathi.server.cli import API_KEY_ENV, _read_api_key
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, UNAUTHORIZED
-from test_server import REPO, launch_server, offline_greedy, wait_until_idle
+from test_server import REPO, RawConnection, launch_server, offline_greedy, wait_until_idle
 
 KEY = "s3cret-key-for-tests"
 
@@ -49,7 +51,8 @@ def test_cli_client_without_the_key_fails_cleanly(server):
 
 def test_every_call_is_unauthorized_until_auth(server):
     with Client("127.0.0.1", server.port) as client:
-        for method, params in (("health", []), ("stats", []), ("tokenize", ["x"]), ("generate", [{"prompt": "Zoo"}])):
+        for method, params in (("health", []), ("stats", []), ("tokenize", ["x"]), ("generate", [{"prompt": "Zoo"}]),
+                               ("no_such_method", [])):   # not even which methods exist
             with pytest.raises(RPCError) as info:
                 client.call(method, *params)
             assert info.value.code == UNAUTHORIZED
@@ -62,6 +65,16 @@ def test_every_call_is_unauthorized_until_auth(server):
         assert client.health()["status"] == "ok"
     assert KEY not in Path(server.log_path).read_text()
     wait_until_idle(server, api_key=KEY)
+
+
+def test_auth_as_a_notification_and_as_bin(server):
+    conn = RawConnection(server)
+    conn.send([2, "auth", ["wrong"]], [0, 1, "health", []])      # no reply to a notification, even a failed one
+    assert conn.receive()[2]["code"] == UNAUTHORIZED
+    conn.sock.sendall(msgpack.packb([2, b"auth", [KEY.encode()]], use_bin_type=True))
+    conn.send([0, 2, "health", []])
+    assert conn.receive()[:3] == [1, 2, None]
+    conn.close()
 
 
 def test_api_key_from_file_or_environment(tmp_path, monkeypatch):
@@ -82,6 +95,12 @@ def test_sigterm_ends_in_flight_requests_and_exits_0():
         streams = [client.generate_stream("Once upon a time", max_tokens=500, ignore_eos=True) for _ in range(4)]
         first = next(iter(streams[0]))
         assert first.token_ids
+        # A client that pipelines requests and reads nothing must not hold the shutdown up either.
+        deaf = socket.socket()
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.connect(("127.0.0.1", server.port))
+        flood = b"".join(msgpack.packb([0, i, "model_info", []]) for i in range(30_000))
+        threading.Thread(target=_send_until_closed, args=(deaf, flood), daemon=True).start()
         server.proc.send_signal(signal.SIGTERM)
         outcomes = []
         for stream in streams:
@@ -93,6 +112,14 @@ def test_sigterm_ends_in_flight_requests_and_exits_0():
         assert set(outcomes) <= {"length", ABORTED} and ABORTED in outcomes
         client.close()
         assert server.proc.wait(timeout=30) == 0   # launch_server checks the same on exit
+        deaf.close()
+
+
+def _send_until_closed(sock: socket.socket, data: bytes):
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass   # the server went away first
 
 
 def test_async_and_sync_clients_agree(server):

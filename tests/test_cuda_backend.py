@@ -1,6 +1,7 @@
 """Whole models through the CUDA backend's kernels: on the CPU emulator always, on a real GPU when present."""
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +58,11 @@ def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size
     return tokens, np.concatenate(all_logits)
 
 
+emulator_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 PROMPTS = [[1, 403, 407, 261, 378, 10, 65, 2], [1, 9], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
 
 
+@emulator_only
 def test_bundled_model_on_emulated_kernels_matches_numpy():
     reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS, 12, chunk_size=7)
     tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated()), PROMPTS, 12, chunk_size=7)
@@ -67,6 +70,7 @@ def test_bundled_model_on_emulated_kernels_matches_numpy():
     np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
 
 
+@emulator_only
 def test_bundled_model_in_bfloat16_stays_close():
     _, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS[:2], 3, chunk_size=16)
     _, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated("bfloat16")), PROMPTS[:2], 3,
@@ -75,6 +79,7 @@ def test_bundled_model_in_bfloat16_stays_close():
     assert np.abs(logits - ref_logits).max() <= 0.03 * np.abs(ref_logits).max()
 
 
+@emulator_only
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
 def test_golden_models_on_emulated_kernels(name):
     """GQA, MHA, QKV bias, tied embeddings, linear and llama3 RoPE scaling against transformers' logits."""
@@ -86,6 +91,27 @@ def test_golden_models_on_emulated_kernels(name):
     batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
     logits = model.forward(batch, cache)
     assert np.abs(logits - golden["logits"]).max() <= 1e-4 * np.abs(golden["logits"]).max()
+
+
+@emulator_only
+def test_engine_hybrid_batches_on_emulated_kernels(monkeypatch):
+    """The whole engine (Sarathi chunked prefills mixed with decodes, 4-token KV blocks) on emulated kernels
+    generates exactly what it generates on NumPy."""
+    import minisarathi.engine.engine as engine_module
+    from minisarathi.llm import LLM
+    from minisarathi.sampling_params import SamplingParams
+    prompts = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park. They saw"]
+    params = SamplingParams(max_tokens=10, temperature=0)
+    def generate():
+        llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.model.ops
+    expected, ops = generate()
+    assert ops is numpy_ops
+    monkeypatch.setattr(engine_module, "load_model",
+                        lambda path, device="cpu": build_model(Path(path), cuda_ops.emulated()))
+    tokens, ops = generate()
+    assert isinstance(ops, cuda_ops.CudaOps)
+    assert tokens == expected
 
 
 def test_emulated_ops_reject_a_bad_dtype():

@@ -64,14 +64,14 @@ def assert_no_leaks(engine):
 @pytest.fixture(scope="module")
 def reference(requests):
     """Each request alone, whole prompt in one step."""
-    engine = LLMEngine(scheduler="sarathi", chunk_size=512, block_size=16)
+    engine = LLMEngine(scheduler="sarathi", chunk_size=512, block_size=16, num_kv_blocks=64)
     return {rid: run(engine, [(rid, p, sp)], stagger=1)[rid].outputs[0].token_ids for rid, p, sp in requests}
 
 
 GRID = [  # (policy, chunk_size, block_size, prefix caching, KV blocks: None = plenty)
     (policy, chunk, block, caching, None)
     for policy in ("sarathi", "simple_chunking", "vllm", "orca", "faster_transformer")
-    for chunk, block, caching in ((1, 16, False), (8, 1, True), (64, 32, False), (512, 16, True))
+    for chunk, block, caching in ((1, 16, False), (8, 1, True), (64, 32, True), (512, 16, True))
 ] + [
     (policy, chunk, block, caching, blocks)
     for policy in ("sarathi", "simple_chunking", "vllm", "orca", "faster_transformer")
@@ -108,7 +108,7 @@ def check_batch_shape(engine):
 
 def test_sarathi_is_stall_free(requests):
     """Every sequence decoding before a step is in that step's batch (no decode waits behind a prefill)."""
-    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4)
+    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4, num_kv_blocks=256)
     scheduler = engine.scheduler
     original = scheduler.schedule
     seen = []
@@ -207,6 +207,11 @@ def test_engine_options_are_checked():
         LLMEngine(scheduler="fifo")
     with pytest.raises(ValueError, match="max_model_len"):
         LLMEngine(max_model_len=513)
+    block_bytes = 2 * 5 * 4 * 16 * 8 * 4     # K and V x 5 layers x 4 KV heads x 16 tokens x head_dim 8 x fp32
+    engine = LLMEngine(block_size=16, kv_cache_bytes=5 * block_bytes + 1)
+    assert engine.block_manager.num_blocks == 5 == engine.stats()["kv_blocks_total"]
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        LLMEngine(block_size=16, kv_cache_bytes=block_bytes - 1)
 
 
 def generate(engine, prompt, params, rid="x"):

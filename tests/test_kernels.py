@@ -6,6 +6,7 @@ shapes, in float32, float16 and bfloat16 (inputs rounded to the type, reference 
 from __future__ import annotations
 
 import concurrent.futures
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,9 @@ from minisarathi.engine.batch import ScheduledChunk, build_batch
 from minisarathi.paths import cuda_dir
 
 CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
-CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum"]
+CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum",
+                 "round_trip_16bit"]
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}   # relative to the values' scale
 
 
@@ -304,3 +307,17 @@ def test_launch_checks_exact_parameter_types_and_limits():
         kernel((1,), (32,), (x, out, np.float32(1)), shared_mem=64 * 1024)
     with pytest.raises(RuntimeError, match="does not exist"):
         kernel((1,), (48,), (x, out, np.float32(1)))   # warp shuffles with a partial warp
+
+
+def test_16bit_conversions_round_to_nearest_even():
+    rng = np.random.default_rng(12)
+    specials = [0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9,
+                1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, np.inf, -np.inf, np.nan]
+    x = np.concatenate([specials, rng.standard_normal(500) * 10.0 ** rng.integers(-8, 6, 500)]).astype(np.float32)
+    half, bf16 = np.empty_like(x), np.empty_like(x)
+    check_kernel("round_trip_16bit")((-(-len(x) // 64),), (64,), (x, half, bf16, np.int32(len(x))))
+    with np.errstate(over="ignore"):   # 1e6 -> inf in float16, as intended
+        np.testing.assert_array_equal(half, x.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(bf16, bf16_to_float32(float32_to_bf16(x)))
+    ties = bf16[[specials.index(1.0 + 2.0 ** -8), specials.index(1.0 + 3 * 2.0 ** -8)]]
+    np.testing.assert_array_equal(ties, [1.0, 1.0 + 2.0 ** -6])   # halfway cases go to the even neighbour

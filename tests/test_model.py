@@ -63,7 +63,7 @@ def test_matches_transformers_goldens(name):
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 def test_chunked_prefill_equals_full_prefill(stories, chunk_size):
-    prompt = np.random.default_rng(0).integers(3, 512, 100).tolist()
+    prompt = np.random.default_rng(0).integers(3, 512, 300).tolist()  # full prefill: 3 query tiles
     full_logits, full_tokens = prefill_then_greedy(stories, prompt, 20)
     chunk_logits, chunk_tokens = prefill_then_greedy(stories, prompt, 20, chunk_size=chunk_size)
     assert relative_error(chunk_logits, full_logits) <= 1e-5
@@ -110,7 +110,7 @@ def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size
 @pytest.mark.parametrize("Hq, Hk, D, block_size", [(6, 2, 10, 3), (3, 3, 6, 5), (4, 1, 8, 1), (8, 4, 8, 16)])
 def test_paged_attention_matches_dense_float64(Hq, Hk, D, block_size):
     rng = np.random.default_rng(Hq * 100 + D)
-    runs = [(0, 5), (7, 1), (13, 4), (0, 1), (30, 1), (2, 9), (block_size, 1), (block_size - 1, 1)]  # (history, query tokens)
+    runs = [(0, 5), (7, 1), (13, 4), (0, 1), (30, 1), (2, 9), (block_size, 1), (block_size - 1, 1), (5, 300)]  # 300: several query tiles  # (history, query tokens)
     lengths = [-(-(h + q) // block_size) for h, q in runs]
     num_blocks = sum(lengths) + 2
     pool = rng.permutation(num_blocks).tolist()

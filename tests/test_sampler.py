@@ -134,6 +134,7 @@ def test_inverse_cdf_matches_a_full_running_sum():
     probs[:, 0] = 0                              # leading and trailing zeros in every row
     probs[:, -9:] = 0
     probs[:10, 8:] = 0                           # rows whose only kept tokens are in the first block
+    probs[:, 5] += 0.01                          # every row keeps a token, as the filters guarantee
     u = rng.random(n)
     u[:3] = 0.0
     u[3:6] = np.nextafter(1.0, 0)
@@ -143,6 +144,12 @@ def test_inverse_cdf_matches_a_full_running_sum():
     expected[3:6] = [np.flatnonzero(probs[i])[-1] for i in range(3, 6)]
     assert drawn.tolist() == expected
     assert (probs[np.arange(n), drawn] > 0).all()
+    # A wide range of magnitudes: the block's own running sum ends below the block's sum.
+    row = np.array([[1.1205673e-12, 6.0346647e-04, 2.6465859e-08, 1.4253071e-09, 2.5853273e-01, 1.8554821e-12,
+                     3.3386619e-05, 1.6383106e-12, 3.8373475e-08, 5.6326015e-09, 9.2066988e-12, 2.5019434e-03,
+                     7.2830080e-06, 8.4729793e-12, 5.3215086e-01, 2.1325310e-11]], np.float32)
+    row = np.concatenate([np.zeros((1, 48), np.float32), row], axis=1)    # 64 tokens: blocks of 8
+    assert Sampler(64)._inverse_cdf(row, np.array([np.nextafter(1.0, 0)])).tolist() == [63]
 
 
 class FixedDraw:

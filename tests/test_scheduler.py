@@ -62,6 +62,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
             assert max((s.seq_id for s in scheduler.running), default=-1) < min(s.seq_id for s in out.preempted)
             assert list(scheduler.waiting)[:len(out.preempted)] == sorted(out.preempted, key=lambda s: s.seq_id)
         steps.append((before, out))
+        finished = []
         for seq, n in out.scheduled.items():   # the fake model: compute, and sample at the end of a chunk
             seq.num_computed_tokens += n
             blocks.register_computed(seq)
@@ -69,7 +70,8 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
                 seq.output_token_ids.append((seq.seq_id * 13 + seq.num_tokens) % 500)
                 if len(seq.output_token_ids) == seq.params.max_tokens:
                     seq.status = SequenceStatus.FINISHED
-        scheduler.remove_finished()
+                    finished.append(seq)
+        scheduler.remove_finished(finished)
         blocks.check_invariants(scheduler.running)
         assert all(not s.block_table for s in scheduler.waiting)
     assert not scheduler.has_work() and not pending, "did not finish"

@@ -231,8 +231,8 @@ def test_malformed_bytes_get_an_error_and_a_close(server, garbage):
     stream = busy.generate_stream("Once upon a time", max_tokens=30, temperature=0)
     conn = RawConnection(server)
     conn.sock.sendall(garbage)
-    kind, msgid, error, result = conn.receive()
-    assert (kind, msgid, error["code"]) == (1, None, INVALID_MESSAGE)
+    kind, method, params = conn.receive()      # no msgid to answer: an "error" notification
+    assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE)
     assert conn.receive() is None              # then the server closed it
     conn.close()
     assert len(list(stream)) > 0 and stream.result.completion_tokens == 30   # others carry on
@@ -245,13 +245,18 @@ def test_malformed_bytes_get_an_error_and_a_close(server, garbage):
     ([0, 6, 42, []], 6),                       # method not a string
     ([0, "seven", "health", []], None),        # msgid not an integer
     ([7, 8, "health", []], None),              # unknown message type
+    ([False, 9, "health", []], None),          # a bool is not a message type
+    ([1, 10, None, True], None),               # a response: the server sends no requests
     ({"method": "health"}, None),              # not an array
 ])
 def test_wrong_message_shape_gets_an_error_and_a_close(server, message, msgid):
     conn = RawConnection(server)
     conn.send(message)
-    kind, got_msgid, error, _ = conn.receive()
-    assert (kind, got_msgid, error["code"]) == (1, msgid, INVALID_MESSAGE)
+    error = conn.receive()
+    if msgid is None:                          # [2, "error", [error]]: a response needs a uint32 msgid
+        assert error[:2] == [2, "error"] and error[2][0]["code"] == INVALID_MESSAGE
+    else:
+        assert error[:2] == [1, msgid] and error[2]["code"] == INVALID_MESSAGE and error[3] is None
     assert conn.receive() is None
     conn.close()
     with Client("127.0.0.1", server.port) as client:
@@ -265,7 +270,8 @@ def test_wrong_message_shape_gets_an_error_and_a_close(server, message, msgid):
     ("generate", [{"prompt_token_ids": [1, 99999]}], INVALID_PARAMS, "prompt_token_ids"),
     ("generate", [{"prompt": "a", "top_p": 0}], INVALID_PARAMS, "top_p"),
     ("generate", [{"prompt": "a b " * 600}], PROMPT_TOO_LONG, "prompt"),
-    ("generate", ["a"], INVALID_PARAMS, "params"),
+    ("generate", [42], INVALID_PARAMS, "params"),
+    ("generate", [{"prompt": "a"}, {"prompt": "b"}], INVALID_PARAMS, "params"),
     ("tokenize", [42], INVALID_PARAMS, "text"),
     ("detokenize", [[1, -1]], INVALID_PARAMS, "token_ids"),
     ("abort", ["x"], INVALID_PARAMS, "msgid"),

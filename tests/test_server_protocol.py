@@ -3,7 +3,7 @@ import msgpack
 import pytest
 
 from minisarathi.server.protocol import (INVALID_PARAMS, RPCError, ServerLimits, make_unpacker, pack,
-                                         parse_generate, single_param)
+                                         parse_generate, single_param, text_params)
 
 LIMITS = ServerLimits(max_message_bytes=4096, max_tokens=100)
 
@@ -38,11 +38,41 @@ def test_bad_generate_params_name_the_field(fields, named):
     assert info.value.code == INVALID_PARAMS and named in info.value.message
 
 
-def test_generate_params_must_be_one_map():
-    for params in ([], ["hi"], [{"prompt": "a"}, {"prompt": "b"}]):
+def test_generate_params_are_a_map_or_positional():
+    assert parse_generate(["hi"], LIMITS).prompt == "hi"
+    request = parse_generate([[1, 5], {"max_tokens": 3}], LIMITS)
+    assert request.prompt_token_ids == [1, 5] and request.params.max_tokens == 3
+    for params in ([], [5], [{"prompt": "a"}, {"prompt": "b"}], ["a", "b"], ["a", {"prompt": "b"}],
+                   ["a", {}, {}]):
         with pytest.raises(RPCError) as info:
             parse_generate(params, LIMITS)
         assert info.value.code == INVALID_PARAMS
+
+
+def test_integral_floats_are_ints():
+    request = parse_generate([{"prompt_token_ids": [1.0, 5.0], "max_tokens": 7.0, "top_k": 2.0,
+                               "stop_token_ids": [3.0], "temperature": 1}], LIMITS)
+    assert request.prompt_token_ids == [1, 5] and request.params.max_tokens == 7 and request.params.top_k == 2
+    assert request.params.stop_token_ids == [3] and all(type(t) is int for t in request.prompt_token_ids)
+    assert single_param([4.0], "msgid", int) == 4
+    for fields, named in (({"prompt": "a", "max_tokens": 7.5}, "max_tokens"),
+                          ({"prompt_token_ids": [1.5]}, "prompt_token_ids")):
+        with pytest.raises(RPCError, match=named):
+            parse_generate([fields], LIMITS)
+
+
+def test_text_sent_as_bin_is_text():
+    params = text_params([{b"prompt": b"hi", b"stop": [b"x", "y"], "prompt_token_ids": [1, 2]}, b"abc", 5])
+    assert params == [{"prompt": "hi", "stop": ["x", "y"], "prompt_token_ids": [1, 2]}, "abc", 5]
+    assert parse_generate(text_params([{b"prompt": b"hi"}]), LIMITS).prompt == "hi"
+    with pytest.raises(RPCError, match="prompt"):
+        text_params([{"prompt": b"\xff"}])
+
+
+def test_error_messages_quote_at_most_a_little_of_the_input():
+    with pytest.raises(RPCError) as info:
+        parse_generate([{"prompt": "a", "x" * 100_000: 1}], LIMITS)
+    assert len(info.value.message) < 300
 
 
 def test_single_param_takes_bare_or_named():

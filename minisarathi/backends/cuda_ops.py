@@ -17,6 +17,7 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16
@@ -107,15 +108,19 @@ class CupyLauncher:
             raise RuntimeError("device 'cuda' needs CuPy: pip install 'minisarathi[cuda12]' or '[cuda13]'") from exc
         self.xp = cupy
         self._modules: dict[str, object] = {}
+        self._kernels: dict[tuple[str, str], object] = {}
 
     def kernel(self, file: str, name: str):
-        module = self._modules.get(file)
-        if module is None:
-            source = (cuda_dir() / file).read_text()
-            module = self.xp.RawModule(code=source, options=(*NVRTC_OPTIONS, f"-I{cuda_dir()}"),
-                                       name_expressions=name_expressions(file))
-            self._modules[file] = module
-        return module.get_function(name)
+        kernel = self._kernels.get((file, name))
+        if kernel is None:
+            module = self._modules.get(file)
+            if module is None:
+                source = (cuda_dir() / file).read_text()
+                module = self.xp.RawModule(code=source, options=(*NVRTC_OPTIONS, f"-I{cuda_dir()}"),
+                                           name_expressions=name_expressions(file))
+                self._modules[file] = module
+            kernel = self._kernels[(file, name)] = module.get_function(name)
+        return kernel
 
     def to_device(self, array: np.ndarray):
         return self.xp.asarray(np.ascontiguousarray(array))
@@ -132,20 +137,21 @@ class CupyLauncher:
         return self._bf16_gemm(x, w, bias)
 
     def _bf16_gemm(self, x, w, bias):
-        # CuPy has no bfloat16 dtype, so call cublasGemmEx on the raw bits. Row-major out[T, N] =
-        # x[T, K] @ w[N, K].T is column-major out^T[N, T] = op(w)^T... : A = w (K x N col-major, transposed),
-        # B = x (K x T col-major), C = out (N x T col-major). beta = 1 adds a bias pre-broadcast into C.
+        # CuPy has no bfloat16 dtype, so call cublasGemmEx on the raw bits. cuBLAS is column-major: the
+        # row-major out[T, N] = x[T, K] @ w[N, K].T is, read column-major, out'[N, T] = w'^T[N, K] @ x'[K, T]
+        # where w' (K x N) and x' (K x T) are the same buffers. beta = 1 adds a bias copied into every row.
         from cupy.cuda import cublas, device
         cp = self.xp
-        x = cp.ascontiguousarray(x)
+        x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)
         T, K = x.shape
         N = w.shape[0]
-        out = (cp.ascontiguousarray(cp.broadcast_to(bias, (T, N))) if bias is not None
-               else cp.empty((T, N), dtype=cp.uint16))
+        out = cp.empty((T, N), dtype=cp.uint16)
+        if bias is not None:
+            out[...] = bias   # a real copy: never let cuBLAS write into the bias itself
         alpha = np.array(1.0, dtype=np.float32)
         beta = np.array(1.0 if bias is not None else 0.0, dtype=np.float32)
-        CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 14, 68, -1
-        cublas.gemmEx(device.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, T, K,
+        OP_N, OP_T, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 1, 14, 68, -1   # cuBLAS enums
+        cublas.gemmEx(device.get_cublas_handle(), OP_T, OP_N, N, T, K,
                       alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K, x.data.ptr, CUDA_R_16BF, K,
                       beta.ctypes.data, out.data.ptr, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         return out
@@ -179,16 +185,20 @@ class CudaOps:
         return bf16_to_float32(host) if self.dtype == "bfloat16" else host.astype(np.float32)
 
     def _metadata(self, array: np.ndarray, dtype=np.int32):
-        # Batch arrays are immutable and shared by every layer of a step: upload each once.
         if not isinstance(array, np.ndarray):
             return array   # already on the device
-        cached = self._uploads.get(id(array))
-        if cached is not None and cached[0] is array:
+        return self._upload_once(array, lambda: np.asarray(array, dtype=dtype))
+
+    def _upload_once(self, source: np.ndarray, make):
+        """Device copy of make(), computed once per `source` array. Batch arrays are immutable and shared
+        by every layer of a step, so each is uploaded once per step, not once per layer."""
+        cached = self._uploads.get(id(source))
+        if cached is not None and cached[0] is source:   # holding `source` keeps its id from being reused
             return cached[1]
         if len(self._uploads) >= 32:
             self._uploads.clear()
-        device = self.launcher.to_device(np.asarray(array, dtype=dtype))
-        self._uploads[id(array)] = (array, device)
+        device = self.launcher.to_device(make())
+        self._uploads[id(source)] = (source, device)
         return device
 
     def _kernel(self, file: str, name: str, like):
@@ -276,7 +286,8 @@ class CudaOps:
         out = xp.empty((T, Hq, D), dtype=q.dtype)
         if T == 0:
             return out
-        work = _work_items(np.asarray(batch.query_start), max(1, PA_MAX_ROWS // group))   # int32[W, 3]
+        tile_tokens = max(1, PA_MAX_ROWS // group)
+        work = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens))
         partitions = max(1, math.ceil(batch.max_context_len / PA_PARTITION_SIZE))
         key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
         if partitions > 1:
@@ -288,7 +299,7 @@ class CudaOps:
         positions = self._metadata(batch.positions)
         self._kernel("paged_attention.cu", "paged_attention_kernel", q)(
             (len(work), Hk, partitions), (PA_THREADS,),
-            (q, k_cache, v_cache, self.launcher.to_device(work), positions, self._metadata(batch.block_tables),
+            (q, k_cache, v_cache, work, positions, self._metadata(batch.block_tables),
              out, partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
              np.int32(block_size), np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
              np.float32(scale), np.int32(PA_PARTITION_SIZE), np.int32(key_tile)),

@@ -10,6 +10,9 @@ import numpy as np
 from minisarathi.engine.batch import Batch
 
 activation_dtype = np.dtype(np.float32)  # of activations and the KV cache
+# Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
+# (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
+QUERY_TILE = 128
 
 
 def weight(array: np.ndarray) -> np.ndarray:
@@ -76,10 +79,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
 
     Single-token runs (decodes) are done together, padded to the longest context; longer runs (prefill
     chunks) one sequence at a time. GQA never copies K/V per query head: queries are grouped as
-    [Hk, G, ...] and multiplied against the shared [Hk, n, D] keys.
+    [Hk, G] and the G queries of a KV head share its keys in one product.
     """
     T, Hq, D = q.shape
-    Hk, block_size = k_cache.shape[1], k_cache.shape[2]
+    Hk = k_cache.shape[1]
     G = Hq // Hk
     q = (q * np.float32(scale)).reshape(T, Hk, G, D)
     out = np.empty((T, Hk, G, D), dtype=np.float32)
@@ -96,24 +99,26 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
     return out.reshape(T, Hq, D)
 
 
-def _gather(cache: np.ndarray, block_tables: np.ndarray, num_blocks: int) -> np.ndarray:
-    # [num_blocks, Hk, bs, D] seen as [Hk, num_blocks, bs, D] and indexed on the blocks axis: one copy
-    # that lands as [Hk, ..., n, D], each head's keys contiguous for the matmul.
-    gathered = cache.transpose(1, 0, 2, 3)[:, block_tables[..., :num_blocks]]
-    return gathered.reshape(*gathered.shape[:-3], -1, cache.shape[3])
-
-
 def _prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
                        context_len: int) -> np.ndarray:
-    q_len, Hk, G, D = q.shape
-    num_blocks = -(-context_len // k_cache.shape[2])
-    k = _gather(k_cache, block_table, num_blocks)[:, :context_len]  # float32[Hk, n, D]
-    v = _gather(v_cache, block_table, num_blocks)[:, :context_len]
-    scores = q.transpose(1, 2, 0, 3) @ k[:, None].transpose(0, 1, 3, 2)  # float32[Hk, G, q, n]
-    # The first n - q keys are history every query sees; only the last q x q block is causal.
-    causal = np.triu(np.full((q_len, q_len), -np.inf, dtype=np.float32), k=1)
-    scores[..., context_len - q_len:] += causal
-    return _softmax_times_v(scores, v[:, None]).transpose(2, 0, 1, 3)  # float32[q, Hk, G, D]
+    q_len, Hk, _, D = q.shape
+    history = context_len - q_len  # keys every query of the chunk sees
+    blocks = block_table[:-(-context_len // k_cache.shape[2])]
+    # One sequence's blocks laid out as [Hk, n, D]: each head's keys one matrix for the matmuls.
+    k = np.take(k_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
+    v = np.take(v_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
+    causal = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)
+    out = np.empty_like(q)  # float32[q, Hk, G, D]
+    for start in range(0, q_len, QUERY_TILE):
+        end = min(start + QUERY_TILE, q_len)
+        visible = history + end
+        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].transpose(0, 1, 3, 2)  # [Hk, G, t, visible]
+        scores[..., history + start:] += causal[:end - start, :end - start]
+        denominator = _exp_in_place(scores)
+        tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
+        tile /= denominator
+        out[start:end] = tile.transpose(2, 0, 1, 3)
+    return out
 
 
 def _decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
@@ -121,22 +126,28 @@ def _decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     S, Hk, G, D = q.shape
     block_size = k_cache.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
-    k = _gather(k_cache, block_tables, num_blocks)  # float32[Hk, S, n, D], n = num_blocks * block_size
-    v = _gather(v_cache, block_tables, num_blocks)
-    scores = q.transpose(1, 0, 2, 3) @ k.transpose(0, 1, 3, 2)  # float32[Hk, S, G, n]
-    padding = np.arange(k.shape[2]) >= context_lens[:, None]  # bool[S, n]: keys past each context
-    scores += np.where(padding, np.float32(-np.inf), np.float32(0))[None, :, None, :]
-    return _softmax_times_v(scores, v).transpose(1, 0, 2, 3)  # float32[S, Hk, G, D]
-
-
-def _softmax_times_v(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """softmax(scores) @ v over the last axis, in place on scores; normalized after the product."""
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    denominator = scores.sum(axis=-1, keepdims=True)
-    out = scores @ v
+    n = num_blocks * block_size
+    # Whole blocks are the cheapest gather (one contiguous [Hk, bs, D] run each), so the products are
+    # taken block by block and only the small scores array is reordered for the softmax.
+    k = np.take(k_cache, block_tables[:, :num_blocks], axis=0)  # float32[S, nb, Hk, bs, D]
+    v = np.take(v_cache, block_tables[:, :num_blocks], axis=0)
+    scores = q[:, None] @ k.swapaxes(-1, -2)  # float32[S, nb, Hk, G, bs]
+    scores = scores.transpose(0, 2, 3, 1, 4).reshape(S, Hk, G, n)
+    padding = np.arange(n) >= context_lens[:, None]  # bool[S, n]: keys past each context
+    scores += np.where(padding, np.float32(-np.inf), np.float32(0))[:, None, None, :]
+    denominator = _exp_in_place(scores)
+    probs = scores.reshape(S, Hk, G, num_blocks, block_size).transpose(0, 3, 1, 2, 4)  # [S, nb, Hk, G, bs]
+    out = (probs @ v).sum(axis=1)  # float32[S, Hk, G, D]
     out /= denominator
     return out
+
+
+def _exp_in_place(scores: np.ndarray) -> np.ndarray:
+    """The softmax numerator over the last axis, in place; returns the denominator, which is applied
+    after the product with V (on D numbers per row instead of n)."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    return scores.sum(axis=-1, keepdims=True)
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:

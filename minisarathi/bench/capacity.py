@@ -21,6 +21,25 @@ class Slo:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
 
 
+class SloWatch:
+    """While a trial runs: is it already sure to fail? Yes once more than half of its requests waited
+    longer than the delay bound (the median will exceed it), or once more TBT gaps exceed the SLO than
+    P99 allows: NumPy's P99 of n gaps is at least the element at floor(0.99 (n - 1)) in sorted order,
+    which is over the SLO once n - floor(0.99 (n - 1)) gaps are."""
+
+    def __init__(self, slo: Slo, num_requests: int, num_gaps: int):
+        self.slo = slo
+        self.max_late = num_requests // 2
+        self.max_gaps_over = num_gaps - int(0.99 * (num_gaps - 1)) - 1 if num_gaps else None
+
+    def verdict(self, num_late: int, num_gaps_over: int) -> str | None:
+        if num_late > self.max_late:
+            return f"median scheduling delay over {self.slo.median_scheduling_delay:g} s"
+        if self.max_gaps_over is not None and num_gaps_over > self.max_gaps_over:
+            return f"P99 TBT over {self.slo.p99_tbt * 1e3:.1f} ms"
+        return None
+
+
 @dataclass
 class Trial:
     qps: float
@@ -29,11 +48,12 @@ class Trial:
     completed: int
     requests: int
     passed: bool
+    stopped: str | None = None     # why the trial ended early (then the figures cover what finished)
 
     def describe(self) -> str:
         tbt = "-" if self.p99_tbt is None else f"{self.p99_tbt * 1e3:.1f} ms"
         delay = "-" if self.median_scheduling_delay is None else f"{self.median_scheduling_delay:.2f} s"
-        verdict = "pass" if self.passed else "FAIL"
+        verdict = "pass" if self.passed else f"FAIL{f' (stopped: {self.stopped})' if self.stopped else ''}"
         return (f"qps {self.qps:8.3f}: P99 TBT {tbt:>10}, median sched. delay {delay:>8}, "
                 f"completed {self.completed}/{self.requests} -> {verdict}")
 
@@ -46,7 +66,7 @@ def judge(qps: float, metrics: dict, slo: Slo) -> Trial:
         delay = metrics["ttft"]["p50"]
     passed = (metrics["completed"] == metrics["requests"] and tbt is not None and tbt <= slo.p99_tbt
               and delay is not None and delay <= slo.median_scheduling_delay)
-    return Trial(qps, tbt, delay, metrics["completed"], metrics["requests"], passed)
+    return Trial(qps, tbt, delay, metrics["completed"], metrics["requests"], passed, metrics.get("stopped"))
 
 
 def find_capacity(run_trial: Callable[[float], Trial], start_qps: float = 1.0, granularity: float = 0.1,

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,13 +17,14 @@ import numpy as np
 from ..cli import add_engine_arguments, engine_options_from_args
 from ..config import SCHEDULERS
 from .capacity import Slo, find_capacity, judge
-from .compare import policy_variants, capacity_table, tbt_ratio
+from .compare import capacity_table, policy_variants, tbt_ratio
 from .metrics import compute_metrics, format_table, save_run
 from .targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
 from .workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
 PROMPT_VOCAB = 512          # synthetic prompt ids stay below this: valid for every Llama-family vocabulary
 REMOTE_MAX_MODEL_LEN = 2048
+MIN_TRIAL_REQUESTS = 4
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +100,9 @@ def _add_slo_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sched-delay", type=float, default=2.0, help="bound on the median scheduling delay (s)")
     g.add_argument("--granularity", type=float, default=0.1, help="relative precision of the capacity")
     g.add_argument("--max-trials", type=int, default=10)
+    g.add_argument("--trial-seconds", type=float, default=None,
+                   help=f"fewer requests per trial where --num-requests would arrive over more than this "
+                        f"many seconds (at least {MIN_TRIAL_REQUESTS})")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -146,9 +152,9 @@ class _Session:
             target = OpenAITarget(args.url, args.openai_model, api_key)
         return target, args.max_model_len or REMOTE_MAX_MODEL_LEN
 
-    def workload(self, max_model_len: int, qps: float | None = None):
+    def workload(self, max_model_len: int, qps: float | None = None, num_requests: int | None = None):
         a = self.args
-        cfg = WorkloadConfig(num_requests=a.num_requests, lengths=a.lengths, prompt_len=a.prompt_len,
+        cfg = WorkloadConfig(num_requests=num_requests or a.num_requests, lengths=a.lengths, prompt_len=a.prompt_len,
                              decode_len=a.decode_len, min_total_tokens=a.min_total_tokens,
                              max_total_tokens=a.max_total_tokens,
                              pd_ratio=a.pd_ratio, zipf_theta=a.zipf_theta, trace=a.trace, trace_scale=a.trace_scale,
@@ -159,7 +165,7 @@ class _Session:
 
     # One timed run, saved; partial results are saved too when Ctrl-C stops it.
 
-    def timed_run(self, target, specs, label: str, time_limit: float, **run_options) -> dict:
+    def timed_run(self, target, specs, label: str, time_limit: float, **run_options) -> tuple:
         try:
             result = target.run(specs, time_limit, label, **run_options)
         except KeyboardInterrupt:
@@ -168,7 +174,7 @@ class _Session:
             raise
         if result.stopped:
             print(f"[{label}] stopped early, {result.stopped}: unfinished requests aborted", file=sys.stderr)
-        return self.save(label, result)
+        return result, self.save(label, result)
 
     def save(self, label: str, result) -> dict:
         metrics = compute_metrics(result.requests, result.batches) | {"stopped": result.stopped}
@@ -184,7 +190,7 @@ class _Session:
         target, max_model_len = self.target()
         specs = self.workload(max_model_len)
         label = self.args.scheduler if self.args.target == "engine" else self.args.target
-        metrics = self.timed_run(target, specs, label, self.args.time_limit or 600.0)
+        _, metrics = self.timed_run(target, specs, label, self.args.time_limit or 600.0)
         print(format_table({label: metrics}))
 
     def slo(self, target, max_model_len: int) -> Slo:
@@ -204,16 +210,19 @@ class _Session:
         return slo
 
     def search(self, target, max_model_len: int, slo: Slo, label: str) -> tuple[float, list]:
-        # In process, a trial stops as soon as its scheduling delay is sure to fail: overload costs seconds.
-        options = {"max_scheduling_delay": slo.median_scheduling_delay} if isinstance(target, EngineTarget) else {}
+        # In process, a trial stops as soon as it is sure to miss the SLO: overload costs seconds, not minutes.
+        options = {"slo": slo} if isinstance(target, EngineTarget) else {}
 
         def trial(qps: float):
-            specs = self.workload(max_model_len, qps)
-            metrics = self.timed_run(target, specs, f"{label}_qps{qps:.3f}", self.trial_limit(specs), **options)
+            num_requests = self.args.num_requests
+            if self.args.trial_seconds:   # the first requests of the same workload: same lengths and prompts
+                num_requests = min(num_requests, max(MIN_TRIAL_REQUESTS, math.ceil(qps * self.args.trial_seconds)))
+            specs = self.workload(max_model_len, qps, num_requests)
+            _, metrics = self.timed_run(target, specs, f"{label}_qps{qps:.3f}", self.trial_limit(specs), **options)
             return judge(qps, metrics, slo)
 
         print(f"[{label}] capacity search: P99 TBT <= {slo.p99_tbt * 1e3:.1f} ms, median scheduling delay <= "
-              f"{slo.median_scheduling_delay:g} s, {self.args.num_requests} requests per trial")
+              f"{slo.median_scheduling_delay:g} s, up to {self.args.num_requests} requests per trial")
         capacity, trail = find_capacity(trial, self.args.qps, self.args.granularity, self.args.max_trials,
                                         on_trial=lambda t: print(f"[{label}] {t.describe()}", flush=True))
         print(f"[{label}] capacity {capacity:.3f} qps")
@@ -242,8 +251,8 @@ class _Session:
                 if slo is None:
                     slo = self.slo(target, max_model_len)
                 specs = self.workload(max_model_len)
-                metrics[v.label] = self.timed_run(target, specs, v.label, args.time_limit or 600.0)
-                runs[v.label] = (target.partial.requests, target.partial.batches)
+                result, metrics[v.label] = self.timed_run(target, specs, v.label, args.time_limit or 600.0)
+                runs[v.label] = (result.requests, result.batches)
                 print(f"[{v.label}] P99 TBT {_ms(metrics[v.label]['tbt']['p99'])}, "
                       f"P50 TTFT {_ms(metrics[v.label]['ttft']['p50'])}", flush=True)
                 if args.capacity:
@@ -270,10 +279,11 @@ class _Session:
                                          "trails": {k: [dataclasses.asdict(t) for t in v] for k, v in trails.items()}})
         from .plots import plot_comparison
 
-        title = f"({self.args.qps:g} qps)"
-        for folder in {self.out_dir, self.args.plots} - {None}:
-            for path in plot_comparison(runs, capacities, folder, title):
-                print(f"plot: {path}")
+        for path in plot_comparison(runs, capacities, self.out_dir, f"({self.args.qps:g} qps)"):
+            print(f"plot: {path}")
+            if self.args.plots:
+                self.args.plots.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, self.args.plots / path.name)
 
     def write_json(self, name: str, data: dict) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

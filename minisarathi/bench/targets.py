@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .capacity import Slo, SloWatch
 from .metrics import BatchRecord, RequestRecord
 from .progress import Progress
 from .workloads import FIRST_PROMPT_TOKEN, RequestSpec
@@ -56,14 +57,14 @@ class EngineTarget:
             self.engine.step()
 
     def run(self, specs: list[RequestSpec], time_limit: float, label: str = "engine",
-            max_scheduling_delay: float | None = None) -> RunResult:
-        """With max_scheduling_delay, the run stops as soon as more than half of the requests are sure to
-        wait longer than it to be scheduled: the median is then over the bound whatever happens next."""
+            slo: Slo | None = None) -> RunResult:
+        """With an SLO, the run stops as soon as it is sure to fail it (capacity trials past capacity)."""
         engine = self.engine
         records = new_records(specs)
         first_step = len(engine.step_records)
         pending = deque(sorted(specs, key=lambda s: s.arrival_time))
         in_flight: set[str] = set()
+        watch = slo and SloWatch(slo, len(specs), sum(s.max_tokens - 1 for s in specs))
         progress = Progress(label, len(specs))
         start = time.monotonic()
         stopped = None
@@ -74,10 +75,10 @@ class EngineTarget:
                 if now - start > time_limit:
                     stopped = f"time limit ({time_limit:.0f} s)"
                     break
-                if max_scheduling_delay is not None and \
-                        self._num_late(records, in_flight, pending, start, now, max_scheduling_delay) > len(specs) / 2:
-                    stopped = f"median scheduling delay over {max_scheduling_delay:g} s"
-                    break
+                if watch:
+                    stopped = watch.verdict(*self._over_slo(slo, records, in_flight, pending, start, now))
+                    if stopped:
+                        break
                 while pending and start + pending[0].arrival_time <= now:
                     spec = pending.popleft()
                     try:
@@ -111,14 +112,21 @@ class EngineTarget:
                 records[spec.request_id].error = f"not sent: {stopped}"
         return RunResult(list(records.values()), self._batches(first_step, start), stopped)
 
-    def _num_late(self, records, in_flight, pending, start: float, now: float, bound: float) -> int:
-        """Requests whose scheduling delay is already known to exceed `bound` seconds."""
-        late = sum(r.first_scheduled - r.arrival > bound for r in records.values() if r.first_scheduled is not None)
+    def _over_slo(self, slo: Slo, records, in_flight, pending, start: float, now: float) -> tuple[int, int]:
+        """(requests already scheduled later than the bound or waiting longer, TBT gaps already over the
+        SLO, the open gap of a request in flight included). Times relative to the start: `now - start`."""
+        timelines = [(r.arrival, r.first_scheduled, r.token_times) for r in records.values() if r.finished is not None]
         for request_id in in_flight:
-            metrics = self.engine.requests[request_id].metrics   # unfinished requests are still in the engine
-            scheduled = now if metrics.first_scheduled_time is None else metrics.first_scheduled_time
-            late += scheduled - metrics.arrival_time > bound
-        return late + sum(now - start - s.arrival_time > bound for s in pending)
+            m = self.engine.requests[request_id].metrics   # unfinished requests are still in the engine
+            scheduled = None if m.first_scheduled_time is None else m.first_scheduled_time - start
+            timelines.append((m.arrival_time - start, scheduled, [t - start for t in m.token_times] + [now - start]))
+        bound = slo.median_scheduling_delay
+        late = sum(now - start - s.arrival_time > bound for s in pending)
+        gaps_over = 0
+        for arrival, scheduled, times in timelines:
+            late += (now - start if scheduled is None else scheduled) - arrival > bound
+            gaps_over += int(np.count_nonzero(np.diff(times) > slo.p99_tbt))
+        return late, gaps_over
 
     def _batches(self, first_step: int, start: float) -> list[BatchRecord]:
         return [BatchRecord(r.start_time - start, r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens,

@@ -171,10 +171,9 @@ class LLMEngine:
         for i, seq in enumerate(samplers):
             self._append_token(seq, int(sampled.token_ids[i]), sampled, i, executed)
             outputs.append(self._output(seq))
-        self.scheduler.remove_finished()
-        num_tokens = batch.num_tokens
+        self.scheduler.remove_finished([seq for seq in samplers if seq.is_finished])
         self.step_records.append(StepRecord(
-            start, len(chunks), num_prefill, num_tokens - num_prefill, len(schedule.preempted),
+            start, len(chunks), num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
             scheduled - start, executed - scheduled, time.monotonic() - start))
         return outputs
 

@@ -54,8 +54,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
-    def remove_finished(self) -> None:
-        finished = [s for s in self.running if s.is_finished]
+    def remove_finished(self, finished: list[Sequence]) -> None:
+        """Drop the running sequences that finished this step and free their blocks."""
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in finished:

@@ -47,7 +47,8 @@ class LlamaModel:
                 array = weights.get(f"layers.{i}.{name}")
                 return None if array is None else ops.weight(array)
             self.layers.append(LayerWeights(**{name: get(name) for name in LayerWeights.__dataclass_fields__}))
-        self.inv_freq = ops.weight(config.rope_inv_freq())  # [D/2]
+        # float32 NumPy on every backend, like the batch arrays: 16-bit frequencies would ruin far positions.
+        self.inv_freq = config.rope_inv_freq()  # float32[D/2]
         self.scale = config.head_dim ** -0.5
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:

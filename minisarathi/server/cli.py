@@ -34,9 +34,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens,
                         help="largest max_tokens a request may ask for")
     limits.add_argument("--max-inflight-per-connection", type=int, default=defaults.max_inflight_per_connection)
+    limits.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help="open connections; more are refused with `overloaded`")
     limits.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
                         help="unfinished requests server-wide before new ones get `overloaded`")
     limits.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds")
+    limits.add_argument("--max-write-buffer-bytes", type=int, default=defaults.max_write_buffer_bytes,
+                        help="unsent output past which a client that does not read is disconnected")
     limits.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s, help="seconds")
 
 
@@ -51,8 +55,9 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens_limit,
                           max_inflight_per_connection=args.max_inflight_per_connection,
+                          max_connections=args.max_connections,
                           max_queued_requests=args.max_queued_requests, idle_timeout_s=args.idle_timeout,
-                          shutdown_grace_s=args.shutdown_grace)
+                          max_write_buffer_bytes=args.max_write_buffer_bytes, shutdown_grace_s=args.shutdown_grace)
     api_key = _read_api_key(args.api_key_file)
     engine = LLMEngine(**engine_options_from_args(args))
     server = Server(engine, limits, api_key=api_key, model_name=str(args.model or default_model_dir()))

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from .protocol import (ABORTED, CHUNK_NOTIFICATION, NOTIFICATION, REQUEST, RESPONSE, RPCError, ServerLimits,
-                       make_unpacker, pack)
+from .protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, NOTIFICATION, REQUEST, RESPONSE, RPCError,
+                       ServerLimits, make_unpacker, pack)
 
 DEFAULT_PORT = 7000
 _READ_SIZE = 1 << 16
@@ -122,6 +122,8 @@ class Client:
     def _messages(self):
         while True:
             for message in self._unpacker:
+                if message[0] == NOTIFICATION and message[1] == ERROR_NOTIFICATION:
+                    raise RPCError.from_wire(message[2][0])   # the server rejected our bytes and closes
                 yield message
             data = self._sock.recv(_READ_SIZE)
             if not data:
@@ -293,6 +295,8 @@ class AsyncClient:
                         chunks = self._streams.get(message[2][0])
                         if chunks is not None:
                             chunks.put_nowait(StreamChunk(**message[2][1]))
+                    elif message[0] == NOTIFICATION and message[1] == ERROR_NOTIFICATION:
+                        error = RPCError.from_wire(message[2][0])   # the server closes the connection next
         except ConnectionError as e:
             error = e
         finally:

@@ -14,6 +14,7 @@ from ..sampling_params import SamplingParams
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
+ERROR_NOTIFICATION = "error"            # [2, "error", [{"code", "message"}]]: an error no msgid can carry
 
 # Error codes carried as {"code": int, "message": str} in a response's error slot (docs/protocol.md).
 INVALID_MESSAGE = 1     # bytes that are not msgpack, a wrong message shape, an object over the size limit
@@ -58,9 +59,10 @@ class ServerLimits:
     max_prompt_tokens: int = 32768          # also bounded by the engine's max_model_len
     max_tokens: int = 4096                  # the largest max_tokens a request may ask for
     max_inflight_per_connection: int = 256
+    max_connections: int = 1024             # more are refused (each may hold ~3 message buffers + its writes)
     max_queued_requests: int = 1024         # unfinished requests server-wide (running + waiting)
     idle_timeout_s: float = 300.0           # a connection with nothing in flight and no bytes is closed
-    max_write_buffer_bytes: int = 16 << 20  # a client that stops reading is disconnected past this
+    max_write_buffer_bytes: int = 16 << 20  # a client that stops reading its streams is disconnected past this
     shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
 
     def __post_init__(self):
@@ -79,7 +81,8 @@ def make_unpacker(limits: ServerLimits) -> msgpack.Unpacker:
 
 
 def pack(message) -> bytes:
-    return msgpack.packb(message, default=_to_builtin)
+    # Strict in what we send: text is always str, never bin (we send no bytes at all).
+    return msgpack.packb(message, use_bin_type=True, default=_to_builtin)
 
 
 def _to_builtin(value):
@@ -89,7 +92,41 @@ def _to_builtin(value):
     raise TypeError(f"cannot serialize {type(value).__name__}")
 
 
+def as_text(value, name: str):
+    """Liberal in what we accept: encoders from before msgpack's str/bin split (and some current ones, e.g.
+    Go []byte) send text as bin. UTF-8 bin becomes str; anything else is returned unchanged."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RPCError(INVALID_PARAMS, f"{name} is bin that is not UTF-8 text") from None
+
+
+def text_params(params: list) -> list:
+    """as_text over every string a method takes: params items, map keys and values, and list items inside
+    those (generate's stop). Deeper values are never text, so the walk stops there."""
+    def items(value, name):
+        if isinstance(value, list):
+            return [as_text(item, name) for item in value]
+        return as_text(value, name)
+
+    def param(value, i):
+        if isinstance(value, dict):
+            keys = [as_text(key, f"params[{i}] key") for key in value]
+            return {key: items(v, str(key)) for key, v in zip(keys, value.values())}
+        return items(value, f"params[{i}]")
+    return [param(value, i) for i, value in enumerate(params)]
+
+
+def as_int(value):
+    """Integral floats become ints: some encoders send every number as a float."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_INT_FIELDS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_INT_LIST_FIELDS = {"prompt_token_ids", "stop_token_ids"}
 GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream"}
 
 
@@ -102,13 +139,18 @@ class GenerateRequest:
 
 
 def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
-    """`generate` takes params = [map]; anything wrong raises RPCError(INVALID_PARAMS) naming the field."""
-    if len(params) != 1 or not isinstance(params[0], dict):
-        raise RPCError(INVALID_PARAMS, "params must be [map] with prompt or prompt_token_ids")
-    fields = params[0]
+    """`generate` takes params = [map], or positionally [prompt] or [prompt, map] (prompt: str or [int]);
+    anything wrong raises RPCError(INVALID_PARAMS) naming the field."""
+    fields = _generate_fields(params)
     for key in fields:
         if key not in GENERATE_FIELDS:
-            raise RPCError(INVALID_PARAMS, f"unknown field {key!r}")
+            raise RPCError(INVALID_PARAMS, f"unknown field {short(repr(key))}")
+    fields = dict(fields)
+    for key in _INT_FIELDS & fields.keys():
+        fields[key] = as_int(fields[key])
+    for key in _INT_LIST_FIELDS & fields.keys():
+        if isinstance(fields[key], list):
+            fields[key] = [as_int(x) for x in fields[key]]
     prompt = fields.get("prompt")
     token_ids = fields.get("prompt_token_ids")
     if (prompt is None) == (token_ids is None):
@@ -120,7 +162,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
         raise RPCError(INVALID_PARAMS, "prompt_token_ids must be a non-empty list of non-negative integers")
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
-        raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {stream!r}")
+        raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {short(repr(stream))}")
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     if not isinstance(sampling.get("skip_special_tokens", True), bool):
         raise RPCError(INVALID_PARAMS, "skip_special_tokens must be a bool")
@@ -130,10 +172,29 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     try:
         sampling_params = SamplingParams(**sampling)
     except (ValueError, TypeError) as e:
-        raise RPCError(INVALID_PARAMS, str(e)) from None
+        raise RPCError(INVALID_PARAMS, short(str(e))) from None
     if sampling_params.max_tokens > limits.max_tokens:
         raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
     return GenerateRequest(prompt, token_ids, sampling_params, stream)
+
+
+def _generate_fields(params: list) -> dict:
+    usage = "params must be [map], [prompt] or [prompt, map] with prompt a string or a list of token ids"
+    if len(params) == 1 and isinstance(params[0], dict):
+        return params[0]
+    if not 1 <= len(params) <= 2 or not isinstance(params[0], (str, list)):
+        raise RPCError(INVALID_PARAMS, usage)
+    options = params[1] if len(params) == 2 else {}
+    if not isinstance(options, dict):
+        raise RPCError(INVALID_PARAMS, usage)
+    if "prompt" in options or "prompt_token_ids" in options:
+        raise RPCError(INVALID_PARAMS, "prompt is given both positionally and in the map")
+    return {**options, "prompt" if isinstance(params[0], str) else "prompt_token_ids": params[0]}
+
+
+def short(text: str, limit: int = 200) -> str:
+    # Error messages quote what the client sent; a 1 MiB field must not come back as a 1 MiB error.
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def single_param(params: list, name: str, kind: type):
@@ -146,6 +207,7 @@ def single_param(params: list, name: str, kind: type):
         value = params[0]
     else:
         raise RPCError(INVALID_PARAMS, f"params must be [{name}]")
+    value = as_int(value) if kind is int else value
     if isinstance(value, bool) or not isinstance(value, kind):
         raise RPCError(INVALID_PARAMS, f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     return value

@@ -21,13 +21,16 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .protocol import (ABORTED, CHUNK_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
-                       OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
-                       ServerLimits, make_unpacker, pack, parse_generate, single_param)
+from .protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS,
+                       NOTIFICATION, OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD,
+                       RPCError, ServerLimits, as_int, as_text, make_unpacker, pack, parse_generate, short,
+                       single_param, text_params)
 
 log = logging.getLogger("minisarathi.server")
 
 _READ_SIZE = 1 << 16
+_WRITE_HIGH_WATER = 1 << 16   # unsent response bytes past which a connection's requests are not read
+_CLOSE_LINGER_S = 5.0
 _THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -119,13 +122,29 @@ class _Connection:
             log.warning("conn=%d is not reading its responses; disconnecting", self.id)
             self.close()
 
-    def respond(self, msgid, error: RPCError | None, result=None):
+    def respond(self, msgid: int, error: RPCError | None, result=None):
         self.send([RESPONSE, msgid, None if error is None else error.to_wire(), result])
 
-    def close(self):
-        if not self.closed:
-            self.closed = True
+    def protocol_error(self, msgid: int | None, error: RPCError):
+        """A response when the msgid is known; otherwise a notification, since a response's msgid must be a
+        uint32 and a made-up one could match a real request."""
+        if msgid is None:
+            self.send([NOTIFICATION, ERROR_NOTIFICATION, [error.to_wire()]])
+        else:
+            self.respond(msgid, error)
+
+    def close(self, flush: bool = False):
+        """Drop the socket; with flush, the client first gets what was written, if it takes it within
+        _CLOSE_LINGER_S (a client that reads nothing would otherwise hold the socket and its buffer)."""
+        if self.closed:
+            return
+        self.closed = True
+        if not flush:
             self.writer.transport.abort()
+            return
+        self.writer.close()
+        if self.writer.transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(_CLOSE_LINGER_S, self.writer.transport.abort)
 
 
 @dataclass
@@ -170,6 +189,7 @@ class Server:
         self._unix_socket: str | None = None
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None   # set whenever no request is pending
+        self._tasks: set[asyncio.Task] = set()       # running async handlers (the loop keeps weak refs only)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -208,7 +228,7 @@ class Server:
         for pending in list(self._pending.values()):
             self._fail(pending, RPCError(ABORTED, "server shutting down"))
         for conn in list(self._connections):
-            conn.writer.close()
+            conn.close(flush=True)
         for server in self._servers:
             await server.wait_closed()
         if self._unix_socket is not None and os.path.exists(self._unix_socket):
@@ -233,6 +253,12 @@ class Server:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None)
+        writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        if len(self._connections) >= self.limits.max_connections:
+            log.warning("conn=%d refused: %d connections are open", conn.id, len(self._connections))
+            conn.protocol_error(None, RPCError(OVERLOADED, f"more than {self.limits.max_connections} connections"))
+            conn.close(flush=True)
+            return
         self._connections.add(conn)
         log.info("conn=%d opened from %s", conn.id, writer.get_extra_info("peername") or "unix socket")
         unpacker = make_unpacker(self.limits)
@@ -248,29 +274,34 @@ class Server:
                 if not data:
                     break
                 try:
-                    unpacker.feed(data)
-                    for message in unpacker:
+                    for message in _messages(unpacker, data):
                         self._handle_message(conn, message)
+                        if not await self._wait_for_reader(conn):
+                            break
                 except _BadMessage as e:
                     log.warning("conn=%d bad message: %s", conn.id, e)
-                    conn.respond(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
-                    break
-                except (msgpack.UnpackException, ValueError) as e:
-                    what = "message exceeds the size limit" if isinstance(e, msgpack.BufferFull) else \
-                        f"malformed msgpack ({type(e).__name__}: {e})"
-                    log.warning("conn=%d %s", conn.id, what)
-                    conn.respond(None, RPCError(INVALID_MESSAGE, what))
+                    conn.protocol_error(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
                     break
         except (ConnectionError, OSError):
             pass
         finally:
             self._close_connection(conn)
 
+    async def _wait_for_reader(self, conn: _Connection) -> bool:
+        """Backpressure: take no more requests from a client that leaves its responses unread, so a
+        pipelining client holds about _WRITE_HIGH_WATER bytes here, not all it asked for (streams it
+        started still grow it, up to max_write_buffer_bytes). False when the connection is done."""
+        if conn.closed or conn.writer.transport.get_write_buffer_size() <= _WRITE_HIGH_WATER:
+            return not conn.closed
+        try:
+            await asyncio.wait_for(conn.writer.drain(), self.limits.idle_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.idle_timeout_s)
+            return False
+        return not conn.closed
+
     def _close_connection(self, conn: _Connection):
-        # Flush what was written (an error about a bad message), then drop the socket.
-        if not conn.closed:
-            conn.closed = True
-            conn.writer.close()
+        conn.close(flush=True)   # an error about a bad message, say, still reaches the client
         self._connections.discard(conn)
         for request_id in list(conn.inflight.values()):
             pending = self._pending.get(request_id)
@@ -281,41 +312,50 @@ class Server:
         log.info("conn=%d closed", conn.id)
 
     def _handle_message(self, conn: _Connection, message):
-        if not isinstance(message, list) or not message:
+        if not isinstance(message, list) or not message or type(message[0]) is not int:
             raise _BadMessage(None, "a message must be an array [type, ...]")
         kind = message[0]
-        if kind == NOTIFICATION and len(message) == 3 and isinstance(message[1], str):
-            return  # the server sends notifications; it has nothing to do with ones it receives
+        if kind == NOTIFICATION and len(message) == 3:
+            self._handle_notification(conn, message[1], message[2])
+            return
         msgid = message[1] if kind == REQUEST and len(message) >= 2 and _is_msgid(message[1]) else None
         if kind != REQUEST or len(message) != 4 or msgid is None:
             raise _BadMessage(msgid, "a request must be [0, msgid (uint32), method, params]")
         _, msgid, method, params = message
-        if not isinstance(method, str):
-            raise _BadMessage(msgid, "method must be a string")
-        if isinstance(params, dict):   # liberal: a bare map means [map]
-            params = [params]
-        elif params is None:
-            params = []
+        method = _method_name(method, msgid)
         try:
-            if not isinstance(params, list):
-                raise RPCError(INVALID_PARAMS, "params must be an array")
-            handler = self._handlers.get(method)
-            if handler is None:
-                raise RPCError(UNKNOWN_METHOD, f"unknown method {method!r}")
+            params = _params_array(params)
             if not conn.authenticated and method != "auth":
                 raise RPCError(UNAUTHORIZED, "call auth with the API key first")
+            handler = self._handlers.get(method)
+            if handler is None:
+                raise RPCError(UNKNOWN_METHOD, f"unknown method {short(repr(method))}")
             result = handler(self, conn, msgid, params)
         except RPCError as e:
-            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, method, e)
+            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
             conn.respond(msgid, e)
         except Exception as e:
             log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
             conn.respond(msgid, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
         else:
             if asyncio.iscoroutine(result):
-                asyncio.ensure_future(self._respond_later(conn, msgid, method, result))
+                task = asyncio.ensure_future(self._respond_later(conn, msgid, method, result))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             elif method != "generate":   # generate answers when the engine finishes it
                 conn.respond(msgid, None, result)
+
+    def _handle_notification(self, conn: _Connection, method, params):
+        """The spec's notifications want no response. `abort` and `auth` take effect (fire and forget);
+        every other method is ignored, since its only effect would be a result no one receives."""
+        try:
+            method = _method_name(method, None)
+            if method not in ("abort", "auth") or (not conn.authenticated and method != "auth"):
+                log.debug("conn=%d ignored notification %s", conn.id, short(method))
+                return
+            self._handlers[method](self, conn, None, _params_array(params))
+        except RPCError as e:
+            log.info("conn=%d notification %s failed: %s", conn.id, method, e)
 
     async def _respond_later(self, conn, msgid, method, coroutine):
         try:
@@ -387,7 +427,7 @@ class Server:
         return list(self.engine.tokenizer.encode(single_param(params, "text", str)))
 
     def _detokenize(self, conn, msgid, params) -> str:
-        token_ids = single_param(params, "token_ids", list)
+        token_ids = [as_int(t) for t in single_param(params, "token_ids", list)]
         if not all(type(t) is int and 0 <= t < self.engine.tokenizer.vocab_size for t in token_ids):
             raise RPCError(INVALID_PARAMS, f"token_ids must be integers in [0, {self.engine.tokenizer.vocab_size})")
         return self.engine.tokenizer.decode(token_ids)
@@ -413,6 +453,8 @@ class Server:
         window = min(_THROUGHPUT_WINDOW_S, now - self._started)
         return {**engine_stats,
                 "connections": len(self._connections), "pending_requests": len(self._pending),
+                "write_buffer_bytes": sum(c.writer.transport.get_write_buffer_size() for c in self._connections
+                                          if not c.closed),
                 "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
                 "uptime_s": now - self._started}
 
@@ -437,21 +479,29 @@ class Server:
             pending = self._pending.get(output.request_id)
             if pending is None:
                 continue   # aborted or failed while the engine was stepping
-            completion = output.outputs[0]
-            piece = completion.text[pending.sent_chars:]
-            new_ids = list(completion.token_ids[pending.sent_tokens:])
-            if new_ids:
-                if pending.first_token_time is None:
-                    pending.first_token_time = now
-                self._delivered.append((now, len(new_ids)))
-            if pending.stream and (piece or new_ids):
-                pending.conn.send([NOTIFICATION, CHUNK_NOTIFICATION, [pending.msgid, {"text": piece,
-                                                                                       "token_ids": new_ids}]])
-            pending.sent_chars = len(completion.text)
-            pending.sent_tokens = len(completion.token_ids)
-            if output.finished:
-                self._finish(pending, output, now)
+            try:
+                self._deliver(pending, output, now)
+            except Exception as e:   # one bad output must not strand the others of this step
+                log.exception("%s delivering output failed", pending.request_id)
+                self._fail(pending, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+                self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
         self._trim_throughput_window(now)
+
+    def _deliver(self, pending: _Pending, output, now: float):
+        completion = output.outputs[0]
+        piece = completion.text[pending.sent_chars:]
+        new_ids = list(completion.token_ids[pending.sent_tokens:])
+        if new_ids:
+            if pending.first_token_time is None:
+                pending.first_token_time = now
+            self._delivered.append((now, len(new_ids)))
+        if pending.stream and (piece or new_ids):
+            pending.conn.send([NOTIFICATION, CHUNK_NOTIFICATION, [pending.msgid, {"text": piece,
+                                                                                   "token_ids": new_ids}]])
+        pending.sent_chars = len(completion.text)
+        pending.sent_tokens = len(completion.token_ids)
+        if output.finished:
+            self._finish(pending, output, now)
 
     def _finish(self, pending: _Pending, output, now: float):
         completion = output.outputs[0]
@@ -493,3 +543,44 @@ class Server:
 
 def _is_msgid(value) -> bool:
     return type(value) is int and 0 <= value < 2**32
+
+
+def _messages(unpacker: msgpack.Unpacker, data: bytes):
+    """Feed data, then yield every whole message; bytes that are not msgpack raise _BadMessage."""
+    try:
+        unpacker.feed(data)
+    except msgpack.BufferFull:
+        raise _BadMessage(None, "message exceeds the size limit") from None
+    while True:
+        try:
+            yield next(unpacker)
+        except StopIteration:
+            return
+        except msgpack.BufferFull:
+            raise _BadMessage(None, "message exceeds the size limit") from None
+        except msgpack.StackError:
+            raise _BadMessage(None, "message nested too deeply") from None
+        # TypeError: a map key msgpack can decode but Python cannot hash (an array)
+        except (msgpack.UnpackException, ValueError, TypeError) as e:
+            detail = f": {short(str(e))}" if str(e) else ""
+            raise _BadMessage(None, f"malformed msgpack ({type(e).__name__}{detail})") from None
+
+
+def _method_name(method, msgid) -> str:
+    try:
+        method = as_text(method, "method")   # bin method names, as old encoders send them
+    except RPCError:
+        method = None
+    if not isinstance(method, str):
+        raise _BadMessage(msgid, "method must be a UTF-8 string")
+    return method
+
+
+def _params_array(params) -> list:
+    if isinstance(params, dict):   # liberal: a bare map means [map] (old Go net/rpc codecs send it so)
+        return text_params([params])
+    if params is None:
+        return []
+    if not isinstance(params, list):
+        raise RPCError(INVALID_PARAMS, "params must be an array")
+    return text_params(params)

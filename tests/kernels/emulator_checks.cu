@@ -39,3 +39,11 @@ extern "C" __global__ void scaled_warp_sum(const float* in, float* out, float sc
     const float total = warp_sum(in[blockIdx.x * 32 + threadIdx.x]);
     if (threadIdx.x == 0) out[blockIdx.x] = total * scale;
 }
+
+// float -> __half / __nv_bfloat16 -> float, to check the shim's round-to-nearest-even conversions.
+extern "C" __global__ void round_trip_16bit(const float* in, float* as_half, float* as_bf16, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    as_half[i] = __half2float(__float2half_rn(in[i]));
+    as_bf16[i] = __bfloat162float(__float2bfloat16_rn(in[i]));
+}

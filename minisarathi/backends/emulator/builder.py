@@ -16,7 +16,8 @@ SHIM_HEADER = INCLUDE_DIR / "minisarathi_emu.h"
 FLAGS = ["-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-fno-extern-tls-init",
          "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unused-variable", "-Wl,-z,defs"]
 
-_lock = threading.Lock()
+_locks: dict[Path, threading.Lock] = {}
+_locks_guard = threading.Lock()
 
 
 def optimization_flags() -> list[str]:
@@ -82,7 +83,9 @@ def build(source: str | Path, name_expressions: list[str], include_dirs: list[st
     wrapper = wrapper_source(source, name_expressions)
     out_dir = cache_dir()
     target = out_dir / f"{source.stem}-{_fingerprint(source, include_dirs, wrapper, flags, compiler)}.so"
-    with _lock:
+    with _locks_guard:
+        lock = _locks.setdefault(target, threading.Lock())
+    with lock:   # one build per target in this process; other files build in parallel
         if target.exists():
             return target
         # Unique temporary names, then an atomic rename: safe when threads or processes race.

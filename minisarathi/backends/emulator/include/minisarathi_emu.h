@@ -11,6 +11,10 @@
 #ifndef MINISARATHI_EMU_H
 #define MINISARATHI_EMU_H
 
+#if !defined(__x86_64__) || !defined(__linux__)
+#error "the minisarathi CUDA emulator switches fibers with x86-64 Linux assembly"
+#endif
+
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -101,10 +105,10 @@ inline thread_local Block* tls_block = nullptr;
 
 }  // namespace emu
 
-#define threadIdx (::emu::tls_block->current->thread_idx)
-#define blockIdx (::emu::tls_block->block_idx)
-#define blockDim (::emu::tls_block->launch->block)
-#define gridDim (::emu::tls_block->launch->grid)
+#define threadIdx (emu::tls_block->current->thread_idx)
+#define blockIdx (emu::tls_block->block_idx)
+#define blockDim (emu::tls_block->launch->block)
+#define gridDim (emu::tls_block->launch->grid)
 #define warpSize 32
 
 // Dynamic shared memory: every kernel names it `extern __shared__ __align__(16) unsigned char smem[];`
