@@ -4,8 +4,8 @@ The bundled model is loaded (for its tokenizer and config) and then replaced by 
 returns rows of a precomputed random logits table, so what is timed is everything the engine does
 around the model. N requests are prefilled, then `--steps` decode steps with all N running are timed.
 
-    python bench/scheduler_overhead.py                      # N = 32, 256, 1024
-    python bench/scheduler_overhead.py --sizes 256 --steps 200 --scheduler vllm
+    python -m bench.scheduler_overhead                      # N = 32, 256, 1024
+    python -m bench.scheduler_overhead --sizes 256 --steps 200 --scheduler vllm
 """
 from __future__ import annotations
 

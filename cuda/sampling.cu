@@ -83,7 +83,7 @@ __device__ float search_threshold(const float* row, int vocab, float inv_tempera
     return __uint_as_float(lo);
 }
 
-// Temperature, top-k, top-p and min-p, then one draw by inverse CDF over the kept tokens in index
+// Temperature, min-p, top-k and top-p (the order of minisarathi/sampler.py), then one draw by inverse CDF over the kept tokens in index
 // order. temperature <= 0 means greedy. top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable
 // their filters. out_logprobs gets the log-probability of the chosen token under the unscaled logits.
 extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int vocab,
@@ -113,14 +113,14 @@ extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int v
     const float inv_temperature = 1.0f / temperature[r];
     const float row_max = raw_max * inv_temperature;   // so the largest weight is exactly 1
 
-    float threshold = 0.0f;
+    // Filters in the CPU sampler's order; each keeps the weights above a threshold that only rises.
+    float threshold = fmaxf(min_p[r], 0.0f);   // the largest weight is 1, so min-p compares directly
     if (top_k[r] > 0 && top_k[r] < vocab)
-        threshold = search_threshold(row, vocab, inv_temperature, row_max, 0.0f, (float)top_k[r], true, scratch);
+        threshold = search_threshold(row, vocab, inv_temperature, row_max, threshold, (float)top_k[r], true, scratch);
     if (top_p[r] < 1.0f) {
         const float mass = kept_mass(row, vocab, inv_temperature, row_max, threshold, false, scratch);
         threshold = search_threshold(row, vocab, inv_temperature, row_max, threshold, top_p[r] * mass, false, scratch);
     }
-    threshold = fmaxf(threshold, min_p[r]);   // the largest weight is 1, so min_p compares directly
 
     // Inverse CDF: each thread owns a contiguous chunk; thread 0 walks the chunk sums, then one chunk.
     const int chunk = (vocab + blockDim.x - 1) / blockDim.x;

@@ -148,6 +148,19 @@ def test_idle_connection_is_closed_and_engine_rejections_are_invalid_params():
         idle.settimeout(30)
         assert idle.recv(1) == b""                 # closed by the server, not by the 30 s timeout
         idle.close()
+        # So is one that leaves its answers unread that long (the server stopped reading its requests).
+        deaf = socket.socket()
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.connect(("127.0.0.1", server.port))
+        flood = b"".join(msgpack.packb([0, i, "model_info", []]) for i in range(30_000))
+        threading.Thread(target=_send_until_closed, args=(deaf, flood), daemon=True).start()
+        for _ in range(10_000):
+            with Client("127.0.0.1", server.port) as client:
+                if client.stats()["connections"] == 1:   # just this one
+                    break
+        else:
+            pytest.fail("a connection that reads nothing was never closed")
+        deaf.close()
         with Client("127.0.0.1", server.port) as client:
             with pytest.raises(RPCError) as info:   # 4 blocks of 16 tokens cannot hold 5 + 100 tokens
                 client.generate("Once upon a time", max_tokens=100)

@@ -30,17 +30,20 @@ def run(engine, requests, stagger=3, on_step=None):
     finals, streamed = {}, {}
     for rid, prompt, params in requests[:stagger]:
         engine.add_request(rid, prompt, params)
+    late = requests[stagger:]
     num_steps = 0
-    while engine.has_unfinished_requests():
-        if num_steps == 2:
-            for rid, prompt, params in requests[stagger:]:
+    while engine.has_unfinished_requests() or late:
+        if num_steps == 2 or not engine.has_unfinished_requests():
+            for rid, prompt, params in late:
                 engine.add_request(rid, prompt, params)
+            late = []
         for out in engine.step():
             completion = out.outputs[0]
             before = streamed.get(out.request_id)
             if before is not None:   # cumulative and never retracted: no token is streamed twice
-                assert completion.token_ids[:len(before[0])] == before[0] and len(completion.token_ids) > len(before[0]) or out.finished
-                assert completion.text.startswith(before[1])
+                tokens, text = before
+                assert completion.token_ids[:len(tokens)] == tokens and completion.text.startswith(text)
+                assert len(completion.token_ids) > len(tokens) or out.finished
             assert out.request_id not in finals, "a finished request reported again"
             streamed[out.request_id] = (completion.token_ids, completion.text)
             if out.finished:

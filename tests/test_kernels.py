@@ -21,7 +21,7 @@ CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
 CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum",
                  "round_trip_16bit"]
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}   # relative to the values' scale
+TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the values' scale
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -206,11 +206,12 @@ def test_greedy_argmax_breaks_ties_to_lowest_index(order):
 
 
 def reference_sample(logits, temperature, top_k, top_p, min_p, u) -> int:
-    """float64 reference of sample_kernel's rule: filters on weights exp(x/t - max), inverse CDF in index order."""
+    """float64 reference of sample_kernel's rule: min-p, top-k, top-p on weights exp(x/t - max), then an
+    inverse CDF in index order."""
     if temperature <= 0:
         return int(np.argmax(logits))
     w = np.exp(logits.astype(np.float64) / temperature - logits.max() / temperature)
-    keep = np.ones_like(w, dtype=bool)
+    keep = w >= min_p
     if 0 < top_k < len(w):
         keep &= w >= np.sort(w)[::-1][top_k - 1]
     if top_p < 1:
@@ -218,7 +219,6 @@ def reference_sample(logits, temperature, top_k, top_p, min_p, u) -> int:
         mass = np.cumsum(w[order] * keep[order])
         cutoff = w[order][np.searchsorted(mass, top_p * mass[-1])]
         keep &= w >= cutoff
-    keep &= w >= min_p
     cdf = np.cumsum(np.where(keep, w, 0))
     return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
 
@@ -229,6 +229,7 @@ def test_sample_kernel_matches_float64_reference(order):
     params = [  # temperature, top_k, top_p, min_p
         (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
         (1.0, 0, 1.0, 0.2), (0.9, 20, 0.5, 0.05), (1.0, 1, 1.0, 0.0), (2.0, 400, 0.99, 0.0),
+        (1.0, 50, 0.6, 0.3),   # min-p removes tokens inside the top-k set: top-p sees the smaller mass
     ]
     logits = (rng.standard_normal((len(params), V)) * 2).astype(np.float32)
     for trial in range(3):

@@ -286,6 +286,22 @@ def test_bad_calls_get_the_documented_error_and_the_connection_stays(server, met
     wait_until_idle(server)
 
 
+def test_our_clients_raise_the_servers_error_notification(server):
+    too_big = "Once upon a time " * (MAX_MESSAGE_BYTES // 8)
+    for call in (lambda c: c.generate(too_big), lambda c: list(c.generate_stream(too_big))):
+        with Client("127.0.0.1", server.port) as client:
+            with pytest.raises(RPCError) as info:
+                call(client)
+            assert info.value.code == INVALID_MESSAGE and "size limit" in info.value.message
+
+    async def run():
+        async with AsyncClient("127.0.0.1", server.port) as client:
+            await client.generate(too_big)
+    with pytest.raises(RPCError) as info:
+        asyncio.run(run())
+    assert info.value.code == INVALID_MESSAGE
+
+
 def test_too_many_in_flight_on_one_connection_is_overloaded(server):
     conn = RawConnection(server)
     n = MAX_INFLIGHT + 3

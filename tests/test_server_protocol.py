@@ -2,6 +2,7 @@
 import msgpack
 import pytest
 
+from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.protocol import (INVALID_PARAMS, RPCError, ServerLimits, make_unpacker, pack,
                                          parse_generate, single_param, text_params)
 
@@ -30,7 +31,8 @@ def test_generate_params_become_sampling_params():
     ({"prompt": "a", "stop_token_ids": [1.5]}, "stop_token_ids"),
     ({"prompt": "a", "stream": 1}, "stream"),
     ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
-    ({"prompt": "a", "skip_special_tokens": None}, "skip_special_tokens"),
+    ({"prompt": "a", "skip_special_tokens": 1}, "skip_special_tokens"),
+    ({"prompt": None}, "prompt"),
 ])
 def test_bad_generate_params_name_the_field(fields, named):
     with pytest.raises(RPCError) as info:
@@ -47,6 +49,12 @@ def test_generate_params_are_a_map_or_positional():
         with pytest.raises(RPCError) as info:
             parse_generate(params, LIMITS)
         assert info.value.code == INVALID_PARAMS
+
+
+def test_nil_fields_take_their_defaults():
+    request = parse_generate([{"prompt": "a", "prompt_token_ids": None, "max_tokens": None, "temperature": None,
+                               "stop": None, "seed": None, "stream": None, "skip_special_tokens": None}], LIMITS)
+    assert request.prompt == "a" and not request.stream and request.params == SamplingParams()
 
 
 def test_integral_floats_are_ints():
@@ -109,3 +117,30 @@ def test_pack_round_trips_numpy_scalars():
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="max_tokens"):
         ServerLimits(max_tokens=0)
+
+
+def test_a_connection_past_its_write_buffer_cap_is_dropped():
+    from types import SimpleNamespace
+    from minisarathi.server.server import _Connection
+
+    class Transport:   # the kernel takes nothing: everything written stays buffered
+        buffered, aborted = 0, False
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def abort(self):
+            self.aborted = True
+
+    transport = Transport()
+
+    def write(data):
+        transport.buffered += len(data)
+    conn = _Connection(0, SimpleNamespace(write=write, transport=transport),
+                       ServerLimits(max_write_buffer_bytes=1000), authenticated=True)
+    conn.respond(1, None, "x" * 500)
+    assert not conn.closed and not transport.aborted
+    conn.respond(2, None, "x" * 500)      # 1000+ bytes now wait: dropped, not buffered further
+    assert conn.closed and transport.aborted
+    conn.respond(3, None, "x" * 500)
+    assert transport.buffered < 1100

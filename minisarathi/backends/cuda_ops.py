@@ -391,7 +391,7 @@ def _work_items(query_start: np.ndarray, tile_tokens: int) -> np.ndarray:
 def _attention_tiling(head_dim: int, itemsize: int) -> tuple[int, int]:
     """(keys per tile, dynamic shared memory bytes) for paged_attention_kernel; see its smem layout."""
     pitch = head_dim + 4 // itemsize
-    for key_tile in range(32, 0, -1):
+    for key_tile in range(32, 0, -4):   # a multiple of 4 keeps v_s 16-byte aligned for vector copies
         smem = 4 * PA_MAX_ROWS * (head_dim + key_tile) + itemsize * key_tile * (pitch + head_dim)
         if smem <= SMEM_BUDGET:
             return key_tile, smem

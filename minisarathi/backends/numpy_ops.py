@@ -77,8 +77,9 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
                     scale: float) -> np.ndarray:
     """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
-    Single-token runs (decodes) are done together, padded to the longest context; longer runs (prefill
-    chunks) one sequence at a time. GQA never copies K/V per query head: queries are grouped as
+    Single-token runs (decodes) are done together, padded to the longest context (the padding reads
+    block-table entries past a context and masks them out, so the cache must hold finite numbers, as
+    zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. GQA never copies K/V per query head: queries are grouped as
     [Hk, G] and the G queries of a KV head share its keys in one product.
     """
     T, Hq, D = q.shape

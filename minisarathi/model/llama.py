@@ -41,15 +41,15 @@ class LlamaModel:
         self.embed_tokens = ops.weight(weights["embed_tokens"])
         self.norm = ops.weight(weights["norm"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            def get(name):
-                array = weights.get(f"layers.{i}.{name}")
-                return None if array is None else ops.weight(array)
-            self.layers.append(LayerWeights(**{name: get(name) for name in LayerWeights.__dataclass_fields__}))
+        self.layers = [LayerWeights(**{name: self._place(weights.get(f"layers.{i}.{name}"))
+                                       for name in LayerWeights.__dataclass_fields__})
+                       for i in range(config.num_hidden_layers)]
         # float32 NumPy on every backend, like the batch arrays: 16-bit frequencies would ruin far positions.
         self.inv_freq = config.rope_inv_freq()  # float32[D/2]
         self.scale = config.head_dim ** -0.5
+
+    def _place(self, array: np.ndarray | None) -> Any:
+        return None if array is None else self.ops.weight(array)  # absent: a bias the model has not
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:
         """Per layer (k_cache, v_cache), each [num_blocks, Hk, block_size, D] in the activation dtype."""

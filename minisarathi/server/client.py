@@ -163,6 +163,9 @@ class Stream:
                     done = True
                     self.result = GenerateResult.from_wire(_result(message))
                     return
+        except RPCError:
+            done = True   # an `error` notification: the server is closing the connection, nothing to abort
+            raise
         finally:
             if not done and self._client._sock.fileno() != -1:   # a closed connection aborted it already
                 self._abort_and_drain()

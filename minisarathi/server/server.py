@@ -297,7 +297,7 @@ class Server:
             await asyncio.wait_for(conn.writer.drain(), self.limits.idle_timeout_s)
         except asyncio.TimeoutError:
             log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.idle_timeout_s)
-            return False
+            conn.close()
         return not conn.closed
 
     def _close_connection(self, conn: _Connection):
