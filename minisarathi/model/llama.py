@@ -6,6 +6,7 @@ the rows that are sampled.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -18,7 +19,7 @@ from minisarathi.config import ModelConfig
 from minisarathi.engine.batch import Batch
 from minisarathi.model.loader import load_weights
 
-DEVICES = ("cpu",)
+DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 
 
 @dataclass
@@ -92,8 +93,31 @@ class LlamaModel:
         return ops.to_numpy(ops.linear(x, self.lm_head))
 
 
+def resolve_device(device: str) -> str:
+    """"auto" is "cuda" when CuPy is installed and sees a GPU, else "cpu" (CuPy is not imported without it)."""
+    if device != "auto":
+        return device
+    if importlib.util.find_spec("cupy") is None:
+        return "cpu"
+    import cupy
+    try:
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except cupy.cuda.runtime.CUDARuntimeError:   # no driver, or no device
+        return "cpu"
+
+
+def backend_ops(device: str, dtype: str):
+    """The ops module for a device. The CUDA backend is imported only here, so the CPU path never loads CuPy."""
+    if device == "cpu":
+        return numpy_ops
+    from minisarathi.backends import cuda_ops
+    if device == "cuda-emulated":
+        return cuda_ops.emulated()        # float32 on the CPU: exact against the NumPy reference
+    return cuda_ops.gpu(dtype)            # the checkpoint's dtype on the GPU
+
+
 def load_model(path: str | Path, device: str = "cpu") -> LlamaModel:
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     config = ModelConfig.from_pretrained(path)
-    return LlamaModel(config, load_weights(path, config), numpy_ops)
+    return LlamaModel(config, load_weights(path, config), backend_ops(resolve_device(device), config.dtype))
