@@ -37,14 +37,14 @@ class RandomLogitsModel:
         return self.table[self.offset:self.offset + n]
 
 
-def measure(num_seqs: int, steps: int, prompt_len: int, scheduler: str, block_size: int) -> dict:
+def measure(num_seqs: int, steps: int, prompt_len: int, scheduler: str, block_size: int, detokenize: bool) -> dict:
     # A budget of 2N tokens: N decodes plus room to finish the prefills of the last ones quickly.
     engine = LLMEngine(scheduler=scheduler, chunk_size=max(512, 2 * num_seqs), block_size=block_size,
                        max_num_seqs=num_seqs, num_kv_blocks=num_seqs * -(-CONTEXT // block_size))
     max_tokens = CONTEXT - prompt_len   # outlasts warm-up + timed steps (checked below)
     engine.model = RandomLogitsModel(engine.model_config, num_seqs)
     rng = np.random.default_rng(1)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize)
     for i in range(num_seqs):
         engine.add_request(str(i), rng.integers(3, engine.model_config.vocab_size, prompt_len).tolist(), params)
     while any(s.in_prefill or s.status.value == "waiting" for s in engine.requests.values()):
@@ -81,7 +81,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--scheduler", default="sarathi")
     args = parser.parse_args()
-    rows = [measure(n, args.steps, args.prompt_len, args.scheduler, args.block_size) for n in args.sizes]
+    rows = [measure(n, args.steps, args.prompt_len, args.scheduler, args.block_size, d) for n in args.sizes for d in (True, False)]
     for row in rows:
         print(json.dumps(row))
     print("\n| running | CPU ms/step | wall ms/step | schedule + batch (wall ms) | sampling (wall ms) | CPU us/seq |")

@@ -35,9 +35,8 @@ def engine_options_from_args(args: argparse.Namespace) -> dict:
                 seed=args.seed)
 
 
-def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
-    add_engine_arguments(parser, positional_model=False)
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Per-request sampling flags, named as SamplingParams' fields (--seed is the engine's, so --sample-seed)."""
     s = parser.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0)
@@ -49,13 +48,22 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ignore-eos", action="store_true")
 
 
+def sampling_options_from_args(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    add_engine_arguments(parser, positional_model=False)
+    add_sampling_arguments(parser)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from .engine.engine import LLMEngine
     from .sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(**sampling_options_from_args(args))
     engine = LLMEngine(**engine_options_from_args(args))
     engine.add_request("cli", args.prompt, params)
     sys.stdout.write(args.prompt)

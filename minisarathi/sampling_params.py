@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # k: return the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    detokenize: bool = True           # False: no text (and no stop strings), token ids only; saves CPU per token
 
     def __post_init__(self):
         if self.stop is None:
@@ -66,9 +67,11 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
 
     @property
     def greedy(self) -> bool:

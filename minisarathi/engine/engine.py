@@ -9,7 +9,7 @@ from numbers import Integral
 from pathlib import Path
 
 from minisarathi.config import EngineConfig
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.engine.batch import make_batch
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
@@ -21,7 +21,7 @@ from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     start_time: float          # time.monotonic() at the start of the step
     num_seqs: int
@@ -31,6 +31,40 @@ class StepRecord:
     schedule_time: float       # scheduling and batch building
     execution_time: float      # model forward + sampling
     step_time: float           # the whole step, bookkeeping and outputs included
+
+
+class StepLog:
+    """The engine's StepRecords, indexed by step number since the engine started, keeping at least the latest
+    `keep` (a server runs for ever). Because indices never shift, `log[n:]` with `n = len(log)` taken earlier
+    still means "the steps since then"; records older than the latest `keep` may be gone from it."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._records: list[StepRecord] = []
+        self._num_dropped = 0
+
+    def append(self, record: StepRecord) -> None:
+        self._records.append(record)
+        if len(self._records) >= 2 * self.keep:   # drop in bulk: amortized O(1) per step
+            del self._records[:self.keep]
+            self._num_dropped += self.keep
+
+    def __len__(self) -> int:
+        return self._num_dropped + len(self._records)
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def __getitem__(self, key: int | slice) -> StepRecord | list[StepRecord]:
+        steps = range(len(self))[key]     # step numbers: negative indices and slices resolved
+        if isinstance(steps, int):
+            if steps < self._num_dropped:
+                raise IndexError(f"step record {steps} was dropped (the log keeps the latest {self.keep})")
+            return self._records[steps - self._num_dropped]
+        return [self._records[i - self._num_dropped] for i in steps if i >= self._num_dropped]
+
+
+STEP_RECORDS_KEPT = 50_000   # ~25 MB of StepRecords at most
 
 
 class LLMEngine:
@@ -59,7 +93,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(self.model_config.vocab_size, config.seed, self.tokenizer.eos_token_ids)
         self.requests: dict[str, Sequence] = {}     # unfinished requests by id
-        self.step_records: list[StepRecord] = []
+        self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
@@ -107,7 +141,8 @@ class LLMEngine:
             RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             max_kv_tokens=final_len - 1,
             generator=None if params.seed is None else make_generator(params.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                               params.min_tokens) if params.detokenize else None,
             logprobs=None if params.logprobs is None else [])
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -140,24 +175,7 @@ class LLMEngine:
         self._aborted.clear()
         if not schedule.scheduled:
             return outputs
-
-        chunks, samplers = [], []
-        num_prefill = 0
-        for seq, n in schedule.scheduled.items():
-            begin = seq.num_computed_tokens
-            end = begin + n
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = start
-                seq.num_cached_tokens = begin
-            if seq.in_prefill:
-                num_prefill += n
-                seq.metrics.chunk_times.append((start, n))
-            sample = end == seq.num_tokens
-            chunks.append(ScheduledChunk(seq.token_slice(begin, end), begin, seq.block_table, sample))
-            if sample:
-                samplers.append(seq)
-            seq.num_computed_tokens = end
-        batch = build_batch(chunks, self.config.block_size)
+        batch, samplers, num_prefill = self._build_batch(schedule.scheduled, start)
 
         scheduled = time.monotonic()
         logits = self.model.forward(batch, self.kv_cache)
@@ -166,29 +184,54 @@ class LLMEngine:
                                       [s.output_token_ids for s in samplers])
         executed = time.monotonic()
 
-        for seq in schedule.scheduled:
-            self.block_manager.register_computed(seq)
-        for i, seq in enumerate(samplers):
-            self._append_token(seq, int(sampled.token_ids[i]), sampled, i, executed)
+        if self.block_manager.enable_prefix_caching:
+            for seq in schedule.scheduled:
+                self.block_manager.register_computed(seq)
+        for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
+            self._append_token(seq, token, sampled, row, executed)
             outputs.append(self._output(seq))
+        self.num_generated_tokens += len(samplers)
         self.scheduler.remove_finished([seq for seq in samplers if seq.is_finished])
         self.step_records.append(StepRecord(
-            start, len(chunks), num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
+            start, batch.num_seqs, num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
             scheduled - start, executed - scheduled, time.monotonic() - start))
         return outputs
 
+    def _build_batch(self, scheduled: dict[Sequence, int], now: float):
+        """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
+        A chunk is the sequence's next uncomputed tokens; it samples when it reaches the sequence's end."""
+        token_ids, starts, tables, sample, samplers = [], [], [], [], []
+        num_prefill = 0
+        for seq, n in scheduled.items():
+            begin = seq.num_computed_tokens
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+                seq.num_cached_tokens = begin
+            if seq.in_prefill:
+                num_prefill += n
+                seq.metrics.chunk_times.append((now, n))
+            seq.num_computed_tokens = end = begin + n
+            token_ids += seq.token_slice(begin, end)
+            starts.append(begin)
+            tables.append(seq.block_table)
+            ends = end == seq.num_tokens
+            sample.append(ends)
+            if ends:
+                samplers.append(seq)
+        batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
+        return batch, samplers, num_prefill
+
     def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
         seq.output_token_ids.append(token)
-        self.num_generated_tokens += 1
         metrics = seq.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.token_times.append(now)
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprobs(sampled.logprobs[row], sampled.ranks[row]))
-        _, stop_string = seq.detokenizer.add(token)
+            seq.logprobs.append(self._logprobs(sampled.logprobs[row], sampled.ranks[row], seq.params.detokenize))
+        # the detokenizer ignores stop strings until min_tokens are out; the sampler masks EOS and stop ids
+        stop_string = None if seq.detokenizer is None else seq.detokenizer.add(token)[1]
         params = seq.params
-        # EOS and stop ids cannot come before min_tokens: the sampler masks them until then
         if stop_string is not None:
             self._finish(seq, "stop", stop_string, now)
         elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
@@ -198,9 +241,9 @@ class LLMEngine:
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None, now)
 
-    def _logprobs(self, row: list[tuple[int, float]], rank: int) -> dict[int, Logprob]:
+    def _logprobs(self, row: list[tuple[int, float]], rank: int, detokenize: bool) -> dict[int, Logprob]:
         (sampled_id, sampled_lp), top = row[0], row[1:]
-        decode = self.tokenizer.decoded_token
+        decode = self.tokenizer.decoded_token if detokenize else lambda token_id: None
         result = {t: Logprob(lp, r, decode(t)) for r, (t, lp) in enumerate(top, start=1)}
         result.setdefault(sampled_id, Logprob(sampled_lp, rank, decode(sampled_id)))
         return result
@@ -209,14 +252,18 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.metrics.finished_time = now
-        seq.detokenizer.flush()
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
         del self.requests[seq.request_id]
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
+        # Snapshots: the token list (and logprobs list) is copied, so an output kept by the caller (or read by
+        # another thread, as the server does) never changes as the sequence grows. That copy is the one part
+        # of a step that grows with the length of a request (a memcpy, ~1 ns per token).
         completion = CompletionOutput(
-            0, seq.detokenizer.text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
-            None if seq.logprobs is None else list(seq.logprobs))
+            0, "" if seq.detokenizer is None else seq.detokenizer.text, seq.output_token_ids.copy(),
+            seq.finish_reason, seq.stop_reason, None if seq.logprobs is None else seq.logprobs.copy())
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.metrics, seq.num_cached_tokens)
 

@@ -1,68 +1,119 @@
-"""Hugging Face safetensors checkpoints (one file or index-sharded; F32/F16/BF16) to fused float32 arrays.
+"""Hugging Face safetensors checkpoints (one file or index-sharded; F32/F16/BF16) to the model's weights.
 
 The safetensors format is an 8-byte little-endian header length, a JSON header mapping each tensor name
 to its dtype, shape and byte range, then the raw data. Reading it with np.memmap ourselves (rather than
 safetensors' numpy loader, which has no bfloat16) only pages in the tensors that are used.
+
+Weights leave the loader as they are stored (CheckpointTensor: dtype name and raw array) and a backend
+places them: NumPy widens them to float32, the CUDA backend uploads the stored bits and converts on the
+device only when its compute dtype differs. An 8B bf16 checkpoint thus never becomes 32 GB of float32
+on the host.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from minisarathi.config import ModelConfig
 
-# bfloat16 has no NumPy dtype: its bits are read as uint16 and widened by bf16_to_float32.
-STORED_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+# safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
+# its bits are read as uint16 and widened by bf16_to_float32.
+STORED_DTYPES = {"F32": ("float32", np.dtype("<f4")), "F16": ("float16", np.dtype("<f2")),
+                 "BF16": ("bfloat16", np.dtype("<u2"))}
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The model's float32 weights under the names LlamaModel uses, q/k/v and gate/up fused.
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
+    (np.asarray(tensor) widens it), which is how numpy_ops.weight places it."""
+    dtype: str          # "float32", "float16" or "bfloat16"
+    data: np.ndarray    # float32, float16, or bfloat16 bits as uint16; read-only memory map unless fused
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(to_float32(self.dtype, self.data), dtype=dtype, copy=copy)
+
+
+class CheckpointWeights(Mapping):
+    """The model's weights under the names LlamaModel uses, as CheckpointTensors, q/k/v and gate/up fused.
 
     Keys: embed_tokens, norm, lm_head (untied only), and per layer i `layers.{i}.` + input_layernorm,
     qkv_proj, qkv_bias (if config.qkv_bias), o_proj, o_bias (if config.o_bias), post_attention_layernorm,
-    gate_up_proj, down_proj. Weights keep HF's [out, in] layout.
+    gate_up_proj, down_proj. Weights keep HF's [out, in] layout. Every tensor is checked when this is
+    built; a fused one is concatenated (one host copy in the stored dtype) each time it is read, so the
+    host holds at most one fused tensor while a backend places them one by one.
     """
+
+    def __init__(self, stored: dict[str, CheckpointTensor], parts: dict[str, list[str]]):
+        self._stored = stored    # checkpoint name -> tensor
+        self._parts = parts      # our name -> the checkpoint names it concatenates, in order
+
+    def __getitem__(self, name: str) -> CheckpointTensor:
+        tensors = [self._stored[part] for part in self._parts[name]]
+        if len(tensors) == 1:
+            return tensors[0]
+        return CheckpointTensor(tensors[0].dtype, np.concatenate([t.data for t in tensors]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeights:
+    """The checkpoint's tensors under LlamaModel's names (see CheckpointWeights), memory-mapped."""
     stored = read_checkpoint(model_dir)
     c = config
-    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in stored:
-            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {str(model_dir)!r}")
-        dtype, raw = stored[name]
-        if raw.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {list(raw.shape)}, expected {list(shape)}")
-        return to_float32(dtype, raw)
-
     H, I = c.hidden_size, c.intermediate_size
-    weights = {"embed_tokens": get("model.embed_tokens.weight", (c.vocab_size, H)),
-               "norm": get("model.norm.weight", (H,))}
+    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    expected: dict[str, tuple[int, ...]] = {}   # checkpoint name -> shape
+
+    def use(*named_shapes: tuple[str, tuple[int, ...]]) -> list[str]:
+        expected.update(named_shapes)
+        return [name for name, _ in named_shapes]
+
+    parts = {"embed_tokens": use(("model.embed_tokens.weight", (c.vocab_size, H))),
+             "norm": use(("model.norm.weight", (H,)))}
     if not c.tie_word_embeddings:
-        weights["lm_head"] = get("lm_head.weight", (c.vocab_size, H))
+        parts["lm_head"] = use(("lm_head.weight", (c.vocab_size, H)))
     for i in range(c.num_hidden_layers):
         attn, mlp, out = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
-        weights[out + "input_layernorm"] = get(f"model.layers.{i}.input_layernorm.weight", (H,))
-        weights[out + "qkv_proj"] = np.concatenate([get(attn + "q_proj.weight", (q_size, H)),
-                                                    get(attn + "k_proj.weight", (kv_size, H)),
-                                                    get(attn + "v_proj.weight", (kv_size, H))])
+        parts[out + "input_layernorm"] = use((f"model.layers.{i}.input_layernorm.weight", (H,)))
+        parts[out + "qkv_proj"] = use((attn + "q_proj.weight", (q_size, H)), (attn + "k_proj.weight", (kv_size, H)),
+                                      (attn + "v_proj.weight", (kv_size, H)))
         if c.qkv_bias:
-            weights[out + "qkv_bias"] = np.concatenate([get(attn + "q_proj.bias", (q_size,)),
-                                                        get(attn + "k_proj.bias", (kv_size,)),
-                                                        get(attn + "v_proj.bias", (kv_size,))])
-        weights[out + "o_proj"] = get(attn + "o_proj.weight", (H, q_size))
+            parts[out + "qkv_bias"] = use((attn + "q_proj.bias", (q_size,)), (attn + "k_proj.bias", (kv_size,)),
+                                          (attn + "v_proj.bias", (kv_size,)))
+        parts[out + "o_proj"] = use((attn + "o_proj.weight", (H, q_size)))
         if c.o_bias:
-            weights[out + "o_bias"] = get(attn + "o_proj.bias", (H,))
-        weights[out + "post_attention_layernorm"] = get(f"model.layers.{i}.post_attention_layernorm.weight", (H,))
-        weights[out + "gate_up_proj"] = np.concatenate([get(mlp + "gate_proj.weight", (I, H)),
-                                                        get(mlp + "up_proj.weight", (I, H))])
-        weights[out + "down_proj"] = get(mlp + "down_proj.weight", (H, I))
-    return weights
+            parts[out + "o_bias"] = use((attn + "o_proj.bias", (H,)))
+        parts[out + "post_attention_layernorm"] = use((f"model.layers.{i}.post_attention_layernorm.weight", (H,)))
+        parts[out + "gate_up_proj"] = use((mlp + "gate_proj.weight", (I, H)), (mlp + "up_proj.weight", (I, H)))
+        parts[out + "down_proj"] = use((mlp + "down_proj.weight", (H, I)))
+
+    for name, shape in expected.items():
+        if name not in stored:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {str(model_dir)!r}")
+        if stored[name].shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {list(stored[name].shape)}, expected {list(shape)}")
+    for name, names in parts.items():
+        dtypes = {stored[n].dtype for n in names}
+        if len(dtypes) > 1:
+            raise ValueError(f"tensors {', '.join(names)} (fused into {name}) must share one dtype, got "
+                             f"{', '.join(stored[n].dtype for n in names)}")
+    return CheckpointWeights(stored, parts)
 
 
-def read_checkpoint(model_dir: str | Path) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (safetensors dtype, memory-mapped array) over model.safetensors or its index's shards."""
+def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
+    """name -> memory-mapped tensor over model.safetensors or its index's shards."""
     model_dir = Path(model_dir)
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
@@ -81,8 +132,8 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, tuple[str, np.ndarray]]:
     return tensors
 
 
-def read_safetensors(file: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (dtype, array) of one .safetensors file; the arrays are read-only views of a memmap."""
+def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
+    """name -> tensor of one .safetensors file; the arrays are read-only views of a memmap."""
     if not file.is_file():
         raise ValueError(f"checkpoint file {str(file)!r} does not exist")
     data = np.memmap(file, dtype=np.uint8, mode="r").view(np.ndarray)  # plain arrays that share the mapping
@@ -98,16 +149,18 @@ def read_safetensors(file: Path) -> dict[str, tuple[str, np.ndarray]]:
         dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if dtype not in STORED_DTYPES:
             raise ValueError(f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}")
-        if end - begin != STORED_DTYPES[dtype].itemsize * int(np.prod(shape)) or end > len(body):
+        dtype_name, array_dtype = STORED_DTYPES[dtype]
+        if end - begin != array_dtype.itemsize * int(np.prod(shape)) or end > len(body):
             raise ValueError(f"tensor {name!r} in {file} has data_offsets {[begin, end]} that do not fit "
                              f"its shape {list(shape)}")
-        tensors[name] = (dtype, body[begin:end].view(STORED_DTYPES[dtype]).reshape(shape))
+        tensors[name] = CheckpointTensor(dtype_name, body[begin:end].view(array_dtype).reshape(shape))
     return tensors
 
 
 def to_float32(dtype: str, raw: np.ndarray) -> np.ndarray:
-    """A C-contiguous float32 copy of a stored tensor (exact: every F16/BF16 value is a float32 value)."""
-    if dtype == "BF16":
+    """The stored tensor's values as a C-contiguous float32 array (exact: every 16-bit value is a float32
+    value); a float32 tensor comes back as it is, a view of the memory map."""
+    if dtype == "bfloat16":
         return bf16_to_float32(raw)
     return np.ascontiguousarray(raw, dtype=np.float32)
 

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli import add_engine_arguments, add_sampling_arguments, engine_options_from_args, sampling_options_from_args
 from .client import DEFAULT_PORT, Client
 from .protocol import RPCError, ServerLimits
 
@@ -16,7 +17,6 @@ API_KEY_ENV = "MINISARATHI_API_KEY"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import add_engine_arguments
 
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
@@ -45,7 +45,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_options_from_args
     from ..engine.engine import LLMEngine
     from ..paths import default_model_dir
     from .server import Server
@@ -79,21 +78,13 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--port", type=int, default=DEFAULT_PORT)
     c.add_argument("--unix-socket", default=None)
     c.add_argument("--api-key-file", default=None, help=f"(or set ${API_KEY_ENV})")
-    s = parser.add_argument_group("sampling")
-    s.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    add_sampling_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the whole result map as JSON")
 
 
 def run_client(args: argparse.Namespace) -> int:
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    sampling = sampling_options_from_args(args)
     try:
         with Client(args.host, args.port, unix_socket=args.unix_socket,
                     api_key=_read_api_key(args.api_key_file)) as client:
