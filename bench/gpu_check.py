@@ -1,10 +1,13 @@
 """The CUDA backend on a real GPU: correctness against NumPy, then speed against measured ceilings.
 
-    python bench/gpu_check.py --out DIR        # what bench/gpu_check.sh runs (needs a GPU and CuPy)
-    python bench/gpu_check.py --ptxas-report   # registers / shared memory / spills per kernel (nvcc, no GPU)
+    python bench/gpu_check.py --out DIR                  # every section (what bench/gpu_check.sh runs; GPU + CuPy)
+    python bench/gpu_check.py --out DIR --section NAME   # one section: kernels, sampling, models, ceilings, ...
+    python bench/gpu_check.py --ptxas-report             # registers / shared memory / spills per kernel (nvcc, no GPU)
 
-Each section runs on its own (an exception is recorded, the next section still runs). Details go to
-DIR/details.txt and DIR/results.json; a short table is printed last.
+Each section runs in its own process under a time limit, so an exception, a hang, or a CUDA error that
+poisons the context (an illegal address is sticky) costs that section only. Rows go to DIR/rows/*.json;
+DIR/summary.txt and DIR/results.json are rewritten after every section (a kill still leaves them), details
+are appended to DIR/details.txt, and the short table is printed last.
 """
 from __future__ import annotations
 
@@ -21,15 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 from minisarathi.backends import cuda_ops, numpy_ops  # noqa: E402
 from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16  # noqa: E402
 from minisarathi.engine.batch import ScheduledChunk, build_batch  # noqa: E402
 from minisarathi.paths import cuda_dir, default_model_dir  # noqa: E402
+from minisarathi.sampler import Sampler, make_generator  # noqa: E402
+from minisarathi.sampling_params import SamplingParams  # noqa: E402
 
-TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}
-ROWS: list[tuple[str, str, str]] = []   # (section, result, detail) for the final table
+TOTAL_BUDGET_S = 420     # all sections; gpu_check.sh kills the run at 450 s, well under 8 minutes
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 3e-2}
+FAILURES = ("ERROR", "MISMATCH", "FAILED", "SKIPPED")
+ROWS: list[tuple[str, str, str]] = []   # (check, result, detail) of this process's section
 DETAILS: list[str] = []
 
 
@@ -38,25 +46,22 @@ def log(line: str) -> None:
     DETAILS.append(line)
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*args):
-            start = time.perf_counter()
-            try:
-                fn(*args)
-            except Exception:
-                ROWS.append((name, "ERROR", traceback.format_exc().strip().splitlines()[-1][:90]))
-                log(f"[{name}] failed:\n{traceback.format_exc()}")
-            log(f"[{name}] {time.perf_counter() - start:.1f} s")
-        return run
-    return wrap
+def guarded(name: str, fn, *args) -> None:
+    """Runs one check; an exception becomes an ERROR row and the section goes on with the next check."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        ROWS.append((name, "ERROR", f"{type(exc).__name__}: {exc}".splitlines()[0][:90]))
+        log(f"[{name}] failed:\n{traceback.format_exc()}")
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
 
 def host(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to dtype, as float32 (what the GPU sees)."""
-    return bf16_to_float32(float32_to_bf16(x)) if dtype == "bfloat16" else x.astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_to_float32(float32_to_bf16(x))
+    return x.astype(dtype).astype(np.float32)
 
 
 def compare(name: str, ops, got, want: np.ndarray, dtype: str) -> None:
@@ -69,7 +74,8 @@ def compare(name: str, ops, got, want: np.ndarray, dtype: str) -> None:
 
 
 def timed(fn, repeat: int = 20) -> float:
-    """Median seconds of fn() on the GPU, measured with CUDA events after a warm-up."""
+    """Median seconds of fn() on the GPU, between CUDA events on the current stream, after a warm-up
+    (which also compiles the kernels)."""
     import cupy
     fn()
     cupy.cuda.Device().synchronize()
@@ -80,86 +86,123 @@ def timed(fn, repeat: int = 20) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)   # milliseconds -> seconds
     return float(np.median(times))
 
 
 def random_device(ops, shape, scale=1.0):
-    """Random activations/weights made on the GPU (fast even for an 8B-shaped model)."""
+    """Random activations/weights made on the GPU in the activation dtype (fast even for an 8B shape)."""
     import cupy
-    x = cupy.random.standard_normal(shape, dtype=cupy.float32) * scale
-    if ops.dtype != "bfloat16":
-        return x.astype(ops.activation_dtype)
-    bits = x.view(cupy.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
+    x = cupy.random.standard_normal(shape, dtype=cupy.float32)
+    x *= np.float32(scale)
+    return cuda_ops.convert(x, "float32", ops.dtype)
 
 
 # ---- (a) kernels against NumPy -------------------------------------------------------------------------
 
-@section("kernels vs numpy")
-def check_kernels():
+def check_kernels(out: Path) -> None:
+    import cupy
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    log(f"device: {name.decode() if isinstance(name, bytes) else name}, CuPy {cupy.__version__}")
+    for dtype in ("float32", "float16", "bfloat16"):
+        guarded(f"kernels {dtype}", check_kernels_in, dtype)
+
+
+def check_kernels_in(dtype: str) -> None:
     rng = np.random.default_rng(0)
-    for dtype in ("float32", "bfloat16"):
-        ops = cuda_ops.gpu(dtype)
-        x32, w32, r32 = (host(rng.standard_normal(s).astype(np.float32), dtype) for s in [(9, 1000), (1000,), (9, 1000)])
-        x, w, r = ops.weight(x32), ops.weight(w32), ops.weight(r32)
-        compare("rms_norm", ops, ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(x32, w32, 1e-5), dtype)
-        out, _ = ops.add_rms_norm(x, r, w, 1e-5)
-        compare("add_rms_norm", ops, out, numpy_ops.add_rms_norm(x32, r32.copy(), w32, 1e-5)[0], dtype)
-        compare("silu_and_mul", ops, ops.silu_and_mul(x), numpy_ops.silu_and_mul(x32), dtype)
-        ids = np.array([0, 5, 999, 5], dtype=np.int32)
-        table32 = host(rng.standard_normal((1000, 64)).astype(np.float32), dtype)
-        compare("embedding", ops, ops.embedding(ops.weight(table32), ids), table32[ids], dtype)
-        wl32 = host(rng.standard_normal((300, 1000)).astype(np.float32) * 0.05, dtype)
-        b32 = host(rng.standard_normal(300).astype(np.float32), dtype)
-        compare("linear+bias", ops, ops.linear(x, ops.weight(wl32), ops.weight(b32)), x32 @ wl32.T + b32, dtype)
+    ops = cuda_ops.gpu(dtype)
+    x32, w32, r32 = (host(rng.standard_normal(s).astype(np.float32), dtype) for s in [(9, 1000), (1000,), (9, 1000)])
+    x, w, r = ops.weight(x32), ops.weight(w32), ops.weight(r32)
+    compare("rms_norm", ops, ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(x32, w32, 1e-5), dtype)
+    out, _ = ops.add_rms_norm(x, r, w, 1e-5)
+    compare("add_rms_norm", ops, out, numpy_ops.add_rms_norm(x32, r32.copy(), w32, 1e-5)[0], dtype)
+    compare("silu_and_mul", ops, ops.silu_and_mul(x), numpy_ops.silu_and_mul(x32), dtype)
+    ids = np.array([0, 5, 999, 5], dtype=np.int32)
+    table32 = host(rng.standard_normal((1000, 64)).astype(np.float32), dtype)
+    compare("embedding", ops, ops.embedding(ops.weight(table32), ids), table32[ids], dtype)
+    wl32 = host(rng.standard_normal((300, 1000)).astype(np.float32) * 0.05, dtype)
+    b32 = host(rng.standard_normal(300).astype(np.float32), dtype)
+    compare("linear+bias", ops, ops.linear(x, ops.weight(wl32), ops.weight(b32)), x32 @ wl32.T + b32, dtype)
 
-        T, Hq, Hk, D = 7, 32, 8, 128
-        qkv32 = host(rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32), dtype)
-        qkv = ops.weight(qkv32)
-        positions = np.array([0, 1, 2, 3, 100, 5000, 130000], dtype=np.int32)
-        inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-        ops.rope(qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
-        ref = qkv32.copy()
-        numpy_ops.rope(ref[:, :Hq * D].reshape(T, Hq, D), ref[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
-        compare("rope (strided views)", ops, qkv, ref, dtype)
+    T, Hq, Hk, D = 7, 32, 8, 128
+    qkv32 = host(rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32), dtype)
+    qkv = ops.weight(qkv32)
+    positions = np.array([0, 1, 2, 3, 100, 5000, 130000], dtype=np.int32)
+    inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    ops.rope(qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
+    ref = qkv32.copy()
+    numpy_ops.rope(ref[:, :Hq * D].reshape(T, Hq, D), ref[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
+    # Rotated values are rounded to the dtype once more on the GPU: compare after rounding the reference too.
+    compare("rope (strided views)", ops, qkv, host(ref, dtype), dtype)
 
-        for label, runs in [("attention mixed", [(0, 1), (0, 37), (15, 1), (16, 1), (40, 9), (3000, 1)]),
-                            ("attention long decode", [(4095, 1)] * 8 + [(20000, 1)])]:
-            bs = 16
-            blocks = [-(-(s + n) // bs) for s, n in runs]
-            pool = rng.permutation(sum(blocks))
-            chunks, used = [], 0
-            for (s, n), need in zip(runs, blocks):
-                chunks.append(ScheduledChunk([1] * n, s, [int(b) for b in pool[used:used + need]], True))
-                used += need
-            batch = build_batch(chunks, bs)
-            shape = (len(pool), Hk, bs, D)
-            k32, v32 = (host(rng.standard_normal(shape).astype(np.float32), dtype) for _ in range(2))
-            q32 = host(rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32), dtype)
-            got = ops.paged_attention(ops.weight(q32), ops.weight(k32), ops.weight(v32), batch, D ** -0.5)
-            compare(label, ops, got, numpy_ops.paged_attention(q32, k32, v32, batch, D ** -0.5), dtype)
+    for label, runs in [("attention mixed", [(0, 1), (0, 37), (15, 1), (16, 1), (40, 9), (3000, 1)]),
+                        ("attention long decode", [(4095, 1)] * 8 + [(20000, 1)])]:
+        bs = 16
+        blocks = [-(-(s + n) // bs) for s, n in runs]
+        pool = rng.permutation(sum(blocks))
+        chunks, used = [], 0
+        for (s, n), need in zip(runs, blocks):
+            chunks.append(ScheduledChunk([1] * n, s, [int(b) for b in pool[used:used + need]], True))
+            used += need
+        batch = build_batch(chunks, bs)
+        shape = (len(pool), Hk, bs, D)
+        k32, v32 = (host(rng.standard_normal(shape).astype(np.float32), dtype) for _ in range(2))
+        q32 = host(rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32), dtype)
+        got = ops.paged_attention(ops.weight(q32), ops.weight(k32), ops.weight(v32), batch, D ** -0.5)
+        compare(label, ops, got, numpy_ops.paged_attention(q32, k32, v32, batch, D ** -0.5), dtype)
 
-            kn32 = host(rng.standard_normal((batch.num_tokens, Hk, D)).astype(np.float32), dtype)
-            kc, vc = ops.weight(k32), ops.weight(v32)
-            ops.store_kv(ops.weight(kn32), ops.weight(kn32), kc, vc, batch.slot_mapping)
-            kref, vref = k32.copy(), v32.copy()
-            numpy_ops.store_kv(kn32, kn32, kref, vref, batch.slot_mapping)
-            compare("store_kv", ops, kc, kref, dtype)
+        kn32 = host(rng.standard_normal((batch.num_tokens, Hk, D)).astype(np.float32), dtype)
+        kc, vc = ops.weight(k32), ops.weight(v32)
+        ops.store_kv(ops.weight(kn32), ops.weight(kn32), kc, vc, batch.slot_mapping)
+        kref, vref = k32.copy(), v32.copy()
+        numpy_ops.store_kv(kn32, kn32, kref, vref, batch.slot_mapping)
+        compare("store_kv", ops, kc, kref, dtype)
 
+
+# ---- (a') sampling on the device against the NumPy Sampler -----------------------------------------------
+
+def check_sampling(out: Path) -> None:
+    from minisarathi.backends.gpu_sampling import GpuSampler
     ops = cuda_ops.gpu("float32")
-    logits = rng.standard_normal((5, 128256)).astype(np.float32)
-    ok = np.array_equal(ops.greedy(ops.launcher.to_device(logits)), logits.argmax(1))
-    ROWS.append(("kernel greedy argmax", "ok" if ok else "MISMATCH", "128256-token vocab"))
-    ids, _ = ops.sample(ops.launcher.to_device(logits), [0.0, 1.0, 0.8, 1.0, 1.0], [0, 0, 50, 0, 0],
-                        [1.0, 1.0, 1.0, 0.9, 1.0], [0.0, 0.0, 0.0, 0.0, 0.1], [0.5, 0.3, 0.7, 0.2, 0.9])
-    valid = ids[0] == logits[0].argmax() and np.all((ids >= 0) & (ids < logits.shape[1]))
-    ROWS.append(("kernel sample", "ok" if valid else "MISMATCH", f"ids {ids.tolist()}"))
+    rng = np.random.default_rng(2)
+    N, V = 64, 128256
+    logits = (rng.standard_normal((N, V)) * 2).astype(np.float32)
+    logits[1, [10, 70000]] = 50.0                               # a tie: the lowest id wins
+    device_logits = ops.launcher.to_device(logits)
+    ok = np.array_equal(ops.greedy(device_logits), logits.argmax(1))
+    ROWS.append(("kernel greedy argmax", "ok" if ok else "MISMATCH", f"{N} x {V}, ties to the lowest id"))
+
+    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=1.0, min_p=0.1), dict(temperature=0.8, top_k=40, top_p=0.8, min_p=0.02, seed=5),
+             dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logprobs=5),
+             dict(temperature=1.0, seed=9, logprobs=3, min_tokens=3, stop_token_ids=[7])]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(N)]
+    prompts = [rng.integers(0, V, 50).tolist() for _ in range(N)]
+    outputs = [rng.integers(0, V, 2).tolist() for _ in range(N)]
+    make = lambda: [None if p.seed is None else make_generator(p.seed) for p in params]   # noqa: E731
+    want = Sampler(V, 0, (2,)).sample(logits, params, make(), prompts, outputs)
+    sampler = GpuSampler(ops, V, 0, (2,))
+    got = sampler.sample(device_logits, params, make(), prompts, outputs)
+    greedy = np.array([p.temperature == 0 for p in params])
+    same = got.token_ids == want.token_ids
+    rows = [i for i, w in enumerate(want.logprobs) if w is not None]
+    same_ids = all([t for t, _ in got.logprobs[i]] == [t for t, _ in want.logprobs[i]] for i in rows if same[i])
+    error = max((abs(g[1] - w[1]) for i in rows if same[i] for g, w in zip(got.logprobs[i], want.logprobs[i])),
+                default=0.0)
+    # Sampled rows may rarely differ where float32 (GPU) and float64 (NumPy) CDFs straddle the uniform.
+    ok = same[greedy].all() and same[~greedy].mean() >= 0.9 and same_ids and error <= 1e-4
+    ROWS.append(("GpuSampler vs Sampler", "ok" if ok else "MISMATCH",
+                 f"greedy {same[greedy].sum()}/{greedy.sum()}, sampled {same[~greedy].sum()}/{(~greedy).sum()} "
+                 f"same ids; logprob err {error:.1e}"))
+    unseeded = [SamplingParams(**{k: v for k, v in kinds[i % len(kinds)].items() if k != "seed"}) for i in range(N)]
+    seconds = timed(lambda: sampler.sample(device_logits, unseeded, [None] * N, prompts, outputs), repeat=5)
+    ROWS.append((f"speed GpuSampler {N}x{V}", f"{seconds * 1e6:.0f} us", "penalties, filters, logprobs; ids to host"))
 
 
 # ---- (b) models end to end -------------------------------------------------------------------------------
 
 def generate(model, prompt: list[int], new_tokens: int, block_size: int = 16):
+    """(greedy tokens, logits of the prompt and of every step) with host argmax."""
     table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
     cache = model.new_kv_cache(len(table), block_size)
     batch = build_batch([ScheduledChunk(prompt, 0, table, True)], block_size)
@@ -172,14 +215,25 @@ def generate(model, prompt: list[int], new_tokens: int, block_size: int = 16):
     return ids[len(prompt):], np.concatenate(logits)
 
 
+def generate_sampled_on_device(model, prompt: list[int], new_tokens: int, block_size: int = 16) -> list[int]:
+    """Greedy tokens through forward(device_logits=True) and the model's own sampler (the engine's loop)."""
+    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
+    cache = model.new_kv_cache(len(table), block_size)
+    sampler, greedy = model.new_sampler(), SamplingParams(temperature=0, max_tokens=new_tokens)
+    ids, chunk = list(prompt), ScheduledChunk(prompt, 0, table, True)
+    while len(ids) < len(prompt) + new_tokens:
+        logits = model.forward(build_batch([chunk], block_size), cache, device_logits=True)
+        ids.append(int(sampler.sample(logits, [greedy], [None], [prompt], [ids[len(prompt):]]).token_ids[0]))
+        chunk = ScheduledChunk(ids[-1:], len(ids) - 1, table, True)
+    return ids[len(prompt):]
+
+
 def build_model(path: Path, ops):
     from minisarathi.config import ModelConfig
     from minisarathi.model.llama import LlamaModel
     from minisarathi.model.loader import load_weights
     config = ModelConfig.from_pretrained(path)
-    model = LlamaModel(config, load_weights(path, config), ops)
-    model.inv_freq = config.rope_inv_freq()   # float32 whatever the activation dtype
-    return model
+    return LlamaModel(config, load_weights(path, config), ops)
 
 
 def random_model_dir() -> Path:
@@ -207,77 +261,86 @@ def random_model_dir() -> Path:
     return folder
 
 
-@section("models end to end")
-def check_models():
+def check_models(out: Path) -> None:
     rng = np.random.default_rng(1)
-    for label, path, prompt in [("stories260K", default_model_dir(), [1, 403, 407, 261, 378]),
-                                ("random 4-layer GQA", random_model_dir(), rng.integers(3, 2048, 300).tolist())]:
-        ref_ids, ref_logits = generate(build_model(path, numpy_ops), prompt, 24)
-        ids, logits = generate(build_model(path, cuda_ops.gpu("float32")), prompt, 24)
-        same = ids == ref_ids
-        ROWS.append((f"model {label} fp32", "ok" if same else "MISMATCH",
-                     f"tokens {'identical' if same else 'differ'}, logits max err {np.abs(logits - ref_logits).max():.1e}"))
-        _, bf16_logits = generate(build_model(path, cuda_ops.gpu("bfloat16")), prompt, 1)
-        first = ref_logits[:len(bf16_logits)]
-        error = float(np.abs(bf16_logits - first).max() / np.abs(first).max())
-        ROWS.append((f"model {label} bf16", "ok" if error <= 0.05 else "MISMATCH", f"prefill logits rel err {error:.3f}"))
-        log(f"  {label}: fp32 tokens {ids[:8]}... ref {ref_ids[:8]}..., bf16 rel err {error:.3f}")
+    for label, make_path, prompt in [("stories260K", default_model_dir, [1, 403, 407, 261, 378]),
+                                     ("random 4-layer GQA", random_model_dir, rng.integers(3, 2048, 300).tolist())]:
+        guarded(f"model {label}", check_model, label, make_path(), prompt)
+
+
+def check_model(label: str, path: Path, prompt: list[int]) -> None:
+    ref_ids, ref_logits = generate(build_model(path, numpy_ops), prompt, 24)
+    model = build_model(path, cuda_ops.gpu("float32"))
+    ids, logits = generate(model, prompt, 24)
+    same = ids == ref_ids
+    ROWS.append((f"model {label} fp32", "ok" if same else "MISMATCH",
+                 f"tokens {'identical' if same else 'differ'}, logits max err {np.abs(logits - ref_logits).max():.1e}"))
+    on_device = generate_sampled_on_device(model, prompt, 24)
+    ROWS.append((f"model {label} fp32, GpuSampler", "ok" if on_device == ref_ids else "MISMATCH",
+                 "greedy tokens sampled on the device " + ("identical" if on_device == ref_ids else "differ")))
+    bf16_model = build_model(path, cuda_ops.gpu("bfloat16"))
+    _, bf16_logits = generate(bf16_model, prompt, 1)
+    first = ref_logits[:len(bf16_logits)]
+    error = float(np.abs(bf16_logits - first).max() / np.abs(first).max())
+    ROWS.append((f"model {label} bf16", "ok" if error <= 0.06 else "MISMATCH", f"prefill logits rel err {error:.3f}"))
+    host_ids, _ = generate(bf16_model, prompt, 8)
+    device_ids = generate_sampled_on_device(bf16_model, prompt, 8)
+    ROWS.append((f"model {label} bf16, GpuSampler", "ok" if host_ids == device_ids else "MISMATCH",
+                 "bf16 logits: device greedy == host argmax" if host_ids == device_ids else f"{device_ids} vs {host_ids}"))
+    log(f"  {label}: fp32 tokens {ids[:8]}... ref {ref_ids[:8]}..., bf16 rel err {error:.3f}")
 
 
 # ---- (c) speed ----------------------------------------------------------------------------------------------
 
-CEILINGS: dict[str, float] = {}
-
-
-@section("ceilings")
-def measure_ceilings():
+def measure_ceilings(out: Path) -> None:
     import cupy
+    ceilings = {}
     a = cupy.empty(1 << 30, dtype=cupy.uint8)
     b = cupy.empty_like(a)
     seconds = timed(lambda: cupy.copyto(b, a))
-    CEILINGS["copy_bytes_per_s"] = 2 * a.nbytes / seconds   # read + write
+    ceilings["copy_bytes_per_s"] = 2 * a.nbytes / seconds   # read + write
     ops = cuda_ops.gpu("bfloat16")
     n = 8192
     x, w = random_device(ops, (n, n)), random_device(ops, (n, n))
     seconds = timed(lambda: ops.linear(x, w), repeat=10)
-    CEILINGS["bf16_flop_per_s"] = 2 * n ** 3 / seconds
-    ROWS.append(("ceiling device copy", f"{CEILINGS['copy_bytes_per_s'] / 1e9:.0f} GB/s", "1 GiB cupy.copyto, read+write"))
-    ROWS.append(("ceiling bf16 matmul", f"{CEILINGS['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", "8192^3 cublasGemmEx"))
+    ceilings["bf16_flop_per_s"] = 2 * n ** 3 / seconds
+    (out / "ceilings.json").write_text(json.dumps(ceilings))
+    ROWS.append(("ceiling device copy", f"{ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s", "1 GiB cupy.copyto, read+write"))
+    ROWS.append(("ceiling bf16 matmul", f"{ceilings['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", "8192^3 cublasGemmEx"))
 
 
-def bandwidth_row(name: str, seconds: float, nbytes: float, target: float | None = None) -> None:
+def bandwidth_row(out: Path, name: str, seconds: float, nbytes: float, target: float | None = None) -> None:
+    path = out / "ceilings.json"
+    copy = json.loads(path.read_text())["copy_bytes_per_s"] if path.exists() else None
     rate = nbytes / seconds
-    copy = CEILINGS.get("copy_bytes_per_s")
     share = f"{100 * rate / copy:.0f}% of copy" if copy else "no ceiling"
     verdict = "" if target is None or not copy else (" (target met)" if rate >= target * copy else f" (target {target:.0%})")
     ROWS.append((f"speed {name}", f"{seconds * 1e6:.0f} us", f"{rate / 1e9:.0f} GB/s, {share}{verdict}"))
 
 
-@section("kernel speed (Llama-3-8B shapes, bf16)")
-def time_kernels():
-    import cupy
+def time_kernels(out: Path) -> None:
     ops = cuda_ops.gpu("bfloat16")
     H, Hq, Hk, D, I = 4096, 32, 8, 128, 14336
+    table = random_device(ops, (128256, H))
+    inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
     for T in (1, 512):
         x, r, w = random_device(ops, (T, H)), random_device(ops, (T, H)), random_device(ops, (H,))
-        bandwidth_row(f"rms_norm T={T}", timed(lambda: ops.rms_norm(x, w, 1e-5)), 2 * x.nbytes)
-        bandwidth_row(f"add_rms_norm T={T}", timed(lambda: ops.add_rms_norm(x, r, w, 1e-5)), 4 * x.nbytes)
+        bandwidth_row(out, f"rms_norm T={T}", timed(lambda: ops.rms_norm(x, w, 1e-5)), 2 * x.nbytes)
+        bandwidth_row(out, f"add_rms_norm T={T}", timed(lambda: ops.add_rms_norm(x, r, w, 1e-5)), 4 * x.nbytes)
         g = random_device(ops, (T, 2 * I))
-        bandwidth_row(f"silu_and_mul T={T}", timed(lambda: ops.silu_and_mul(g)), 1.5 * g.nbytes)
+        bandwidth_row(out, f"silu_and_mul T={T}", timed(lambda: ops.silu_and_mul(g)), 1.5 * g.nbytes)
         qkv = random_device(ops, (T, (Hq + 2 * Hk) * D))
         q, k = qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
         positions = np.arange(T, dtype=np.int32)
-        inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-        bandwidth_row(f"rope T={T}", timed(lambda: ops.rope(q, k, positions, inv_freq)), 2 * (q.size + k.size) * 2)
+        bandwidth_row(out, f"rope T={T}", timed(lambda: ops.rope(q, k, positions, inv_freq)), 2 * (q.size + k.size) * 2)
         ids = np.arange(T, dtype=np.int32)
-        table = random_device(ops, (128256, H))
-        bandwidth_row(f"embedding T={T}", timed(lambda: ops.embedding(table, ids)), 2 * T * H * 2)
+        bandwidth_row(out, f"embedding T={T}", timed(lambda: ops.embedding(table, ids)), 2 * T * H * 2)
         v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)
         k_cache, v_cache = ops.zeros((T // 16 + 1, Hk, 16, D)), ops.zeros((T // 16 + 1, Hk, 16, D))
         slots = np.arange(T, dtype=np.int32)
-        bandwidth_row(f"store_kv T={T}", timed(lambda: ops.store_kv(k, v, k_cache, v_cache, slots)), 2 * 2 * k.size * 2)
+        bandwidth_row(out, f"store_kv T={T}", timed(lambda: ops.store_kv(k, v, k_cache, v_cache, slots)), 2 * 2 * k.size * 2)
 
-    # Decode attention: 64 sequences at 4096 tokens of context, blocks of 16.
+    # Decode attention: 64 sequences at 4096 tokens of context, blocks of 16 (2 x 537 MB of bf16 cache).
     S, ctx, bs = 64, 4096, 16
     blocks = ctx // bs
     chunks = [ScheduledChunk([1], ctx - 1, list(range(s * blocks, (s + 1) * blocks)), True) for s in range(S)]
@@ -285,18 +348,17 @@ def time_kernels():
     k_cache, v_cache = random_device(ops, (S * blocks, Hk, bs, D)), random_device(ops, (S * blocks, Hk, bs, D))
     q = random_device(ops, (S, Hq, D))
     seconds = timed(lambda: ops.paged_attention(q, k_cache, v_cache, batch, D ** -0.5))
-    bandwidth_row("paged_attention decode 64x4k", seconds, k_cache.nbytes + v_cache.nbytes, target=0.80)
+    bandwidth_row(out, "paged_attention decode 64x4k", seconds, k_cache.nbytes + v_cache.nbytes, target=0.80)
     prefill = build_batch([ScheduledChunk([1] * 512, 1024, list(range(2048 // bs)), True)], bs)
     q = random_device(ops, (512, Hq, D))
     seconds = timed(lambda: ops.paged_attention(q, k_cache, v_cache, prefill, D ** -0.5), repeat=5)
     flops = 4 * 512 * (1024 + 256) * D * Hq
     ROWS.append(("speed paged_attention prefill 512 @1k", f"{seconds * 1e6:.0f} us", f"{flops / seconds / 1e12:.1f} TFLOP/s"))
-    logits = cupy.random.standard_normal((64, 128256), dtype=cupy.float32)
-    ROWS.append(("speed greedy 64x128256", f"{timed(lambda: ops.greedy(logits)) * 1e6:.0f} us", "includes the id copy"))
 
 
-@section("decode step (Llama-3-8B shapes, bf16, batch 1)")
-def time_decode_step():
+def time_decode_step(out: Path) -> None:
+    """A Llama-3-8B-shaped bf16 decode step at batch 1 (random weights, ~16 GB), the layer sequence of
+    minisarathi/model/llama.py, against the copy ceiling (weights read once per step)."""
     ops = cuda_ops.gpu("bfloat16")
     H, L, Hq, Hk, D, I, V = 4096, 32, 32, 8, 128, 14336, 128256
     layers = [dict(ln1=random_device(ops, (H,)), qkv=random_device(ops, ((Hq + 2 * Hk) * D, H), H ** -0.5),
@@ -309,7 +371,7 @@ def time_decode_step():
     batch = build_batch([ScheduledChunk([5], ctx - 1, list(range(ctx // bs)), True)], bs)
     inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
 
-    def step():   # the layer sequence of minisarathi/model/llama.py
+    def step():
         hidden = ops.embedding(embed, batch.input_ids)
         residual = hidden
         x = ops.rms_norm(hidden, layers[0]["ln1"], 1e-5)
@@ -330,17 +392,74 @@ def time_decode_step():
         return ops.linear(x, lm_head)
 
     weight_bytes = sum(a.nbytes for lw in layers for a in lw.values()) + lm_head.nbytes + norm.nbytes
-    bandwidth_row("decode step 8B bs=1", timed(step, repeat=10), weight_bytes, target=0.85)
+    bandwidth_row(out, "decode step 8B bs=1", timed(step, repeat=10), weight_bytes, target=0.85)
 
 
-@section("pytest on the GPU")
-def run_pytest(out: Path):
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda_backend.py::test_bundled_model_on_gpu",
-                             "tests/test_nvrtc.py"],
-                            capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
+def run_pytest(out: Path) -> None:
+    gpu_tests = ["test_bundled_model_on_gpu", "test_bf16_checkpoint_reaches_the_backend_as_its_own_bits[gpu]",
+                 "test_gpu_sampler_matches_the_numpy_sampler[gpu-bfloat16]"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-rs", *[f"tests/test_cuda_backend.py::{t}" for t in gpu_tests],
+                             "tests/test_nvrtc.py"], capture_output=True, text=True, timeout=150, cwd=REPO)
     (out / "pytest.txt").write_text(result.stdout + result.stderr)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
-    ROWS.append(("pytest cuda backend + nvrtc", "ok" if result.returncode == 0 else "FAILED", summary[:90]))
+    # On a GPU nothing may skip: a skip means CuPy or NVRTC was not usable from pytest.
+    verdict = "FAILED" if result.returncode else "SKIPPED" if "skipped" in summary else "ok"
+    ROWS.append(("pytest GPU tests + nvrtc", verdict, summary[:90]))
+
+
+# name -> (check, seconds it may take), in the order they run: correctness first, speed second.
+SECTIONS = {"kernels": (check_kernels, 120), "sampling": (check_sampling, 60), "models": (check_models, 120),
+            "ceilings": (measure_ceilings, 45), "kernel-speed": (time_kernels, 90),
+            "decode-step": (time_decode_step, 90), "pytest": (run_pytest, 170)}
+
+
+def run_section(name: str, out: Path) -> None:
+    """In a child process: one section, its rows to DIR/rows/NAME.json, its log appended to details.txt."""
+    start = time.perf_counter()
+    guarded(name, SECTIONS[name][0], out)
+    log(f"[{name}] {time.perf_counter() - start:.1f} s")
+    (out / "rows" / f"{name}.json").write_text(json.dumps(ROWS))
+    with open(out / "details.txt", "a") as details:
+        details.write("\n".join(DETAILS) + "\n")
+
+
+def run_all(out: Path) -> int:
+    """Every section in its own process within TOTAL_BUDGET_S; returns 1 if any check failed."""
+    (out / "rows").mkdir(parents=True, exist_ok=True)
+    (out / "details.txt").write_text("")
+    deadline = time.monotonic() + TOTAL_BUDGET_S
+    rows: list[tuple[str, str, str]] = []
+    for name, (_, limit) in SECTIONS.items():
+        rows_file = out / "rows" / f"{name}.json"
+        rows_file.unlink(missing_ok=True)
+        left = deadline - time.monotonic()
+        if left < 15:
+            rows.append((name, "SKIPPED", f"{TOTAL_BUDGET_S} s budget spent"))
+            continue
+        print(f"==== {name} (limit {min(limit, left):.0f} s)", flush=True)
+        try:
+            code = subprocess.run([sys.executable, __file__, "--out", str(out), "--section", name],
+                                  timeout=min(limit, left), cwd=REPO).returncode
+        except subprocess.TimeoutExpired:
+            code = f"killed after {min(limit, left):.0f} s"
+        rows += [tuple(row) for row in json.loads(rows_file.read_text())] if rows_file.exists() else []
+        if code != 0:
+            rows.append((name, "ERROR", f"section process: {code if isinstance(code, str) else f'exit code {code}'}"))
+        write_summary(out, rows)
+    print("\n" + table(rows), flush=True)
+    return int(any(result in FAILURES for _, result, _ in rows))
+
+
+def table(rows) -> str:
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:{width}s}  {result:>14s}  {detail}" for name, result, detail in rows)
+
+
+def write_summary(out: Path, rows) -> None:
+    ceilings = out / "ceilings.json"
+    (out / "summary.txt").write_text(table(rows) + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"rows": rows, "ceilings": json.loads(ceilings.read_text()) if ceilings.exists() else {}}, indent=1))
 
 
 # ---- nvcc resource report (no GPU needed) --------------------------------------------------------------------
@@ -385,29 +504,19 @@ def _mangled_type(cxx: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    parser.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
     parser.add_argument("--ptxas-report", action="store_true", help="print the nvcc resource table and exit")
     parser.add_argument("--arch", default="sm_90")
     args = parser.parse_args()
     if args.ptxas_report:
         print(ptxas_report(args.arch))
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        import cupy
-        log(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, CuPy {cupy.__version__}")
-    except Exception as exc:
-        log(f"no usable GPU: {exc}")
-        sys.exit(1)
-    check_kernels()
-    check_models()
-    measure_ceilings()
-    time_kernels()
-    time_decode_step()
-    run_pytest(args.out)
-    (args.out / "details.txt").write_text("\n".join(DETAILS) + "\n")
-    (args.out / "results.json").write_text(json.dumps({"rows": ROWS, "ceilings": CEILINGS}, indent=1))
-    width = max(len(r[0]) for r in ROWS)
-    print("\n" + "\n".join(f"{name:{width}s}  {result:>14s}  {detail}" for name, result, detail in ROWS))
+    out = args.out.resolve()
+    if args.section:
+        (out / "rows").mkdir(parents=True, exist_ok=True)
+        run_section(args.section, out)
+        return
+    sys.exit(run_all(out))
 
 
 if __name__ == "__main__":

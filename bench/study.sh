@@ -9,11 +9,11 @@ cd "$(dirname "$0")/.."
 # (measured here: 2-6x slower steps with the default thread count).
 export OPENBLAS_NUM_THREADS=1
 MODEL=${MODEL:-/tmp/minisarathi-study-model}
-QPS=${QPS:-0.5}
+QPS=${QPS:-1.5}
 python -m minisarathi bench random-model "$MODEL" --hidden-size 512 --num-layers 4 --num-heads 8 \
     --num-kv-heads 4 --intermediate-size 1408 --max-position-embeddings 2048 --seed 0
 python -m minisarathi bench compare --model "$MODEL" --max-model-len 2048 \
-    --policies sarathi,vllm,orca,simple_chunking --chunk-sizes 64 \
+    --policies sarathi,vllm,orca,simple_chunking --chunk-sizes 64,128 \
     --lengths trace --trace-scale 0.125 --num-requests 24 --qps "$QPS" --workload-seed 0 \
     --capacity --granularity 0.25 --max-trials 6 --trial-seconds 40 \
     --out bench/out/study --plots docs/plots "$@"

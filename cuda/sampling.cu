@@ -2,7 +2,8 @@
 //
 // Every kernel runs one block per row of float32 logits [num_rows, vocab]; blockDim.x is a multiple
 // of 32. Randomness comes from the host as one uniform number in [0, 1) per row: seeded, reproducible,
-// and identical to what the CPU sampler would draw.
+// and identical to what the CPU sampler would draw. The logprobs of the raw logits are reductions done
+// by minisarathi/backends/gpu_sampling.py with array operations, not here.
 #include "common.cuh"
 
 // Block-wide (value, index) argmax; ties go to the lowest index, as numpy.argmax does. NaN never wins.
@@ -39,7 +40,8 @@ extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int v
 // Repetition, frequency and presence penalties, in place. Row r lists its distinct tokens (prompt and
 // output) in tokens[row_offsets[r] .. row_offsets[r+1]) with their counts in the output so far:
 // every listed token gets the repetition penalty (divide positive logits, multiply negative ones),
-// frequency and presence penalties apply to output counts only (OpenAI semantics).
+// frequency and presence penalties apply to output counts only (OpenAI semantics). The subtraction is
+// done in double and rounded once, as NumPy's promotion does in minisarathi/sampler.py: same bits.
 extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, int vocab,
                                                   const int* __restrict__ row_offsets, const int* __restrict__ tokens,
                                                   const int* __restrict__ output_counts,
@@ -52,30 +54,38 @@ extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, in
         const int token = tokens[e], count = output_counts[e];
         float x = row[token];
         x = x > 0.0f ? x / repetition[r] : x * repetition[r];
-        x -= frequency[r] * count + presence[r] * (count > 0 ? 1.0f : 0.0f);
-        row[token] = x;
+        row[token] = (float)((double)x - (double)frequency[r] * count - (count > 0 ? (double)presence[r] : 0.0));
     }
 }
 
-// Sum (or count) over the block of the weights w_i = exp(x_i / t - max) that are >= threshold.
-__device__ float kept_mass(const float* row, int vocab, float inv_temperature, float row_max, float threshold,
+// The unnormalized probability of a logit, exactly as minisarathi/sampler.py computes it in float32:
+// exp((x - max) / t) lies in [0, 1] and is 1 for the most likely token.
+__device__ __forceinline__ float weight_of(float x, float row_max, float temperature) {
+    return expf((x - row_max) / temperature);
+}
+
+// Whether a token survives the filters: weights at or above the threshold, never a zero weight.
+__device__ __forceinline__ bool kept(float w, float threshold) { return w >= threshold && w > 0.0f; }
+
+// Sum (or count) over the block of the kept weights.
+__device__ float kept_mass(const float* row, int vocab, float row_max, float temperature, float threshold,
                            bool count_only, float* scratch) {
     float total = 0.0f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float w = expf(row[i] * inv_temperature - row_max);
-        if (w >= threshold) total += count_only ? 1.0f : w;
+        const float w = weight_of(row[i], row_max, temperature);
+        if (kept(w, threshold)) total += count_only ? 1.0f : w;
     }
     return block_sum(total, scratch);
 }
 
 // Largest threshold tau in [low, 1] with kept_mass(tau) >= target. Weights lie in [0, 1] and positive
 // floats order like their bit patterns, so a binary search over the bits takes at most 31 passes.
-__device__ float search_threshold(const float* row, int vocab, float inv_temperature, float row_max, float low,
+__device__ float search_threshold(const float* row, int vocab, float row_max, float temperature, float low,
                                   float target, bool count_only, float* scratch) {
     unsigned lo = __float_as_uint(low), hi = __float_as_uint(1.0f);
     while (lo < hi) {
         const unsigned mid = lo + (hi - lo + 1) / 2;
-        if (kept_mass(row, vocab, inv_temperature, row_max, __uint_as_float(mid), count_only, scratch) >= target)
+        if (kept_mass(row, vocab, row_max, temperature, __uint_as_float(mid), count_only, scratch) >= target)
             lo = mid;
         else
             hi = mid - 1;
@@ -83,43 +93,36 @@ __device__ float search_threshold(const float* row, int vocab, float inv_tempera
     return __uint_as_float(lo);
 }
 
-// Temperature, min-p, top-k and top-p (the order of minisarathi/sampler.py), then one draw by inverse CDF over the kept tokens in index
-// order. temperature <= 0 means greedy. top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable
-// their filters. out_logprobs gets the log-probability of the chosen token under the unscaled logits.
+// One token per row of (already penalized) logits, in minisarathi/sampler.py's order: temperature 0 is
+// greedy; otherwise min-p, top-k, then top-p (within the top-k mass) on the weights, and one draw by
+// inverse CDF over the kept tokens in index order with the row's uniform number from the host.
+// top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable their filters.
 extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int vocab,
                                          const float* __restrict__ temperature, const int* __restrict__ top_k,
                                          const float* __restrict__ top_p, const float* __restrict__ min_p,
-                                         const float* __restrict__ uniform, int* __restrict__ out_ids,
-                                         float* __restrict__ out_logprobs) {
+                                         const double* __restrict__ uniform, int* __restrict__ out_ids) {
     __shared__ float scratch[32];
     __shared__ int index_scratch[32];
     __shared__ float chunk_mass[1024];
     const int r = blockIdx.x;
     const float* row = logits + (long long)r * vocab;
-
-    // log-softmax statistics of the raw logits, for the returned logprob
-    float local_max = negative_infinity();
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) local_max = fmaxf(local_max, row[i]);
-    const float raw_max = block_max(local_max, scratch);
-    float local_sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) local_sum += expf(row[i] - raw_max);
-    const float log_normalizer = raw_max + logf(block_sum(local_sum, scratch));
-
-    if (temperature[r] <= 0.0f) {
+    const float t = temperature[r];
+    if (t <= 0.0f) {
         const int id = block_argmax(row, vocab, scratch, index_scratch);
-        if (threadIdx.x == 0) { out_ids[r] = id; out_logprobs[r] = row[id] - log_normalizer; }
+        if (threadIdx.x == 0) out_ids[r] = id;
         return;
     }
-    const float inv_temperature = 1.0f / temperature[r];
-    const float row_max = raw_max * inv_temperature;   // so the largest weight is exactly 1
+    float local_max = negative_infinity();
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) local_max = fmaxf(local_max, row[i]);
+    const float row_max = block_max(local_max, scratch);
 
-    // Filters in the CPU sampler's order; each keeps the weights above a threshold that only rises.
+    // Each filter keeps the weights above a threshold that only rises.
     float threshold = fmaxf(min_p[r], 0.0f);   // the largest weight is 1, so min-p compares directly
     if (top_k[r] > 0 && top_k[r] < vocab)
-        threshold = search_threshold(row, vocab, inv_temperature, row_max, threshold, (float)top_k[r], true, scratch);
+        threshold = search_threshold(row, vocab, row_max, t, threshold, (float)top_k[r], true, scratch);
     if (top_p[r] < 1.0f) {
-        const float mass = kept_mass(row, vocab, inv_temperature, row_max, threshold, false, scratch);
-        threshold = search_threshold(row, vocab, inv_temperature, row_max, threshold, top_p[r] * mass, false, scratch);
+        const float mass = kept_mass(row, vocab, row_max, t, threshold, false, scratch);
+        threshold = search_threshold(row, vocab, row_max, t, threshold, top_p[r] * mass, false, scratch);
     }
 
     // Inverse CDF: each thread owns a contiguous chunk; thread 0 walks the chunk sums, then one chunk.
@@ -127,29 +130,29 @@ extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int v
     const int begin = min(vocab, (int)threadIdx.x * chunk), end = min(vocab, begin + chunk);
     float mass = 0.0f;
     for (int i = begin; i < end; ++i) {
-        const float w = expf(row[i] * inv_temperature - row_max);
-        if (w >= threshold) mass += w;
+        const float w = weight_of(row[i], row_max, t);
+        if (kept(w, threshold)) mass += w;
     }
     chunk_mass[threadIdx.x] = mass;
     __syncthreads();
     if (threadIdx.x != 0) return;
-    float total = 0.0f;
+    double total = 0.0;
     int last_nonempty = 0;
     for (int c = 0; c < (int)blockDim.x; ++c) {
         total += chunk_mass[c];
         if (chunk_mass[c] > 0.0f) last_nonempty = c;
     }
-    float target = uniform[r] * total;
+    // The first token whose running mass passes u * total (double: u keeps all its bits, as on the host).
+    double target = uniform[r] * total;
     int c = 0;
     while (c < last_nonempty && target >= chunk_mass[c]) target -= chunk_mass[c++];
     int id = 0;
     for (int i = c * chunk; i < min(vocab, (c + 1) * chunk); ++i) {
-        const float w = expf(row[i] * inv_temperature - row_max);
-        if (w < threshold) continue;
+        const float w = weight_of(row[i], row_max, t);
+        if (!kept(w, threshold)) continue;
         id = i;   // rounding can leave target a hair above the chunk's mass: then the last kept token wins
         if (target < w) break;
         target -= w;
     }
     out_ids[r] = id;
-    out_logprobs[r] = row[id] - log_normalizer;
 }

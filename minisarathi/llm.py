@@ -29,7 +29,7 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
-        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params)
+        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params, stream=False)
                 for prompt, params in zip(prompts, sampling_params)]
         for seq in seqs:
             self.engine.add_sequence(seq)

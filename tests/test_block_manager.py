@@ -146,3 +146,22 @@ def test_check_invariants_catches_a_leak():
     admit(bm, seq)
     with pytest.raises(AssertionError):
         bm.check_invariants([])                       # the sequence's blocks are unaccounted for
+
+
+def test_tables_matrix_mirrors_block_tables_as_it_grows():
+    """Each admitted sequence's row of `tables` is its block table, zero-padded, through row and width growth."""
+    bm = BlockManager(num_blocks=200, block_size=1)
+    seqs = [make_seq(range(3), f"s{i}") for i in range(20)]           # more than the initial 16 rows
+    for seq in seqs:
+        admit(bm, seq)
+    bm.grow(seqs[0], 40)                                               # wider than the initial 16 columns
+    bm.check_invariants(seqs)
+    assert bm.tables.shape[0] >= 20 and bm.tables.shape[1] >= 40
+    assert bm.tables[seqs[0].block_row, :40].tolist() == seqs[0].block_table
+    freed_row = seqs[5].block_row
+    bm.free(seqs[5])
+    assert not bm.tables[freed_row].any()                             # zeroed for the next sequence
+    again = make_seq(range(7), "again")
+    admit(bm, again)
+    assert again.block_row == freed_row
+    bm.check_invariants([s for s in seqs if s is not seqs[5]] + [again])

@@ -11,7 +11,8 @@ from minisarathi.backends import cuda_ops, numpy_ops
 from minisarathi.config import ModelConfig
 from minisarathi.engine.batch import ScheduledChunk, build_batch
 from minisarathi.model.llama import LlamaModel
-from minisarathi.model.loader import load_weights
+from minisarathi.model import loader
+from minisarathi.model.loader import bf16_to_float32, load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -62,6 +63,19 @@ emulator_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the C
 PROMPTS = [[1, 403, 407, 261, 378, 10, 65, 2], [1, 9], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
 
 
+def _gpu_available() -> str | None:
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
+        return "no CUDA device"
+    except Exception as exc:   # no CuPy, or no driver
+        return f"no usable GPU ({type(exc).__name__})"
+
+
+ON_GPU = pytest.mark.skipif(_gpu_available() is not None, reason=str(_gpu_available()))
+
+
 @emulator_only
 def test_bundled_model_on_emulated_kernels_matches_numpy():
     reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS, 12, chunk_size=7)
@@ -93,6 +107,43 @@ def test_golden_models_on_emulated_kernels(name):
     assert np.abs(logits - golden["logits"]).max() <= 1e-4 * np.abs(golden["logits"]).max()
 
 
+@pytest.mark.parametrize("make_ops", [cuda_ops.emulated, pytest.param(cuda_ops.gpu, marks=ON_GPU, id="gpu")])
+def test_bf16_checkpoint_reaches_the_backend_as_its_own_bits(monkeypatch, make_ops):
+    """Weights go from the memory map to the device in the checkpoint's dtype: bit-exact, with no float32
+    copy on the host; another activation dtype is converted on the device, rounding to nearest even."""
+    path = GOLDEN / "llama_gqa_bf16"
+    stored = {name: t.data for name, t in read_checkpoint(path).items()}
+    def no_widening(*args):
+        raise AssertionError("a bf16 weight was widened to float32 on the way to a bf16 device")
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "to_float32", no_widening)
+        patch.setattr(cuda_ops, "bf16_to_float32", no_widening)
+        ops = make_ops("bfloat16")
+        model = build_model(path, ops)
+    host = ops.launcher.to_host
+    attn = "model.layers.1.self_attn."
+    qkv = np.concatenate([stored[attn + p + "_proj.weight"] for p in "qkv"])
+    assert model.layers[1].qkv_proj.dtype == np.uint16 and np.array_equal(host(model.layers[1].qkv_proj), qkv)
+    assert np.array_equal(host(model.lm_head), stored["lm_head.weight"])
+    assert np.array_equal(host(model.layers[0].down_proj), stored["model.layers.0.mlp.down_proj.weight"])
+    half = build_model(path, make_ops("float16"))
+    assert half.layers[1].qkv_proj.dtype == np.float16
+    assert np.array_equal(host(half.layers[1].qkv_proj), bf16_to_float32(qkv).astype(np.float16))
+
+
+@emulator_only
+def test_bf16_golden_model_in_bfloat16_on_emulated_kernels():
+    golden = np.load(GOLDEN / "llama_gqa_bf16" / "golden.npz")
+    prompt = golden["prompt"].tolist()
+    model = build_model(GOLDEN / "llama_gqa_bf16", cuda_ops.emulated("bfloat16"))
+    cache = model.new_kv_cache(-(-len(prompt) // 4), 4)
+    batch = build_batch([ScheduledChunk(prompt, 0, list(range(len(cache[0][0]))), True)], 4)
+    batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
+    logits = model.forward(batch, cache)
+    # bf16 activations against transformers' float32 run of the same bf16 weights: 3.1% of the range (measured).
+    assert np.abs(logits - golden["logits"]).max() <= 0.05 * np.abs(golden["logits"]).max()
+
+
 @emulator_only
 def test_engine_hybrid_batches_on_emulated_kernels(monkeypatch):
     """The whole engine (Sarathi chunked prefills mixed with decodes, 4-token KV blocks) on emulated kernels
@@ -119,17 +170,7 @@ def test_emulated_ops_reject_a_bad_dtype():
         cuda_ops.emulated("int8")
 
 
-def _gpu_available() -> str | None:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-        return "no CUDA device"
-    except Exception as exc:   # no CuPy, or no driver
-        return f"no usable GPU ({type(exc).__name__})"
-
-
-@pytest.mark.skipif(_gpu_available() is not None, reason=str(_gpu_available()))
+@ON_GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_model_on_gpu(dtype):
     reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS, 6, chunk_size=7)
@@ -139,3 +180,114 @@ def test_bundled_model_on_gpu(dtype):
         np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
     else:
         assert np.abs(logits[:3] - ref_logits[:3]).max() <= 0.06 * np.abs(ref_logits).max()
+
+
+# ---- sampling on the device ------------------------------------------------------------------------------
+
+def sampling_case(rng, vocab: int):
+    """A batch mixing every SamplingParams feature, with histories for the penalties and min_tokens."""
+    from minisarathi.sampler import make_generator
+    from minisarathi.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=1.0, seed=7, logprobs=5), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.2),
+              SamplingParams(temperature=0.9, top_k=20, top_p=0.5, min_p=0.05, seed=3),
+              SamplingParams(temperature=0, repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.4,
+                             logprobs=0),
+              SamplingParams(temperature=1.0, repetition_penalty=0.7, presence_penalty=-1.0),
+              SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[11, vocab + 5]),
+              SamplingParams(temperature=0.8, min_tokens=2, top_k=1)]
+    prompts = [rng.integers(0, vocab, int(rng.integers(1, 12))).tolist() for _ in params]
+    outputs = [rng.integers(0, vocab, int(rng.integers(0, 6))).tolist() for _ in params]
+    outputs[7] = [int(rng.integers(0, vocab))] * 3 + outputs[7]
+    outputs[9], outputs[10] = [4, 5], [6]    # short of min_tokens
+    # Distinct values exact in bfloat16 (ties at a top-k or top-p cut are broken arbitrarily by NumPy's sort),
+    # and the masked tokens the favourites, so the mask decides the outcome.
+    magnitudes = bf16_to_float32(np.arange(0x3F00, 0x4080, dtype=np.uint16))   # every bf16 in [0.5, 4)
+    pool = np.concatenate([magnitudes, -magnitudes])
+    logits = np.stack([rng.choice(pool, vocab, replace=False) for _ in params]).astype(np.float32)
+    logits[9, [11, 2]] = 40.0
+    logits[10, 2] = 40.0
+    make = lambda: [None if p.seed is None else make_generator(p.seed) for p in params]   # noqa: E731
+    return logits, params, make, prompts, outputs
+
+
+BACKENDS = [pytest.param(cuda_ops.emulated, "float32", marks=emulator_only),
+            pytest.param(cuda_ops.emulated, "bfloat16", marks=emulator_only),
+            pytest.param(cuda_ops.gpu, "bfloat16", marks=ON_GPU, id="gpu-bfloat16")]
+
+
+@pytest.mark.parametrize("make_ops, dtype", BACKENDS)
+def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype):
+    """Same ids (greedy always; sampled ones given the same uniforms, drawn from the same generators),
+    logprobs and ranks as minisarathi.sampler.Sampler, over several steps of both samplers' generators."""
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    from minisarathi.sampler import Sampler
+    vocab, eos = 384, (2,)
+    ops = make_ops(dtype)
+    rng = np.random.default_rng(0)
+    logits, params, make_generators, prompts, outputs = sampling_case(rng, vocab)
+    device_logits = ops.weight(logits)        # what forward(device_logits=True) leaves on the device
+    host_logits = ops.to_numpy(device_logits)  # what the NumPy sampler gets
+    reference, on_device = Sampler(vocab, 5, eos), GpuSampler(ops, vocab, 5, eos)
+    ref_generators, generators = make_generators(), make_generators()
+    for _ in range(4):
+        want = reference.sample(host_logits, params, ref_generators, prompts, outputs)
+        got = on_device.sample(device_logits, params, generators, prompts, outputs)
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        assert got.token_ids.dtype == np.int64 and got.ranks == want.ranks
+        for g, w in zip(got.logprobs, want.logprobs):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert [t for t, _ in g] == [t for t, _ in w]
+                np.testing.assert_allclose([v for _, v in g], [v for _, v in w], rtol=0, atol=1e-6)
+    assert want.token_ids[9] not in (11, 2) and want.token_ids[10] != 2   # min_tokens masked the favourites
+
+
+@emulator_only
+def test_gpu_sampler_sends_only_ids_and_logprobs_to_the_host(monkeypatch):
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    vocab = 384
+    ops = cuda_ops.emulated()
+    logits, params, make_generators, prompts, outputs = sampling_case(np.random.default_rng(1), vocab)
+    sizes = []
+    to_host = ops.launcher.to_host
+    monkeypatch.setattr(ops.launcher, "to_host", lambda x: sizes.append(x.size) or to_host(x))
+    GpuSampler(ops, vocab).sample(ops.weight(logits), params, make_generators(), prompts, outputs)
+    # ids of every row, then per logprob row: top ids and logits (5 of the widest), lse, sampled logit, rank
+    assert max(sizes) <= len(params) * 5 < vocab and sum(sizes) <= len(params) + 3 * 5 * 2 + 3 * 3
+
+
+def test_gpu_sampler_rejects_a_wrong_shape():
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    from minisarathi.sampling_params import SamplingParams
+    with pytest.raises(ValueError, match="logits"):
+        GpuSampler(cuda_ops.emulated(), 10).sample(np.zeros((1, 9), np.float32), [SamplingParams()], [None], [[1]], [[]])
+
+
+@emulator_only
+def test_generation_with_device_logits_and_the_models_sampler_matches_numpy():
+    """forward(device_logits=True) + model.new_sampler(): the engine's loop on either backend, same tokens."""
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    from minisarathi.sampler import Sampler, make_generator
+    from minisarathi.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1, logprobs=2)]
+    def generate(ops):
+        model = build_model(default_model_dir(), ops)
+        sampler = model.new_sampler(seed=3, eos_token_ids=(2,))
+        generators = [None, make_generator(1)]
+        tokens, prompts = [[1, 403, 407], [1, 9]], [[1, 403, 407], [1, 9]]
+        cache, table = model.new_kv_cache(8, 4), [[0, 1, 2, 3], [4, 5, 6, 7]]
+        done = [0, 0]
+        for _ in range(6):
+            chunks = [ScheduledChunk(t[d:], d, b, True) for t, d, b in zip(tokens, done, table)]
+            done = [len(t) for t in tokens]
+            out = sampler.sample(model.forward(build_batch(chunks, 4), cache, device_logits=True), params,
+                                 generators, prompts, [t[len(p):] for t, p in zip(tokens, prompts)])
+            for t, token in zip(tokens, out.token_ids):
+                t.append(int(token))
+        return tokens, type(sampler)
+    expected, kind = generate(numpy_ops)
+    assert kind is Sampler
+    tokens, kind = generate(cuda_ops.emulated())
+    assert kind is GpuSampler and tokens == expected

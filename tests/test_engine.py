@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+from minisarathi.engine import engine as engine_module
+from minisarathi.engine.batch import ScheduledChunk, build_batch
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
@@ -255,6 +257,15 @@ def test_stop_token_ids_stop_strings_and_min_tokens(reference, requests):
     assert len(out.outputs[0].token_ids) > first + 1
     assert stop_id not in out.outputs[0].token_ids[:first + 1]
 
+    # ... and a stop string too (vLLM's rule): one that ends within the first min_tokens tokens' text is text
+    cut = next(n for n in range(1, 25) if stop in engine.tokenizer.decode(prompt + tokens[:n])[len(
+        engine.tokenizer.decode(prompt)):])                  # the token that completes the stop string
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop], min_tokens=cut), "e")
+    assert out.outputs[0].text.startswith(full[:full.index(stop) + len(stop)])
+    assert len(out.outputs[0].token_ids) > cut
+    later = full.find(stop, full.index(stop) + 1)
+    assert out.outputs[0].finish_reason == ("stop" if later >= 0 else "length")
+
 
 def test_eos_ends_a_request_unless_ignored():
     engine = LLMEngine()
@@ -317,3 +328,90 @@ def test_logprobs_per_token():
         assert all(lp.logprob <= 0 and isinstance(lp.decoded_token, str) for lp in entry.values())
         probs = np.exp([lp.logprob for lp in entry.values()])
         assert probs.sum() <= 1 + 1e-6
+
+
+def test_detokenize_false_and_final_only_outputs_keep_the_tokens(requests, reference):
+    """detokenize=False: same tokens, no text; stream=False: one output per request, when it finishes."""
+    engine = LLMEngine(chunk_size=16, block_size=4, num_kv_blocks=100)
+    for rid, prompt, params in requests:
+        quiet = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
+                               logprobs=1 if rid == "r0" else None)
+        engine.add_request(rid, prompt, quiet, stream=rid in ("r0", "r1"))
+    reports = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+        engine.check_invariants()
+    assert_no_leaks(engine)
+    for rid, outs in reports.items():
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference[rid]
+        assert all(o.outputs[0].text == "" for o in outs)
+        assert len(outs) == (len(reference[rid]) if rid in ("r0", "r1") else 1)
+    assert all(lp.decoded_token is None for entry in reports["r0"][-1].outputs[0].logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_outputs_are_snapshots():
+    """A streamed output never changes after step() returned it (the server reads them from another thread)."""
+    engine = LLMEngine()
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, logprobs=1))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o, list(o.outputs[0].token_ids), len(o.outputs[0].logprobs)) for o in engine.step()]
+    assert [len(ids) for _, ids, _ in seen] == list(range(1, 9))
+    assert all(o.outputs[0].token_ids == ids and len(o.outputs[0].logprobs) == n for o, ids, n in seen)
+
+
+def test_step_records_are_bounded_and_indexed_by_step(monkeypatch):
+    monkeypatch.setattr(engine_module, "STEP_RECORDS_KEPT", 4)
+    engine = LLMEngine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    mark = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if len(engine.step_records) == 13:
+            mark = len(engine.step_records)
+    log = engine.step_records
+    assert len(log) == engine.stats()["steps"] == 20             # one step per token (prompt in one chunk)
+    assert 4 <= len(list(log)) < 8                               # only the latest are kept
+    assert [r.start_time for r in log[mark:]] == [r.start_time for r in list(log)[-7:]]
+    assert log[-1] is list(log)[-1] and log[19] is log[-1]
+    assert log[:3] == [] and log[:-1][-1] is list(log)[-2]
+    with pytest.raises(IndexError):
+        log[0]
+
+
+@pytest.mark.parametrize("decodes_only", [False, True])
+def test_build_batch_matches_a_per_token_reference(decodes_only):
+    """The vectorized batch builder (make_batch, which the engine calls directly) against a plain loop."""
+    rng = np.random.default_rng(decodes_only)
+    for _ in range(50):
+        block_size = int(rng.choice([1, 4, 16]))
+        chunks, next_block = [], 0
+        for _ in range(int(rng.integers(1, 6))):
+            start, n = int(rng.integers(0, 40)), 1 if decodes_only else int(rng.integers(1, 20))
+            num_blocks = -(-(start + n) // block_size) + int(rng.integers(0, 3))    # some spare blocks
+            table = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            chunks.append(ScheduledChunk(rng.integers(0, 500, n).tolist(), start, table, bool(rng.integers(0, 2))))
+        batch = build_batch(chunks, block_size)
+        ids, positions, slots, query_start, logits_rows = [], [], [], [0], []
+        for c in chunks:
+            for j, token in enumerate(c.token_ids):
+                pos = c.start_pos + j
+                ids.append(token)
+                positions.append(pos)
+                slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+            query_start.append(query_start[-1] + len(c.token_ids))
+            if c.sample:
+                logits_rows.append(query_start[-1] - 1)
+        width = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        for name, want in [("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
+                           ("query_start", query_start), ("block_tables", tables), ("logits_indices", logits_rows),
+                           ("context_lens", [c.start_pos + len(c.token_ids) for c in chunks])]:
+            got = getattr(batch, name)
+            assert got.dtype == np.int32 and got.tolist() == want, name
+        assert batch.max_query_len == max(len(c.token_ids) for c in chunks)
+        assert batch.max_context_len == max(c.start_pos + len(c.token_ids) for c in chunks)

@@ -26,10 +26,10 @@ def float_from_bits(bits: np.ndarray, exponent_bits: int, mantissa_bits: int) ->
     return sign * np.where(exponent == 0, subnormal, np.where(exponent == top, inf, normal))
 
 
-@pytest.mark.parametrize("dtype, exponent_bits, mantissa_bits", [("BF16", 8, 7), ("F16", 5, 10)])
+@pytest.mark.parametrize("dtype, exponent_bits, mantissa_bits", [("bfloat16", 8, 7), ("float16", 5, 10)])
 def test_16_bit_conversion_is_exact_for_every_value(dtype, exponent_bits, mantissa_bits):
     bits = np.arange(1 << 16, dtype=np.uint16)
-    raw = bits if dtype == "BF16" else bits.view(np.float16)
+    raw = bits if dtype == "bfloat16" else bits.view(np.float16)
     got = to_float32(dtype, raw)
     want = float_from_bits(bits, exponent_bits, mantissa_bits)
     is_nan = (bits >> mantissa_bits & ((1 << exponent_bits) - 1)) == (1 << exponent_bits) - 1
@@ -49,7 +49,8 @@ def test_sharded_bf16_checkpoint_reads_every_tensor():
     assert len(set(index["weight_map"].values())) == 2
     stored = read_checkpoint(GOLDEN / "llama_gqa_bf16")
     assert set(stored) == set(index["weight_map"])
-    assert {dtype for dtype, _ in stored.values()} == {"BF16"}
+    assert {t.dtype for t in stored.values()} == {"bfloat16"}
+    assert all(t.data.dtype == np.uint16 and not t.data.flags.writeable for t in stored.values())   # raw bits, mapped
 
 
 def test_fusion_and_tied_embeddings():
@@ -65,7 +66,23 @@ def test_fusion_and_tied_embeddings():
     assert np.array_equal(weights["layers.0.gate_up_proj"],
                           np.concatenate([ref[mlp + "gate_proj.weight"], ref[mlp + "up_proj.weight"]]))
     assert np.array_equal(weights["embed_tokens"], ref["model.embed_tokens.weight"])
-    assert all(w.dtype == np.float32 for w in weights.values())
+    assert all(w.dtype == "float32" and np.asarray(w).dtype == np.float32 for w in weights.values())
+
+
+def test_bf16_weights_stay_raw_bits_and_fuse_bit_exactly():
+    path = GOLDEN / "llama_gqa_bf16"
+    stored = read_checkpoint(path)
+    weights = load_weights(path, ModelConfig.from_pretrained(path))
+    assert {w.dtype for w in weights.values()} == {"bfloat16"}
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    qkv = weights["layers.1.qkv_proj"]
+    assert qkv.data.dtype == np.uint16
+    assert np.array_equal(qkv.data, np.concatenate([stored[attn + p + "_proj.weight"].data for p in "qkv"]))
+    assert np.array_equal(weights["layers.1.gate_up_proj"].data,
+                          np.concatenate([stored[mlp + p + "_proj.weight"].data for p in ("gate", "up")]))
+    down = weights["layers.1.down_proj"].data
+    assert not down.flags.writeable and np.array_equal(down, stored[mlp + "down_proj.weight"].data)   # the map itself
+    assert np.array_equal(np.asarray(qkv), bf16_to_float32(qkv.data))   # NumPy code sees float32 values
 
 
 def copy_with(tmp_path: Path, edit) -> tuple[Path, ModelConfig]:
@@ -89,6 +106,14 @@ def test_wrong_shape_is_named(tmp_path):
         t["model.layers.0.mlp.down_proj.weight"] = np.zeros((64, 63), dtype=np.float32)
     path, config = copy_with(tmp_path, edit)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\[64, 63\].*\[64, 64\]"):
+        load_weights(path, config)
+
+
+def test_fused_tensors_must_share_a_dtype(tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].astype(np.float16)
+    path, config = copy_with(tmp_path, edit)
+    with pytest.raises(ValueError, match=r"k_proj\.weight.*layers\.0\.qkv_proj.*float32, float16, float32"):
         load_weights(path, config)
 
 

@@ -56,6 +56,18 @@ def test_greedy_is_argmax_with_ties_to_lowest_id():
     assert out.logprobs == [None] * 64
 
 
+def test_greedy_fast_path_agrees_with_the_full_path():
+    """A batch of plain greedy rows takes one argmax; the same rows next to one that needs the full path
+    (here a sampled row) get the same tokens, ties included."""
+    logits = rand_logits(8)
+    logits[2, [4, 7]] = 50.0
+    greedy = run(Sampler(V), logits, [SP(temperature=0)] * 8).token_ids
+    mixed = run(Sampler(V), np.concatenate([logits, logits[:1]]), [SP(temperature=0)] * 8 + [SP(temperature=1)])
+    assert greedy.dtype == mixed.token_ids.dtype == np.int64
+    assert greedy.tolist() == mixed.token_ids[:8].tolist() == logits.argmax(axis=1).tolist()
+    assert greedy[2] == 4
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     logits = rand_logits(1, seed=3)[0]
     p = SP(temperature=0.9, top_p=0.95, seed=7)

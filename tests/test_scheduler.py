@@ -69,7 +69,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.output_token_ids.append((seq.seq_id * 13 + seq.num_tokens) % 500)
                 if len(seq.output_token_ids) == seq.params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"   # as the engine's _finish
                     finished.append(seq)
         scheduler.remove_finished(finished)
         blocks.check_invariants(scheduler.running)

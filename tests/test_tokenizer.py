@@ -200,3 +200,34 @@ def test_bad_input(tok, tmp_path):
     assert detok.add(403) == ("", "Once")
     with pytest.raises(ValueError, match="token_id"):
         detok.add(407)
+
+
+def test_stop_strings_count_only_after_min_tokens(tok):
+    """vLLM's rule: a stop string ending in the text of the first min_tokens tokens is ordinary text; one that
+    ends later counts, even when it started earlier."""
+    prompt = tok.encode("Once upon a time")
+    output = tok.encode("Once upon a time, there was a little girl named Lily. She was little.")[1:]
+    full = continuation(tok, prompt, output)
+    # a stop string inside each token's own text, first met in token 9 (" little") and again later
+    pieces = [continuation(tok, prompt, output[:i + 1]) for i in range(len(output))]
+    first = next(i for i, text in enumerate(pieces) if "little" in text)
+    second = full.index("little", full.index("little") + 1)
+
+    def run(min_tokens, stop):
+        detok = IncrementalDetokenizer(tok, prompt, [stop], min_tokens=min_tokens)
+        for n, token_id in enumerate(output, start=1):
+            _, hit = detok.add(token_id)
+            if hit:
+                return n, detok.text
+        return None, detok.text + detok.flush()
+
+    assert run(0, "little") == (first + 1, full[:full.index("little")])
+    assert run(first + 1, "little") == (next(i for i, t in enumerate(pieces) if t.count("little") == 2) + 1,
+                                        full[:second])
+    # a stop that starts in the unchecked text and ends in the first checked token still counts
+    end = len(pieces[first])                       # text through the token that completes " little"
+    straddle = full[end - 3:end + 4]               # "tle" + the next characters
+    n = next(i for i, t in enumerate(pieces) if len(t) >= end + 4)
+    assert run(first + 1, straddle) == (n + 1, full[:end - 3])
+    # min_tokens beyond the output: never stops
+    assert run(len(output), "little") == (None, full)

@@ -22,6 +22,7 @@ import numpy as np
 
 from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16
 from minisarathi.engine.batch import Batch
+from minisarathi.model.loader import CheckpointTensor
 from minisarathi.paths import cuda_dir
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -61,7 +62,7 @@ def kernel_files() -> list[str]:
     return [*TEMPLATED_KERNELS, *PLAIN_KERNELS]
 
 
-def _dtype_name(array) -> str:
+def dtype_name(array) -> str:
     name = array.dtype.name
     if name in ("uint16", "bfloat16"):
         return "bfloat16"
@@ -81,14 +82,14 @@ class EmulatorLauncher:
         return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array)
+        return np.array(array, order="C")   # a copy, as an upload is: device arrays never alias host ones
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
         return array
 
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type."""
-        kind = _dtype_name(x)
+        kind = dtype_name(x)
         widen = bf16_to_float32 if kind == "bfloat16" else (lambda a: a.astype(np.float32, copy=False))
         out = widen(x) @ widen(w).T
         if bias is not None:
@@ -123,13 +124,16 @@ class CupyLauncher:
         return kernel
 
     def to_device(self, array: np.ndarray):
-        return self.xp.asarray(np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        out = self.xp.empty(array.shape, dtype=array.dtype)
+        out.set(array)   # straight from pageable (e.g. memory-mapped) memory; cupy.asarray stages it in pinned memory
+        return out
 
     def to_host(self, array) -> np.ndarray:
         return self.xp.asnumpy(array)
 
     def matmul_t(self, x, w, bias):
-        if _dtype_name(x) != "bfloat16":
+        if dtype_name(x) != "bfloat16":
             out = x @ w.T   # cuBLAS; CuPy computes half matmuls with float32 accumulation
             if bias is not None:
                 out += bias
@@ -151,6 +155,7 @@ class CupyLauncher:
         alpha = np.array(1.0, dtype=np.float32)
         beta = np.array(1.0 if bias is not None else 0.0, dtype=np.float32)
         OP_N, OP_T, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 1, 14, 68, -1   # cuBLAS enums
+        # CuPy's gemmEx binding puts the handle on the current stream itself.
         cublas.gemmEx(device.get_cublas_handle(), OP_T, OP_N, N, T, K,
                       alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K, x.data.ptr, CUDA_R_16BF, K,
                       beta.ctypes.data, out.data.ptr, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
@@ -170,11 +175,13 @@ class CudaOps:
         self._uploads: dict[int, tuple[np.ndarray, object]] = {}
 
     # ---- placement -------------------------------------------------------------------------------
-    def weight(self, array: np.ndarray):
-        """A float32 NumPy array as a device array in the activation dtype."""
-        array = np.asarray(array, dtype=np.float32)
-        stored = float32_to_bf16(array) if self.dtype == "bfloat16" else array.astype(self.activation_dtype)
-        return self.launcher.to_device(stored)
+    def weight(self, tensor: CheckpointTensor | np.ndarray):
+        """A weight as a device array in the activation dtype. A loader CheckpointTensor goes up in its
+        stored dtype (16-bit bits as they are) and is converted on the device only if that differs from
+        the activation dtype; any other array is taken as float32 values."""
+        if not isinstance(tensor, CheckpointTensor):
+            tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
+        return convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype)
 
     def zeros(self, shape: tuple[int, ...]):
         return self.xp.zeros(shape, dtype=self.activation_dtype)
@@ -202,7 +209,7 @@ class CudaOps:
         return device
 
     def _kernel(self, file: str, name: str, like):
-        return self.launcher.kernel(file, f"{name}<{CXX_TYPES[_dtype_name(like)]}>")
+        return self.launcher.kernel(file, f"{name}<{CXX_TYPES[dtype_name(like)]}>")
 
     def _check(self, x, name: str):
         if x.dtype != self.activation_dtype:
@@ -347,21 +354,29 @@ class CudaOps:
                                to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
                                to(np.asarray(presence, np.float32))))
 
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> tuple[np.ndarray, np.ndarray]:
-        """(int32[N] ids, float32[N] logprobs of those ids under the raw logits). Per-row parameters;
-        uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy."""
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> np.ndarray:
+        """int32[N] host ids, one per row of float32 logits[N, V] (already penalized), with per-row
+        parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax)."""
         logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
         N, V = logits.shape
         ids = self.xp.empty((N,), dtype=np.int32)
-        logprobs = self.xp.empty((N,), dtype=np.float32)
         if N:
             to = self.launcher.to_device
             self.launcher.kernel("sampling.cu", "sample_kernel")(
                 (N,), (_threads(V, 1024),),
                 (logits, np.int32(V), to(np.asarray(temperature, np.float32)), to(np.asarray(top_k, np.int32)),
                  to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
-                 to(np.asarray(uniform, np.float32)), ids, logprobs))
-        return self.launcher.to_host(ids), self.launcher.to_host(logprobs)
+                 to(np.asarray(uniform, np.float64)), ids))
+        return self.launcher.to_host(ids)
+
+
+def convert(x, from_dtype: str, to_dtype: str):
+    """x, stored as from_dtype, stored as to_dtype (rounding to nearest even). Array methods only, so a
+    CuPy array is converted on the device and a NumPy one on the host."""
+    if from_dtype == to_dtype:
+        return x
+    values = bf16_to_float32(x) if from_dtype == "bfloat16" else x.astype(np.float32)   # exact
+    return float32_to_bf16(values) if to_dtype == "bfloat16" else values.astype(STORAGE_DTYPES[to_dtype])
 
 
 def _threads(work: int, most: int = 256) -> int:

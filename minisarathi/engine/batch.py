@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -38,33 +37,34 @@ class ScheduledChunk:
 
 
 def build_batch(chunks: list[ScheduledChunk], block_size: int) -> Batch:
+    width = max((len(c.block_table) for c in chunks), default=0)
+    block_tables = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
+    for s, c in enumerate(chunks):
+        block_tables[s, :len(c.block_table)] = c.block_table
     return make_batch([t for c in chunks for t in c.token_ids], [c.start_pos for c in chunks],
-                      [len(c.token_ids) for c in chunks], [c.block_table for c in chunks],
-                      [c.sample for c in chunks], block_size)
+                      [len(c.token_ids) for c in chunks], block_tables, [c.sample for c in chunks], block_size)
 
 
-def make_batch(token_ids: list[int], start_pos: list[int], num_tokens: list[int], block_tables: list[list[int]],
+def make_batch(token_ids: list[int], start_pos: list[int], num_tokens: list[int], block_tables: np.ndarray,
                sample: list[bool], block_size: int) -> Batch:
-    """build_batch from per-sequence columns (what the engine keeps), without a ScheduledChunk per sequence:
-    sequence s runs num_tokens[s] of `token_ids` (all sequences' tokens back to back) from start_pos[s]."""
-    num_seqs = len(num_tokens)
+    """build_batch from per-sequence columns, for a caller that keeps its block tables as a matrix (the engine):
+    sequence s runs num_tokens[s] of `token_ids` (all sequences' tokens back to back) from start_pos[s] over
+    block_tables[s] (int32[S, B], zero-padded)."""
     q_lens = np.array(num_tokens, np.int32)                       # int32[S]
-    query_start = np.zeros(num_seqs + 1, np.int32)                # int32[S+1]
-    np.cumsum(q_lens, out=query_start[1:])
     starts = np.array(start_pos, np.int32)                        # int32[S]
     context_lens = starts + q_lens
-    table_lens = np.fromiter(map(len, block_tables), np.int64, num_seqs)
-    width = max(int(table_lens.max(initial=0)), 1)
-    block_table = np.zeros((num_seqs, width), np.int32)           # int32[S, B]
-    # a row-major mask fills each row's leading entries, row after row
-    block_table[np.arange(width) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(block_tables), np.int32, int(table_lens.sum()))
     input_ids = np.array(token_ids, np.int32)                     # int32[T]
-    # positions[i] = start_pos of i's sequence + i's offset within its run
-    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-    positions = (np.arange(len(input_ids), dtype=np.int32) + (starts - query_start[:-1])[seq_of_token])
-    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    num_seqs, max_query_len = len(q_lens), int(q_lens.max(initial=0))
+    if max_query_len == 1 and len(input_ids) == num_seqs:        # one token per sequence (decodes)
+        query_start = np.arange(num_seqs + 1, dtype=np.int32)
+        seq_of_token, positions = np.arange(num_seqs), starts
+    else:
+        query_start = np.zeros(num_seqs + 1, np.int32)           # int32[S+1]
+        np.cumsum(q_lens, out=query_start[1:])
+        # positions[i] = start_pos of i's sequence + i's offset within its run
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(len(input_ids), dtype=np.int32) + (starts - query_start[:-1])[seq_of_token]
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     logits_indices = query_start[1:][np.array(sample, bool)] - 1
-    return Batch(input_ids, positions, slot_mapping.astype(np.int32), query_start, context_lens, block_table,
-                 logits_indices.astype(np.int32), max_query_len=int(q_lens.max(initial=0)),
-                 max_context_len=int(context_lens.max(initial=0)))
+    return Batch(input_ids, positions, slot_mapping.astype(np.int32), query_start, context_lens, block_tables,
+                 logits_indices.astype(np.int32), max_query_len, max_context_len=int(context_lens.max(initial=0)))

@@ -16,7 +16,7 @@ from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.paths import default_model_dir
-from minisarathi.sampler import Sampler, make_generator
+from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -64,7 +64,7 @@ class StepLog:
         return [self._records[i - self._num_dropped] for i in steps if i >= self._num_dropped]
 
 
-STEP_RECORDS_KEPT = 50_000   # ~25 MB of StepRecords at most
+STEP_RECORDS_KEPT = 50_000   # the log holds 50,000 to 100,000 records: ~20 MB at most
 
 
 class LLMEngine:
@@ -91,7 +91,8 @@ class LLMEngine:
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len)
-        self.sampler = Sampler(self.model_config.vocab_size, config.seed, self.tokenizer.eos_token_ids)
+        # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
+        self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
         self.requests: dict[str, Sequence] = {}     # unfinished requests by id
         self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
@@ -101,11 +102,13 @@ class LLMEngine:
     # requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, *, stream: bool = True) -> None:
+        """stream=False: step() reports the request only once, when it finishes (vLLM's FINAL_ONLY output kind),
+        which spares a RequestOutput and a copy of its tokens per step when only the result matters."""
+        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time, stream=stream))
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        arrival_time: float | None = None) -> Sequence:
+                        arrival_time: float | None = None, *, stream: bool = True) -> Sequence:
         """Validate and tokenize a request without queueing it (so a batch can be checked whole first)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -143,7 +146,7 @@ class LLMEngine:
             generator=None if params.seed is None else make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                                params.min_tokens) if params.detokenize else None,
-            logprobs=None if params.logprobs is None else [])
+            logprobs=None if params.logprobs is None else [], stream=stream)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -167,6 +170,8 @@ class LLMEngine:
     # the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. Returns a RequestOutput for every request that got a token (stream=False ones: only
+        when they finish), and for every request aborted since the last step."""
         start = time.monotonic()
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
@@ -178,7 +183,7 @@ class LLMEngine:
         batch, samplers, num_prefill = self._build_batch(schedule.scheduled, start)
 
         scheduled = time.monotonic()
-        logits = self.model.forward(batch, self.kv_cache)
+        logits = self.model.forward(batch, self.kv_cache, device_logits=True)
         sampled = self.sampler.sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
                                       [s.prompt_token_ids for s in samplers],
                                       [s.output_token_ids for s in samplers])
@@ -187,11 +192,15 @@ class LLMEngine:
         if self.block_manager.enable_prefix_caching:
             for seq in schedule.scheduled:
                 self.block_manager.register_computed(seq)
+        finished = []
         for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
-            self._append_token(seq, token, sampled, row, executed)
-            outputs.append(self._output(seq))
+            done = self._append_token(seq, token, sampled, row, executed)
+            if done:
+                finished.append(seq)
+            if done or seq.stream:
+                outputs.append(self._output(seq))
         self.num_generated_tokens += len(samplers)
-        self.scheduler.remove_finished([seq for seq in samplers if seq.is_finished])
+        self.scheduler.remove_finished(finished)
         self.step_records.append(StepRecord(
             start, batch.num_seqs, num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
             scheduled - start, executed - scheduled, time.monotonic() - start))
@@ -200,28 +209,37 @@ class LLMEngine:
     def _build_batch(self, scheduled: dict[Sequence, int], now: float):
         """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
         A chunk is the sequence's next uncomputed tokens; it samples when it reaches the sequence's end."""
-        token_ids, starts, tables, sample, samplers = [], [], [], [], []
-        num_prefill = 0
+        token_ids, starts, rows, sample, samplers = [], [], [], [], []
+        num_prefill = max_end = 0
         for seq, n in scheduled.items():
             begin = seq.num_computed_tokens
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 seq.num_cached_tokens = begin
-            if seq.in_prefill:
+            seq.num_computed_tokens = end = begin + n
+            if end > max_end:
+                max_end = end
+            starts.append(begin)
+            rows.append(seq.block_row)
+            if begin >= seq.num_prefill_tokens:   # a decode: its one uncomputed token is the last sampled one
+                token_ids.append(seq.output_token_ids[-1])
+                ends = True
+            else:
                 num_prefill += n
                 seq.metrics.chunk_times.append((now, n))
-            seq.num_computed_tokens = end = begin + n
-            token_ids += seq.token_slice(begin, end)
-            starts.append(begin)
-            tables.append(seq.block_table)
-            ends = end == seq.num_tokens
+                token_ids += seq.token_slice(begin, end)
+                ends = end == seq.num_tokens
             sample.append(ends)
             if ends:
                 samplers.append(seq)
+        # the tables matrix is at least as wide as the longest block table; keep the columns this step reads
+        width = max(self.block_manager.blocks_for(max_end), 1)
+        tables = self.block_manager.tables[rows, :width]      # int32[S, width]
         batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
         return batch, samplers, num_prefill
 
-    def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> bool:
+        """Add a sampled token to seq; returns whether it finished seq."""
         seq.output_token_ids.append(token)
         metrics = seq.metrics
         if metrics.first_token_time is None:
@@ -238,8 +256,11 @@ class LLMEngine:
             self._finish(seq, "stop", None, now)
         elif token in params.stop_token_ids:
             self._finish(seq, "stop", token, now)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens > seq.max_kv_tokens:   # max_tokens, or max_model_len, reached
             self._finish(seq, "length", None, now)
+        else:
+            return False
+        return True
 
     def _logprobs(self, row: list[tuple[int, float]], rank: int, detokenize: bool) -> dict[int, Logprob]:
         (sampled_id, sampled_lp), top = row[0], row[1:]
@@ -260,7 +281,7 @@ class LLMEngine:
     def _output(seq: Sequence) -> RequestOutput:
         # Snapshots: the token list (and logprobs list) is copied, so an output kept by the caller (or read by
         # another thread, as the server does) never changes as the sequence grows. That copy is the one part
-        # of a step that grows with the length of a request (a memcpy, ~1 ns per token).
+        # of a step that grows with the length of a request (~10 ns per token here); stream=False avoids it.
         completion = CompletionOutput(
             0, "" if seq.detokenizer is None else seq.detokenizer.text, seq.output_token_ids.copy(),
             seq.finish_reason, seq.stop_reason, None if seq.logprobs is None else seq.logprobs.copy())

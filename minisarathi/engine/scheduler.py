@@ -43,6 +43,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # the running sequences split once per step (arrival order kept), so each pass below visits only its kind
+        self._decoding: list[Sequence] = []
+        self._prefilling: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,7 +60,8 @@ class Scheduler:
     def remove_finished(self, finished: list[Sequence]) -> None:
         """Drop the running sequences that finished this step and free their blocks."""
         if finished:
-            self.running = [s for s in self.running if not s.is_finished]
+            gone = set(finished)
+            self.running = [s for s in self.running if s not in gone]
             for seq in finished:
                 self.blocks.free(seq)
 
@@ -65,6 +69,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._decoding, self._prefilling = [], []
+        for seq in self.running:
+            (self._prefilling if seq.in_prefill else self._decoding).append(seq)
         out = SchedulerOutput()
         self._schedule(out)
         return out
@@ -77,21 +84,23 @@ class Scheduler:
     def _decodes(self, out: SchedulerOutput) -> None:
         """One token for every running decode, oldest first, preempting the newest on block shortage."""
         block_size = self.blocks.block_size
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.in_prefill:
-                continue   # preempted earlier in this pass, or not done with its prompt
+        scheduled = out.scheduled
+        running = SequenceStatus.RUNNING   # one enum lookup, not one per sequence (slow in Python 3.11)
+        for seq in self._decoding:
+            if seq.status is not running:
+                continue   # preempted earlier in this pass
             # most decodes write into the free slots of their last block and need no allocation
             if seq.num_computed_tokens < len(seq.block_table) * block_size or self._fit(seq, 1, out):
-                out.scheduled[seq] = 1
+                scheduled[seq] = 1
             else:   # no one newer left to preempt: give up its own blocks
                 self._preempt(seq, out)
 
     def _prefills(self, out: SchedulerOutput, budget: int) -> None:
         """Chunks of admitted, unfinished prefills, then new requests, within `budget` tokens."""
-        for seq in list(self.running):
+        for seq in self._prefilling:
             if budget <= 0:
                 break
-            if seq.status is SequenceStatus.RUNNING and seq.in_prefill and seq not in out.scheduled:
+            if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this step
                 n = self._fit(seq, min(seq.num_uncomputed_tokens, budget), out)
                 if n:
                     out.scheduled[seq] = n
@@ -182,7 +191,7 @@ class SimpleChunkingScheduler(Scheduler):
     def _schedule(self, out):
         # Decodes go when they waited through a prefill batch; either kind goes when the other has nothing
         # to run (a decode that had to preempt itself leaves the turn to the prefills).
-        if self.last_was_prefill and any(not s.in_prefill for s in self.running):
+        if self.last_was_prefill and self._decoding:
             self._decodes(out)
         if not out.scheduled:
             self._prefills(out, self.token_budget)

@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)   # identity equality: sequences are dict keys in the scheduler
+@dataclass(eq=False, slots=True)   # identity equality: sequences are dict keys in the scheduler
 class Sequence:
     request_id: str
     prompt: str | None
@@ -24,7 +24,8 @@ class Sequence:
     metrics: RequestMetrics
     max_kv_tokens: int                # most tokens it will ever hold in the KV cache (final length - 1)
     generator: Any = None             # numpy Generator of a seeded request; None: the engine's shared one
-    detokenizer: Any = None
+    detokenizer: Any = None           # IncrementalDetokenizer; None when params.detokenize is False
+    stream: bool = True               # False: outputs only when it finishes
     seq_id: int = -1                  # arrival order, given when queued; "newest" = largest
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -35,6 +36,7 @@ class Sequence:
     num_computed_tokens: int = 0      # leading tokens whose K/V are in the cache
     num_prefill_tokens: int = 0       # length when last admitted: tokens below it are prefill, above decode
     block_table: list[int] = field(default_factory=list)
+    block_row: int = -1               # its row of BlockManager.tables while admitted
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, grown on demand
     num_registered_blocks: int = 0    # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0        # prompt tokens the prefix cache served at first admission
@@ -53,7 +55,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None   # set with status FINISHED (cheaper to test than an enum in 3.11)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole history."""

@@ -7,17 +7,17 @@ the rows that are sampled.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from minisarathi.backends import numpy_ops
 from minisarathi.config import ModelConfig
 from minisarathi.engine.batch import Batch
 from minisarathi.model.loader import load_weights
+from minisarathi.sampler import Sampler
 
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 
@@ -35,8 +35,9 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType):
-        """weights as load_weights returns them; ops a backend module (minisarathi.backends.numpy_ops)."""
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: ModuleType):
+        """weights as load_weights returns them (checkpoint tensors, which ops.weight places in the backend's
+        dtype) or float32 arrays; ops a backend (minisarathi.backends.numpy_ops or a cuda_ops.CudaOps)."""
         self.config = config
         self.ops = ops
         self.embed_tokens = ops.weight(weights["embed_tokens"])
@@ -49,7 +50,7 @@ class LlamaModel:
         self.inv_freq = config.rope_inv_freq()  # float32[D/2]
         self.scale = config.head_dim ** -0.5
 
-    def _place(self, array: np.ndarray | None) -> Any:
+    def _place(self, array: Any | None) -> Any:
         return None if array is None else self.ops.weight(array)  # absent: a bias the model has not
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:
@@ -64,8 +65,17 @@ class LlamaModel:
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
 
-    def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]]) -> np.ndarray:
-        """float32[N, vocab]: logits of the rows batch.logits_indices, after writing the batch's K/V."""
+    def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler | Any:
+        """The sampler for forward(..., device_logits=True)'s logits: the NumPy Sampler, or on the CUDA
+        backend a GpuSampler (same rule, only ids and logprobs cross to the host)."""
+        if self.ops is numpy_ops:
+            return Sampler(self.config.vocab_size, seed, eos_token_ids)
+        from minisarathi.backends.gpu_sampling import GpuSampler
+        return GpuSampler(self.ops, self.config.vocab_size, seed, eos_token_ids)
+
+    def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]], device_logits: bool = False) -> Any:
+        """float32[N, vocab] NumPy logits of the rows batch.logits_indices, after writing the batch's K/V.
+        device_logits: leave them where the backend computed them, in its dtype, for new_sampler()'s sampler."""
         ops, c = self.ops, self.config
         T, D = batch.num_tokens, c.head_dim
         q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
@@ -90,7 +100,8 @@ class LlamaModel:
         # Only the sampled rows go through the final norm and the (large) vocabulary projection.
         rows = batch.logits_indices
         x, _ = ops.add_rms_norm(hidden[rows], residual[rows], self.norm, c.rms_norm_eps)
-        return ops.to_numpy(ops.linear(x, self.lm_head))
+        logits = ops.linear(x, self.lm_head)  # [N, vocab]
+        return logits if device_logits else ops.to_numpy(logits)
 
 
 def resolve_device(device: str) -> str:

@@ -1,0 +1,119 @@
+"""Sampling on the device for the CUDA backend: minisarathi/sampler.py's rule, but the logits stay where
+the model left them and only the sampled ids (and the requested logprobs) cross to the host.
+
+Per row, in the same order as the NumPy Sampler:
+1. min_tokens: stop and EOS ids set to -inf by one scatter into a copy of the logits.
+2. Penalties: apply_penalties_kernel over the row's distinct prompt and output tokens (listed on the host,
+   which knows them anyway); repetition, then frequency and presence, rounded as NumPy rounds them.
+3. sample_kernel: argmax for temperature 0 (ties to the lowest id); otherwise min-p, top-k, top-p and an
+   inverse CDF in token order with one uniform per row, drawn on the host from the same generators in the
+   same order as the NumPy Sampler, so a seeded request picks what it would pick there.
+4. Logprobs of the raw logits (before penalties) by array reductions on the device for the rows that ask.
+
+    sampler = GpuSampler(ops, vocab_size, seed, eos_token_ids)       # ops: a cuda_ops.CudaOps
+    out = sampler.sample(model.forward(batch, cache, device_logits=True), params, generators, prompts, outputs)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minisarathi.backends.cuda_ops import CudaOps, convert, dtype_name
+from minisarathi.sampler import SamplerOutput, make_generator
+from minisarathi.sampling_params import SamplingParams
+
+
+class GpuSampler:
+    def __init__(self, ops: CudaOps, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
+        self.ops = ops
+        self.xp = ops.xp
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
+        self._rng = make_generator(seed)             # for the rows without a seed of their own
+
+    def sample(self, logits, params: list[SamplingParams], generators: list[np.random.Generator | None],
+               prompt_ids: list[list[int]], output_ids: list[list[int]]) -> SamplerOutput:
+        """As Sampler.sample, with `logits` a device array [N, vocab] in float32 or the activation dtype."""
+        n = len(params)
+        if logits.ndim != 2 or logits.shape != (n, self.vocab_size):
+            raise ValueError(f"logits must have shape ({n}, {self.vocab_size}), got {logits.shape}")
+        if not len(generators) == len(prompt_ids) == len(output_ids) == n:
+            raise ValueError("generators, prompt_ids and output_ids must have one entry per row of logits")
+        logits = self.xp.ascontiguousarray(convert(logits, dtype_name(logits), "float32"))   # float32[N, V]
+        edited = any(len(o) < p.min_tokens for p, o in zip(params, output_ids)) or any(map(_penalized, params))
+        x = logits.copy() if edited else logits   # the raw logits stay for the logprobs
+        self._mask_stop_tokens(x, params, output_ids)
+        self._apply_penalties(x, params, prompt_ids, output_ids)
+
+        temperature = np.array([p.temperature for p in params], np.float32)
+        greedy = temperature == 0
+        if greedy.all():
+            token_ids = self.ops.greedy(x)
+        else:
+            token_ids = self.ops.sample(
+                x, temperature, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                self._uniforms(np.flatnonzero(~greedy), generators, n))
+        return self._with_logprobs(logits, params, token_ids.astype(np.int64))
+
+    def _mask_stop_tokens(self, x, params, output_ids) -> None:
+        flat = [i * self.vocab_size + t for i, p in enumerate(params) if len(output_ids[i]) < p.min_tokens
+                for t in [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+                if t < self.vocab_size]                                  # larger ids can never be sampled
+        if flat:
+            x.reshape(-1)[self.ops.launcher.to_device(np.array(flat, np.int64))] = -np.inf
+
+    def _apply_penalties(self, x, params, prompt_ids, output_ids) -> None:
+        if not any(map(_penalized, params)):
+            return
+        tokens, counts = [], []   # per row: distinct prompt and output ids, and their counts in the output
+        for p, prompt, output in zip(params, prompt_ids, output_ids):
+            if not _penalized(p):
+                prompt = output = []
+            seen, where = np.unique(np.array([*prompt, *output], np.int64), return_inverse=True)
+            tokens.append(seen)
+            counts.append(np.bincount(where[len(prompt):], minlength=len(seen)))
+        self.ops.apply_penalties(x, tokens, counts, [p.repetition_penalty for p in params],
+                                 [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
+
+    def _uniforms(self, rows: np.ndarray, generators, n: int) -> np.ndarray:
+        """float64[n]: the draws of the non-greedy rows, made exactly as Sampler makes them (the sampler's
+        generator for the unseeded rows first, then each seeded row's own); 0 for greedy rows."""
+        draws = np.empty(len(rows))
+        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+        draws[unseeded] = self._rng.random(len(unseeded))
+        for j, i in enumerate(rows):
+            if generators[i] is not None:
+                draws[j] = generators[i].random()
+        uniform = np.zeros(n)
+        uniform[rows] = draws
+        return uniform
+
+    def _with_logprobs(self, logits, params, token_ids: np.ndarray) -> SamplerOutput:
+        n = len(params)
+        logprobs, ranks = [None] * n, [None] * n
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return SamplerOutput(token_ids, logprobs, ranks)
+        xp, to_device, to_host = self.xp, self.ops.launcher.to_device, self.ops.launcher.to_host
+        raw = logits[to_device(np.array(rows, np.int64))]                     # float32[R, V]
+        top_raw = raw.max(axis=1)
+        # log-softmax = raw - logsumexp(raw), the sum in float64 as the NumPy Sampler does it
+        lse = top_raw + xp.log(xp.exp(raw - top_raw[:, None]).sum(axis=1, dtype=np.float64))   # float64[R]
+        sampled_raw = xp.take_along_axis(raw, to_device(token_ids[rows])[:, None], axis=1)[:, 0]
+        row_ranks = 1 + (raw > sampled_raw[:, None]).sum(axis=1)
+        k = min(max(params[i].logprobs for i in rows), self.vocab_size)
+        # Rank order, equal logits by lowest id: a stable sort (CuPy's always is; older CuPy has no `kind`).
+        order = np.argsort(-raw, axis=1, kind="stable") if xp is np else xp.argsort(-raw, axis=1)
+        top = order[:, :k]                                                    # int64[R, k]
+        top_ids, top_raw_values = to_host(top), to_host(xp.take_along_axis(raw, top, axis=1))
+        lse, sampled_raw, row_ranks = to_host(lse), to_host(sampled_raw), to_host(row_ranks)
+        for j, i in enumerate(rows):
+            chosen = [(int(token_ids[i]), float(sampled_raw[j]))]
+            chosen += [(int(t), float(v)) for t, v in zip(top_ids[j, :params[i].logprobs],
+                                                           top_raw_values[j, :params[i].logprobs])]
+            logprobs[i] = [(t, v - float(lse[j])) for t, v in chosen]
+            ranks[i] = int(row_ranks[j])
+        return SamplerOutput(token_ids, logprobs, ranks)
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
