@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DEVICES, SCHEDULERS
+from .config import DEVICES, SCHEDULERS, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -14,25 +14,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
         parser.add_argument("model", nargs="?", default=None, help=model_help)
     else:
         parser.add_argument("--model", default=None, help=model_help)
+    d = EngineConfig()   # the defaults live in one place
     g = parser.add_argument_group("engine")
-    g.add_argument("--device", choices=DEVICES, default="cpu")
-    g.add_argument("--scheduler", choices=SCHEDULERS, default="sarathi")
-    g.add_argument("--chunk-size", type=int, default=512, help="per-iteration token budget (default 512)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-mb)")
-    g.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget when --num-kv-blocks is unset")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--device", choices=DEVICES, default=d.device)
+    g.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler)
+    g.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                   help=f"per-iteration token budget (default {d.chunk_size})")
+    g.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV-cache block (default {d.block_size})")
+    g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from the memory budget)")
+    g.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache memory budget when --num-kv-blocks is unset (default: see docs/scheduling.md)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0, help="sampler seed for requests without their own")
+    g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, scheduler=args.scheduler, chunk_size=args.chunk_size,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                seed=args.seed)
+    options = dict(model=args.model, device=args.device, scheduler=args.scheduler, chunk_size=args.chunk_size,
+                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                   max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                   seed=args.seed)
+    if args.kv_cache_mb is not None:
+        options["kv_cache_bytes"] = args.kv_cache_mb << 20
+    return options
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -55,6 +55,8 @@ def test_judge_checks_every_criterion():
     remote = judge(1.0, fake_metrics(0.01, 3.0, remote=True), slo)                   # TTFT stands in
     assert not remote.passed and remote.median_scheduling_delay == 3.0
     assert "FAIL" in remote.describe()
+    stopped = judge(1.0, fake_metrics(0.01, 0.1, completed=3) | {"stopped": "P99 TBT over 100 ms"}, slo)
+    assert not stopped.passed and stopped.describe().endswith("stopped early, P99 TBT over 100 ms -> FAIL")
 
 
 def test_judge_on_computed_metrics():

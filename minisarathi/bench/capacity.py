@@ -51,9 +51,11 @@ class Trial:
     stopped: str | None = None     # why the trial ended early (then the figures cover what finished)
 
     def describe(self) -> str:
+        if self.stopped:   # the figures would cover only the requests that finished before the stop
+            return f"qps {self.qps:8.3f}: stopped early, {self.stopped} -> FAIL"
         tbt = "-" if self.p99_tbt is None else f"{self.p99_tbt * 1e3:.1f} ms"
         delay = "-" if self.median_scheduling_delay is None else f"{self.median_scheduling_delay:.2f} s"
-        verdict = "pass" if self.passed else f"FAIL{f' (stopped: {self.stopped})' if self.stopped else ''}"
+        verdict = "pass" if self.passed else "FAIL"
         return (f"qps {self.qps:8.3f}: P99 TBT {tbt:>10}, median sched. delay {delay:>8}, "
                 f"completed {self.completed}/{self.requests} -> {verdict}")
 

@@ -121,6 +121,9 @@ def backend_ops(device: str, dtype: str):
     """The ops module for a device. The CUDA backend is imported only here, so the CPU path never loads CuPy."""
     if device == "cpu":
         return numpy_ops
+    if device == "cuda" and resolve_device("auto") != "cuda":
+        raise ValueError("device 'cuda' needs CuPy (pip install 'minisarathi[cuda13]' or '[cuda12]') and a "
+                         "visible GPU; none was found (use device 'cpu', 'auto' or 'cuda-emulated')")
     from minisarathi.backends import cuda_ops
     if device == "cuda-emulated":
         return cuda_ops.emulated()        # float32 on the CPU: exact against the NumPy reference

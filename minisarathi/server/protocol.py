@@ -171,11 +171,6 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     if not isinstance(stream, bool):
         raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {short(repr(stream))}")
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
-    if not isinstance(sampling.get("skip_special_tokens", True), bool):
-        raise RPCError(INVALID_PARAMS, "skip_special_tokens must be a bool")
-    for name in ("stop", "stop_token_ids"):
-        if name in sampling and not isinstance(sampling[name], (list, str)):
-            raise RPCError(INVALID_PARAMS, f"{name} must be a list, got {type(sampling[name]).__name__}")
     try:
         sampling_params = SamplingParams(**sampling)
     except (ValueError, TypeError) as e:

@@ -177,7 +177,6 @@ class Server:
         self.limits = limits or ServerLimits()
         self._api_key = api_key
         self._model_name = model_name
-        self._max_model_len = engine.config.max_model_len or engine.model_config.max_position_embeddings
         self._pending: dict[str, _Pending] = {}
         self._connections: set[_Connection] = set()
         self._request_ids = itertools.count()
@@ -386,7 +385,7 @@ class Server:
             if max(token_ids) >= self.engine.tokenizer.vocab_size:
                 raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size "
                                                f"({self.engine.tokenizer.vocab_size})")
-        limit = min(self.limits.max_prompt_tokens, self._max_model_len)
+        limit = min(self.limits.max_prompt_tokens, self.engine.max_model_len)
         if len(token_ids) > limit:
             raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is {limit}")
         request_id = f"req-{next(self._request_ids)}"
@@ -435,11 +434,11 @@ class Server:
     def _model_info(self, conn, msgid, params) -> dict:
         config = self.engine.config
         return {"model": self._model_name, "vocab_size": self.engine.tokenizer.vocab_size,
-                "max_model_len": self._max_model_len, "eos_token_ids": list(self.engine.tokenizer.eos_token_ids),
+                "max_model_len": self.engine.max_model_len, "eos_token_ids": list(self.engine.tokenizer.eos_token_ids),
                 "scheduler": config.scheduler, "chunk_size": config.chunk_size, "block_size": config.block_size,
                 "max_num_seqs": config.max_num_seqs, "device": config.device,
                 "enable_prefix_caching": config.enable_prefix_caching,
-                "max_prompt_tokens": min(self.limits.max_prompt_tokens, self._max_model_len),
+                "max_prompt_tokens": min(self.limits.max_prompt_tokens, self.engine.max_model_len),
                 "max_tokens": self.limits.max_tokens}
 
     def _health(self, conn, msgid, params) -> dict:
