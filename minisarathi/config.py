@@ -17,7 +17,9 @@ class EngineConfig:
     chunk_size: int = 512            # Sarathi's per-iteration token budget (all policies' token limit)
     block_size: int = 16             # tokens per KV-cache block (the KV page); unrelated to chunk_size
     num_kv_blocks: int | None = None # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 256 << 20  # memory budget for the KV cache when num_kv_blocks is None
+    # Memory budget for the KV cache when num_kv_blocks is None. None: derived from the device (a share of
+    # the GPU memory left free by the weights on the CUDA backend, 256 MiB on the CPU; docs/scheduling.md).
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 128
     max_model_len: int | None = None # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
@@ -29,11 +31,11 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for name in ("chunk_size", "block_size", "max_num_seqs", "kv_cache_bytes"):
+        for name in ("chunk_size", "block_size", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,8 +72,7 @@ class ModelConfig:
     qkv_bias: bool                   # Qwen2 always; Llama with attention_bias
     o_bias: bool                     # Llama with attention_bias (Qwen2 has none on o_proj)
     dtype: str                       # the checkpoint's dtype, one of DTYPES
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -79,14 +80,11 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"path {str(path)!r} has no config.json")
-        config = json.loads(config_file.read_text())
-        generation_file = path / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
-        return cls.from_dict(config, generation)
+        return cls.from_dict(json.loads(config_file.read_text()))
 
     @classmethod
-    def from_dict(cls, config: dict, generation_config: dict | None = None) -> ModelConfig:
-        """Reads a Hugging Face config.json dict; generation_config.json's bos/eos ids take precedence."""
+    def from_dict(cls, config: dict) -> ModelConfig:
+        """Reads a Hugging Face config.json dict."""
         architectures = config.get("architectures") or []
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
             raise ValueError(f"architectures must be one of {', '.join(ARCHITECTURES)}, got {architectures!r}")
@@ -113,11 +111,6 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         rope_theta, rope_scaling = _read_rope(config)
         attention_bias = bool(config.get("attention_bias", False))
-
-        ids = dict(config)
-        ids.update({k: v for k, v in (generation_config or {}).items() if k in ("bos_token_id", "eos_token_id")})
-        eos = ids.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
             architecture=arch,
             vocab_size=_positive_int(config, "vocab_size"),
@@ -135,8 +128,6 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             dtype=dtype,
-            bos_token_id=ids.get("bos_token_id"),
-            eos_token_ids=eos_ids,
         )
 
     def rope_inv_freq(self) -> np.ndarray:

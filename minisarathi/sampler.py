@@ -32,6 +32,38 @@ def make_generator(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed))
 
 
+# The rule shared with the CUDA backend's GpuSampler (minisarathi/backends/gpu_sampling.py), which must pick
+# the same tokens: which ids are masked, which rows are penalized, and the order of the uniform draws.
+
+def stop_tokens_to_mask(params: list[SamplingParams], output_ids: list[list[int]],
+                        eos_token_ids: tuple[int, ...], vocab_size: int) -> dict[int, list[int]]:
+    """Row -> the ids it may not sample yet: its stop ids and (unless ignore_eos) the EOS ids, while fewer
+    than min_tokens tokens are out. Ids beyond the vocabulary are left out: they can never be sampled."""
+    masked = {}
+    for i, p in enumerate(params):
+        if len(output_ids[i]) < p.min_tokens:
+            stop = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            masked[i] = [t for t in stop if t < vocab_size]
+    return masked
+
+
+def is_penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def draw_uniforms(rng: np.random.Generator, generators: list[np.random.Generator | None]) -> np.ndarray:
+    """float64[R]: one uniform per sampled (non-greedy) row: first the shared `rng`'s, one call for all the
+    unseeded rows in row order, then each seeded row's own generator's, so a seeded request's draws do not
+    depend on the rest of the batch."""
+    u = np.empty(len(generators))
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    u[unseeded] = rng.random(len(unseeded))
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = g.random()
+    return u
+
+
 @dataclass
 class SamplerOutput:
     token_ids: np.ndarray                              # int64[N]
@@ -83,20 +115,16 @@ class Sampler:
         return self._with_logprobs(logits, params, token_ids)
 
     def _mask_stop_tokens(self, logits, params, output_ids):
-        rows = [i for i, p in enumerate(params) if len(output_ids[i]) < p.min_tokens]
-        if not rows:
+        masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)
+        if not masked:
             return logits
         x = logits.copy()
-        for i in rows:
-            stop = list(params[i].stop_token_ids)
-            if not params[i].ignore_eos:
-                stop += self.eos_token_ids
-            x[i, [t for t in stop if t < self.vocab_size]] = -np.inf   # larger ids can never be sampled
+        for i, ids in masked.items():
+            x[i, ids] = -np.inf
         return x
 
     def _apply_penalties(self, x, params, prompt_ids, output_ids):
-        rows = [i for i, p in enumerate(params)
-                if p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0]
+        rows = [i for i, p in enumerate(params) if is_penalized(p)]
         if not rows:
             return x
         repetition = np.array([[params[i].repetition_penalty] for i in rows], np.float32)    # [R, 1]
@@ -133,13 +161,7 @@ class Sampler:
         if cut.size:
             probs[cut] = self._top_k_top_p(probs[cut], top_k[cut], top_p[cut])
 
-        u = np.empty(len(params))
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        u[unseeded] = self._rng.random(len(unseeded))
-        for i, g in enumerate(generators):
-            if g is not None:
-                u[i] = g.random()
-        return self._inverse_cdf(probs, u)
+        return self._inverse_cdf(probs, draw_uniforms(self._rng, generators))
 
     def _inverse_cdf(self, probs, u) -> np.ndarray:
         """Per row, the first token whose running probability sum passes u times the row's mass: never a

@@ -41,7 +41,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
-        """Load tokenizer.json from a Hugging Face model folder; BOS/EOS ids from its config files."""
+        """Load tokenizer.json from a Hugging Face model folder; BOS/EOS ids from its config files (the one
+        place that reads them: ModelConfig does not)."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: no tokenizer.json in {path}")
@@ -57,12 +58,12 @@ class Tokenizer:
         bos = token_id("bos_token")
         if bos is None:
             bos = gen_config.get("bos_token_id", model_config.get("bos_token_id"))
-        eos = gen_config.get("eos_token_id")
-        if eos is None:
-            eos = token_id("eos_token")
-        if eos is None:
-            eos = model_config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # Generation stops at any of them, as in vLLM: the tokenizer's eos_token, then the generation config's
+        # eos_token_id (an id or a list), read from generation_config.json, else config.json (transformers'
+        # GenerationConfig fallback). Instruct models list their end-of-turn token only there.
+        eos = gen_config.get("eos_token_id", model_config.get("eos_token_id"))
+        eos_ids = [token_id("eos_token"), *(eos if isinstance(eos, list) else [eos])]
+        eos_ids = tuple(dict.fromkeys(t for t in eos_ids if t is not None))
         add_bos = tok_config.get("add_bos_token")
         return cls(tokenizer, bos, eos_ids, add_bos if isinstance(add_bos, bool) else None,
                    token_id("eos_token") if tok_config.get("add_eos_token") is True else None)

@@ -40,6 +40,9 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
         for name in ("tbt_cdf.png", "ttft_cdf.png", "batch_tokens.png", "capacity.png"):
             assert (tmp_path / name).stat().st_size > 1000
             assert (tmp_path / "docs" / name).read_bytes() == (tmp_path / name).read_bytes()
+        (tmp_path / "capacity.png").unlink()
+        assert main(["bench", "plot", str(tmp_path)]) == 0       # redrawn from the saved results
+        assert (tmp_path / "capacity.png").stat().st_size > 1000
 
 
 def test_capacity_with_an_slo_from_the_measured_decode_step(tmp_path, capsys):
@@ -89,10 +92,12 @@ def test_random_model_serves(tmp_path):
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("args, name", [(["compare", "--policies", "fifo"], "policies"),
-                                        (["run", "--qps", "0"], "qps"),
-                                        (["random-model", "x", "--num-heads", "3"], "num_heads")])
+@pytest.mark.parametrize("args, name", [(["compare", "--policies", "fifo", "--out", "{tmp}"], "policies"),
+                                        (["run", "--qps", "0", "--out", "{tmp}"], "qps"),
+                                        (["run", "--time-limit", "0", "--out", "{tmp}"], "time_limit"),
+                                        (["plot", "{tmp}"], "results"),
+                                        (["random-model", "{tmp}", "--num-heads", "3"], "num_heads")])
 def test_bad_input_names_the_parameter(args, name, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *args, "--out", str(tmp_path)] if args[0] != "random-model" else ["bench", *args])
+        main(["bench", *(a.format(tmp=tmp_path) for a in args)])
     assert exit_info.value.code == 2 and name in capsys.readouterr().err

@@ -1,4 +1,7 @@
 """Block manager: allocation, ref counts, prefix cache (chained hashes, LRU eviction), invariants."""
+import hashlib
+
+import numpy as np
 import pytest
 
 from minisarathi.engine.block_manager import BlockManager
@@ -86,6 +89,18 @@ def test_chained_hash_depends_on_the_whole_prefix():
     compute_all(bm, a)
     b = make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")  # same second block, different first block
     assert admit(bm, b) == []
+
+
+def test_block_keys_are_chained_sha256():
+    """Keys a client cannot make collide (vLLM's CVE-2025-25183 came from Python's hash())."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    first = hashlib.sha256(np.array([1, 2, 3, 4], np.int32).tobytes()).digest()
+    second = hashlib.sha256(first + np.array([5, 6, 7, 8], np.int32).tobytes()).digest()
+    assert a.block_hashes == [first, second]
+    assert bm.cached_blocks == {first: a.block_table[0], second: a.block_table[1]}
 
 
 def test_freed_cached_blocks_stay_reusable_until_evicted_lru():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from minisarathi.config import ModelConfig, RopeScaling
+from minisarathi.config import EngineConfig, ModelConfig, RopeScaling
 from minisarathi.paths import default_model_dir
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
@@ -20,7 +20,7 @@ def test_bundled_model_config():
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 5, 8, 4, 8)
     assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (512, 172, 512)
     assert c.tie_word_embeddings and c.rope_scaling is None and c.rope_theta == 10000.0
-    assert (c.bos_token_id, c.eos_token_ids, c.dtype) == (1, (2,), "float32")
+    assert c.dtype == "float32"
 
 
 def test_defaults_and_biases():
@@ -64,13 +64,6 @@ def test_inv_freq_variants():
     assert np.all(llama3[medium] < default[medium]) and np.all(llama3[medium] > default[medium] / 8)
 
 
-def test_generation_config_overrides_ids_and_eos_list():
-    c = ModelConfig.from_dict({**BASE, "bos_token_id": 1, "eos_token_id": 2},
-                              {"bos_token_id": 5, "eos_token_id": [7, 9]})
-    assert c.bos_token_id == 5 and c.eos_token_ids == (7, 9)
-    assert config(eos_token_id=[3, 4]).eos_token_ids == (3, 4) and config().eos_token_ids == ()
-
-
 def test_mistral_window_covering_everything_is_fine():
     assert config(architectures=["MistralForCausalLM"], sliding_window=None).architecture == "MistralForCausalLM"
     assert config(architectures=["MistralForCausalLM"], sliding_window=256).architecture == "MistralForCausalLM"
@@ -107,3 +100,11 @@ def test_missing_config_json(tmp_path):
 
 def test_rope_scaling_is_a_value():
     assert config(rope_scaling=LLAMA3).rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+
+
+def test_engine_config_checks_its_fields():
+    assert EngineConfig().kv_cache_bytes is None and EngineConfig(kv_cache_bytes=1 << 20).kv_cache_bytes == 1 << 20
+    for bad in ({"kv_cache_bytes": 0}, {"kv_cache_bytes": True}, {"num_kv_blocks": -1}, {"chunk_size": 0},
+                {"device": "tpu"}, {"scheduler": "fifo"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)

@@ -219,12 +219,30 @@ def test_engine_options_are_checked():
         LLMEngine(block_size=16, kv_cache_bytes=block_bytes - 1)
 
 
+def test_default_kv_pool_follows_the_device(monkeypatch):
+    block_bytes = 2 * 5 * 4 * 16 * 8 * 4
+    assert LLMEngine(block_size=16).block_manager.num_blocks == (256 << 20) // block_bytes   # the CPU default
+    # A backend that reports its free device memory (the CUDA one) gets 90% of it; an explicit budget wins.
+    from minisarathi.backends import numpy_ops
+    monkeypatch.setattr(numpy_ops, "free_memory_bytes", lambda: 100 * block_bytes, raising=False)
+    assert LLMEngine(block_size=16).block_manager.num_blocks == 90
+    assert LLMEngine(block_size=16, kv_cache_bytes=7 * block_bytes).block_manager.num_blocks == 7
+    assert LLMEngine(block_size=16, num_kv_blocks=3).block_manager.num_blocks == 3
+    monkeypatch.setattr(numpy_ops, "free_memory_bytes", lambda: None)   # no device memory to report
+    assert LLMEngine(block_size=16).block_manager.num_blocks == (256 << 20) // block_bytes
+
+
 def generate(engine, prompt, params, rid="x"):
     engine.add_request(rid, prompt, params)
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
     return outs[-1]
+
+
+def continuation(tokenizer, prompt_ids, output_ids):
+    """The completion text rule (minisarathi/tokenizer.py): output_ids decoded as a continuation of the prompt."""
+    return tokenizer.decode(prompt_ids + output_ids)[len(tokenizer.decode(prompt_ids)):]
 
 
 def test_generation_stops_at_max_model_len():
@@ -244,8 +262,11 @@ def test_stop_token_ids_stop_strings_and_min_tokens(reference, requests):
     out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]), "a")
     assert out.outputs[0].token_ids == tokens[:first + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
-
     full = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24), "b").outputs[0].text
+    # the stop token's id is reported, its text is not (vLLM's rule)
+    assert out.outputs[0].text == continuation(engine.tokenizer, prompt, tokens[:first])
+    assert full.startswith(out.outputs[0].text) and len(full) > len(out.outputs[0].text)
+
     stop = full[10:14]
     out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), "c")
     assert out.outputs[0].text == full[:full.index(stop)]
@@ -273,9 +294,11 @@ def test_eos_ends_a_request_unless_ignored():
     first = generate(engine, [1], SamplingParams(temperature=0, max_tokens=1), "probe").outputs[0].token_ids[0]
     engine.tokenizer.eos_token_ids = (first,)
     engine.sampler.eos_token_ids = (first,)
-    out = generate(engine, [1], SamplingParams(temperature=0, max_tokens=5), "eos")
-    assert out.outputs[0].token_ids == [first]
-    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    for skip_special_tokens in (True, False):
+        out = generate(engine, [1], SamplingParams(temperature=0, max_tokens=5,
+                                                   skip_special_tokens=skip_special_tokens), "eos")
+        assert out.outputs[0].token_ids == [first] and out.outputs[0].text == ""   # EOS has no text
+        assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
     out = generate(engine, [1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "ignore")
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from minisarathi.sampler import Sampler, make_generator
+from minisarathi.sampler import Sampler, draw_uniforms, is_penalized, make_generator, stop_tokens_to_mask
 from minisarathi.sampling_params import SamplingParams as SP
 
 V = 16
@@ -97,6 +97,20 @@ def test_one_uniform_per_seeded_step():
     expected = make_generator(11)
     expected.random()
     assert gen.random() == expected.random()
+
+
+def test_draw_order_and_masks_shared_with_the_gpu_sampler():
+    """The rule GpuSampler imports: unseeded rows take the shared generator's draws in row order (one call),
+    seeded rows one draw each from their own; stop and EOS ids masked until min_tokens."""
+    shared, own = make_generator(1), make_generator(2)
+    u = draw_uniforms(shared, [None, own, None])
+    unseeded, seeded = make_generator(1).random(2), make_generator(2).random()
+    assert u.tolist() == [unseeded[0], seeded, unseeded[1]]
+    params = [SP(min_tokens=2, stop_token_ids=[7, 99]), SP(min_tokens=2, ignore_eos=True, stop_token_ids=[3]),
+              SP(min_tokens=1)]
+    assert stop_tokens_to_mask(params, [[5], [], [5]], (2,), V) == {0: [7, 2], 1: [3]}
+    assert [is_penalized(p) for p in (SP(), SP(repetition_penalty=1.1), SP(frequency_penalty=0.5),
+                                      SP(presence_penalty=-1))] == [False, True, True, True]
 
 
 def test_unseeded_rows_follow_the_engine_seed():

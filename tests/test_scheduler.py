@@ -44,7 +44,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
     for step in range(10_000):
         while pending and pending[0][0] <= step:
             scheduler.add(pending.pop(0)[1])
-        if not scheduler.has_work():
+        if not (scheduler.waiting or scheduler.running):
             if not pending:
                 break
             continue
@@ -74,7 +74,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
         scheduler.remove_finished(finished)
         blocks.check_invariants(scheduler.running)
         assert all(not s.block_table for s in scheduler.waiting)
-    assert not scheduler.has_work() and not pending, "did not finish"
+    assert not scheduler.waiting and not scheduler.running and not pending, "did not finish"
     assert all(seq.is_finished for _, seq in arrivals)
     blocks.check_invariants([])
     assert blocks.num_free_blocks == num_blocks

@@ -191,6 +191,24 @@ def test_config_variants(tmp_path):
     assert tok.encode("Once") == [1, 403, 2] and tok.eos_token_ids == (2,)
 
 
+def test_eos_ids_are_the_tokenizers_and_the_generation_configs(tmp_path):
+    """vLLM stops at the tokenizer's eos_token and at every generation-config EOS id (e.g. Llama 3 Instruct's
+    <|eot_id|>); the generation config is generation_config.json, else config.json."""
+    shutil.copy(MODEL / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (2, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (2, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (2, 7, 9)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (2, 7, 9)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == ()
+
+
 def test_bad_input(tok, tmp_path):
     with pytest.raises(ValueError, match="path"):
         Tokenizer.from_pretrained(tmp_path)

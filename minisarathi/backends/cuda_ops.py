@@ -186,6 +186,15 @@ class CudaOps:
     def zeros(self, shape: tuple[int, ...]):
         return self.xp.zeros(shape, dtype=self.activation_dtype)
 
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free now (the engine sizes the KV cache from it once the weights are placed);
+        None on the emulator, whose arrays are host memory."""
+        if self.xp is np:
+            return None
+        self.xp.get_default_memory_pool().free_all_blocks()   # blocks CuPy keeps cached count as used
+        free, _total = self.xp.cuda.runtime.memGetInfo()
+        return int(free)
+
     def to_numpy(self, x) -> np.ndarray:
         """float32 NumPy copy of a device array."""
         host = self.launcher.to_host(x)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minisarathi.backends.cuda_ops import CudaOps, convert, dtype_name
-from minisarathi.sampler import SamplerOutput, make_generator
+from minisarathi.sampler import SamplerOutput, draw_uniforms, is_penalized, make_generator, stop_tokens_to_mask
 from minisarathi.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class GpuSampler:
         if not len(generators) == len(prompt_ids) == len(output_ids) == n:
             raise ValueError("generators, prompt_ids and output_ids must have one entry per row of logits")
         logits = self.xp.ascontiguousarray(convert(logits, dtype_name(logits), "float32"))   # float32[N, V]
-        edited = any(len(o) < p.min_tokens for p, o in zip(params, output_ids)) or any(map(_penalized, params))
+        edited = any(len(o) < p.min_tokens for p, o in zip(params, output_ids)) or any(map(is_penalized, params))
         x = logits.copy() if edited else logits   # the raw logits stay for the logprobs
         self._mask_stop_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_ids, output_ids)
@@ -55,18 +55,17 @@ class GpuSampler:
         return self._with_logprobs(logits, params, token_ids.astype(np.int64))
 
     def _mask_stop_tokens(self, x, params, output_ids) -> None:
-        flat = [i * self.vocab_size + t for i, p in enumerate(params) if len(output_ids[i]) < p.min_tokens
-                for t in [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
-                if t < self.vocab_size]                                  # larger ids can never be sampled
+        masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)
+        flat = [i * self.vocab_size + t for i, ids in masked.items() for t in ids]
         if flat:
             x.reshape(-1)[self.ops.launcher.to_device(np.array(flat, np.int64))] = -np.inf
 
     def _apply_penalties(self, x, params, prompt_ids, output_ids) -> None:
-        if not any(map(_penalized, params)):
+        if not any(map(is_penalized, params)):
             return
         tokens, counts = [], []   # per row: distinct prompt and output ids, and their counts in the output
         for p, prompt, output in zip(params, prompt_ids, output_ids):
-            if not _penalized(p):
+            if not is_penalized(p):
                 prompt = output = []
             seen, where = np.unique(np.array([*prompt, *output], np.int64), return_inverse=True)
             tokens.append(seen)
@@ -75,16 +74,9 @@ class GpuSampler:
                                  [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
 
     def _uniforms(self, rows: np.ndarray, generators, n: int) -> np.ndarray:
-        """float64[n]: the draws of the non-greedy rows, made exactly as Sampler makes them (the sampler's
-        generator for the unseeded rows first, then each seeded row's own); 0 for greedy rows."""
-        draws = np.empty(len(rows))
-        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-        draws[unseeded] = self._rng.random(len(unseeded))
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
-                draws[j] = generators[i].random()
+        """float64[n]: the draws of the non-greedy rows, made as Sampler makes them; 0 for greedy rows."""
         uniform = np.zeros(n)
-        uniform[rows] = draws
+        uniform[rows] = draw_uniforms(self._rng, [generators[i] for i in rows])
         return uniform
 
     def _with_logprobs(self, logits, params, token_ids: np.ndarray) -> SamplerOutput:
@@ -113,7 +105,3 @@ class GpuSampler:
             logprobs[i] = [(t, v - float(lse[j])) for t, v in chosen]
             ranks[i] = int(row_ranks[j])
         return SamplerOutput(token_ids, logprobs, ranks)
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0

@@ -18,7 +18,7 @@ from ..cli import add_engine_arguments, engine_options_from_args
 from ..config import SCHEDULERS
 from .capacity import Slo, find_capacity, judge
 from .compare import capacity_table, policy_variants, tbt_ratio
-from .metrics import compute_metrics, format_table, save_run
+from .metrics import compute_metrics, format_table, load_run, save_run
 from .targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
 from .workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
@@ -28,7 +28,7 @@ MIN_TRIAL_REQUESTS = 4
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{run,capacity,compare,random-model}")
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{run,capacity,compare,plot,random-model}")
     run = sub.add_parser("run", help="replay one workload against one target and report its metrics")
     capacity = sub.add_parser("capacity", help="highest Poisson QPS within the TBT and scheduling-delay SLOs")
     compare = sub.add_parser("compare", help="the same workload under several policies, side by side")
@@ -50,6 +50,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                          help="comma-separated chunk sizes for sarathi and simple_chunking (default: --chunk-size)")
     compare.add_argument("--capacity", action="store_true", help="also search each policy's capacity")
     compare.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
+    plot = sub.add_parser("plot", help="redraw the plots of a `bench compare` results folder")
+    plot.add_argument("results", type=Path, help="the folder holding compare.json")
+    plot.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
     random_model = sub.add_parser("random-model", help="write a seeded random-weight Llama folder of a chosen shape")
     random_model.add_argument("path", type=Path)
     random_model.add_argument("--hidden-size", type=int, default=512)
@@ -108,6 +111,8 @@ def _add_slo_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "random-model":
         return _run_random_model(args)
+    if args.bench_command == "plot":
+        return _run_plot(args)
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds, got {args.time_limit}")
     out_dir = args.out or Path("bench/out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.bench_command}"
@@ -274,20 +279,38 @@ class _Session:
         if capacities:
             print()
             print(capacity_table(capacities, baseline if baseline in capacities else None))
-        self.write_json("compare.json", {"info": self.info, "metrics": metrics, "p99_tbt_ratio_to_vllm": ratios,
+        self.write_json("compare.json", {"info": self.info, "qps": self.args.qps, "metrics": metrics,
+                                         "p99_tbt_ratio_to_vllm": ratios,
                                          "capacity_qps": capacities,
                                          "trails": {k: [dataclasses.asdict(t) for t in v] for k, v in trails.items()}})
-        from .plots import plot_comparison
-
-        for path in plot_comparison(runs, capacities, self.out_dir, f"({self.args.qps:g} qps)"):
-            print(f"plot: {path}")
-            if self.args.plots:
-                self.args.plots.mkdir(parents=True, exist_ok=True)
-                shutil.copy(path, self.args.plots / path.name)
+        _plot(runs, capacities, self.out_dir, self.args.qps, self.args.plots)
 
     def write_json(self, name: str, data: dict) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / name).write_text(json.dumps(data, indent=1))
+
+
+def _plot(runs, capacities, out_dir: Path, qps: float, copy_to: Path | None) -> None:
+    from .plots import plot_comparison
+
+    for path in plot_comparison(runs, capacities, out_dir, f"({qps:g} qps)"):
+        print(f"plot: {path}")
+        if copy_to:
+            copy_to.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, copy_to / path.name)
+
+
+def _run_plot(args) -> int:
+    summary = args.results / "compare.json"
+    if not summary.is_file():
+        raise ValueError(f"results must be a `bench compare` folder with compare.json, got {args.results}")
+    data = json.loads(summary.read_text())
+    runs = {}
+    for label in data["metrics"]:
+        _, requests, batches = load_run(args.results / f"{label}.json")
+        runs[label] = (requests, batches)
+    _plot(runs, data["capacity_qps"], args.results, data["qps"], args.plots)
+    return 0
 
 
 def _ms(seconds) -> str:

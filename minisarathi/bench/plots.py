@@ -63,10 +63,11 @@ def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]
     save(fig, "batch_tokens.png")
 
     if capacities:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.bar(list(capacities), list(capacities.values()), color="tab:green")
-        ax.set_ylabel("capacity (queries/s)")
-        ax.set_title(f"Capacity under the SLO {title}".strip())
-        ax.tick_params(axis="x", labelsize=8)
+        fig, ax = plt.subplots(figsize=(6, 0.4 * len(capacities) + 1))
+        labels = list(capacities)[::-1]   # first policy on top
+        ax.barh(labels, [capacities[k] for k in labels], color="tab:green")
+        ax.set_xlabel("capacity (queries/s)")
+        ax.set_title("Capacity under the SLO")
+        ax.tick_params(axis="y", labelsize=8)
         save(fig, "capacity.png")
     return paths

@@ -5,7 +5,8 @@ scheduled (`grow`). Policies that must never preempt (orca, faster_transformer) 
 sequence's whole final length at admission.
 
 Prefix caching: a full, computed block is named by a chained hash of (parent block's hash, its tokens),
-so a hash stands for the whole prefix up to the block's end. When a sequence is admitted it takes the
+so a hash stands for the whole prefix up to the block's end. The hash is SHA-256: with Python's hash() a
+client could craft a prompt whose blocks collide with another's and be served its KV (vLLM's CVE-2025-25183). When a sequence is admitted it takes the
 cached blocks of its longest cached prefix (ref count + 1) and skips computing them, but always leaves
 at least its last token to compute, so there are logits to sample. A cached block whose ref count drops
 to 0 stays findable in an LRU list and is evicted only when the free list runs dry. Queries and hits
@@ -16,6 +17,7 @@ the batch builder takes a step's block tables with one NumPy gather instead of c
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -35,8 +37,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))   # ref 0 and not in the prefix cache
         self.evictable: OrderedDict[int, None] = OrderedDict()     # ref 0 but cached, least recently used first
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached_blocks: dict[int, int] = {}                     # hash -> block
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}                   # hash -> block
         self.prefix_queries = 0   # tokens looked up at admission
         self.prefix_hits = 0      # of them, tokens served from the cache
         self.tables = np.zeros((16, 16), np.int32)   # int32[rows, width]: row seq.block_row = seq.block_table
@@ -162,14 +164,14 @@ class BlockManager:
             wider[:, :width] = self.tables
             self.tables = wider
 
-    def _hash(self, seq: Sequence, i: int) -> int:
-        """Chained hash of seq's full block i, computed once per block (tokens never change)."""
+    def _hash(self, seq: Sequence, i: int) -> bytes:
+        """Chained hash of seq's full block i, computed once per block (tokens never change):
+        SHA-256 of the parent block's hash (none for the first block) and the block's int32 token ids."""
         hashes, size = seq.block_hashes, self.block_size
         while len(hashes) <= i:
             n = len(hashes)
-            parent = hashes[-1] if hashes else 0
-            # tuples of ints hash deterministically (no per-process salt, unlike str)
-            hashes.append(hash((parent, tuple(seq.token_slice(n * size, (n + 1) * size)))))
+            tokens = np.array(seq.token_slice(n * size, (n + 1) * size), np.int32)
+            hashes.append(hashlib.sha256((hashes[-1] if hashes else b"") + tokens.tobytes()).digest())
         return hashes[i]
 
     # checks ---------------------------------------------------------------------------------------------

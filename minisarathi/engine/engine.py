@@ -66,6 +66,19 @@ class StepLog:
 
 STEP_RECORDS_KEPT = 50_000   # the log holds 50,000 to 100,000 records: ~20 MB at most
 
+CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
+GPU_KV_CACHE_FRACTION = 0.9      # of the device memory free after the weights: the rest is for activations
+
+
+def kv_cache_budget(config: EngineConfig, ops) -> int:
+    """config.kv_cache_bytes, else a share of the device memory the backend reports free (the CUDA backend's
+    ops.free_memory_bytes(); it is called after the weights are placed), else CPU_KV_CACHE_BYTES."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    free_memory_bytes = getattr(ops, "free_memory_bytes", None)
+    free = None if free_memory_bytes is None else free_memory_bytes()
+    return CPU_KV_CACHE_BYTES if free is None else int(GPU_KV_CACHE_FRACTION * free)
+
 
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options):
@@ -83,11 +96,12 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({max_positions})")
         self.max_model_len = config.max_model_len or max_positions
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.model.kv_cache_bytes_per_block(
-            config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds no KV block of "
-                             f"{config.block_size} tokens")
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = kv_cache_budget(config, self.model.ops)
+            num_blocks = budget // self.model.kv_cache_bytes_per_block(config.block_size)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_bytes ({budget}) holds no KV block of {config.block_size} tokens")
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len)
@@ -247,15 +261,16 @@ class LLMEngine:
         metrics.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprobs(sampled.logprobs[row], sampled.ranks[row], seq.params.detokenize))
-        # the detokenizer ignores stop strings until min_tokens are out; the sampler masks EOS and stop ids
-        stop_string = None if seq.detokenizer is None else seq.detokenizer.add(token)[1]
+        # A stop token (EOS or a stop id; the sampler masks them until min_tokens are out) ends the request
+        # before the detokenizer sees it: as in vLLM, its id is in token_ids but its text is not in text.
+        # The detokenizer ignores stop strings until min_tokens are out.
         params = seq.params
-        if stop_string is not None:
-            self._finish(seq, "stop", stop_string, now)
-        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             self._finish(seq, "stop", None, now)
         elif token in params.stop_token_ids:
             self._finish(seq, "stop", token, now)
+        elif seq.detokenizer is not None and (stop_string := seq.detokenizer.add(token)[1]) is not None:
+            self._finish(seq, "stop", stop_string, now)
         elif seq.num_tokens > seq.max_kv_tokens:   # max_tokens, or max_model_len, reached
             self._finish(seq, "length", None, now)
         else:

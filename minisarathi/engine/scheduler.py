@@ -65,9 +65,6 @@ class Scheduler:
             for seq in finished:
                 self.blocks.free(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         self._decoding, self._prefilling = [], []
         for seq in self.running:

@@ -37,7 +37,7 @@ class Sequence:
     num_prefill_tokens: int = 0       # length when last admitted: tokens below it are prefill, above decode
     block_table: list[int] = field(default_factory=list)
     block_row: int = -1               # its row of BlockManager.tables while admitted
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, grown on demand
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, grown on demand
     num_registered_blocks: int = 0    # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0        # prompt tokens the prefix cache served at first admission
 

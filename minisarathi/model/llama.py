@@ -14,12 +14,10 @@ from types import ModuleType
 from typing import Any
 
 from minisarathi.backends import numpy_ops
-from minisarathi.config import ModelConfig
+from minisarathi.config import DEVICES, ModelConfig
 from minisarathi.engine.batch import Batch
 from minisarathi.model.loader import load_weights
 from minisarathi.sampler import Sampler
-
-DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 
 
 @dataclass
