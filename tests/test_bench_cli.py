@@ -1,4 +1,5 @@
 """`minisarathi bench ...` end to end on the bundled model (in process, seconds)."""
+import importlib.util
 import json
 
 import pytest
@@ -32,9 +33,7 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
     assert "P99 TBT sarathi-16 / vllm" in out and "capacity (qps)" in out
     for label in ("sarathi-16", "sarathi-64", "vllm"):
         assert (tmp_path / f"{label}.json").exists() and (tmp_path / f"{label}_qps40.000.json").exists()
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         assert "plots skipped" in capsys.readouterr().err
     else:
         for name in ("tbt_cdf.png", "ttft_cdf.png", "batch_tokens.png", "capacity.png"):
