@@ -25,7 +25,7 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
     args = ["bench", "compare", *SMALL, "--policies", "sarathi,vllm", "--chunk-sizes", "16,64", "--capacity",
             "--slo-tbt", "1.0", "--max-trials", "1", "--out", str(tmp_path), "--plots", str(tmp_path / "docs")]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     data = json.loads((tmp_path / "compare.json").read_text())
     assert list(data["metrics"]) == ["sarathi-16", "sarathi-64", "vllm"]
     assert set(data["capacity_qps"]) == {"sarathi-16", "sarathi-64", "vllm"}
@@ -34,7 +34,7 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
     for label in ("sarathi-16", "sarathi-64", "vllm"):
         assert (tmp_path / f"{label}.json").exists() and (tmp_path / f"{label}_qps40.000.json").exists()
     if importlib.util.find_spec("matplotlib") is None:
-        assert "plots skipped" in capsys.readouterr().err
+        assert "plots skipped" in err
     else:
         for name in ("tbt_cdf.png", "ttft_cdf.png", "batch_tokens.png", "capacity.png"):
             assert (tmp_path / name).stat().st_size > 1000
