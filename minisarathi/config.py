@@ -14,7 +14,8 @@ DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 @dataclass
 class EngineConfig:
     scheduler: str = "sarathi"
-    chunk_size: int = 512            # Sarathi's per-iteration token budget (all policies' token limit)
+    chunk_size: int = 512            # per-iteration token budget of sarathi and simple_chunking; whole-prompt
+                                     # policies use max(chunk_size, max_model_len)
     block_size: int = 16             # tokens per KV-cache block (the KV page); unrelated to chunk_size
     num_kv_blocks: int | None = None # None: derived from kv_cache_bytes
     # Memory budget for the KV cache when num_kv_blocks is None. None: derived from the device (a share of

@@ -96,9 +96,8 @@ class Sampler:
             raise ValueError("generators, prompt_ids and output_ids must have one entry per row of logits")
         # Fast path, the common case of a benchmark or a greedy batch: nothing to mask, penalize or report,
         # so the steps below reduce to one argmax over the batch; one pass over the rows decides it.
-        if not [p for p, out in zip(params, output_ids)
-                if p.temperature or p.logprobs is not None or len(out) < p.min_tokens or p.repetition_penalty != 1
-                or p.frequency_penalty or p.presence_penalty]:
+        if not any(p.temperature or p.logprobs is not None or len(out) < p.min_tokens or is_penalized(p)
+                   for p, out in zip(params, output_ids)):
             return SamplerOutput(logits.argmax(axis=1), [None] * n, [None] * n)
         x = self._mask_stop_tokens(logits, params, output_ids)
         x = self._apply_penalties(x, params, prompt_ids, output_ids)

@@ -221,6 +221,16 @@ def test_stream_closed_early_by_the_client_aborts(server):
     wait_until_idle(server)
 
 
+def test_stream_closed_before_reading_aborts_at_once(server):
+    with Client("127.0.0.1", server.port) as client:
+        client.generate_stream("Tom had a red", max_tokens=400, ignore_eos=True).close()
+        with client.generate_stream("Tom had a red", max_tokens=400, ignore_eos=True):
+            pass
+        assert client.stats()["pending_requests"] == 0   # aborted, not left generating 400 tokens
+        assert client.generate("Zoo", max_tokens=3, temperature=0).completion_tokens == 3
+    wait_until_idle(server)
+
+
 @pytest.mark.parametrize("garbage", [
     b"\xc1",                                   # a byte msgpack never uses
     b"\xdd\xff\xff\xff\xff",                   # array32 header claiming 4 billion elements

@@ -13,6 +13,7 @@ activation_dtype = np.dtype(np.float32)  # of activations and the KV cache
 # Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
 # (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
 QUERY_TILE = 128
+_CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
 
 
 def weight(array: np.ndarray) -> np.ndarray:
@@ -108,13 +109,12 @@ def _prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     # One sequence's blocks laid out as [Hk, n, D]: each head's keys one matrix for the matmuls.
     k = np.take(k_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
     v = np.take(v_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
-    causal = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)
     out = np.empty_like(q)  # float32[q, Hk, G, D]
     for start in range(0, q_len, QUERY_TILE):
         end = min(start + QUERY_TILE, q_len)
         visible = history + end
         scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].transpose(0, 1, 3, 2)  # [Hk, G, t, visible]
-        scores[..., history + start:] += causal[:end - start, :end - start]
+        scores[..., history + start:] += _CAUSAL_TILE[:end - start, :end - start]
         denominator = _exp_in_place(scores)
         tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
         tile /= denominator

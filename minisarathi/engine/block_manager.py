@@ -130,7 +130,7 @@ class BlockManager:
             if h not in self.cached_blocks:
                 self.cached_blocks[h] = block
                 self.block_hash[block] = h
-        seq.num_registered_blocks = max(num_full, seq.num_registered_blocks)
+        seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""

@@ -314,7 +314,7 @@ class LLMEngine:
             "kv_blocks_used": blocks.num_used_blocks,
             "kv_blocks_total": blocks.num_blocks,
             "kv_usage": blocks.num_used_blocks / blocks.num_blocks,
-            "prefix_cache_queries": queries,     # prompt tokens looked up at admission
+            "prefix_cache_queries": queries,     # tokens looked up at every admission (recomputes included)
             "prefix_cache_hits": hits,           # of them, tokens served from the cache
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -3,7 +3,8 @@
 Every policy returns, per step, how many tokens of which sequences to compute. A sequence's chunk is
 always its next uncomputed tokens; the engine samples when a chunk reaches the sequence's end.
 `running` is kept in arrival order, so "newest" is its last element: that is the one preempted
-(recompute: all its blocks freed, back to the front of the waiting queue) when a decode finds no block.
+(recompute: all its blocks freed, back to the front of the waiting queue) when a decode or a chunk finds
+no block.
 """
 from __future__ import annotations
 

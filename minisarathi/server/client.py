@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import inspect
 import socket
 from dataclasses import dataclass, field
 
@@ -151,7 +152,10 @@ class Stream:
         self.close()
 
     def close(self):
+        never_started = inspect.getgeneratorstate(self._iterator) == inspect.GEN_CREATED
         self._iterator.close()
+        if never_started and self._client._sock.fileno() != -1:
+            self._abort_and_drain()   # closing a generator that never ran skips its `finally`
 
     def _chunks(self):
         done = False
