@@ -1,6 +1,6 @@
 """NumPy forward-pass speed next to the time its matrix products alone take (random weights, float32).
 
-    python -m bench.forward            # hidden 2048, 16 layers, 32/8 heads, I 5632, vocab 32000 (~3.5 GB RAM)
+    python -m bench.forward            # hidden 2048, 16 layers, 32/8 heads, I 5632, vocab 32000 (~3.9 GB RAM)
     python -m bench.forward --small    # a quick run on a small shape
 
 For each case it times the whole forward (best of --repeats) and the same weight matmuls (q/k/v, o,
