@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
 from .config import DEVICES, SCHEDULERS, EngineConfig
 
@@ -32,13 +33,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:
-    options = dict(model=args.model, device=args.device, scheduler=args.scheduler, chunk_size=args.chunk_size,
-                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                   max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                   seed=args.seed)
+    """LLMEngine's keyword arguments: every EngineConfig field that has a flag of the same name."""
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb << 20
-    return options
+    return dict(model=args.model, **options)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
