@@ -2,7 +2,7 @@
 # The scheduling study of docs/benchmarks.md: a random-weight Llama on the CPU backend, the bundled ShareGPT
 # trace scaled to the model, the four policies side by side at one QPS, then each policy's capacity under
 # a P99 TBT SLO of 5x the measured batch-32 decode step. Results in bench/out/study, plots in docs/plots.
-# About 12 minutes on a 2-core VM. Extra arguments go to `bench compare` (e.g. --policies sarathi,vllm).
+# About 10 minutes on a 2-core VM. Extra arguments go to `bench compare` (e.g. --policies sarathi,vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One BLAS thread: on a small shared VM, OpenBLAS's worker threads spin against the other processes

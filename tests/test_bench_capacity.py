@@ -95,6 +95,5 @@ def test_slo_watch_p99_threshold_is_exact(num_gaps):
 def test_slo_watch_median_delay_threshold():
     watch = SloWatch(Slo(p99_tbt=1.0, median_scheduling_delay=2.0), num_requests=9, num_gaps=0)
     assert watch.verdict(4, 0) is None and "scheduling delay" in watch.verdict(5, 0)
-    assert np.median([3.0] * 5 + [0.0] * 4) > 2.0 and np.median([3.0] * 4 + [0.0] * 5) <= 2.0
     even = SloWatch(Slo(p99_tbt=1.0), num_requests=10, num_gaps=0)
     assert even.verdict(5, 0) is None and even.verdict(6, 0) is not None

@@ -33,6 +33,13 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
     assert "P99 TBT sarathi-16 / vllm" in out and "capacity (qps)" in out
     for label in ("sarathi-16", "sarathi-64", "vllm"):
         assert (tmp_path / f"{label}.json").exists() and (tmp_path / f"{label}_qps40.000.json").exists()
+        info, _, _ = load_run(tmp_path / f"{label}.json")
+        assert info["engine"]["scheduler"] == label.split("-")[0] and info["workload"]["num_requests"] == 6
+    # compare.json describes the comparison runs, not the last capacity trial's engine or workload.
+    assert data["info"]["workload"]["num_requests"] == 6 and data["info"]["workload"]["qps"] == 40
+    assert "engine" not in data["info"]
+    assert {label: e["chunk_size"] for label, e in data["info"]["engines"].items() if label != "vllm"} == \
+        {"sarathi-16": 16, "sarathi-64": 64}
     if importlib.util.find_spec("matplotlib") is None:
         assert "plots skipped" in err
     else:
@@ -45,7 +52,9 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
 
 
 def test_capacity_with_an_slo_from_the_measured_decode_step(tmp_path, capsys):
-    args = ["bench", "capacity", *SMALL, "--max-trials", "2", "--trial-seconds", "0.05", "--out", str(tmp_path)]
+    # 256 blocks: the decode-step measure needs all 32 sequences decoding at once, with no preemption.
+    args = ["bench", "capacity", *SMALL, "--num-kv-blocks", "256", "--max-trials", "2", "--trial-seconds", "0.05",
+            "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "decode step at batch 32" in out and "capacity" in out
@@ -100,3 +109,23 @@ def test_bad_input_names_the_parameter(args, name, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *(a.format(tmp=tmp_path) for a in args)])
     assert exit_info.value.code == 2 and name in capsys.readouterr().err
+
+
+def test_remote_api_key_from_file_or_environment(tmp_path, monkeypatch):
+    import argparse
+
+    from minisarathi.bench.cli import _Session, add_bench_arguments
+    from minisarathi.server.client import DEFAULT_PORT
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["run", "--target", "openai"])
+    assert args.port == DEFAULT_PORT
+    monkeypatch.setenv("MINISARATHI_API_KEY", "from-env")
+    assert _Session(args, tmp_path).target()[0].api_key == "from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    args.api_key_file = str(tmp_path / "key")
+    assert _Session(args, tmp_path).target()[0].api_key == "from-file"
+    (tmp_path / "key").write_text(" \n")
+    with pytest.raises(ValueError, match="api-key-file"):
+        _Session(args, tmp_path).target()

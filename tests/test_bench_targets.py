@@ -7,6 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from minisarathi.bench.capacity import Slo
@@ -64,10 +65,24 @@ def test_engine_target_time_limit_aborts_and_leaves_the_engine_clean(engine):
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
 
 
-def test_measure_decode_step(engine):
-    step = measure_decode_step(engine, batch_size=4, prompt_len=16, decode_tokens=6)
-    assert 0 < step < 1.0
-    assert not engine.has_unfinished_requests()
+def test_measure_decode_step_counts_only_full_decode_batches(engine):
+    # Chunk 32 against 4 prompts of 20: prefills end in different steps, so smaller decode batches come first.
+    first = len(engine.step_records)
+    step, counted = measure_decode_step(engine, batch_size=4, prompt_len=20, num_steps=5)
+    assert len(counted) == 5
+    assert all(r.num_seqs == r.num_decode_tokens == 4 and r.num_prefill_tokens == 0 for r in counted)
+    assert step == np.median([r.step_time for r in counted])
+    assert any(r.num_decode_tokens not in (0, 4) for r in engine.step_records[first:])   # excluded steps existed
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_measure_decode_step_without_a_full_decode_batch_is_an_error():
+    from minisarathi.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="batch_size.*preemption"):   # 8 blocks of 16 hold one request, not 4
+        measure_decode_step(LLMEngine(chunk_size=32, num_kv_blocks=8), batch_size=4, prompt_len=20)
+    with pytest.raises(ValueError, match="batch_size"):
+        measure_decode_step(LLMEngine(chunk_size=32, num_kv_blocks=64, max_num_seqs=2), batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +195,24 @@ def test_engine_target_stops_once_the_median_scheduling_delay_must_fail(engine):
     assert EngineTarget(engine).run(specs[:2], time_limit=30, slo=Slo(10.0, 10.0)).stopped is None
 
 
+def test_engine_target_slo_watch_scans_each_finished_request_once(engine, monkeypatch):
+    from minisarathi.bench import targets
+
+    scanned = []    # every token list the watch scanned, kept alive so that identities stay unique
+    count = targets._late_and_gaps_over
+
+    def spy(slo, arrival, scheduled, token_times, now):
+        scanned.append(token_times)
+        return count(slo, arrival, scheduled, token_times, now)
+
+    monkeypatch.setattr(targets, "_late_and_gaps_over", spy)
+    result = EngineTarget(engine).run(small_workload(n=8), time_limit=30, slo=Slo(10.0, 10.0))
+    assert result.stopped is None and len(result.batches) > 8
+    # A finished request's timeline (the record's own list) is scanned once, not again at every later step.
+    for r in result.requests:
+        assert sum(times is r.token_times for times in scanned) == 1
+
+
 def test_engine_target_stops_once_p99_tbt_must_fail(engine):
     specs = small_workload(n=6, qps=50.0)
     result = EngineTarget(engine).run(specs, time_limit=30, slo=Slo(p99_tbt=1e-6, median_scheduling_delay=10.0))
@@ -197,3 +230,17 @@ def test_bench_run_cli_against_remote_targets(kind, server, openai_server, tmp_p
     assert main(args) == 0
     assert "4/4" in capsys.readouterr().out
     assert (tmp_path / f"{kind}.json").exists()
+
+
+def test_bench_run_cli_takes_the_servers_max_model_len(server, tmp_path, capsys):
+    from minisarathi.bench.metrics import load_run
+    from minisarathi.cli import main
+
+    # ShareGPT rows run to thousands of tokens: scaled to 2048 instead of the server's 512, most would fail.
+    args = ["bench", "run", "--target", "server", "--port", str(server[1]), "--num-requests", "6",
+            "--lengths", "trace", "--qps", "50", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "6/6" in capsys.readouterr().out
+    info, requests, _ = load_run(tmp_path / "server.json")
+    assert info["workload"]["max_model_len"] == 512
+    assert all(r.completed for r in requests) and max(r.prompt_len + r.output_len for r in requests) > 256

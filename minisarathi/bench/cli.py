@@ -16,6 +16,7 @@ import numpy as np
 
 from ..cli import add_engine_arguments, engine_options_from_args
 from ..config import SCHEDULERS
+from ..server.client import DEFAULT_PORT
 from .capacity import Slo, find_capacity, judge
 from .compare import capacity_table, policy_variants, tbt_ratio
 from .metrics import compute_metrics, format_table, load_run, save_run
@@ -23,7 +24,7 @@ from .targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_st
 from .workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
 PROMPT_VOCAB = 512          # synthetic prompt ids stay below this: valid for every Llama-family vocabulary
-REMOTE_MAX_MODEL_LEN = 2048
+OPENAI_MAX_MODEL_LEN = 2048  # an OpenAI endpoint does not say its context length: --max-model-len overrides
 MIN_TRIAL_REQUESTS = 4
 
 
@@ -69,10 +70,11 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", choices=("engine", "server", "openai"), default="engine",
                    help="engine: in this process; server: a minisarathi server; openai: /v1/completions (SSE)")
     g.add_argument("--host", default="127.0.0.1", help="server target's address (default: %(default)s)")
-    g.add_argument("--port", type=int, default=7000, help="server target's port (default: %(default)s)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="server target's port (default: %(default)s)")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="openai target's base URL (default: %(default)s)")
     g.add_argument("--openai-model", default=None, help="the `model` field sent to the openai target")
-    g.add_argument("--api-key-file", type=Path, default=None, help="file holding the remote target's API key")
+    g.add_argument("--api-key-file", default=None,
+                   help="file holding the remote target's API key (or set $MINISARATHI_API_KEY)")
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,7 +143,6 @@ class _Session:
         from ..engine.engine import LLMEngine
 
         engine = LLMEngine(**(engine_options_from_args(self.args) | overrides))
-        self.info["engine"] = dataclasses.asdict(engine.config)
         target = EngineTarget(engine)
         target.warmup()
         return target, engine.max_model_len
@@ -150,14 +151,16 @@ class _Session:
         args = self.args
         if args.target == "engine":
             return self.engine()
-        api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
-        if args.target == "server":
-            target = ServerTarget(args.host, args.port, api_key)
-        else:
-            target = OpenAITarget(args.url, args.openai_model, api_key)
-        return target, args.max_model_len or REMOTE_MAX_MODEL_LEN
+        from ..server.cli import _read_api_key
 
-    def workload(self, max_model_len: int, qps: float | None = None, num_requests: int | None = None):
+        api_key = _read_api_key(args.api_key_file)
+        if args.target == "openai":
+            return OpenAITarget(args.url, args.openai_model, api_key), args.max_model_len or OPENAI_MAX_MODEL_LEN
+        target = ServerTarget(args.host, args.port, api_key)
+        return target, args.max_model_len or _server_max_model_len(args.host, args.port, api_key)
+
+    def workload(self, max_model_len: int, qps: float | None = None,
+                 num_requests: int | None = None) -> tuple[WorkloadConfig, list]:
         a = self.args
         cfg = WorkloadConfig(num_requests=num_requests or a.num_requests, lengths=a.lengths, prompt_len=a.prompt_len,
                              decode_len=a.decode_len, min_total_tokens=a.min_total_tokens,
@@ -165,37 +168,47 @@ class _Session:
                              pd_ratio=a.pd_ratio, zipf_theta=a.zipf_theta, trace=a.trace, trace_scale=a.trace_scale,
                              max_model_len=max_model_len, arrivals=a.arrivals, qps=qps or a.qps, cv=a.cv,
                              arrival_trace=a.arrival_trace, vocab_size=PROMPT_VOCAB, seed=a.workload_seed)
-        self.info["workload"] = dataclasses.asdict(cfg)
-        return make_workload(cfg)
+        return cfg, make_workload(cfg)
+
+    def run_info(self, target, workload: WorkloadConfig | None = None) -> dict:
+        """What one run (or one capacity search) measured: the session's info, its engine and its workload."""
+        info = dict(self.info)
+        if isinstance(target, EngineTarget):
+            info["engine"] = dataclasses.asdict(target.engine.config)
+        if workload is not None:
+            info["workload"] = dataclasses.asdict(workload)
+        return info
 
     # One timed run, saved; partial results are saved too when Ctrl-C stops it.
 
-    def timed_run(self, target, specs, label: str, time_limit: float, **run_options) -> tuple:
+    def timed_run(self, target, workload: tuple[WorkloadConfig, list], label: str, time_limit: float,
+                  **run_options) -> tuple:
+        cfg, specs = workload
+        info = self.run_info(target, cfg)
         try:
             result = target.run(specs, time_limit, label, **run_options)
         except KeyboardInterrupt:
             if target.partial:
-                self.save(label + "_partial", target.partial)
+                self.save(label + "_partial", target.partial, info)
             raise
         if result.stopped:
             print(f"[{label}] stopped early, {result.stopped}: unfinished requests aborted", file=sys.stderr)
-        return result, self.save(label, result)
+        return result, self.save(label, result, info)
 
-    def save(self, label: str, result) -> dict:
+    def save(self, label: str, result, info: dict) -> dict:
         metrics = compute_metrics(result.requests, result.batches) | {"stopped": result.stopped}
-        save_run(self.out_dir, label, self.info, metrics, result.requests, result.batches)
+        save_run(self.out_dir, label, info, metrics, result.requests, result.batches)
         return metrics
 
-    def trial_limit(self, specs) -> float:
-        return self.args.time_limit or 2 * max(s.arrival_time for s in specs) + 30
+    def trial_limit(self, workload) -> float:
+        return self.args.time_limit or 2 * max(s.arrival_time for s in workload[1]) + 30
 
     # Commands
 
     def run(self):
         target, max_model_len = self.target()
-        specs = self.workload(max_model_len)
         label = self.args.scheduler if self.args.target == "engine" else self.args.target
-        _, metrics = self.timed_run(target, specs, label, self.args.time_limit or 600.0)
+        _, metrics = self.timed_run(target, self.workload(max_model_len), label, self.args.time_limit or 600.0)
         print(format_table({label: metrics}))
 
     def slo(self, target, max_model_len: int) -> Slo:
@@ -204,8 +217,8 @@ class _Session:
             if not isinstance(target, EngineTarget):
                 raise ValueError("slo_tbt must be given (seconds) for a remote target")
             # Decodes over contexts as long as the workload's typical prompt.
-            context = int(np.median([len(s.prompt_token_ids) for s in self.workload(max_model_len)]))
-            step = measure_decode_step(target.engine, batch_size=32, prompt_len=context)
+            context = int(np.median([len(s.prompt_token_ids) for s in self.workload(max_model_len)[1]]))
+            step, _ = measure_decode_step(target.engine, batch_size=32, prompt_len=context)
             args.slo_tbt = args.slo_scale * step
             self.info["decode_step_s"] = step
             print(f"decode step at batch 32, context {context}: {step * 1e3:.1f} ms -> P99 TBT SLO "
@@ -222,8 +235,9 @@ class _Session:
             num_requests = self.args.num_requests
             if self.args.trial_seconds:   # the first requests of the same workload: same lengths and prompts
                 num_requests = min(num_requests, max(MIN_TRIAL_REQUESTS, math.ceil(qps * self.args.trial_seconds)))
-            specs = self.workload(max_model_len, qps, num_requests)
-            _, metrics = self.timed_run(target, specs, f"{label}_qps{qps:.3f}", self.trial_limit(specs), **options)
+            workload = self.workload(max_model_len, qps, num_requests)
+            _, metrics = self.timed_run(target, workload, f"{label}_qps{qps:.3f}", self.trial_limit(workload),
+                                        **options)
             return judge(qps, metrics, slo)
 
         print(f"[{label}] capacity search: P99 TBT <= {slo.p99_tbt * 1e3:.1f} ms, median scheduling delay <= "
@@ -237,7 +251,7 @@ class _Session:
         target, max_model_len = self.target()
         label = self.args.scheduler if self.args.target == "engine" else self.args.target
         capacity, trail = self.search(target, max_model_len, self.slo(target, max_model_len), label)
-        self.write_json("capacity.json", {"info": self.info, "capacity_qps": capacity,
+        self.write_json("capacity.json", {"info": self.run_info(target), "capacity_qps": capacity,
                                           "trail": [dataclasses.asdict(t) for t in trail]})
 
     def compare(self):
@@ -248,15 +262,16 @@ class _Session:
                 raise ValueError(f"policies: unknown scheduler {p!r} (choose from {', '.join(SCHEDULERS)})")
         chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [args.chunk_size]
         variants = policy_variants(policies, chunk_sizes)
-        slo = None
-        metrics, runs, capacities, trails = {}, {}, {}, {}
+        slo = workload = None
+        metrics, runs, capacities, trails, engines = {}, {}, {}, {}, {}
         try:
             for v in variants:
                 target, max_model_len = self.engine(scheduler=v.scheduler, chunk_size=v.chunk_size)
+                engines[v.label] = dataclasses.asdict(target.engine.config)
                 if slo is None:
                     slo = self.slo(target, max_model_len)
-                specs = self.workload(max_model_len)
-                result, metrics[v.label] = self.timed_run(target, specs, v.label, args.time_limit or 600.0)
+                workload = self.workload(max_model_len)
+                result, metrics[v.label] = self.timed_run(target, workload, v.label, args.time_limit or 600.0)
                 runs[v.label] = (result.requests, result.batches)
                 print(f"[{v.label}] P99 TBT {_ms(metrics[v.label]['tbt']['p99'])}, "
                       f"P50 TTFT {_ms(metrics[v.label]['ttft']['p50'])}", flush=True)
@@ -264,9 +279,10 @@ class _Session:
                     capacities[v.label], trails[v.label] = self.search(target, max_model_len, slo, v.label)
                 del target   # frees this engine's KV cache before the next one allocates its own
         finally:
-            self.report(metrics, runs, capacities, trails)
+            info = self.info | {"workload": dataclasses.asdict(workload[0]) if workload else None, "engines": engines}
+            self.report(metrics, runs, capacities, trails, info)
 
-    def report(self, metrics, runs, capacities, trails):
+    def report(self, metrics, runs, capacities, trails, info: dict):
         if not metrics:
             return
         print(f"\nqps {self.args.qps:g}, {self.args.num_requests} requests, workload seed {self.args.workload_seed}")
@@ -279,7 +295,7 @@ class _Session:
         if capacities:
             print()
             print(capacity_table(capacities, baseline if baseline in capacities else None))
-        self.write_json("compare.json", {"info": self.info, "qps": self.args.qps, "metrics": metrics,
+        self.write_json("compare.json", {"info": info, "qps": self.args.qps, "metrics": metrics,
                                          "p99_tbt_ratio_to_vllm": ratios,
                                          "capacity_qps": capacities,
                                          "trails": {k: [dataclasses.asdict(t) for t in v] for k, v in trails.items()}})
@@ -288,6 +304,15 @@ class _Session:
     def write_json(self, name: str, data: dict) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / name).write_text(json.dumps(data, indent=1))
+
+
+def _server_max_model_len(host: str, port: int, api_key: str | None) -> int:
+    """The longest request (prompt + output tokens) a minisarathi server accepts, from its model_info."""
+    from ..server.client import Client
+
+    with Client(host, port, api_key=api_key, timeout=30) as client:
+        info = client.model_info()
+    return min(info["max_model_len"], info["max_prompt_tokens"], info["max_tokens"])
 
 
 def _plot(runs, capacities, out_dir: Path, qps: float, copy_to: Path | None) -> None:

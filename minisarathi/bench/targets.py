@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from ..server.client import DEFAULT_PORT
 from .capacity import Slo, SloWatch
 from .metrics import BatchRecord, RequestRecord
 from .progress import Progress
@@ -65,6 +66,7 @@ class EngineTarget:
         pending = deque(sorted(specs, key=lambda s: s.arrival_time))
         in_flight: set[str] = set()
         watch = slo and SloWatch(slo, len(specs), sum(s.max_tokens - 1 for s in specs))
+        settled = [0, 0]   # finished requests' share of _over_slo's counts, added once each as they finish
         progress = Progress(label, len(specs))
         start = time.monotonic()
         stopped = None
@@ -76,7 +78,7 @@ class EngineTarget:
                     stopped = f"time limit ({time_limit:.0f} s)"
                     break
                 if watch:
-                    stopped = watch.verdict(*self._over_slo(slo, records, in_flight, pending, start, now))
+                    stopped = watch.verdict(*self._over_slo(slo, settled, in_flight, pending, start, now))
                     if stopped:
                         break
                 while pending and start + pending[0].arrival_time <= now:
@@ -97,7 +99,13 @@ class EngineTarget:
                 for out in engine.step():
                     if out.finished and out.request_id in in_flight:
                         in_flight.discard(out.request_id)
-                        _fill_from_engine(records[out.request_id], out, start)
+                        record = records[out.request_id]
+                        _fill_from_engine(record, out, start)
+                        if watch:
+                            late, gaps_over = _late_and_gaps_over(slo, record.arrival, record.first_scheduled,
+                                                                  record.token_times, record.finished)
+                            settled[0] += late
+                            settled[1] += gaps_over
                 progress.update(len(specs) - len(pending) - len(in_flight), len(in_flight))
         finally:
             progress.close()
@@ -112,25 +120,32 @@ class EngineTarget:
                 records[spec.request_id].error = f"not sent: {stopped}"
         return RunResult(list(records.values()), self._batches(first_step, start), stopped)
 
-    def _over_slo(self, slo: Slo, records, in_flight, pending, start: float, now: float) -> tuple[int, int]:
+    def _over_slo(self, slo: Slo, settled, in_flight, pending, start: float, now: float) -> tuple[int, int]:
         """(requests already scheduled later than the bound or waiting longer, TBT gaps already over the
-        SLO, the open gap of a request in flight included). Times relative to the start: `now - start`."""
-        timelines = [(r.arrival, r.first_scheduled, r.token_times) for r in records.values() if r.finished is not None]
+        SLO, the open gap of a request in flight included). Runs before every step, so it scans only the
+        requests in flight: the finished ones were counted once, into `settled`, as they finished."""
+        late = settled[0] + sum(now - start - s.arrival_time > slo.median_scheduling_delay for s in pending)
+        gaps_over = settled[1]
         for request_id in in_flight:
             m = self.engine.requests[request_id].metrics   # unfinished requests are still in the engine
             scheduled = None if m.first_scheduled_time is None else m.first_scheduled_time - start
-            timelines.append((m.arrival_time - start, scheduled, [t - start for t in m.token_times] + [now - start]))
-        bound = slo.median_scheduling_delay
-        late = sum(now - start - s.arrival_time > bound for s in pending)
-        gaps_over = 0
-        for arrival, scheduled, times in timelines:
-            late += (now - start if scheduled is None else scheduled) - arrival > bound
-            gaps_over += int(np.count_nonzero(np.diff(times) > slo.p99_tbt))
+            times = [t - start for t in m.token_times] + [now - start]
+            request_late, request_gaps = _late_and_gaps_over(slo, m.arrival_time - start, scheduled, times, now - start)
+            late += request_late
+            gaps_over += request_gaps
         return late, gaps_over
 
     def _batches(self, first_step: int, start: float) -> list[BatchRecord]:
         return [BatchRecord(r.start_time - start, r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens,
                             r.execution_time) for r in self.engine.step_records[first_step:]]
+
+
+def _late_and_gaps_over(slo: Slo, arrival: float, scheduled: float | None, token_times: list[float],
+                        now: float) -> tuple[int, int]:
+    """One request's share of the SLO counts: 1 if it was scheduled (or still waits) past the scheduling-delay
+    bound, and how many of its token gaps exceed the P99 TBT SLO."""
+    late = int((now if scheduled is None else scheduled) - arrival > slo.median_scheduling_delay)
+    return late, int(np.count_nonzero(np.diff(token_times) > slo.p99_tbt))
 
 
 def _fill_from_engine(record: RequestRecord, out, start: float) -> None:
@@ -143,25 +158,44 @@ def _fill_from_engine(record: RequestRecord, out, start: float) -> None:
         record.error = "aborted"
 
 
-def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, decode_tokens: int = 16) -> float:
-    """Median gap between tokens once `batch_size` requests all decode together (seconds): the decode
-    iteration time a TBT SLO is derived from, as users see it (scheduling and sampling included)."""
+def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num_steps: int = 16):
+    """(median time of a step in which `batch_size` sequences all decode and nothing else runs, seconds;
+    the StepRecords it is the median of). It is the decode iteration time a TBT SLO is derived from, as
+    users see it: the whole step, scheduling and sampling included. The requests decode until `num_steps`
+    such steps have run, then are aborted; prefills (chunked or not) finishing at different times and
+    requests finishing early would otherwise mix smaller batches into the measure."""
+    if engine.config.max_num_seqs < batch_size:
+        raise ValueError(f"batch_size must be at most the engine's max_num_seqs ({engine.config.max_num_seqs}), "
+                         f"got {batch_size}")
+    # Every step before all prompts are in computes at least one prompt token, so no request can finish
+    # before the window with this many tokens to produce.
+    max_tokens = min(engine.max_model_len - prompt_len, batch_size * prompt_len + num_steps)
+    if max_tokens < 1:
+        raise ValueError(f"prompt_len must be below max_model_len ({engine.max_model_len}), got {prompt_len}")
     rng = np.random.default_rng(0)
     ids = [f"decode-step-{i}" for i in range(batch_size)]
     for request_id in ids:
         engine.add_request(request_id, rng.integers(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size,
                                                     prompt_len).tolist(),
-                           SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True))
-    token_times = {}
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    first_step = len(engine.step_records)
+    steps, preempted = [], False
+    while engine.has_unfinished_requests() and len(steps) < num_steps and not preempted:
+        seen = len(engine.step_records)
+        engine.step()
+        for r in engine.step_records[seen:]:
+            preempted = r.num_preempted > 0   # the KV cache cannot hold the batch: it would never settle
+            if r.num_seqs == r.num_decode_tokens == batch_size and r.num_prefill_tokens == 0:
+                steps.append(r)
+    for request_id in ids:
+        engine.abort_request(request_id)
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                token_times[out.request_id] = out.metrics.token_times
-    all_decoding = max(times[0] for times in token_times.values())
-    gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:]) if a >= all_decoding]
-    if not gaps:
-        raise ValueError(f"decode_tokens must leave decode-only steps at batch {batch_size}, got {decode_tokens}")
-    return float(np.median(gaps))
+        engine.step()
+    if len(steps) < num_steps:
+        raise ValueError(f"batch_size: only {len(steps)} of {num_steps} steps had all {batch_size} sequences "
+                         f"decoding alone in {len(engine.step_records) - first_step} steps"
+                         f"{' (stopped at a preemption: too few KV blocks)' if preempted else ''}")
+    return float(np.median([r.step_time for r in steps])), steps
 
 
 class _RemoteTarget:
@@ -223,7 +257,7 @@ class _RemoteTarget:
 class ServerTarget(_RemoteTarget):
     """A running minisarathi server, through its AsyncClient; times are what the client observes."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 7000, api_key: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None):
         super().__init__()
         self.host, self.port, self.api_key = host, port, api_key
 
