@@ -32,14 +32,15 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for name in ("chunk_size", "block_size", "max_num_seqs"):
+        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len")   # None: derived
+        for name in ("chunk_size", "block_size", "max_num_seqs", *optional):
             value = getattr(self, name)
+            if value is None and name in optional:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -105,6 +105,6 @@ def test_rope_scaling_is_a_value():
 def test_engine_config_checks_its_fields():
     assert EngineConfig().kv_cache_bytes is None and EngineConfig(kv_cache_bytes=1 << 20).kv_cache_bytes == 1 << 20
     for bad in ({"kv_cache_bytes": 0}, {"kv_cache_bytes": True}, {"num_kv_blocks": -1}, {"chunk_size": 0},
-                {"device": "tpu"}, {"scheduler": "fifo"}):
+                {"device": "tpu"}, {"scheduler": "fifo"}, {"seed": -1}, {"max_num_seqs": None}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)
