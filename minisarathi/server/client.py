@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import inspect
 import socket
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgpack
@@ -35,8 +36,7 @@ class GenerateResult:
 
     @classmethod
     def from_wire(cls, result: dict) -> GenerateResult:
-        known = {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "stop_reason",
-                 "logprobs"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in result.items() if k in known},
                    extra={k: v for k, v in result.items() if k not in known})
 

@@ -131,7 +131,8 @@ def _holds(values: list, kind: type) -> bool:
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_INT_FIELDS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+# integral floats (32.0, as some clients send numbers) become ints in these; the dataclass says which they are
+_INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")}
 _INT_LIST_FIELDS = {"prompt_token_ids", "stop_token_ids"}
 GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream"}
 
