@@ -52,3 +52,55 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < num_warps ? scratch[lane] : negative_infinity();
     return warp_max(v);
 }
+
+// Asynchronous global -> shared copies (cp.async, sm_80+): the copy engine moves the bytes while the
+// thread goes on issuing loads or computing, so several tiles can be in flight per thread. A copy is
+// only guaranteed to have landed once the issuing thread's cp_async_wait<N>() has released its group
+// (and other threads see it after a __syncthreads()). Inline PTX for nvcc and NVRTC; the CPU emulator
+// models the same groups (its copies land exactly at the wait, and the destination reads as NaN before).
+//   cp_async_16(smem, gmem)             16 bytes, L2 only (.cg: streamed data that this CTA reads once)
+//   cp_async_16_zfill(smem, gmem, ok)   the same, or 16 zero bytes without reading gmem when !ok
+//   cp_async_ca<4|8|16>(smem, gmem)     through L1 (.ca: data other CTAs of the SM may reuse)
+//   cp_async_commit()                   closes the group of copies issued since the last commit
+//   cp_async_wait<N>()                  returns when at most the newest N committed groups are pending
+//   cp_async_wait_all()                 commit, then wait for everything
+#ifdef __CUDACC__
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem),
+                 "r"(ok ? 16 : 0));
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async_ca(void* smem, const void* gmem) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "n"(BYTES));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#else
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+    emu::cp_async(smem, gmem, 16, 16, "cp_async_16");
+}
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool ok) {
+    emu::cp_async(smem, gmem, 16, ok ? 16 : 0, "cp_async_16_zfill");
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async_ca(void* smem, const void* gmem) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async.ca copies 4, 8 or 16 bytes");
+    emu::cp_async(smem, gmem, BYTES, BYTES, "cp_async_ca");
+}
+__device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    emu::cp_async_commit();
+    emu::cp_async_wait(0);
+}
+#endif

@@ -16,6 +16,7 @@ from minisarathi.backends import cuda_ops
 from minisarathi.paths import cuda_dir
 
 ARCHITECTURES = ["sm_80", "sm_90"]
+CHECK_KERNELS = Path(__file__).parent / "kernels"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,22 @@ def test_kernel_file_compiles(nvrtc_options, file, arch):
         assert "warning" not in log.lower(), log
         for name in names:
             assert nvrtc.getLoweredName(program, name), name   # the instantiation exists
+        assert len(nvrtc.getCUBIN(program)) > 0
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("file", sorted(p.name for p in CHECK_KERNELS.glob("*.cu")))
+def test_emulator_check_kernels_compile(nvrtc_options, file, arch):
+    """The tests' own kernels (tests/kernels, explicit instantiations) take the same PTX paths as cuda/."""
+    nvrtc, options = nvrtc_options
+    program = nvrtc.createProgram((CHECK_KERNELS / file).read_text(), file, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*options, f"-arch={arch}"])
+        except nvrtc.NVRTCError as exc:
+            pytest.fail(f"{file} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}")
         assert len(nvrtc.getCUBIN(program)) > 0
     finally:
         nvrtc.destroyProgram(program)

@@ -6,7 +6,9 @@
 // switches back to the block's scheduler, which resumes the others in the chosen order (forward,
 // reverse or seeded random) and releases a barrier once every fiber it names has arrived.
 // Different blocks run on different OS threads. Numerics are IEEE float on the CPU, not bit-exact
-// with the GPU. Not emulated: inline PTX, tensor cores, cp.async/TMA, CUB, cooperative groups.
+// with the GPU. cp.async copies are deferred: they land in shared memory when the issuing thread's
+// wait releases their group, never earlier (see "asynchronous copies" below).
+// Not emulated: inline PTX, tensor cores, TMA, CUB, cooperative groups.
 #pragma once
 #ifndef MINISARATHI_EMU_H
 #define MINISARATHI_EMU_H
@@ -24,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <link.h>
 #include <dlfcn.h>
 #include <mutex>
@@ -64,6 +67,13 @@ constexpr size_t kFiberStack = 256 * 1024;       // mmap'd lazily; only touched 
 
 enum class FiberState : int { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
 
+// One cp.async in flight: `bytes` land at dst, the first src_bytes read from src, the rest zeros.
+struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, src_bytes;
+};
+
 struct Fiber {
     void* sp = nullptr;           // saved stack pointer while switched out
     uint3 thread_idx{};
@@ -71,6 +81,8 @@ struct Fiber {
     FiberState state = FiberState::Runnable;
     unsigned wait_mask = 0;       // lanes named by the __syncwarp / __shfl this fiber waits in
     const char* wait_what = "";
+    std::vector<AsyncCopy> uncommitted;                 // cp.async issued since the last commit_group
+    std::deque<std::vector<AsyncCopy>> async_groups;    // committed groups not yet waited for, oldest first
 };
 
 struct Launch {                   // shared by all OS threads of one launch
@@ -97,6 +109,8 @@ struct Block {                    // one running block, owned by one OS thread
     void* scheduler_sp = nullptr;
     Fiber* current = nullptr;
     bool aborted = false;
+    const unsigned char* shared_begin = nullptr;   // this OS thread's __shared__ variables and smem[]
+    const unsigned char* shared_end = nullptr;
     uint64_t exchange[32][kWarpSize];   // per-warp buffer that carries shuffle values between lanes
 };
 
@@ -221,6 +235,9 @@ inline std::string fiber_name(const Fiber& f) {
 inline void fiber_main(Fiber* f) {
     Block* b = tls_block;
     b->launch->entry(b->launch->entry_ctx);
+    if (!f->uncommitted.empty() || !f->async_groups.empty())
+        fiber_fail("exited with cp.async copies it never waited for (cp_async_wait); on a GPU they may land "
+                   "after the block's shared memory is reused");
     f->state = FiberState::Done;
     yield_to_scheduler();
     std::abort();
@@ -336,6 +353,8 @@ inline void worker(Launch* launch) {
         block.block_idx = {(unsigned)(id % launch->grid.x), (unsigned)(id / launch->grid.x % launch->grid.y),
                            (unsigned)(id / ((long long)launch->grid.x * launch->grid.y))};
         block.fibers = &fibers;
+        block.shared_begin = (const unsigned char*)tls.start;
+        block.shared_end = (const unsigned char*)tls.start + tls.size;
         tls_block = &block;
         for (int i = 0; i < n; ++i) {
             Fiber& f = fibers[i];
@@ -559,6 +578,47 @@ template <typename T> inline T atomicCAS(T* p, T expected, T desired) {
     return expected;
 }
 template <typename T> inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+
+// ---- asynchronous copies (cp.async) -----------------------------------------------------------------
+// PTX semantics, modelled strictly: a copy is issued into the thread's open group; cp.async.commit_group
+// closes that group; cp.async.wait_group N returns once all but the newest N committed groups are
+// complete. Only then is the data guaranteed in shared memory, and only for the issuing thread (other
+// threads see it after a barrier). The emulator therefore poisons the destination with 0xFF (NaN) at
+// issue and copies at the wait: a kernel that reads a stage before waiting for it, or waits for the wrong
+// group, reads NaN here, as it may read stale data on a GPU.
+namespace emu {
+
+inline void cp_async(void* smem_dst, const void* global_src, int bytes, int src_bytes, const char* what) {
+    Block* b = tls_block;
+    auto* dst = static_cast<unsigned char*>(smem_dst);
+    auto* src = static_cast<const unsigned char*>(global_src);
+    if (dst < b->shared_begin || dst + bytes > b->shared_end)
+        fiber_fail(std::string(what) + ": the destination is not shared memory");
+    if ((uintptr_t)dst % bytes || (src_bytes > 0 && (uintptr_t)src % bytes))
+        fiber_fail(std::string(what) + ": addresses must be aligned to the copy size (" + std::to_string(bytes) +
+                   " bytes)");
+    std::memset(dst, 0xFF, (size_t)bytes);
+    b->current->uncommitted.push_back({dst, src, bytes, src_bytes});
+}
+
+inline void cp_async_commit() {
+    Fiber* f = tls_block->current;
+    f->async_groups.push_back(std::move(f->uncommitted));   // an empty group is legal, as in PTX
+    f->uncommitted.clear();
+}
+
+inline void cp_async_wait(int newest_pending) {
+    Fiber* f = tls_block->current;
+    while ((int)f->async_groups.size() > newest_pending) {
+        for (const AsyncCopy& c : f->async_groups.front()) {
+            std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+            std::memset(c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+        }
+        f->async_groups.pop_front();
+    }
+}
+
+}  // namespace emu
 
 // ---- 16-bit floating point types, round-to-nearest-even conversions -------------------------------
 struct __half {
