@@ -104,3 +104,72 @@ __device__ __forceinline__ void cp_async_wait_all() {
     emu::cp_async_wait(0);
 }
 #endif
+
+// ---- tensor cores (sm_80 and later) ------------------------------------------------------------------
+// Warp-collective: all 32 lanes of the warp call these together. Fragment layouts are the PTX ISA's
+// ("Matrix Fragments for mma.m16n8k16", "ldmatrix"); each unsigned register holds two 16-bit elements,
+// the lower-indexed one in the low half. Under nvcc and NVRTC (__CUDACC__) they are inline PTX; under
+// the CPU emulator, minisarathi_emu_mma.h implements them with the same per-lane ownership.
+
+// c[4] += A[16x16] * B[16x8] in fp32 (mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32).
+template <typename T> __device__ __forceinline__ void mma_m16n8k16(float c[4], const unsigned a[4], const unsigned b[2]);
+
+// r[i] = fragment of the 8x8 matrix whose rows lanes 8i..8i+7 address (16-byte aligned shared memory);
+// _trans delivers the transpose. smem_row is this lane's row address (ignored beyond lane 8 * count).
+#ifdef __CUDACC__
+template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void ldmatrix_x1(unsigned r[1], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(shared_address(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned r[1], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(shared_address(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(smem_row)));
+}
+#else
+template <> __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float c[4], const unsigned a[4], const unsigned b[2]) {
+    emu::mma_m16n8k16(c, a, b, c, emu::Mma16::bf16);
+}
+template <> __device__ __forceinline__ void mma_m16n8k16<__half>(float c[4], const unsigned a[4], const unsigned b[2]) {
+    emu::mma_m16n8k16(c, a, b, c, emu::Mma16::f16);
+}
+__device__ __forceinline__ void ldmatrix_x1(unsigned r[1], const void* smem_row) { emu::ldmatrix(r, 1, false, smem_row); }
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* smem_row) { emu::ldmatrix(r, 2, false, smem_row); }
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* smem_row) { emu::ldmatrix(r, 4, false, smem_row); }
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned r[1], const void* smem_row) { emu::ldmatrix(r, 1, true, smem_row); }
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], const void* smem_row) { emu::ldmatrix(r, 2, true, smem_row); }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* smem_row) { emu::ldmatrix(r, 4, true, smem_row); }
+#endif
+
+// Two floats rounded to T and packed into one fragment register (lo in the low half).
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16;
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    return (unsigned)__half_as_ushort(__float2half_rn(lo)) | (unsigned)__half_as_ushort(__float2half_rn(hi)) << 16;
+}

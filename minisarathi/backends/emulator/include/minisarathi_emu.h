@@ -7,8 +7,9 @@
 // reverse or seeded random) and releases a barrier once every fiber it names has arrived.
 // Different blocks run on different OS threads. Numerics are IEEE float on the CPU, not bit-exact
 // with the GPU. cp.async copies are deferred: they land in shared memory when the issuing thread's
-// wait releases their group, never earlier (see "asynchronous copies" below).
-// Not emulated: inline PTX, tensor cores, TMA, CUB, cooperative groups.
+// wait releases their group, never earlier (see "asynchronous copies" below). Tensor-core mma.sync and
+// ldmatrix are warp-collective operations (minisarathi_emu_mma.h).
+// Not emulated: other inline PTX, wgmma, TMA, CUB, cooperative groups.
 #pragma once
 #ifndef MINISARATHI_EMU_H
 #define MINISARATHI_EMU_H
@@ -680,5 +681,7 @@ namespace emu {
 MINISARATHI_EMU_TYPE_NAME(__half)
 MINISARATHI_EMU_TYPE_NAME(__nv_bfloat16)
 }
+
+#include "minisarathi_emu_mma.h"   // mma.sync and ldmatrix as warp-collective operations
 
 #endif  // MINISARATHI_EMU_H
