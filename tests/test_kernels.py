@@ -19,7 +19,7 @@ from minisarathi.paths import cuda_dir
 
 CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
 CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum",
-                 "round_trip_16bit"]
+                 "round_trip_16bit", "flush_to_zero"]
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the values' scale
 
@@ -319,3 +319,15 @@ def test_16bit_conversions_round_to_nearest_even():
     np.testing.assert_array_equal(bf16, bf16_to_float32(float32_to_bf16(x)))
     ties = bf16[[specials.index(1.0 + 2.0 ** -8), specials.index(1.0 + 3 * 2.0 ** -8)]]
     np.testing.assert_array_equal(ties, [1.0, 1.0 + 2.0 ** -6])   # halfway cases go to the even neighbour
+
+
+def test_float32_denormals_flush_to_zero_as_under_ftz():
+    denormal = np.float32(1e-39)
+    assert 0 < denormal < np.finfo(np.float32).tiny
+    x = np.array([1e-30, 1e-10, denormal, 1.0], dtype=np.float32)
+    out = np.full(4, np.nan, np.float32)
+    check_kernel("flush_to_zero")((1,), (32,), (x, out))
+    assert out[:3].tolist() == [0.0, 0.0, 0.0]
+    assert out[3] == denormal
+    # The host's own arithmetic is untouched: the flags live in the fibers only.
+    assert x[0] * x[1] > 0

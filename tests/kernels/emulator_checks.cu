@@ -47,3 +47,12 @@ extern "C" __global__ void round_trip_16bit(const float* in, float* as_half, flo
     as_half[i] = __half2float(__float2half_rn(in[i]));
     as_bf16[i] = __bfloat162float(__float2bfloat16_rn(in[i]));
 }
+
+// Float32 denormals under CuPy's -ftz=true: a product that underflows to a denormal is flushed to zero
+// (FTZ), and a denormal operand reads as zero (DAZ). Stores and loads themselves keep the bits.
+extern "C" __global__ void flush_to_zero(const float* in, float* out) {
+    out[0] = in[0] * in[1];     // 1e-30 * 1e-10: a denormal result
+    out[1] = in[2] * in[3];     // a denormal operand times 1 (read at run time: no folding)
+    out[2] = in[2] + in[2];     // denormal + denormal
+    out[3] = in[2];             // a plain copy: no arithmetic, the bits survive
+}

@@ -5,8 +5,8 @@
 // __syncthreads / __syncwarp / __shfl_*_sync are cooperative barriers: a fiber that reaches one
 // switches back to the block's scheduler, which resumes the others in the chosen order (forward,
 // reverse or seeded random) and releases a barrier once every fiber it names has arrived.
-// Different blocks run on different OS threads. Numerics are IEEE float on the CPU, not bit-exact
-// with the GPU. cp.async copies are deferred: they land in shared memory when the issuing thread's
+// Different blocks run on different OS threads. Numerics are IEEE float on the CPU with float32
+// denormals flushed to zero as under -ftz=true, not bit-exact with the GPU. cp.async copies are deferred: they land in shared memory when the issuing thread's
 // wait releases their group, never earlier (see "asynchronous copies" below). Tensor-core mma.sync and
 // ldmatrix are warp-collective operations (minisarathi_emu_mma.h).
 // Not emulated: other inline PTX, wgmma, TMA, CUB, cooperative groups.
@@ -65,6 +65,10 @@ namespace emu {
 constexpr int kWarpSize = 32;
 constexpr size_t kMaxDynamicSmem = 227 * 1024;   // H100/H200 opt-in maximum per block
 constexpr size_t kFiberStack = 256 * 1024;       // mmap'd lazily; only touched pages cost memory
+// CuPy compiles kernels with -ftz=true: float32 denormal results become zero (FTZ, MXCSR bit 15) and
+// denormal operands read as zero (DAZ, bit 6). Every fiber starts with both set, and the context switch
+// keeps them per fiber, so kernels see the GPU's float32 rules while the host code around them does not.
+constexpr uint32_t kMxcsrFlushToZero = 0x8040;
 
 enum class FiberState : int { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
 
@@ -369,7 +373,7 @@ inline void worker(Launch* launch) {
             // address = the entry stub, which calls r13(r12) = fiber_main(&f) with a 16-byte aligned stack.
             uint64_t* top = (uint64_t*)(stacks + (i + 1) * slot);
             uint64_t* sp = top - 10;
-            sp[0] = (uint64_t)mxcsr | ((uint64_t)0x037F << 32);
+            sp[0] = (uint64_t)(mxcsr | kMxcsrFlushToZero) | ((uint64_t)0x037F << 32);
             sp[1] = 0; sp[2] = 0;                         // r15 r14
             sp[3] = (uint64_t)(void*)&fiber_main;         // r13
             sp[4] = (uint64_t)(void*)&f;                  // r12
