@@ -132,6 +132,12 @@ class ModelConfig:
             dtype=dtype,
         )
 
+    def rope_cos_sin(self) -> np.ndarray:
+        """float32[max_position_embeddings, head_dim]: row p is [cos(p * inv_freq) | sin(p * inv_freq)], the
+        angles taken in float64 so that far positions stay exact to float32 (a float32 product p * inv_freq
+        is off by up to 0.004 rad at p = 100k). Built once per model; the rope_store_kv op reads it by position."""
+        return rope_cos_sin_table(self.rope_inv_freq(), self.max_position_embeddings)
+
     def rope_inv_freq(self) -> np.ndarray:
         """float32[head_dim/2]: RoPE frequencies with the scaling folded in, computed in float64."""
         inv_freq = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
@@ -151,6 +157,12 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin_table(inv_freq: np.ndarray, num_positions: int) -> np.ndarray:
+    """float32[num_positions, 2 * len(inv_freq)]: [cos | sin] of position * inv_freq, angles in float64."""
+    angles = np.arange(num_positions, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
 def _positive_int(config: dict, name: str) -> int:

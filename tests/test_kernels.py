@@ -14,6 +14,7 @@ import pytest
 
 from minisarathi.backends import cuda_ops, emulator, numpy_ops
 from minisarathi.backends.emulator import bf16_to_float32, float32_to_bf16
+from minisarathi.config import rope_cos_sin_table
 from minisarathi.engine.batch import ScheduledChunk, build_batch
 from minisarathi.paths import cuda_dir
 
@@ -54,9 +55,10 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
-def test_embedding(order, dtype):
+@pytest.mark.parametrize("hidden", [45, 64])   # odd rows take 1 element per access, 64 takes 16 bytes
+def test_embedding(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(0)
-    table = on_device(rng.standard_normal((37, 45)), dtype)
+    table = on_device(rng.standard_normal((37, hidden)), dtype)
     ids = np.array([0, 36, 5, 5, 17], dtype=np.int32)
     np.testing.assert_array_equal(ops.embedding(table, ids), table[ids])
     with pytest.raises(ValueError, match="ids"):
@@ -77,6 +79,62 @@ def test_rms_norm_and_fused_residual_add(order, dtype, hidden):
     assert new_residual is residual   # updated in place
     assert_close(residual, expected_residual, dtype)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
+    """A row that starts off a 16-byte boundary takes the one-element path, with the same results."""
+    ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(13)
+    buffer = on_device(rng.standard_normal(1 + 3 * 128), dtype)
+    x = buffer[1:].reshape(3, 128)                       # contiguous, but 2 or 4 bytes past alignment
+    assert x.ctypes.data % 16
+    w = on_device(rng.standard_normal(128), dtype)
+    assert_close(ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
+    assert_close(ops.silu_and_mul(x), numpy_ops.silu_and_mul(as_float32(x)), dtype)
+    np.testing.assert_array_equal(ops.embedding(x, np.array([2, 0], np.int32)), x[[2, 0]])
+
+
+def test_weights_and_caches_must_be_16_byte_aligned():
+    ops = cuda_ops.emulated()
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cuda_ops._aligned(np.zeros(9, np.float32)[1:], "weight")
+    assert ops.zeros((3, 5)).ctypes.data % 16 == 0
+
+
+@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("shape", [(4, 2, 16), (3, 1, 10)], ids=["D16-vector", "D10-scalar"])
+def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape):
+    ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(14)
+    Hq, Hk, D = shape
+    T, block_size, num_blocks = 6, 4, 5
+    qkv = on_device(rng.standard_normal((T, (Hq + 2 * Hk) * D)), dtype)
+    before = qkv.copy()
+    split = lambda a: (a[:, :Hq * D].reshape(T, Hq, D), a[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),   # noqa: E731
+                       a[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+    positions = np.array([0, 1, 2, 511, 4097, 70000], dtype=np.int32)
+    slots = np.array([19, 0, -1, 7, 3, 12], dtype=np.int32)             # scattered, one padding token
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)   # the model's frequencies
+    cos_sin = rope_cos_sin_table(inv_freq, 70001)
+    k_cache, v_cache = ops.zeros((num_blocks, Hk, block_size, D)), ops.zeros((num_blocks, Hk, block_size, D))
+    ops.rope_store_kv(*split(qkv), k_cache, v_cache, positions, slots, ops.constant(cos_sin))
+
+    reference = as_float32(before)
+    ref_k_cache, ref_v_cache = np.zeros(k_cache.shape, np.float32), np.zeros(v_cache.shape, np.float32)
+    numpy_ops.rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
+    assert_close(qkv[:, :Hq * D], as_float32(on_device(reference[:, :Hq * D], dtype)), dtype)
+    np.testing.assert_array_equal(qkv[:, Hq * D:], before[:, Hq * D:])   # k and v are read only
+    assert_close(k_cache, as_float32(on_device(ref_k_cache, dtype)), dtype)
+    np.testing.assert_array_equal(as_float32(v_cache), ref_v_cache)       # values are copied bit for bit
+
+    # Independent float64 truth at far positions: the table's float64 angles keep them exact to float32.
+    half = D // 2
+    angles = positions[:, None].astype(np.float64) * inv_freq.astype(np.float64)
+    x = as_float32(before)[:, :Hq * D].reshape(T, Hq, D).astype(np.float64)
+    c, s_ = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    truth = np.concatenate([x[..., :half] * c - x[..., half:] * s_, x[..., half:] * c + x[..., :half] * s_], axis=2)
+    assert_close(qkv[:, :Hq * D].reshape(T, Hq, D), truth, dtype)
+    with pytest.raises(ValueError, match="positions"):
+        ops.rope_store_kv(*split(qkv), k_cache, v_cache, np.full(T, 70001, np.int32), slots, ops.constant(cos_sin))
 
 
 @pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
@@ -182,9 +240,10 @@ def test_paged_attention_float64_reference_with_strided_query():
 
 
 @pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
-def test_silu_and_mul(order, dtype):
+@pytest.mark.parametrize("width", [74, 128])   # 37 columns: one element per access; 64: 16 bytes
+def test_silu_and_mul(order, dtype, width):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(7)
-    x = on_device(rng.standard_normal((3, 74)) * 6, dtype)
+    x = on_device(rng.standard_normal((3, width)) * 6, dtype)
     assert_close(ops.silu_and_mul(x), numpy_ops.silu_and_mul(as_float32(x)), dtype)
 
 

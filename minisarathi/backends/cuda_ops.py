@@ -35,6 +35,7 @@ TEMPLATED_KERNELS = {
     "rms_norm.cu": ["rms_norm_kernel", "add_rms_norm_kernel"],
     "rope.cu": ["rope_kernel"],
     "store_kv.cu": ["store_kv_kernel"],
+    "rope_store_kv.cu": ["rope_store_kv_kernel"],
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
 }
@@ -49,6 +50,8 @@ PA_MAX_ROWS = 16
 PA_MAX_HEAD_DIM = 256
 PA_PARTITION_SIZE = 512          # keys per flash-decoding partition
 SMEM_BUDGET = 48 * 1024          # dynamic shared memory a kernel gets without opting in
+GRID_STRIDE_BLOCKS = 1024        # grid of the grid-stride kernels: about 8 blocks per SM on an H100/H200
+VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need this alignment
 
 
 def name_expressions(file: str) -> list[str]:
@@ -173,6 +176,9 @@ class CudaOps:
         self.dtype = dtype
         self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
         self._uploads: dict[int, tuple[np.ndarray, object]] = {}
+        # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
+        # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
+        self.launches = 0
 
     # ---- placement -------------------------------------------------------------------------------
     def weight(self, tensor: CheckpointTensor | np.ndarray):
@@ -181,10 +187,16 @@ class CudaOps:
         the activation dtype; any other array is taken as float32 values."""
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
-        return convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype)
+        return _aligned(convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype), "weight")
 
     def zeros(self, shape: tuple[int, ...]):
-        return self.xp.zeros(shape, dtype=self.activation_dtype)
+        """A zeroed device array in the activation dtype (the KV cache is made of these)."""
+        return _aligned(self.xp.zeros(shape, dtype=self.activation_dtype), "KV cache / zeros")
+
+    def constant(self, array: np.ndarray):
+        """A float32 device copy of a host table that stays float32 whatever the activation dtype
+        (config.rope_cos_sin())."""
+        return _aligned(self.launcher.to_device(np.asarray(array, dtype=np.float32)), "constant")
 
     def free_memory_bytes(self) -> int | None:
         """Device memory free now (the engine sizes the KV cache from it once the weights are placed);
@@ -218,7 +230,13 @@ class CudaOps:
         return device
 
     def _kernel(self, file: str, name: str, like):
+        """The instantiation of a templated kernel for `like`'s dtype; every caller launches it once."""
+        self.launches += 1
         return self.launcher.kernel(file, f"{name}<{CXX_TYPES[dtype_name(like)]}>")
+
+    def _plain_kernel(self, file: str, name: str):
+        self.launches += 1
+        return self.launcher.kernel(file, name)
 
     def _check(self, x, name: str):
         if x.dtype != self.activation_dtype:
@@ -231,10 +249,12 @@ class CudaOps:
         V, H = table.shape
         if ids_host is not None and len(ids_host) and (ids_host.min() < 0 or ids_host.max() >= V):
             raise ValueError(f"ids must be in [0, {V}), got values {ids_host.min()}..{ids_host.max()}")
-        out = self.xp.empty((len(ids), H), dtype=table.dtype)
-        if len(ids):
+        T = len(ids)
+        out = self.xp.empty((T, H), dtype=table.dtype)
+        if T:
             self._kernel("embedding.cu", "embedding_kernel", table)(
-                (len(ids),), (_threads(H),), (table, self._metadata(ids), out, np.int32(V), np.int32(H)))
+                (_grid_stride_blocks(T * H),), (256,),
+                (table, self._metadata(ids), out, np.int32(T), np.int32(V), np.int32(H)))
         return out
 
     def rms_norm(self, x, w, eps: float):
@@ -262,6 +282,7 @@ class CudaOps:
 
     def linear(self, x, w, bias=None):
         self._check(x, "x")
+        self.launches += 1
         return self.launcher.matmul_t(x, w, bias)
 
     def rope(self, q, k, positions, inv_freq) -> None:
@@ -278,6 +299,29 @@ class CudaOps:
                 (T,), (_threads((Hq + Hk) * D // 2),),
                 (q, k, self._metadata(positions), self._metadata(inv_freq, np.float32), np.int32(Hq), np.int32(Hk),
                  np.int32(D), np.int64(_row_stride(q, "q")), np.int64(_row_stride(k, "k"))))
+
+    def rope_store_kv(self, q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin) -> None:
+        """One launch: rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
+        slot_mapping (negative: not stored); k and v are read only. cos_sin: self.constant(config.rope_cos_sin()).
+        q, k, v may be row-strided views of one QKV array."""
+        T, Hq, D = q.shape
+        Hk = k.shape[1]
+        if D % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {D}")
+        if cos_sin.dtype != np.float32 or cos_sin.ndim != 2 or cos_sin.shape[1] != D:
+            raise ValueError(f"cos_sin must be float32[positions, {D}] (ops.constant(config.rope_cos_sin())), "
+                             f"got {cos_sin.dtype}{list(cos_sin.shape)}")
+        if not T:
+            return
+        if isinstance(positions, np.ndarray):
+            positions = self._upload_once(positions, lambda: _checked_positions(positions, cos_sin.shape[0]))
+        items = (Hq + Hk) * D // 2 + Hk * D
+        vector = VECTOR_BYTES // q.dtype.itemsize if (D // 2) % (VECTOR_BYTES // q.dtype.itemsize) == 0 else 1
+        self._kernel("rope_store_kv.cu", "rope_store_kv_kernel", q)(
+            (T,), (_threads(items // vector),),
+            (q, k, v, k_cache, v_cache, positions, self._metadata(slot_mapping), cos_sin, np.int32(Hq),
+             np.int32(Hk), np.int32(D), np.int32(k_cache.shape[2]), np.int64(_row_stride(q, "q")),
+             np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         T, Hk, D = k.shape
@@ -334,7 +378,7 @@ class CudaOps:
         out = self.xp.empty((T, two_i // 2), dtype=x.dtype)
         if T:
             self._kernel("silu_and_mul.cu", "silu_and_mul_kernel", x)(
-                (T,), (_threads(two_i // 2),), (x, out, np.int32(two_i // 2)))
+                (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2)))
         return out
 
     # ---- sampling on the device ----------------------------------------------------------------------
@@ -344,7 +388,7 @@ class CudaOps:
         N, V = logits.shape
         ids = self.xp.empty((N,), dtype=np.int32)
         if N:
-            self.launcher.kernel("sampling.cu", "argmax_kernel")((N,), (_threads(V, 1024),), (logits, np.int32(V), ids))
+            self._plain_kernel("sampling.cu", "argmax_kernel")((N,), (_threads(V, 1024),), (logits, np.int32(V), ids))
         return self.launcher.to_host(ids)
 
     def apply_penalties(self, logits, tokens: list[np.ndarray], output_counts: list[np.ndarray],
@@ -358,7 +402,7 @@ class CudaOps:
         flat_counts = np.concatenate([np.asarray(c, np.int32) for c in output_counts] or [np.zeros(0, np.int32)])
         if N:
             to = self.launcher.to_device
-            self.launcher.kernel("sampling.cu", "apply_penalties_kernel")(
+            self._plain_kernel("sampling.cu", "apply_penalties_kernel")(
                 (N,), (128,), (logits, np.int32(V), to(offsets), to(flat_tokens), to(flat_counts),
                                to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
                                to(np.asarray(presence, np.float32))))
@@ -371,7 +415,7 @@ class CudaOps:
         ids = self.xp.empty((N,), dtype=np.int32)
         if N:
             to = self.launcher.to_device
-            self.launcher.kernel("sampling.cu", "sample_kernel")(
+            self._plain_kernel("sampling.cu", "sample_kernel")(
                 (N,), (_threads(V, 1024),),
                 (logits, np.int32(V), to(np.asarray(temperature, np.float32)), to(np.asarray(top_k, np.int32)),
                  to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
@@ -386,6 +430,28 @@ def convert(x, from_dtype: str, to_dtype: str):
         return x
     values = bf16_to_float32(x) if from_dtype == "bfloat16" else x.astype(np.float32)   # exact
     return float32_to_bf16(values) if to_dtype == "bfloat16" else values.astype(STORAGE_DTYPES[to_dtype])
+
+
+def _grid_stride_blocks(elements: int) -> int:
+    """Blocks of 256 threads for a grid-stride kernel over `elements` (a thread takes up to 16 bytes)."""
+    return max(1, min(GRID_STRIDE_BLOCKS, math.ceil(elements / 256)))
+
+
+def _aligned(array, what: str):
+    """The kernels' 16-byte vector loads assume their weights, caches and tables start 16-byte aligned
+    (CuPy's allocations are 256-byte aligned, NumPy's 16 or more): refuse one that is not."""
+    address = array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
+    if address % VECTOR_BYTES:
+        raise ValueError(f"{what}: device array at {address:#x} is not {VECTOR_BYTES}-byte aligned")
+    return array
+
+
+def _checked_positions(positions: np.ndarray, table_rows: int) -> np.ndarray:
+    positions = np.asarray(positions, dtype=np.int32)
+    if len(positions) and (positions.min() < 0 or positions.max() >= table_rows):
+        raise ValueError(f"positions must be in [0, {table_rows}) (the RoPE table's rows, max_position_embeddings), "
+                         f"got {positions.min()}..{positions.max()}")
+    return positions
 
 
 def _threads(work: int, most: int = 256) -> int:

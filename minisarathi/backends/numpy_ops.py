@@ -65,6 +65,27 @@ def rope(q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarr
         x1[...] = rotated_x1
 
 
+def rope_store_kv(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                  positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
+    """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
+    (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
+    pairs are (i, i + D/2) as in HF's rotate_half."""
+    half = q.shape[2] // 2
+    table = cos_sin[positions]                                   # float32[T, D]
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    q1, q2 = q[..., :half], q[..., half:]
+    rotated_q1 = q1 * cos - q2 * sin
+    q2 *= cos
+    q2 += q1 * sin
+    q1[...] = rotated_q1
+    k1, k2 = k[..., :half], k[..., half:]
+    rotated_k = np.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=2)   # float32[T, Hk, D]
+    stored = slot_mapping >= 0
+    if not stored.all():
+        rotated_k, v, slot_mapping = rotated_k[stored], v[stored], slot_mapping[stored]
+    store_kv(rotated_k, v, k_cache, v_cache, slot_mapping)
+
+
 def store_kv(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
              slot_mapping: np.ndarray) -> None:
     block_size = k_cache.shape[2]
