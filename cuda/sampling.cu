@@ -67,30 +67,67 @@ __device__ __forceinline__ float weight_of(float x, float row_max, float tempera
 // Whether a token survives the filters: weights at or above the threshold, never a zero weight.
 __device__ __forceinline__ bool kept(float w, float threshold) { return w >= threshold && w > 0.0f; }
 
-// Sum (or count) over the block of the kept weights.
-__device__ float kept_mass(const float* row, int vocab, float row_max, float temperature, float threshold,
-                           bool count_only, float* scratch) {
-    float total = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float w = weight_of(row[i], row_max, temperature);
-        if (kept(w, threshold)) total += count_only ? 1.0f : w;
-    }
-    return block_sum(total, scratch);
+// The cut-offs are order statistics of the weights, found by radix select: weights lie in [0, 1] and
+// positive floats order like their bit patterns, so the threshold is fixed 8 bits at a time from the top,
+// each digit by one histogram pass over the row (4 passes instead of a 31-step binary search).
+// Counts and masses are summed as integers (mass in 2^-40 units): exact, so the result does not depend on
+// the order in which threads add, and the same seed gives the same token on every run.
+constexpr int RADIX_BINS = 256;
+__device__ __forceinline__ unsigned long long fixed_mass(float w) {
+    return (unsigned long long)(w * 1099511627776.0f);   // w * 2^40: exact scaling, truncated
 }
 
-// Largest threshold tau in [low, 1] with kept_mass(tau) >= target. Weights lie in [0, 1] and positive
-// floats order like their bit patterns, so a binary search over the bits takes at most 31 passes.
-__device__ float search_threshold(const float* row, int vocab, float row_max, float temperature, float low,
-                                  float target, bool count_only, float* scratch) {
-    unsigned lo = __float_as_uint(low), hi = __float_as_uint(1.0f);
-    while (lo < hi) {
-        const unsigned mid = lo + (hi - lo + 1) / 2;
-        if (kept_mass(row, vocab, row_max, temperature, __uint_as_float(mid), count_only, scratch) >= target)
-            lo = mid;
-        else
-            hi = mid - 1;
+struct RadixScratch {
+    unsigned long long histogram[RADIX_BINS];
+    unsigned long long above;   // count (or mass) of kept weights above the bins of the current digit
+    unsigned int digit;
+};
+
+// Count (or fixed-point mass) over the block of the kept weights (w >= threshold, w > 0).
+__device__ unsigned long long kept_total(const float* row, int vocab, float row_max, float temperature,
+                                         float threshold, bool by_mass, RadixScratch& s) {
+    unsigned long long total = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float w = weight_of(row[i], row_max, temperature);
+        if (kept(w, threshold)) total += by_mass ? fixed_mass(w) : 1ull;
     }
-    return __uint_as_float(lo);
+    __syncthreads();
+    if (threadIdx.x == 0) s.above = 0;
+    __syncthreads();
+    atomicAdd(&s.above, total);
+    __syncthreads();
+    return s.above;
+}
+
+// Largest threshold tau >= low with (count or mass of kept weights w >= tau) >= target; low when even
+// all the kept weights fall short.
+__device__ float radix_threshold(const float* row, int vocab, float row_max, float temperature, float low,
+                                 unsigned long long target, bool by_mass, RadixScratch& s) {
+    unsigned prefix = 0, prefix_mask = 0;   // the bits fixed so far
+    unsigned long long above = 0;           // what the weights above the prefix's range hold
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        __syncthreads();   // everyone has read the previous digit before the histogram is cleared
+        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) s.histogram[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float w = weight_of(row[i], row_max, temperature);
+            const unsigned bits = __float_as_uint(w);
+            if (kept(w, low) && (bits & prefix_mask) == prefix)
+                atomicAdd(&s.histogram[(bits >> shift) & (RADIX_BINS - 1)], by_mass ? fixed_mass(w) : 1ull);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {   // from the top bin down: the first whose inclusion reaches the target
+            int bin = RADIX_BINS - 1;
+            for (; bin > 0 && above + s.histogram[bin] < target; --bin) above += s.histogram[bin];
+            s.digit = bin;
+            s.above = above;
+        }
+        __syncthreads();
+        prefix |= s.digit << shift;
+        prefix_mask |= (unsigned)(RADIX_BINS - 1) << shift;
+        above = s.above;
+    }
+    return fmaxf(__uint_as_float(prefix), low);
 }
 
 // One token per row of (already penalized) logits, in minisarathi/sampler.py's order: temperature 0 is
@@ -104,6 +141,7 @@ extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int v
     __shared__ float scratch[32];
     __shared__ int index_scratch[32];
     __shared__ float chunk_mass[1024];
+    __shared__ RadixScratch radix;
     const int r = blockIdx.x;
     const float* row = logits + (long long)r * vocab;
     const float t = temperature[r];
@@ -119,10 +157,11 @@ extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int v
     // Each filter keeps the weights above a threshold that only rises.
     float threshold = fmaxf(min_p[r], 0.0f);   // the largest weight is 1, so min-p compares directly
     if (top_k[r] > 0 && top_k[r] < vocab)
-        threshold = search_threshold(row, vocab, row_max, t, threshold, (float)top_k[r], true, scratch);
+        threshold = radix_threshold(row, vocab, row_max, t, threshold, (unsigned long long)top_k[r], false, radix);
     if (top_p[r] < 1.0f) {
-        const float mass = kept_mass(row, vocab, row_max, t, threshold, false, scratch);
-        threshold = search_threshold(row, vocab, row_max, t, threshold, top_p[r] * mass, false, scratch);
+        const double mass = (double)kept_total(row, vocab, row_max, t, threshold, true, radix);
+        threshold = radix_threshold(row, vocab, row_max, t, threshold,
+                                    fmax(1.0, ceil((double)top_p[r] * mass)), true, radix);
     }
 
     // Inverse CDF: each thread owns a contiguous chunk; thread 0 walks the chunk sums, then one chunk.

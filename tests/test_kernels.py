@@ -282,15 +282,17 @@ def reference_sample(logits, temperature, top_k, top_p, min_p, u) -> int:
     return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
 
 
-def test_sample_kernel_matches_float64_reference(order):
+@pytest.mark.parametrize("V", [301, 5003])
+def test_sample_kernel_matches_float64_reference(order, V):
     ops, rng = cuda_ops.emulated(), np.random.default_rng(10)
-    V = 301
     params = [  # temperature, top_k, top_p, min_p
         (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
         (1.0, 0, 1.0, 0.2), (0.9, 20, 0.5, 0.05), (1.0, 1, 1.0, 0.0), (2.0, 400, 0.99, 0.0),
         (1.0, 50, 0.6, 0.3),   # min-p removes tokens inside the top-k set: top-p sees the smaller mass
+        (0.8, 50, 0.9, 0.0), (1.0, 3, 1.0, 0.0),
     ]
     logits = (rng.standard_normal((len(params), V)) * 2).astype(np.float32)
+    logits[-1, :7] = logits[-1].max()   # 7 tokens tie for the top: top-k 3 keeps all of them
     for trial in range(3):
         u = rng.uniform(size=len(params))
         columns = list(zip(*params))

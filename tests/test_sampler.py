@@ -1,4 +1,9 @@
-"""Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit."""
+"""Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit.
+
+The tests that go through `sample` run twice: on the NumPy Sampler and on the CUDA backend's GpuSampler with
+the kernels of cuda/sampling.cu on the CPU emulator (same rule, same draws)."""
+import platform
+
 import numpy as np
 import pytest
 
@@ -9,6 +14,19 @@ V = 16
 # chi-square critical values at p = 0.001 for 1..15 degrees of freedom
 CHI2_CRIT_001 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91,
                  34.53, 36.12, 37.70]
+
+
+def gpu_sampler_on_the_emulator(vocab_size, seed=0, eos_token_ids=()):
+    from minisarathi.backends import cuda_ops
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids)
+
+
+@pytest.fixture(params=[Sampler, pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"))], ids=lambda p: getattr(p, "__name__", p))
+def make_sampler(request):
+    """Sampler(vocab_size, seed=0, eos_token_ids=()) or the GpuSampler on emulated kernels."""
+    return request.param
 
 
 def rand_logits(n, vocab=V, seed=0, scale=2.0):
@@ -47,10 +65,10 @@ def reference_penalties(logits, p: SP, prompt, output):
     return x
 
 
-def test_greedy_is_argmax_with_ties_to_lowest_id():
+def test_greedy_is_argmax_with_ties_to_lowest_id(make_sampler):
     logits = rand_logits(64)
     logits[5, [3, 9, 11]] = 100.0
-    out = run(Sampler(V), logits, [SP(temperature=0)] * 64)
+    out = run(make_sampler(V), logits, [SP(temperature=0)] * 64)
     assert out.token_ids.dtype == np.int64
     assert out.token_ids.tolist() == logits.argmax(axis=1).tolist() and out.token_ids[5] == 3
     assert out.logprobs == [None] * 64
@@ -68,12 +86,12 @@ def test_greedy_fast_path_agrees_with_the_full_path():
     assert greedy[2] == 4
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_rows_do_not_depend_on_the_batch(make_sampler):
     logits = rand_logits(1, seed=3)[0]
     p = SP(temperature=0.9, top_p=0.95, seed=7)
 
     def tokens_of_seeded_row(position, companions, engine_seed):
-        sampler, gen = Sampler(V, seed=engine_seed), make_generator(7)
+        sampler, gen = make_sampler(V, seed=engine_seed), make_generator(7)
         tokens = []
         for step in range(30):
             params = [SP(temperature=1.3, top_k=3)] * companions
@@ -91,9 +109,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert tokens_of_seeded_row(6, 6, engine_seed=2) == alone
 
 
-def test_one_uniform_per_seeded_step():
+def test_one_uniform_per_seeded_step(make_sampler):
     gen = make_generator(11)
-    run(Sampler(V), rand_logits(1), [SP(seed=11)], [gen])
+    run(make_sampler(V), rand_logits(1), [SP(seed=11)], [gen])
     expected = make_generator(11)
     expected.random()
     assert gen.random() == expected.random()
@@ -113,9 +131,9 @@ def test_draw_order_and_masks_shared_with_the_gpu_sampler():
                                       SP(presence_penalty=-1))] == [False, True, True, True]
 
 
-def test_unseeded_rows_follow_the_engine_seed():
+def test_unseeded_rows_follow_the_engine_seed(make_sampler):
     logits, params = rand_logits(32), [SP(temperature=1.0)] * 32
-    a, b, c = Sampler(V, seed=5), Sampler(V, seed=5), Sampler(V, seed=6)
+    a, b, c = make_sampler(V, seed=5), make_sampler(V, seed=5), make_sampler(V, seed=6)
     first = run(a, logits, params).token_ids
     assert first.tolist() == run(b, logits, params).token_ids.tolist()
     assert first.tolist() != run(c, logits, params).token_ids.tolist()
@@ -125,10 +143,10 @@ def test_unseeded_rows_follow_the_engine_seed():
     SP(top_k=3), SP(top_p=0.5), SP(min_p=0.2), SP(top_k=5, top_p=0.7, temperature=0.7),
     SP(top_k=1, temperature=2.0), SP(top_p=0.3, min_p=0.05, temperature=1.5), SP(top_p=1e-6),
 ])
-def test_filters_never_return_excluded_tokens(p):
+def test_filters_never_return_excluded_tokens(p, make_sampler):
     n = 4000
     logits = np.repeat(rand_logits(4, seed=1), n // 4, axis=0)
-    out = run(Sampler(V, seed=2), logits, [p] * n).token_ids
+    out = run(make_sampler(V, seed=2), logits, [p] * n).token_ids
     for row in range(4):
         allowed = reference_probs(logits[row * (n // 4)], p) > 0
         drawn = out[row * (n // 4):(row + 1) * (n // 4)]
@@ -137,16 +155,27 @@ def test_filters_never_return_excluded_tokens(p):
         assert np.isin(np.flatnonzero(likely), drawn).all()
 
 
-def test_large_vocab_top_k_and_top_p_match_reference():
+def large_vocab_case():
     # vocab above the nucleus candidate count, so both the partial and the full-sort paths run
     vocab, n = 3000, 16
     logits = rand_logits(n, vocab, seed=4, scale=1.0)
     logits[: n // 2] *= 8          # peaked rows: the nucleus is among the top candidates
     params = [SP(top_p=0.9), SP(top_k=40, top_p=0.8), SP(top_k=2000), SP(top_k=1500, top_p=0.95)] * (n // 4)
+    return vocab, logits, params
+
+
+def test_large_vocab_draws_stay_in_the_reference_set(make_sampler):
+    vocab, logits, params = large_vocab_case()
+    for trial in range(3):
+        out = run(make_sampler(vocab, seed=trial), logits, params).token_ids
+        for i, p in enumerate(params):
+            assert reference_probs(logits[i], p)[out[i]] > 0
+
+
+def test_large_vocab_top_k_and_top_p_match_reference():
+    vocab, logits, params = large_vocab_case()
+    n = len(params)
     sampler = Sampler(vocab)
-    out = run(sampler, logits, params).token_ids
-    for i, p in enumerate(params):
-        assert reference_probs(logits[i], p)[out[i]] > 0
     top_k, top_p = np.array([p.top_k or vocab for p in params]), np.array([p.top_p for p in params])
     kept = sampler._top_k_top_p(np.exp(logits - logits.max(axis=1, keepdims=True)), top_k, top_p)
     for i, p in enumerate(params):
@@ -187,21 +216,21 @@ class FixedDraw:
         return self.u
 
 
-def test_extreme_draws_stay_inside_the_kept_set():
+def test_extreme_draws_stay_inside_the_kept_set(make_sampler):
     logits = np.zeros((2, V), np.float32)
     logits[:, 7:9] = 3.0                         # top-2 in the middle: tokens at both ends are excluded
     params = [SP(top_k=2, seed=0)] * 2
-    out = run(Sampler(V), logits, params, [FixedDraw(0.0), FixedDraw(np.nextafter(1.0, 0))])
+    out = run(make_sampler(V), logits, params, [FixedDraw(0.0), FixedDraw(np.nextafter(1.0, 0))])
     assert out.token_ids.tolist() == [7, 8]
 
 
 @pytest.mark.parametrize("p", [SP(), SP(temperature=0.6, top_k=6),
                                SP(temperature=1.4, top_p=0.8, min_p=0.02)])
-def test_frequencies_fit_the_distribution(p):
+def test_frequencies_fit_the_distribution(p, make_sampler):
     n = 20000
     logits = rand_logits(1, seed=9)
     expected = reference_probs(logits[0], p) * n
-    drawn = run(Sampler(V, seed=3), np.repeat(logits, n, axis=0), [p] * n).token_ids
+    drawn = run(make_sampler(V, seed=3), np.repeat(logits, n, axis=0), [p] * n).token_ids
     counts = np.bincount(drawn, minlength=V)
     kept = expected > 0
     assert counts[~kept].sum() == 0
@@ -229,7 +258,7 @@ def test_penalties_match_reference():
     assert (logits == rand_logits(n, seed=6)).all()      # the caller's logits are untouched
 
 
-def test_min_tokens_masks_eos_and_stop_ids():
+def test_min_tokens_masks_eos_and_stop_ids(make_sampler):
     logits = np.zeros((4, V), np.float32)
     logits[:, 2] = 10      # EOS
     logits[:, 7] = 9       # a stop token id
@@ -237,16 +266,16 @@ def test_min_tokens_masks_eos_and_stop_ids():
     params = [SP(temperature=0, min_tokens=3, stop_token_ids=[7, 99])] * 2 + [
         SP(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]), SP(temperature=0, min_tokens=2)]
     outputs = [[5, 5], [5, 5, 5], [5], [5, 5]]
-    out = Sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 4, [[1]] * 4, outputs)
+    out = make_sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 4, [[1]] * 4, outputs)
     assert out.token_ids.tolist() == [4, 2, 2, 2]
 
 
-def test_logprobs_are_raw_log_softmax():
+def test_logprobs_are_raw_log_softmax(make_sampler):
     logits = rand_logits(5, seed=8)
     logits[0, [1, 6]] = 5.0         # a tie: ranked by lowest id
     params = [SP(temperature=0, logprobs=3), SP(logprobs=0, repetition_penalty=1.7, temperature=0.5),
               SP(temperature=0), SP(logprobs=V, top_k=2, seed=1), SP(logprobs=20, presence_penalty=2.0)]
-    out = run(Sampler(V), logits, params, None, [[0, 1, 2]] * 5, [[3, 4]] * 5)
+    out = run(make_sampler(V), logits, params, None, [[0, 1, 2]] * 5, [[3, 4]] * 5)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
     for i, p in enumerate(params):
         if p.logprobs is None:
