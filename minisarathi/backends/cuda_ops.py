@@ -40,6 +40,10 @@ TEMPLATED_KERNELS = {
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
+# Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
+PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
+TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
+                                                for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS]}
 
 # Options for NVRTC at run time; CuPy adds the architecture and its own include path.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -49,6 +53,11 @@ PA_THREADS = 128
 PA_MAX_ROWS = 16
 PA_MAX_HEAD_DIM = 256
 PA_PARTITION_SIZE = 512          # keys per flash-decoding partition
+# prefill_attention.cu's constants
+PF_THREADS = 128
+PF_ROWS = 64                     # (token, query head) rows per CTA
+PF_KEYS = 64                     # keys per K/V tile
+PF_PAD = 8                       # elements of padding per shared-memory row
 SMEM_BUDGET = 48 * 1024          # dynamic shared memory a kernel gets without opting in
 GRID_STRIDE_BLOCKS = 1024        # grid of the grid-stride kernels: about 8 blocks per SM on an H100/H200
 VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need this alignment
@@ -58,11 +67,13 @@ def name_expressions(file: str) -> list[str]:
     """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `argmax_kernel`."""
     if file in TEMPLATED_KERNELS:
         return [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
+    if file in TENSOR_CORE_KERNELS:
+        return list(TENSOR_CORE_KERNELS[file])
     return list(PLAIN_KERNELS[file])
 
 
 def kernel_files() -> list[str]:
-    return [*TEMPLATED_KERNELS, *PLAIN_KERNELS]
+    return [*TEMPLATED_KERNELS, *TENSOR_CORE_KERNELS, *PLAIN_KERNELS]
 
 
 def dtype_name(array) -> str:
@@ -217,16 +228,17 @@ class CudaOps:
             return array   # already on the device
         return self._upload_once(array, lambda: np.asarray(array, dtype=dtype))
 
-    def _upload_once(self, source: np.ndarray, make):
-        """Device copy of make(), computed once per `source` array. Batch arrays are immutable and shared
-        by every layer of a step, so each is uploaded once per step, not once per layer."""
-        cached = self._uploads.get(id(source))
+    def _upload_once(self, source: np.ndarray, make, what: str = ""):
+        """Device copy of make(), computed once per `source` array and `what` is derived from it. Batch
+        arrays are immutable and shared by every layer of a step, so each is uploaded once per step, not
+        once per layer."""
+        cached = self._uploads.get((id(source), what))
         if cached is not None and cached[0] is source:   # holding `source` keeps its id from being reused
             return cached[1]
         if len(self._uploads) >= 32:
             self._uploads.clear()
         device = self.launcher.to_device(make())
-        self._uploads[id(source)] = (source, device)
+        self._uploads[(id(source), what)] = (source, device)
         return device
 
     def _kernel(self, file: str, name: str, like):
@@ -346,8 +358,18 @@ class CudaOps:
         out = xp.empty((T, Hq, D), dtype=q.dtype)
         if T == 0:
             return out
+        q_lens = np.diff(batch.query_start)
+        if self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF_ROWS and (q_lens > 1).any():
+            # Two launches: prefill runs on tensor cores here, decodes (if any) in the scalar kernel below.
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+            if not (q_lens == 1).any():
+                return out
+            runs = q_lens == 1
+        else:
+            runs = q_lens > 0
         tile_tokens = max(1, PA_MAX_ROWS // group)
-        work = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens))
+        work = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens, runs),
+                                 "paged_attention work")
         partitions = max(1, math.ceil(batch.max_context_len / PA_PARTITION_SIZE))
         key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
         if partitions > 1:
@@ -370,6 +392,23 @@ class CudaOps:
                 (partial_out, partial_max, partial_sum, positions, out, np.int32(T), np.int32(Hq), np.int32(D),
                  np.int32(PA_PARTITION_SIZE)))
         return out
+
+    def _prefill_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out) -> None:
+        """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token."""
+        T, Hq, D = q.shape
+        Hk, block_size = k_cache.shape[1], k_cache.shape[2]
+        group = Hq // Hk
+        work = self._upload_once(batch.query_start, lambda: _work_items(
+            batch.query_start, PF_ROWS // group, np.diff(batch.query_start) > 1), "prefill_attention work")
+        smem = 4 * PF_KEYS * (D + PF_PAD) * q.dtype.itemsize   # two stages of K and V tiles
+        kernel = self.launcher.kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
+        if smem > SMEM_BUDGET:
+            kernel.max_dynamic_shared_size_bytes = smem
+        kernel((len(work), Hk), (PF_THREADS,),
+               (q, k_cache, v_cache, work, self._metadata(batch.positions), self._metadata(batch.block_tables), out,
+                np.int32(Hq), np.int32(Hk), np.int32(block_size), np.int32(batch.block_tables.shape[1]),
+                np.int64(_row_stride(q, "q")), np.float32(scale * math.log2(math.e))),
+               shared_mem=smem)
 
     def silu_and_mul(self, x):
         self._check(x, "x")
@@ -467,10 +506,13 @@ def _row_stride(x, name: str) -> int:
     return x.strides[0] // item
 
 
-def _work_items(query_start: np.ndarray, tile_tokens: int) -> np.ndarray:
-    """int32[W, 3]: (sequence, first token, token count) runs of at most tile_tokens tokens."""
+def _work_items(query_start: np.ndarray, tile_tokens: int, selected: np.ndarray | None = None) -> np.ndarray:
+    """int32[W, 3]: (sequence, first token, token count) runs of at most tile_tokens tokens, of the
+    sequences where bool[S] `selected` holds (all by default)."""
     q_lens = np.diff(query_start)
     tiles = -(-q_lens // tile_tokens)                                  # int[S]
+    if selected is not None:
+        tiles = np.where(selected, tiles, 0)
     seq = np.repeat(np.arange(len(q_lens)), tiles)
     tile_index = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     first = query_start[seq] + tile_index * tile_tokens
