@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from minisarathi.backends import numpy_ops
+from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.config import ModelConfig
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.model.llama import LlamaModel
 
 SMALL = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=4096, prefill_tokens=128,
@@ -45,7 +45,7 @@ def random_model(args) -> LlamaModel:
                     f"layers.{i}.qkv_proj": w(qkv_rows, H), f"layers.{i}.o_proj": w(H, config.num_attention_heads * D),
                     f"layers.{i}.post_attention_layernorm": np.ones(H, np.float32),
                     f"layers.{i}.gate_up_proj": w(2 * I, H), f"layers.{i}.down_proj": w(H, I)}
-    return LlamaModel(config, weights, numpy_ops)
+    return LlamaModel(config, weights, NumpyOps())
 
 
 def best_times(fns, repeats: int) -> list[float]:

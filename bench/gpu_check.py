@@ -27,9 +27,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from minisarathi.backends import cuda_ops, numpy_ops  # noqa: E402
+from minisarathi.backends import cuda_ops  # noqa: E402
+from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16  # noqa: E402
-from minisarathi.engine.batch import ScheduledChunk, build_batch  # noqa: E402
+from minisarathi.testing import ScheduledChunk, build_batch  # noqa: E402
 from minisarathi.paths import cuda_dir, default_model_dir  # noqa: E402
 from minisarathi.sampler import Sampler, make_generator  # noqa: E402
 from minisarathi.sampling_params import SamplingParams  # noqa: E402
@@ -113,10 +114,10 @@ def check_kernels_in(dtype: str) -> None:
     ops = cuda_ops.gpu(dtype)
     x32, w32, r32 = (host(rng.standard_normal(s).astype(np.float32), dtype) for s in [(9, 1000), (1000,), (9, 1000)])
     x, w, r = ops.weight(x32), ops.weight(w32), ops.weight(r32)
-    compare("rms_norm", ops, ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(x32, w32, 1e-5), dtype)
+    compare("rms_norm", ops, ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(x32, w32, 1e-5), dtype)
     out, _ = ops.add_rms_norm(x, r, w, 1e-5)
-    compare("add_rms_norm", ops, out, numpy_ops.add_rms_norm(x32, r32.copy(), w32, 1e-5)[0], dtype)
-    compare("silu_and_mul", ops, ops.silu_and_mul(x), numpy_ops.silu_and_mul(x32), dtype)
+    compare("add_rms_norm", ops, out, NumpyOps().add_rms_norm(x32, r32.copy(), w32, 1e-5)[0], dtype)
+    compare("silu_and_mul", ops, ops.silu_and_mul(x), NumpyOps().silu_and_mul(x32), dtype)
     ids = np.array([0, 5, 999, 5], dtype=np.int32)
     table32 = host(rng.standard_normal((1000, 64)).astype(np.float32), dtype)
     compare("embedding", ops, ops.embedding(ops.weight(table32), ids), table32[ids], dtype)
@@ -131,7 +132,7 @@ def check_kernels_in(dtype: str) -> None:
     inv_freq = (1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
     ops.rope(qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
     ref = qkv32.copy()
-    numpy_ops.rope(ref[:, :Hq * D].reshape(T, Hq, D), ref[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
+    NumpyOps().rope(ref[:, :Hq * D].reshape(T, Hq, D), ref[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions, inv_freq)
     # Rotated values are rounded to the dtype once more on the GPU: compare after rounding the reference too.
     compare("rope (strided views)", ops, qkv, host(ref, dtype), dtype)
 
@@ -149,13 +150,13 @@ def check_kernels_in(dtype: str) -> None:
         k32, v32 = (host(rng.standard_normal(shape).astype(np.float32), dtype) for _ in range(2))
         q32 = host(rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32), dtype)
         got = ops.paged_attention(ops.weight(q32), ops.weight(k32), ops.weight(v32), batch, D ** -0.5)
-        compare(label, ops, got, numpy_ops.paged_attention(q32, k32, v32, batch, D ** -0.5), dtype)
+        compare(label, ops, got, NumpyOps().paged_attention(q32, k32, v32, batch, D ** -0.5), dtype)
 
         kn32 = host(rng.standard_normal((batch.num_tokens, Hk, D)).astype(np.float32), dtype)
         kc, vc = ops.weight(k32), ops.weight(v32)
         ops.store_kv(ops.weight(kn32), ops.weight(kn32), kc, vc, batch.slot_mapping)
         kref, vref = k32.copy(), v32.copy()
-        numpy_ops.store_kv(kn32, kn32, kref, vref, batch.slot_mapping)
+        NumpyOps().store_kv(kn32, kn32, kref, vref, batch.slot_mapping)
         compare("store_kv", ops, kc, kref, dtype)
 
 
@@ -269,7 +270,7 @@ def check_models(out: Path) -> None:
 
 
 def check_model(label: str, path: Path, prompt: list[int]) -> None:
-    ref_ids, ref_logits = generate(build_model(path, numpy_ops), prompt, 24)
+    ref_ids, ref_logits = generate(build_model(path, NumpyOps()), prompt, 24)
     model = build_model(path, cuda_ops.gpu("float32"))
     ids, logits = generate(model, prompt, 24)
     same = ids == ref_ids

@@ -32,26 +32,21 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the whole block (blockDim.x a multiple of 32, at most 1024). `scratch` holds 32 floats
-// of shared memory. The leading barrier lets callers reuse scratch for consecutive reductions.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Sum or max over the whole block (blockDim.x a multiple of 32, at most 1024): each warp reduces its
+// lanes, lane 0 of each warp leaves the result in `scratch` (32 floats of shared memory), and every warp
+// then reduces those. The leading barrier lets callers reuse scratch for consecutive reductions.
+template <bool IS_MAX>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
-    v = warp_sum(v);
+    v = IS_MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < num_warps ? scratch[lane] : 0.0f;
-    return warp_sum(v);
+    v = lane < num_warps ? scratch[lane] : (IS_MAX ? negative_infinity() : 0.0f);
+    return IS_MAX ? warp_max(v) : warp_sum(v);
 }
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < num_warps ? scratch[lane] : negative_infinity();
-    return warp_max(v);
-}
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
 
 // Asynchronous global -> shared copies (cp.async, sm_80+): the copy engine moves the bytes while the
 // thread goes on issuing loads or computing, so several tiles can be in flight per thread. A copy is

@@ -28,7 +28,8 @@ constexpr int PA_MAX_ROWS = PA_WARPS * PA_ROWS_PER_WARP;    // 16 (query token, 
 constexpr int PA_MAX_HEAD_DIM = 256;
 constexpr int PA_DIMS_PER_LANE = PA_MAX_HEAD_DIM / 32;
 
-// Shared memory, in this order (the host computes the same size in cuda_ops.py):
+// Shared memory, in this order (cuda_ops._attention_tiling adds up its size; the host reads the constants
+// above from this file, so they are written only here):
 //   q_s  float[MAX_ROWS][head_dim]      queries of this CTA, pre-multiplied by the softmax scale
 //   p_s  float[MAX_ROWS][key_tile]      probabilities of the current tile, per row
 //   k_s  T[key_tile][head_dim + pad]    keys of the tile; the pad shifts rows across smem banks so

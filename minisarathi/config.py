@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from minisarathi.dtypes import DTYPES
+from minisarathi.validation import check_int
+
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 
@@ -34,17 +37,12 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len")   # None: derived
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            if getattr(self, name) is not None or name not in optional:
+                check_int(name, getattr(self, name), lo=1)
+        check_int("seed", self.seed, lo=0)
 
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -166,10 +164,7 @@ def rope_cos_sin_table(inv_freq: np.ndarray, num_positions: int) -> np.ndarray:
 
 
 def _positive_int(config: dict, name: str) -> int:
-    value = config.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return check_int(name, config.get(name), lo=1)
 
 
 def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> None:

@@ -22,7 +22,7 @@ from itertools import chain
 
 import numpy as np
 
-from .sampling_params import SamplingParams
+from minisarathi.sampling_params import SamplingParams
 
 _NUCLEUS_CANDIDATES = 1024   # most likely tokens searched for the top-p nucleus before a full sort
 

@@ -1,8 +1,9 @@
 """Per-request sampling settings (vLLM's names), validated when built so a bad request fails alone."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from minisarathi.validation import check_float, check_int
 
 
 @dataclass
@@ -37,36 +38,36 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("n", self.n, lo=1, hi=1)
-        _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+        check_int("n", self.n, lo=1, hi=1)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check_float("temperature", self.temperature)
+        check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_float("top_p", self.top_p)
+        check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=-1)
-        _check_float("min_p", self.min_p)
+        check_int("top_k", self.top_k, lo=-1)
+        check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_float("repetition_penalty", self.repetition_penalty)
+        check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name))
+            check_float(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+            check_int("seed", self.seed, lo=0, hi=2**64 - 1)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, lo=0)
+            check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+            check_int("logprobs", self.logprobs, lo=0, hi=20)
         for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -77,15 +78,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-
-def _check_int(name, value, lo=None, hi=None):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
-
-
-def _check_float(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")

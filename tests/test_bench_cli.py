@@ -115,7 +115,7 @@ def test_remote_api_key_from_file_or_environment(tmp_path, monkeypatch):
     import argparse
 
     from minisarathi.bench.cli import _Session, add_bench_arguments
-    from minisarathi.server.client import DEFAULT_PORT
+    from minisarathi.client import DEFAULT_PORT
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from minisarathi.client import Client, RPCError
-from minisarathi.server.cli import API_KEY_ENV, _read_api_key
+from minisarathi.cli_args import API_KEY_ENV, read_api_key
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, UNAUTHORIZED
 from test_server import REPO, RawConnection, launch_server, offline_greedy, wait_until_idle
 
@@ -79,14 +79,14 @@ def test_auth_as_a_notification_and_as_bin(server):
 
 def test_api_key_from_file_or_environment(tmp_path, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert _read_api_key(None) is None
+    assert read_api_key(None) is None
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert _read_api_key(None) == "from-env"
+    assert read_api_key(None) == "from-env"
     (tmp_path / "k").write_text("from-file\n")
-    assert _read_api_key(str(tmp_path / "k")) == "from-file"
+    assert read_api_key(str(tmp_path / "k")) == "from-file"
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="api-key-file"):
-        _read_api_key(str(tmp_path / "empty"))
+        read_api_key(str(tmp_path / "empty"))
 
 
 def test_sigterm_ends_in_flight_requests_and_exits_0():

@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minisarathi.backends import cuda_ops, numpy_ops
+from minisarathi.backends import cuda_ops
+from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.config import ModelConfig
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.model.llama import LlamaModel
-from minisarathi.model import loader
-from minisarathi.model.loader import bf16_to_float32, load_weights, read_checkpoint
+from minisarathi import dtypes
+from minisarathi.dtypes import bf16_to_float32
+from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -78,7 +80,7 @@ ON_GPU = pytest.mark.skipif(_gpu_available() is not None, reason=str(_gpu_availa
 
 @emulator_only
 def test_bundled_model_on_emulated_kernels_matches_numpy():
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS, 12, chunk_size=7)
+    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS, 12, chunk_size=7)
     tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated()), PROMPTS, 12, chunk_size=7)
     assert tokens == reference
     np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
@@ -86,7 +88,7 @@ def test_bundled_model_on_emulated_kernels_matches_numpy():
 
 @emulator_only
 def test_bundled_model_in_bfloat16_stays_close():
-    _, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS[:2], 3, chunk_size=16)
+    _, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS[:2], 3, chunk_size=16)
     _, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated("bfloat16")), PROMPTS[:2], 3,
                                 chunk_size=16)
     # bf16 keeps 8 bits of mantissa through 5 layers: logits agree to about 1.5% of their range (measured).
@@ -116,8 +118,7 @@ def test_bf16_checkpoint_reaches_the_backend_as_its_own_bits(monkeypatch, make_o
     def no_widening(*args):
         raise AssertionError("a bf16 weight was widened to float32 on the way to a bf16 device")
     with monkeypatch.context() as patch:
-        patch.setattr(loader, "to_float32", no_widening)
-        patch.setattr(cuda_ops, "bf16_to_float32", no_widening)
+        patch.setattr(dtypes, "bf16_to_float32", no_widening)
         ops = make_ops("bfloat16")
         model = build_model(path, ops)
     host = ops.launcher.to_host
@@ -157,7 +158,7 @@ def test_engine_hybrid_batches_on_emulated_kernels(monkeypatch):
         llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.model.ops
     expected, ops = generate()
-    assert ops is numpy_ops
+    assert isinstance(ops, NumpyOps)
     monkeypatch.setattr(engine_module, "load_model",
                         lambda path, device="cpu": build_model(Path(path), cuda_ops.emulated()))
     tokens, ops = generate()
@@ -173,7 +174,7 @@ def test_emulated_ops_reject_a_bad_dtype():
 @ON_GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_model_on_gpu(dtype):
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), numpy_ops), PROMPTS, 6, chunk_size=7)
+    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS, 6, chunk_size=7)
     tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.gpu(dtype)), PROMPTS, 6, chunk_size=7)
     if dtype == "float32":
         assert tokens == reference
@@ -287,7 +288,7 @@ def test_generation_with_device_logits_and_the_models_sampler_matches_numpy():
             for t, token in zip(tokens, out.token_ids):
                 t.append(int(token))
         return tokens, type(sampler)
-    expected, kind = generate(numpy_ops)
+    expected, kind = generate(NumpyOps())
     assert kind is Sampler
     tokens, kind = generate(cuda_ops.emulated())
     assert kind is GpuSampler and tokens == expected

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from minisarathi.engine import engine as engine_module
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
@@ -223,12 +223,12 @@ def test_default_kv_pool_follows_the_device(monkeypatch):
     block_bytes = 2 * 5 * 4 * 16 * 8 * 4
     assert LLMEngine(block_size=16).block_manager.num_blocks == (256 << 20) // block_bytes   # the CPU default
     # A backend that reports its free device memory (the CUDA one) gets 90% of it; an explicit budget wins.
-    from minisarathi.backends import numpy_ops
-    monkeypatch.setattr(numpy_ops, "free_memory_bytes", lambda: 100 * block_bytes, raising=False)
+    from minisarathi.backends.numpy_ops import NumpyOps
+    monkeypatch.setattr(NumpyOps, "free_memory_bytes", lambda self: 100 * block_bytes)
     assert LLMEngine(block_size=16).block_manager.num_blocks == 90
     assert LLMEngine(block_size=16, kv_cache_bytes=7 * block_bytes).block_manager.num_blocks == 7
     assert LLMEngine(block_size=16, num_kv_blocks=3).block_manager.num_blocks == 3
-    monkeypatch.setattr(numpy_ops, "free_memory_bytes", lambda: None)   # no device memory to report
+    monkeypatch.setattr(NumpyOps, "free_memory_bytes", lambda self: None)   # no device memory to report
     assert LLMEngine(block_size=16).block_manager.num_blocks == (256 << 20) // block_bytes
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minisarathi.backends import cuda_ops, emulator, numpy_ops
-from minisarathi.backends.emulator import bf16_to_float32, float32_to_bf16
+from minisarathi.backends import cuda_ops, emulator
+from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.config import rope_cos_sin_table
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.paths import cuda_dir
 
 CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
@@ -41,7 +42,7 @@ def order(request):
 
 
 def on_device(x: np.ndarray, dtype: str) -> np.ndarray:
-    return float32_to_bf16(x) if dtype == "bfloat16" else np.asarray(x, dtype=cuda_ops.STORAGE_DTYPES[dtype])
+    return float32_to_bf16(x) if dtype == "bfloat16" else np.asarray(x, dtype=STORAGE_DTYPES[dtype])
 
 
 def as_float32(x: np.ndarray) -> np.ndarray:
@@ -54,7 +55,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE[dtype] * scale)
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [45, 64])   # odd rows take 1 element per access, 64 takes 16 bytes
 def test_embedding(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(0)
@@ -65,23 +66,23 @@ def test_embedding(order, dtype, hidden):
         ops.embedding(table, np.array([37], dtype=np.int32))
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [77, 1000])
 def test_rms_norm_and_fused_residual_add(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(1)
     x, residual = on_device(rng.standard_normal((5, hidden)) * 3, dtype), on_device(rng.standard_normal((5, hidden)), dtype)
     w = on_device(rng.standard_normal(hidden), dtype)
-    assert_close(ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
+    assert_close(ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
 
     expected_residual = as_float32(residual) + as_float32(x)
-    expected = numpy_ops.rms_norm(as_float32(on_device(expected_residual, dtype)), as_float32(w), 1e-5)
+    expected = NumpyOps().rms_norm(as_float32(on_device(expected_residual, dtype)), as_float32(w), 1e-5)
     out, new_residual = ops.add_rms_norm(x, residual, w, 1e-5)
     assert new_residual is residual   # updated in place
     assert_close(residual, expected_residual, dtype)
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
     """A row that starts off a 16-byte boundary takes the one-element path, with the same results."""
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(13)
@@ -89,8 +90,8 @@ def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
     x = buffer[1:].reshape(3, 128)                       # contiguous, but 2 or 4 bytes past alignment
     assert x.ctypes.data % 16
     w = on_device(rng.standard_normal(128), dtype)
-    assert_close(ops.rms_norm(x, w, 1e-5), numpy_ops.rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
-    assert_close(ops.silu_and_mul(x), numpy_ops.silu_and_mul(as_float32(x)), dtype)
+    assert_close(ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
+    assert_close(ops.silu_and_mul(x), NumpyOps().silu_and_mul(as_float32(x)), dtype)
     np.testing.assert_array_equal(ops.embedding(x, np.array([2, 0], np.int32)), x[[2, 0]])
 
 
@@ -101,7 +102,7 @@ def test_weights_and_caches_must_be_16_byte_aligned():
     assert ops.zeros((3, 5)).ctypes.data % 16 == 0
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(4, 2, 16), (3, 1, 10)], ids=["D16-vector", "D10-scalar"])
 def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(14)
@@ -120,7 +121,7 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
 
     reference = as_float32(before)
     ref_k_cache, ref_v_cache = np.zeros(k_cache.shape, np.float32), np.zeros(v_cache.shape, np.float32)
-    numpy_ops.rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
+    NumpyOps().rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
     assert_close(qkv[:, :Hq * D], as_float32(on_device(reference[:, :Hq * D], dtype)), dtype)
     np.testing.assert_array_equal(qkv[:, Hq * D:], before[:, Hq * D:])   # k and v are read only
     assert_close(k_cache, as_float32(on_device(ref_k_cache, dtype)), dtype)
@@ -137,7 +138,7 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
         ops.rope_store_kv(*split(qkv), k_cache, v_cache, np.full(T, 70001, np.int32), slots, ops.constant(cos_sin))
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_rotates_strided_views_in_place(order, dtype):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(2)
     T, Hq, Hk, D = 6, 4, 2, 10          # D/2 = 5: odd number of pairs
@@ -150,24 +151,24 @@ def test_rope_rotates_strided_views_in_place(order, dtype):
     ops.rope(q, k, positions, inv_freq)
     ref_q = reference[:, :Hq * D].reshape(T, Hq, D)
     ref_k = reference[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
-    numpy_ops.rope(ref_q, ref_k, positions, inv_freq)
+    NumpyOps().rope(ref_q, ref_k, positions, inv_freq)
     assert_close(qkv[:, :(Hq + Hk) * D], reference[:, :(Hq + Hk) * D], dtype)
     np.testing.assert_array_equal(as_float32(qkv[:, (Hq + Hk) * D:]), reference[:, (Hq + Hk) * D:])   # v untouched
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rope(q, k, positions, inv_freq.astype(np.float16))
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_scatters_to_slots_and_nowhere_else(order, dtype):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(3)
     T, Hk, D, block_size, num_blocks = 5, 3, 6, 4, 7
     kv = on_device(rng.standard_normal((T, 2 * Hk * D)), dtype)
     k, v = kv[:, :Hk * D].reshape(T, Hk, D), kv[:, Hk * D:].reshape(T, Hk, D)
     k_cache, v_cache = ops.zeros((num_blocks, Hk, block_size, D)), ops.zeros((num_blocks, Hk, block_size, D))
-    slots = np.array([27, 0, 13, 14, 3], dtype=np.int32)
+    slots = np.array([27, -1, 13, 14, 3], dtype=np.int32)   # -1: padding, stored nowhere
     ops.store_kv(k, v, k_cache, v_cache, slots)
     ref_k, ref_v = np.zeros(k_cache.shape, k_cache.dtype), np.zeros(v_cache.shape, v_cache.dtype)
-    numpy_ops.store_kv(k, v, ref_k, ref_v, slots)
+    NumpyOps().store_kv(k, v, ref_k, ref_v, slots)
     np.testing.assert_array_equal(k_cache, ref_k)
     np.testing.assert_array_equal(v_cache, ref_v)
 
@@ -196,14 +197,14 @@ ATTENTION_SHAPES = [  # Hq, Hk, D, block_size
 MIXED_RUNS = [(0, 1), (0, 7), (3, 1), (4, 1), (5, 1), (15, 2), (16, 1), (9, 9), (0, 17)]
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "Hq{}-Hk{}-D{}-bs{}".format(*s))
 def test_paged_attention_mixed_batch(order, dtype, shape):
     """Prefills from 0, chunks continuing a history, decodes at context 1 and at block boundaries, in one batch."""
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(4)
     batch, q, k_cache, v_cache = attention_case(rng, dtype, *shape, MIXED_RUNS)
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = numpy_ops.paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
     assert_close(out, expected, dtype)
 
 
@@ -214,12 +215,12 @@ def test_paged_attention_long_contexts_split_into_partitions(order, dtype):
     batch, q, k_cache, v_cache = attention_case(rng, dtype, 4, 2, 8, 16, runs)
     assert batch.max_context_len > cuda_ops.PA_PARTITION_SIZE
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.5)
-    expected = numpy_ops.paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.5)
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.5)
     assert_close(out, expected, dtype)
 
 
 def test_paged_attention_float64_reference_with_strided_query():
-    """Independent of numpy_ops: a direct float64 loop over positions, q a view into a QKV row."""
+    """Independent of NumpyOps: a direct float64 loop over positions, q a view into a QKV row."""
     ops, rng = cuda_ops.emulated("float32"), np.random.default_rng(6)
     Hq, Hk, D, bs = 4, 2, 8, 3
     batch, _, k_cache, v_cache = attention_case(rng, "float32", Hq, Hk, D, bs, [(2, 3), (6, 1)])
@@ -239,12 +240,12 @@ def test_paged_attention_float64_reference_with_strided_query():
                 np.testing.assert_allclose(out[t, h], p @ v / p.sum(), atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", cuda_ops.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [74, 128])   # 37 columns: one element per access; 64: 16 bytes
 def test_silu_and_mul(order, dtype, width):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(7)
     x = on_device(rng.standard_normal((3, width)) * 6, dtype)
-    assert_close(ops.silu_and_mul(x), numpy_ops.silu_and_mul(as_float32(x)), dtype)
+    assert_close(ops.silu_and_mul(x), NumpyOps().silu_and_mul(as_float32(x)), dtype)
 
 
 def test_linear_with_bias_in_bfloat16():

@@ -7,7 +7,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from minisarathi.config import ModelConfig
-from minisarathi.model.loader import bf16_to_float32, load_weights, read_checkpoint, to_float32
+from minisarathi.dtypes import bf16_to_float32, to_float32
+from minisarathi.model.loader import load_weights, read_checkpoint
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -30,7 +31,7 @@ def float_from_bits(bits: np.ndarray, exponent_bits: int, mantissa_bits: int) ->
 def test_16_bit_conversion_is_exact_for_every_value(dtype, exponent_bits, mantissa_bits):
     bits = np.arange(1 << 16, dtype=np.uint16)
     raw = bits if dtype == "bfloat16" else bits.view(np.float16)
-    got = to_float32(dtype, raw)
+    got = to_float32(raw, dtype)
     want = float_from_bits(bits, exponent_bits, mantissa_bits)
     is_nan = (bits >> mantissa_bits & ((1 << exponent_bits) - 1)) == (1 << exponent_bits) - 1
     is_nan &= (bits & ((1 << mantissa_bits) - 1)) != 0

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from minisarathi.backends import numpy_ops as ops
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.model.llama import load_model
 from minisarathi.paths import default_model_dir
+from minisarathi.testing import ScheduledChunk, build_batch
+
+ops = NumpyOps()
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
@@ -148,6 +150,11 @@ def test_store_kv_writes_the_mapped_slots():
     ops.store_kv(k, -k, k_cache, v_cache, np.array([9, 2], dtype=np.int32))
     assert np.array_equal(k_cache[2, :, 1], k[0]) and np.array_equal(k_cache[0, :, 2], k[1])
     assert np.array_equal(v_cache[2, :, 1], -k[0]) and np.count_nonzero(k_cache) == np.count_nonzero(k)
+    before = k_cache.copy()
+    ops.store_kv(k + 100, k, k_cache, v_cache, np.array([-1, 5], dtype=np.int32))   # a negative slot is padding
+    assert np.array_equal(k_cache[1, :, 1], k[1] + 100)
+    k_cache[1, :, 1] = before[1, :, 1]
+    assert np.array_equal(k_cache, before)
 
 
 def test_elementwise_ops_match_float64():

@@ -8,7 +8,7 @@ The wrappers are written once against a launcher that says where kernels run:
 Both launch with CuPy's RawKernel convention `kernel(grid, block, args, shared_mem=n)`, with scalars
 passed as exact NumPy types (np.int32, np.float32, np.int64), which the emulator checks.
 
-bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16.
+bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16 (minisarathi/dtypes.py).
 
     ops = cuda_ops.emulated()              # float32 kernels on the CPU
     ops = cuda_ops.gpu("bfloat16")         # a real GPU
@@ -17,17 +17,18 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
-from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16
-from minisarathi.engine.batch import Batch
+from minisarathi.backends import emulator
+from minisarathi.backends.gpu_sampling import GpuSampler
+from minisarathi.batch import Batch
+from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, convert, dtype_name, to_float32
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.paths import cuda_dir
 
-DTYPES = ("float32", "float16", "bfloat16")
 CXX_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-STORAGE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
 # Kernel files and their kernels: templated ones are instantiated for every element type.
 TEMPLATED_KERNELS = {
@@ -48,19 +49,24 @@ TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, 
 # Options for NVRTC at run time; CuPy adds the architecture and its own include path.
 NVRTC_OPTIONS = ("-std=c++17",)
 
-# paged_attention.cu's constants
-PA_THREADS = 128
-PA_MAX_ROWS = 16
-PA_MAX_HEAD_DIM = 256
-PA_PARTITION_SIZE = 512          # keys per flash-decoding partition
-# prefill_attention.cu's constants
-PF_THREADS = 128
-PF_ROWS = 64                     # (token, query head) rows per CTA
-PF_KEYS = 64                     # keys per K/V tile
-PF_PAD = 8                       # elements of padding per shared-memory row
+PA_PARTITION_SIZE = 512          # keys per flash-decoding partition (the host's choice, passed to the kernel)
 SMEM_BUDGET = 48 * 1024          # dynamic shared memory a kernel gets without opting in
 GRID_STRIDE_BLOCKS = 1024        # grid of the grid-stride kernels: about 8 blocks per SM on an H100/H200
 VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need this alignment
+
+
+def kernel_constants(file: str) -> dict[str, int]:
+    """The `constexpr int NAME = expression;` lines of a kernel file, evaluated in order. The host reads a
+    kernel's compile-time constants (block size, tile limits) from its source, so each is written once."""
+    constants: dict[str, int] = {}
+    for name, expression in re.findall(r"^constexpr int (\w+) = ([\w\s*/+()-]+);", (cuda_dir() / file).read_text(),
+                                       flags=re.MULTILINE):
+        constants[name] = int(eval(expression, {"__builtins__": {}}, dict(constants)))   # our own integer expressions
+    return constants
+
+
+PA = kernel_constants("paged_attention.cu")    # PA_THREADS, PA_MAX_ROWS, PA_MAX_HEAD_DIM, ...
+PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD
 
 
 def name_expressions(file: str) -> list[str]:
@@ -76,15 +82,6 @@ def kernel_files() -> list[str]:
     return [*TEMPLATED_KERNELS, *TENSOR_CORE_KERNELS, *PLAIN_KERNELS]
 
 
-def dtype_name(array) -> str:
-    name = array.dtype.name
-    if name in ("uint16", "bfloat16"):
-        return "bfloat16"
-    if name not in ("float32", "float16"):
-        raise ValueError(f"array dtype must be float32, float16 or bfloat16 (uint16 bits), got {name}")
-    return name
-
-
 class EmulatorLauncher:
     """Kernels on the CPU through minisarathi.backends.emulator; arrays are NumPy."""
 
@@ -92,7 +89,6 @@ class EmulatorLauncher:
     xp = np
 
     def kernel(self, file: str, name: str):
-        from minisarathi.backends import emulator
         return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
@@ -104,11 +100,10 @@ class EmulatorLauncher:
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type."""
         kind = dtype_name(x)
-        widen = bf16_to_float32 if kind == "bfloat16" else (lambda a: a.astype(np.float32, copy=False))
-        out = widen(x) @ widen(w).T
+        out = to_float32(x, kind) @ to_float32(w, kind).T
         if bias is not None:
-            out += widen(bias)
-        return float32_to_bf16(out) if kind == "bfloat16" else out.astype(x.dtype, copy=False)
+            out += to_float32(bias, kind)
+        return convert(out, "float32", kind)
 
 
 class CupyLauncher:
@@ -183,6 +178,7 @@ class CudaOps:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.launcher = launcher
+        self.device = launcher.device
         self.xp = launcher.xp
         self.dtype = dtype
         self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
@@ -220,8 +216,11 @@ class CudaOps:
 
     def to_numpy(self, x) -> np.ndarray:
         """float32 NumPy copy of a device array."""
-        host = self.launcher.to_host(x)
-        return bf16_to_float32(host) if self.dtype == "bfloat16" else host.astype(np.float32)
+        return to_float32(self.launcher.to_host(x), self.dtype)
+
+    def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> GpuSampler:
+        """Samples on the device: only the sampled ids (and requested logprobs) cross to the host."""
+        return GpuSampler(self, vocab_size, seed, eos_token_ids)
 
     def _metadata(self, array: np.ndarray, dtype=np.int32):
         if not isinstance(array, np.ndarray):
@@ -351,15 +350,16 @@ class CudaOps:
         if Hq % Hk:
             raise ValueError(f"num_q_heads ({Hq}) must be a multiple of num_kv_heads ({Hk})")
         group = Hq // Hk
-        if group > PA_MAX_ROWS or D > PA_MAX_HEAD_DIM:
-            raise ValueError(f"paged_attention supports up to {PA_MAX_ROWS} query heads per KV head and head_dim "
-                             f"<= {PA_MAX_HEAD_DIM}, got {group} and {D}")
+        max_rows, max_head_dim = PA["PA_MAX_ROWS"], PA["PA_MAX_HEAD_DIM"]
+        if group > max_rows or D > max_head_dim:
+            raise ValueError(f"paged_attention supports up to {max_rows} query heads per KV head and head_dim "
+                             f"<= {max_head_dim}, got {group} and {D}")
         xp = self.xp
         out = xp.empty((T, Hq, D), dtype=q.dtype)
         if T == 0:
             return out
         q_lens = np.diff(batch.query_start)
-        if self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF_ROWS and (q_lens > 1).any():
+        if self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"] and (q_lens > 1).any():
             # Two launches: prefill runs on tensor cores here, decodes (if any) in the scalar kernel below.
             self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
             if not (q_lens == 1).any():
@@ -367,7 +367,7 @@ class CudaOps:
             runs = q_lens == 1
         else:
             runs = q_lens > 0
-        tile_tokens = max(1, PA_MAX_ROWS // group)
+        tile_tokens = max(1, max_rows // group)
         work = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens, runs),
                                  "paged_attention work")
         partitions = max(1, math.ceil(batch.max_context_len / PA_PARTITION_SIZE))
@@ -380,7 +380,7 @@ class CudaOps:
             partial_out = partial_max = partial_sum = xp.empty((1,), dtype=np.float32)
         positions = self._metadata(batch.positions)
         self._kernel("paged_attention.cu", "paged_attention_kernel", q)(
-            (len(work), Hk, partitions), (PA_THREADS,),
+            (len(work), Hk, partitions), (PA["PA_THREADS"],),
             (q, k_cache, v_cache, work, positions, self._metadata(batch.block_tables),
              out, partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
              np.int32(block_size), np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
@@ -399,12 +399,12 @@ class CudaOps:
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         group = Hq // Hk
         work = self._upload_once(batch.query_start, lambda: _work_items(
-            batch.query_start, PF_ROWS // group, np.diff(batch.query_start) > 1), "prefill_attention work")
-        smem = 4 * PF_KEYS * (D + PF_PAD) * q.dtype.itemsize   # two stages of K and V tiles
+            batch.query_start, PF["PF_ROWS"] // group, np.diff(batch.query_start) > 1), "prefill_attention work")
+        smem = 4 * PF["PF_KEYS"] * (D + PF["PF_PAD"]) * q.dtype.itemsize   # two stages of K and V tiles
         kernel = self.launcher.kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
         if smem > SMEM_BUDGET:
             kernel.max_dynamic_shared_size_bytes = smem
-        kernel((len(work), Hk), (PF_THREADS,),
+        kernel((len(work), Hk), (PF["PF_THREADS"],),
                (q, k_cache, v_cache, work, self._metadata(batch.positions), self._metadata(batch.block_tables), out,
                 np.int32(Hq), np.int32(Hk), np.int32(block_size), np.int32(batch.block_tables.shape[1]),
                 np.int64(_row_stride(q, "q")), np.float32(scale * math.log2(math.e))),
@@ -462,15 +462,6 @@ class CudaOps:
         return self.launcher.to_host(ids)
 
 
-def convert(x, from_dtype: str, to_dtype: str):
-    """x, stored as from_dtype, stored as to_dtype (rounding to nearest even). Array methods only, so a
-    CuPy array is converted on the device and a NumPy one on the host."""
-    if from_dtype == to_dtype:
-        return x
-    values = bf16_to_float32(x) if from_dtype == "bfloat16" else x.astype(np.float32)   # exact
-    return float32_to_bf16(values) if to_dtype == "bfloat16" else values.astype(STORAGE_DTYPES[to_dtype])
-
-
 def _grid_stride_blocks(elements: int) -> int:
     """Blocks of 256 threads for a grid-stride kernel over `elements` (a thread takes up to 16 bytes)."""
     return max(1, min(GRID_STRIDE_BLOCKS, math.ceil(elements / 256)))
@@ -521,10 +512,11 @@ def _work_items(query_start: np.ndarray, tile_tokens: int, selected: np.ndarray 
 
 
 def _attention_tiling(head_dim: int, itemsize: int) -> tuple[int, int]:
-    """(keys per tile, dynamic shared memory bytes) for paged_attention_kernel; see its smem layout."""
+    """(keys per tile, dynamic shared memory bytes) for paged_attention_kernel: the sizes of the four arrays
+    of its shared-memory layout (described in cuda/paged_attention.cu) added up."""
     pitch = head_dim + 4 // itemsize
     for key_tile in range(32, 0, -4):   # a multiple of 4 keeps v_s 16-byte aligned for vector copies
-        smem = 4 * PA_MAX_ROWS * (head_dim + key_tile) + itemsize * key_tile * (pitch + head_dim)
+        smem = 4 * PA["PA_MAX_ROWS"] * (head_dim + key_tile) + itemsize * key_tile * (pitch + head_dim)
         if smem <= SMEM_BUDGET:
             return key_tile, smem
     raise ValueError(f"head_dim {head_dim} does not fit paged_attention's shared memory")

@@ -10,20 +10,20 @@ Per row, in the same order as the NumPy Sampler:
    same order as the NumPy Sampler, so a seeded request picks what it would pick there.
 4. Logprobs of the raw logits (before penalties) by array reductions on the device for the rows that ask.
 
-    sampler = GpuSampler(ops, vocab_size, seed, eos_token_ids)       # ops: a cuda_ops.CudaOps
+    sampler = ops.new_sampler(vocab_size, seed, eos_token_ids)       # ops: a cuda_ops.CudaOps
     out = sampler.sample(model.forward(batch, cache, device_logits=True), params, generators, prompts, outputs)
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minisarathi.backends.cuda_ops import CudaOps, convert, dtype_name
+from minisarathi.dtypes import convert, dtype_name
 from minisarathi.sampler import SamplerOutput, draw_uniforms, is_penalized, make_generator, stop_tokens_to_mask
 from minisarathi.sampling_params import SamplingParams
 
 
 class GpuSampler:
-    def __init__(self, ops: CudaOps, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, ops, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.ops = ops
         self.xp = ops.xp
         self.vocab_size = vocab_size

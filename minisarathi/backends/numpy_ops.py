@@ -7,119 +7,135 @@ from __future__ import annotations
 
 import numpy as np
 
-from minisarathi.engine.batch import Batch
+from minisarathi.batch import Batch
+from minisarathi.sampler import Sampler
 
-activation_dtype = np.dtype(np.float32)  # of activations and the KV cache
 # Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
 # (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
 QUERY_TILE = 128
 _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
 
 
-def weight(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array, dtype=np.float32)
+class NumpyOps:
+    """The Backend interface (minisarathi/backends/base.py) on the CPU."""
 
+    device = "cpu"
+    activation_dtype = np.dtype(np.float32)   # of activations and the KV cache
 
-def zeros(shape: tuple[int, ...]) -> np.ndarray:
-    return np.zeros(shape, dtype=np.float32)
+    def free_memory_bytes(self) -> None:
+        return None   # host memory: the engine uses its CPU default for the KV cache
 
+    def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
+        return Sampler(vocab_size, seed, eos_token_ids)
 
-def to_numpy(x: np.ndarray) -> np.ndarray:
-    return x
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array, dtype=np.float32)
 
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
 
-def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    return np.take(table, ids, axis=0)  # float32[T, H]
+    def to_numpy(self, x: np.ndarray) -> np.ndarray:
+        return x
 
+    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return np.take(table, ids, axis=0)  # float32[T, H]
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    mean_square = np.einsum("th,th->t", x, x) / x.shape[1]  # float32[T], no x*x temporary
-    scale = 1.0 / np.sqrt(mean_square + np.float32(eps))
-    out = x * scale[:, None]
-    out *= w
-    return out
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        mean_square = np.einsum("th,th->t", x, x) / x.shape[1]  # float32[T], no x*x temporary
+        scale = 1.0 / np.sqrt(mean_square + np.float32(eps))
+        out = x * scale[:, None]
+        out *= w
+        return out
 
+    def add_rms_norm(self, x: np.ndarray, residual: np.ndarray, w: np.ndarray,
+                     eps: float) -> tuple[np.ndarray, np.ndarray]:
+        residual += x
+        return self.rms_norm(residual, w, eps), residual
 
-def add_rms_norm(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    residual += x
-    return rms_norm(residual, w, eps), residual
+    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        out = x @ w.T  # float32[T, N]
+        if bias is not None:
+            out += bias
+        return out
 
+    def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> None:
+        """Rotates q[T, Hq, D] and k[T, Hk, D] in place; pairs are (i, i + D/2) as in HF's rotate_half."""
+        angles = positions.astype(np.float32)[:, None] * inv_freq  # float32[T, D/2], as HF computes them
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        half = inv_freq.shape[0]
+        for x in (q, k):
+            x1, x2 = x[..., :half], x[..., half:]
+            rotated_x1 = x1 * cos - x2 * sin
+            x2 *= cos
+            x2 += x1 * sin
+            x1[...] = rotated_x1
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    out = x @ w.T  # float32[T, N]
-    if bias is not None:
-        out += bias
-    return out
+    def store_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
+        """Scatters token t's k[t], v[t] into slot slot_mapping[t]; a negative slot is padding, not stored."""
+        stored = slot_mapping >= 0
+        if not stored.all():
+            k, v, slot_mapping = k[stored], v[stored], slot_mapping[stored]
+        blocks, offsets = np.divmod(slot_mapping, k_cache.shape[2])
+        # Caches are [num_blocks, Hk, block_size, D]; indexing axes 0 and 2 selects [T, Hk, D].
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
 
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
+                        scale: float) -> np.ndarray:
+        """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
-def rope(q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> None:
-    """Rotates q[T, Hq, D] and k[T, Hk, D] in place; pairs are (i, i + D/2) as in HF's rotate_half."""
-    angles = positions.astype(np.float32)[:, None] * inv_freq  # float32[T, D/2], as HF computes them
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    half = inv_freq.shape[0]
-    for x in (q, k):
-        x1, x2 = x[..., :half], x[..., half:]
-        rotated_x1 = x1 * cos - x2 * sin
-        x2 *= cos
-        x2 += x1 * sin
-        x1[...] = rotated_x1
+        Single-token runs (decodes) are done together, padded to the longest context (the padding reads
+        block-table entries past a context and masks them out, so the cache must hold finite numbers, as
+        zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. GQA never
+        copies K/V per query head: queries are grouped as [Hk, G] and the G queries of a KV head share its
+        keys in one product.
+        """
+        T, Hq, D = q.shape
+        Hk = k_cache.shape[1]
+        G = Hq // Hk
+        q = (q * np.float32(scale)).reshape(T, Hk, G, D)
+        out = np.empty((T, Hk, G, D), dtype=np.float32)
+        q_lens = np.diff(batch.query_start)
+        decodes = np.flatnonzero(q_lens == 1)
+        if len(decodes):
+            rows = batch.query_start[decodes]
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, batch.block_tables[decodes],
+                                          batch.context_lens[decodes])
+        for s in np.flatnonzero(q_lens > 1):
+            start, end = batch.query_start[s], batch.query_start[s + 1]
+            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, batch.block_tables[s],
+                                                int(batch.context_lens[s]))
+        return out.reshape(T, Hq, D)
 
+    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
+        """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
+        (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
+        pairs are (i, i + D/2) as in HF's rotate_half."""
+        half = q.shape[2] // 2
+        table = cos_sin[positions]                                   # float32[T, D]
+        cos, sin = table[:, None, :half], table[:, None, half:]
+        q1, q2 = q[..., :half], q[..., half:]
+        rotated_q1 = q1 * cos - q2 * sin
+        q2 *= cos
+        q2 += q1 * sin
+        q1[...] = rotated_q1
+        k1, k2 = k[..., :half], k[..., half:]
+        rotated_k = np.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=2)   # float32[T, Hk, D]
+        self.store_kv(rotated_k, v, k_cache, v_cache, slot_mapping)
 
-def rope_store_kv(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                  positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
-    """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
-    (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
-    pairs are (i, i + D/2) as in HF's rotate_half."""
-    half = q.shape[2] // 2
-    table = cos_sin[positions]                                   # float32[T, D]
-    cos, sin = table[:, None, :half], table[:, None, half:]
-    q1, q2 = q[..., :half], q[..., half:]
-    rotated_q1 = q1 * cos - q2 * sin
-    q2 *= cos
-    q2 += q1 * sin
-    q1[...] = rotated_q1
-    k1, k2 = k[..., :half], k[..., half:]
-    rotated_k = np.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=2)   # float32[T, Hk, D]
-    stored = slot_mapping >= 0
-    if not stored.all():
-        rotated_k, v, slot_mapping = rotated_k[stored], v[stored], slot_mapping[stored]
-    store_kv(rotated_k, v, k_cache, v_cache, slot_mapping)
-
-
-def store_kv(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-             slot_mapping: np.ndarray) -> None:
-    block_size = k_cache.shape[2]
-    blocks, offsets = np.divmod(slot_mapping, block_size)
-    # Caches are [num_blocks, Hk, block_size, D]; indexing axes 0 and 2 selects [T, Hk, D].
-    k_cache[blocks, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
-
-
-def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
-                    scale: float) -> np.ndarray:
-    """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
-
-    Single-token runs (decodes) are done together, padded to the longest context (the padding reads
-    block-table entries past a context and masks them out, so the cache must hold finite numbers, as
-    zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. GQA never copies K/V per query head: queries are grouped as
-    [Hk, G] and the G queries of a KV head share its keys in one product.
-    """
-    T, Hq, D = q.shape
-    Hk = k_cache.shape[1]
-    G = Hq // Hk
-    q = (q * np.float32(scale)).reshape(T, Hk, G, D)
-    out = np.empty((T, Hk, G, D), dtype=np.float32)
-    q_lens = np.diff(batch.query_start)
-    decodes = np.flatnonzero(q_lens == 1)
-    if len(decodes):
-        rows = batch.query_start[decodes]
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, batch.block_tables[decodes],
-                                      batch.context_lens[decodes])
-    for s in np.flatnonzero(q_lens > 1):
-        start, end = batch.query_start[s], batch.query_start[s + 1]
-        out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, batch.block_tables[s],
-                                            int(batch.context_lens[s]))
-    return out.reshape(T, Hq, D)
+    def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
+        """float32[T, I] = silu(gate) * up for x = [gate | up] of float32[T, 2I]."""
+        inter = x.shape[1] // 2
+        gate, up = x[:, :inter], x[:, inter:]
+        out = np.negative(gate)
+        with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0, correctly
+            np.exp(out, out=out)
+        out += 1
+        np.divide(gate, out, out=out)
+        out *= up
+        return out
 
 
 def _prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
@@ -170,16 +186,3 @@ def _exp_in_place(scores: np.ndarray) -> np.ndarray:
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     return scores.sum(axis=-1, keepdims=True)
-
-
-def silu_and_mul(x: np.ndarray) -> np.ndarray:
-    """float32[T, I] = silu(gate) * up for x = [gate | up] of float32[T, 2I]."""
-    inter = x.shape[1] // 2
-    gate, up = x[:, :inter], x[:, inter:]
-    out = np.negative(gate)
-    with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0, correctly
-        np.exp(out, out=out)
-    out += 1
-    np.divide(gate, out, out=out)
-    out *= up
-    return out

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import add_engine_arguments, engine_options_from_args
-from ..config import SCHEDULERS
-from ..server.client import DEFAULT_PORT
-from .capacity import Slo, find_capacity, judge
-from .compare import capacity_table, policy_variants, tbt_ratio
-from .metrics import compute_metrics, format_table, load_run, save_run
-from .targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
-from .workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
+from minisarathi.cli_args import API_KEY_ENV, add_engine_arguments, engine_options_from_args, read_api_key
+from minisarathi.config import SCHEDULERS
+from minisarathi.client import DEFAULT_PORT
+from minisarathi.bench.capacity import Slo, find_capacity, judge
+from minisarathi.bench.compare import capacity_table, policy_variants, tbt_ratio
+from minisarathi.bench.metrics import compute_metrics, format_table, load_run, save_run
+from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
+from minisarathi.bench.workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
 PROMPT_VOCAB = 512          # synthetic prompt ids stay below this: valid for every Llama-family vocabulary
 OPENAI_MAX_MODEL_LEN = 2048  # an OpenAI endpoint does not say its context length: --max-model-len overrides
@@ -74,7 +74,7 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", default="http://127.0.0.1:8000", help="openai target's base URL (default: %(default)s)")
     g.add_argument("--openai-model", default=None, help="the `model` field sent to the openai target")
     g.add_argument("--api-key-file", default=None,
-                   help="file holding the remote target's API key (or set $MINISARATHI_API_KEY)")
+                   help=f"file holding the remote target's API key (or set ${API_KEY_ENV})")
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,7 +140,7 @@ class _Session:
     # Targets
 
     def engine(self, **overrides):
-        from ..engine.engine import LLMEngine
+        from minisarathi.engine.engine import LLMEngine
 
         engine = LLMEngine(**(engine_options_from_args(self.args) | overrides))
         target = EngineTarget(engine)
@@ -151,9 +151,7 @@ class _Session:
         args = self.args
         if args.target == "engine":
             return self.engine()
-        from ..server.cli import _read_api_key
-
-        api_key = _read_api_key(args.api_key_file)
+        api_key = read_api_key(args.api_key_file)
         if args.target == "openai":
             return OpenAITarget(args.url, args.openai_model, api_key), args.max_model_len or OPENAI_MAX_MODEL_LEN
         target = ServerTarget(args.host, args.port, api_key)
@@ -308,7 +306,7 @@ class _Session:
 
 def _server_max_model_len(host: str, port: int, api_key: str | None) -> int:
     """The longest request (prompt + output tokens) a minisarathi server accepts, from its model_info."""
-    from ..server.client import Client
+    from minisarathi.client import Client
 
     with Client(host, port, api_key=api_key, timeout=30) as client:
         info = client.model_info()
@@ -316,7 +314,7 @@ def _server_max_model_len(host: str, port: int, api_key: str | None) -> int:
 
 
 def _plot(runs, capacities, out_dir: Path, qps: float, copy_to: Path | None) -> None:
-    from .plots import plot_comparison
+    from minisarathi.bench.plots import plot_comparison
 
     for path in plot_comparison(runs, capacities, out_dir, f"({qps:g} qps)"):
         print(f"plot: {path}")
@@ -343,7 +341,7 @@ def _ms(seconds) -> str:
 
 
 def _run_random_model(args) -> int:
-    from .random_model import write_random_model
+    from minisarathi.bench.random_model import write_random_model
 
     path = write_random_model(args.path, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
                               args.intermediate_size, args.max_position_embeddings, args.seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import BatchRecord, RequestRecord
+from minisarathi.bench.metrics import BatchRecord, RequestRecord
 
 
 def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]]],

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..paths import default_model_dir
+from minisarathi.paths import default_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 VOCAB_SIZE = 512

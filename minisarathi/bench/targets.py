@@ -17,12 +17,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..sampling_params import SamplingParams
-from ..server.client import DEFAULT_PORT
-from .capacity import Slo, SloWatch
-from .metrics import BatchRecord, RequestRecord
-from .progress import Progress
-from .workloads import FIRST_PROMPT_TOKEN, RequestSpec
+from minisarathi.sampling_params import SamplingParams
+from minisarathi.client import DEFAULT_PORT
+from minisarathi.bench.capacity import Slo, SloWatch
+from minisarathi.bench.metrics import BatchRecord, RequestRecord
+from minisarathi.bench.progress import Progress
+from minisarathi.bench.workloads import FIRST_PROMPT_TOKEN, RequestSpec
 
 
 @dataclass
@@ -262,7 +262,7 @@ class ServerTarget(_RemoteTarget):
         self.host, self.port, self.api_key = host, port, api_key
 
     async def stream(self, spec, record, start) -> None:
-        from ..server.client import AsyncClient
+        from minisarathi.client import AsyncClient
 
         # One connection per request, as an HTTP client would: no per-connection in-flight limit applies.
         async with AsyncClient(self.host, self.port, api_key=self.api_key) as client:

@@ -4,15 +4,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 
 from minisarathi.config import EngineConfig
-from minisarathi.engine.batch import make_batch
+from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
+from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.paths import default_model_dir
@@ -21,62 +21,16 @@ from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass(slots=True)
-class StepRecord:
-    start_time: float          # time.monotonic() at the start of the step
-    num_seqs: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_preempted: int
-    schedule_time: float       # scheduling and batch building
-    execution_time: float      # model forward + sampling
-    step_time: float           # the whole step, bookkeeping and outputs included
-
-
-class StepLog:
-    """The engine's StepRecords, indexed by step number since the engine started, keeping at least the latest
-    `keep` (a server runs for ever). Because indices never shift, `log[n:]` with `n = len(log)` taken earlier
-    still means "the steps since then"; records older than the latest `keep` may be gone from it."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._records: list[StepRecord] = []
-        self._num_dropped = 0
-
-    def append(self, record: StepRecord) -> None:
-        self._records.append(record)
-        if len(self._records) >= 2 * self.keep:   # drop in bulk: amortized O(1) per step
-            del self._records[:self.keep]
-            self._num_dropped += self.keep
-
-    def __len__(self) -> int:
-        return self._num_dropped + len(self._records)
-
-    def __iter__(self):
-        return iter(self._records)
-
-    def __getitem__(self, key: int | slice) -> StepRecord | list[StepRecord]:
-        steps = range(len(self))[key]     # step numbers: negative indices and slices resolved
-        if isinstance(steps, int):
-            if steps < self._num_dropped:
-                raise IndexError(f"step record {steps} was dropped (the log keeps the latest {self.keep})")
-            return self._records[steps - self._num_dropped]
-        return [self._records[i - self._num_dropped] for i in steps if i >= self._num_dropped]
-
-
-STEP_RECORDS_KEPT = 50_000   # the log holds 50,000 to 100,000 records: ~20 MB at most
-
 CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
 GPU_KV_CACHE_FRACTION = 0.9      # of the device memory free after the weights: the rest is for activations
 
 
 def kv_cache_budget(config: EngineConfig, ops) -> int:
-    """config.kv_cache_bytes, else a share of the device memory the backend reports free (the CUDA backend's
-    ops.free_memory_bytes(); it is called after the weights are placed), else CPU_KV_CACHE_BYTES."""
+    """config.kv_cache_bytes, else a share of the device memory the backend reports free (called after the
+    weights are placed), else (host memory: the backend reports none) CPU_KV_CACHE_BYTES."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
-    free_memory_bytes = getattr(ops, "free_memory_bytes", None)
-    free = None if free_memory_bytes is None else free_memory_bytes()
+    free = ops.free_memory_bytes()
     return CPU_KV_CACHE_BYTES if free is None else int(GPU_KV_CACHE_FRACTION * free)
 
 
@@ -194,7 +148,8 @@ class LLMEngine:
         self._aborted.clear()
         if not schedule.scheduled:
             return outputs
-        batch, samplers, num_prefill = self._build_batch(schedule.scheduled, start)
+        starts = self._advance(schedule.scheduled, start)
+        batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
 
         scheduled = time.monotonic()
         logits = self.model.forward(batch, self.kv_cache, device_logits=True)
@@ -203,44 +158,42 @@ class LLMEngine:
                                       [s.output_token_ids for s in samplers])
         executed = time.monotonic()
 
-        if self.block_manager.enable_prefix_caching:
-            for seq in schedule.scheduled:
-                self.block_manager.register_computed(seq)
-        finished = []
-        for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
-            done = self._append_token(seq, token, sampled, row, executed)
-            if done:
-                finished.append(seq)
-            if done or seq.stream:
-                outputs.append(self._output(seq))
-        self.num_generated_tokens += len(samplers)
-        self.scheduler.remove_finished(finished)
+        outputs += self._update(schedule.scheduled, samplers, sampled, executed)
         self.step_records.append(StepRecord(
             start, batch.num_seqs, num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
             scheduled - start, executed - scheduled, time.monotonic() - start))
         return outputs
 
-    def _build_batch(self, scheduled: dict[Sequence, int], now: float):
-        """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
-        A chunk is the sequence's next uncomputed tokens; it samples when it reaches the sequence's end."""
-        token_ids, starts, rows, sample, samplers = [], [], [], [], []
-        num_prefill = max_end = 0
+    def _advance(self, scheduled: dict[Sequence, int], now: float) -> list[int]:
+        """Counts each granted chunk as computed (this step's forward computes it) and stamps the request's
+        timeline; returns each chunk's first position. A chunk is the sequence's next uncomputed tokens."""
+        starts = []
         for seq, n in scheduled.items():
             begin = seq.num_computed_tokens
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 seq.num_cached_tokens = begin
-            seq.num_computed_tokens = end = begin + n
+            if begin < seq.num_prefill_tokens:
+                seq.metrics.chunk_times.append((now, n))
+            seq.num_computed_tokens = begin + n
+            starts.append(begin)
+        return starts
+
+    def _make_batch(self, scheduled: dict[Sequence, int], starts: list[int]) -> tuple[Batch, list[Sequence], int]:
+        """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
+        A chunk samples when it reaches the sequence's end."""
+        token_ids, rows, sample, samplers = [], [], [], []
+        num_prefill = max_end = 0
+        for (seq, n), begin in zip(scheduled.items(), starts):
+            end = begin + n
             if end > max_end:
                 max_end = end
-            starts.append(begin)
             rows.append(seq.block_row)
             if begin >= seq.num_prefill_tokens:   # a decode: its one uncomputed token is the last sampled one
                 token_ids.append(seq.output_token_ids[-1])
                 ends = True
             else:
                 num_prefill += n
-                seq.metrics.chunk_times.append((now, n))
                 token_ids += seq.token_slice(begin, end)
                 ends = end == seq.num_tokens
             sample.append(ends)
@@ -251,6 +204,23 @@ class LLMEngine:
         tables = self.block_manager.tables[rows, :width]      # int32[S, width]
         batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
         return batch, samplers, num_prefill
+
+    def _update(self, scheduled: dict[Sequence, int], samplers: list[Sequence], sampled, now: float
+                ) -> list[RequestOutput]:
+        """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
+        if self.block_manager.enable_prefix_caching:
+            for seq in scheduled:
+                self.block_manager.register_computed(seq)
+        outputs, finished = [], []
+        for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
+            done = self._append_token(seq, token, sampled, row, now)
+            if done:
+                finished.append(seq)
+            if done or seq.stream:
+                outputs.append(self._output(seq))
+        self.num_generated_tokens += len(samplers)
+        self.scheduler.remove_finished(finished)
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> bool:
         """Add a sampled token to seq; returns whether it finished seq."""

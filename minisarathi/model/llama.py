@@ -6,18 +6,17 @@ the rows that are sampled.
 """
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from minisarathi.backends import numpy_ops
-from minisarathi.config import DEVICES, ModelConfig
-from minisarathi.engine.batch import Batch
+from minisarathi.backends.base import Backend
+from minisarathi.backends.devices import make_backend
+from minisarathi.batch import Batch
+from minisarathi.config import ModelConfig
 from minisarathi.model.loader import load_weights
-from minisarathi.sampler import Sampler
+from minisarathi.validation import check_int
 
 
 @dataclass
@@ -33,9 +32,9 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: ModuleType):
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend):
         """weights as load_weights returns them (checkpoint tensors, which ops.weight places in the backend's
-        dtype) or float32 arrays; ops a backend (minisarathi.backends.numpy_ops or a cuda_ops.CudaOps)."""
+        dtype) or float32 arrays; ops the backend that places them and runs the forward pass."""
         self.config = config
         self.ops = ops
         self.embed_tokens = ops.weight(weights["embed_tokens"])
@@ -53,9 +52,8 @@ class LlamaModel:
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:
         """Per layer (k_cache, v_cache), each [num_blocks, Hk, block_size, D] in the activation dtype."""
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int("num_blocks", num_blocks, lo=1)
+        check_int("block_size", block_size, lo=1)
         shape = (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
         return [(self.ops.zeros(shape), self.ops.zeros(shape)) for _ in range(self.config.num_hidden_layers)]
 
@@ -63,13 +61,9 @@ class LlamaModel:
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
 
-    def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler | Any:
-        """The sampler for forward(..., device_logits=True)'s logits: the NumPy Sampler, or on the CUDA
-        backend a GpuSampler (same rule, only ids and logprobs cross to the host)."""
-        if self.ops is numpy_ops:
-            return Sampler(self.config.vocab_size, seed, eos_token_ids)
-        from minisarathi.backends.gpu_sampling import GpuSampler
-        return GpuSampler(self.ops, self.config.vocab_size, seed, eos_token_ids)
+    def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
+        """The backend's sampler for forward(..., device_logits=True)'s logits."""
+        return self.ops.new_sampler(self.config.vocab_size, seed, eos_token_ids)
 
     def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]], device_logits: bool = False) -> Any:
         """float32[N, vocab] NumPy logits of the rows batch.logits_indices, after writing the batch's K/V.
@@ -102,34 +96,8 @@ class LlamaModel:
         return logits if device_logits else ops.to_numpy(logits)
 
 
-def resolve_device(device: str) -> str:
-    """"auto" is "cuda" when CuPy is installed and sees a GPU, else "cpu" (CuPy is not imported without it)."""
-    if device != "auto":
-        return device
-    if importlib.util.find_spec("cupy") is None:
-        return "cpu"
-    import cupy
-    try:
-        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
-    except cupy.cuda.runtime.CUDARuntimeError:   # no driver, or no device
-        return "cpu"
-
-
-def backend_ops(device: str, dtype: str):
-    """The ops module for a device. The CUDA backend is imported only here, so the CPU path never loads CuPy."""
-    if device == "cpu":
-        return numpy_ops
-    if device == "cuda" and resolve_device("auto") != "cuda":
-        raise ValueError("device 'cuda' needs CuPy (pip install 'minisarathi[cuda13]' or '[cuda12]') and a "
-                         "visible GPU; none was found (use device 'cpu', 'auto' or 'cuda-emulated')")
-    from minisarathi.backends import cuda_ops
-    if device == "cuda-emulated":
-        return cuda_ops.emulated()        # float32 on the CPU: exact against the NumPy reference
-    return cuda_ops.gpu(dtype)            # the checkpoint's dtype on the GPU
-
-
 def load_model(path: str | Path, device: str = "cpu") -> LlamaModel:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    """A Hugging Face folder's model on the backend for `device` (minisarathi/backends/devices.py)."""
     config = ModelConfig.from_pretrained(path)
-    return LlamaModel(config, load_weights(path, config), backend_ops(resolve_device(device), config.dtype))
+    backend = make_backend(device, config.dtype)
+    return LlamaModel(config, load_weights(path, config), backend)

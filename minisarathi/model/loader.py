@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.config import ModelConfig
+from minisarathi.dtypes import to_float32
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
-# its bits are read as uint16 and widened by bf16_to_float32.
+# its bits are read as uint16 (minisarathi/dtypes.py).
 STORED_DTYPES = {"F32": ("float32", np.dtype("<f4")), "F16": ("float16", np.dtype("<f2")),
                  "BF16": ("bfloat16", np.dtype("<u2"))}
 
@@ -38,7 +39,8 @@ class CheckpointTensor:
         return self.data.shape
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return np.asarray(to_float32(self.dtype, self.data), dtype=dtype, copy=copy)
+        # a float32 tensor comes back as it is, a view of the memory map
+        return np.asarray(to_float32(self.data, self.dtype), dtype=dtype, copy=copy)
 
 
 class CheckpointWeights(Mapping):
@@ -156,15 +158,3 @@ def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
         tensors[name] = CheckpointTensor(dtype_name, body[begin:end].view(array_dtype).reshape(shape))
     return tensors
 
-
-def to_float32(dtype: str, raw: np.ndarray) -> np.ndarray:
-    """The stored tensor's values as a C-contiguous float32 array (exact: every 16-bit value is a float32
-    value); a float32 tensor comes back as it is, a view of the memory map."""
-    if dtype == "bfloat16":
-        return bf16_to_float32(raw)
-    return np.ascontiguousarray(raw, dtype=np.float32)
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 is the top half of a float32: shift its 16 bits up and reinterpret."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)

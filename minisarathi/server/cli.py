@@ -1,23 +1,19 @@
-"""`minisarathi serve` and `minisarathi client` (wired into minisarathi/cli.py)."""
+"""`minisarathi serve` and `minisarathi client` (dispatched by minisarathi/cli.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 
-from ..cli import add_engine_arguments, add_sampling_arguments, engine_options_from_args, sampling_options_from_args
-from .client import DEFAULT_PORT, Client
-from .protocol import RPCError, ServerLimits
-
-API_KEY_ENV = "MINISARATHI_API_KEY"
+from minisarathi.cli_args import (API_KEY_ENV, add_engine_arguments, add_sampling_arguments, engine_options_from_args,
+                                  read_api_key, sampling_options_from_args)
+from minisarathi.client import DEFAULT_PORT, Client
+from minisarathi.server.protocol import RPCError, ServerLimits
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="TCP address to listen on (default 127.0.0.1)")
@@ -45,9 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..engine.engine import LLMEngine
-    from ..paths import default_model_dir
-    from .server import Server
+    from minisarathi.engine.engine import LLMEngine
+    from minisarathi.paths import default_model_dir
+    from minisarathi.server.server import Server
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,18 +53,11 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections,
                           max_queued_requests=args.max_queued_requests, idle_timeout_s=args.idle_timeout,
                           max_write_buffer_bytes=args.max_write_buffer_bytes, shutdown_grace_s=args.shutdown_grace)
-    api_key = _read_api_key(args.api_key_file)
+    api_key = read_api_key(args.api_key_file)
     engine = LLMEngine(**engine_options_from_args(args))
     server = Server(engine, limits, api_key=api_key, model_name=str(args.model or default_model_dir()))
     asyncio.run(server.run(args.host, args.port, args.unix_socket))
     return 0
-
-
-def _read_api_key(path: str | None) -> str | None:
-    key = Path(path).read_text(encoding="utf-8").strip() if path else os.environ.get(API_KEY_ENV)
-    if key is not None and not key:
-        raise ValueError("api-key-file: the API key is empty")
-    return key
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +76,7 @@ def run_client(args: argparse.Namespace) -> int:
     sampling = sampling_options_from_args(args)
     try:
         with Client(args.host, args.port, unix_socket=args.unix_socket,
-                    api_key=_read_api_key(args.api_key_file)) as client:
+                    api_key=read_api_key(args.api_key_file)) as client:
             if args.stream:
                 sys.stdout.write(args.prompt)
                 stream = client.generate_stream(args.prompt, **sampling)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..sampling_params import SamplingParams
+from minisarathi.sampling_params import SamplingParams
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS,
-                       NOTIFICATION, OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD,
-                       RPCError, ServerLimits, as_int, as_text, make_unpacker, pack, parse_generate, short,
-                       single_param, text_params)
+from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE,
+                                         INVALID_PARAMS, NOTIFICATION, OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE,
+                                         UNAUTHORIZED, UNKNOWN_METHOD, RPCError, ServerLimits, as_int, as_text,
+                                         make_unpacker, pack, parse_generate, short, single_param, text_params)
 
 log = logging.getLogger("minisarathi.server")
 

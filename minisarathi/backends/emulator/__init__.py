@@ -5,9 +5,8 @@
 
 See docs/cuda.md.
 """
-from .builder import build, cache_dir
-from .launcher import ORDERS, EmulatedKernel, EmulatedModule, load_module, schedule
-from .bf16 import bf16_to_float32, float32_to_bf16
+from minisarathi.backends.emulator.builder import build, cache_dir
+from minisarathi.backends.emulator.launcher import ORDERS, EmulatedKernel, EmulatedModule, load_module, schedule
 
-__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "bf16_to_float32", "build", "cache_dir",
-           "float32_to_bf16", "load_module", "schedule"]
+__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "build", "cache_dir",
+           "load_module", "schedule"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .builder import build
+from minisarathi.backends.emulator.builder import build
 
 ORDERS = ("forward", "reverse", "random")
 DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024   # what a GPU allows without opting in through a function attribute

@@ -1,4 +1,9 @@
-"""The batch contract: the flat arrays one forward call runs on (see docs/architecture.md)."""
+"""The batch contract: the flat arrays one forward call runs on (the rules are in docs/architecture.md).
+
+Block-table entries past a sequence's last block are 0. A backend may read them (the NumPy decode attention
+pads every row to the longest context and masks the padding's scores) but must never let them change a result.
+A negative slot in slot_mapping marks a padding token whose K/V is not stored (both backends skip it).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +18,7 @@ class Batch:
     slot_mapping: np.ndarray    # int32[T]    KV slot of each token: block_id * block_size + offset
     query_start: np.ndarray     # int32[S+1]  tokens of sequence s are rows query_start[s] .. query_start[s+1]-1
     context_lens: np.ndarray    # int32[S]    tokens of sequence s in the cache once this step's K/V is written
-    block_tables: np.ndarray    # int32[S, B] KV blocks of sequence s in order; unused entries 0, never read
+    block_tables: np.ndarray    # int32[S, B] KV blocks of sequence s in order, zero-padded (see below)
     logits_indices: np.ndarray  # int32[N]    rows of T whose logits are wanted, sorted
     max_query_len: int
     max_context_len: int
@@ -27,29 +32,10 @@ class Batch:
         return len(self.context_lens)
 
 
-@dataclass
-class ScheduledChunk:
-    """One sequence's share of a step: `token_ids` at positions start_pos.. over its block table."""
-    token_ids: list[int]
-    start_pos: int              # tokens of this sequence already in the cache
-    block_table: list[int]      # must cover start_pos + len(token_ids) tokens
-    sample: bool                # whether this chunk ends where a token is sampled
-
-
-def build_batch(chunks: list[ScheduledChunk], block_size: int) -> Batch:
-    width = max((len(c.block_table) for c in chunks), default=0)
-    block_tables = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
-    for s, c in enumerate(chunks):
-        block_tables[s, :len(c.block_table)] = c.block_table
-    return make_batch([t for c in chunks for t in c.token_ids], [c.start_pos for c in chunks],
-                      [len(c.token_ids) for c in chunks], block_tables, [c.sample for c in chunks], block_size)
-
-
 def make_batch(token_ids: list[int], start_pos: list[int], num_tokens: list[int], block_tables: np.ndarray,
                sample: list[bool], block_size: int) -> Batch:
-    """build_batch from per-sequence columns, for a caller that keeps its block tables as a matrix (the engine):
-    sequence s runs num_tokens[s] of `token_ids` (all sequences' tokens back to back) from start_pos[s] over
-    block_tables[s] (int32[S, B], zero-padded)."""
+    """The batch of one step: sequence s runs num_tokens[s] of `token_ids` (all sequences' tokens back to back)
+    from start_pos[s] over block_tables[s] (int32[S, B], zero-padded); it samples when sample[s]."""
     q_lens = np.array(num_tokens, np.int32)                       # int32[S]
     starts = np.array(start_pos, np.int32)                        # int32[S]
     context_lens = starts + q_lens

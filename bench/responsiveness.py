@@ -1,7 +1,7 @@
 """How promptly the server answers `health` while the engine thread runs long prefill steps.
 
-    python -m minisarathi.server.responsiveness                 # random 4-layer, hidden-512 Llama
-    python -m minisarathi.server.responsiveness --model models/stories260K --prompt-tokens 511
+    python -m bench.responsiveness                 # random 4-layer, hidden-512 Llama
+    python -m bench.responsiveness --model models/stories260K --prompt-tokens 511
 
 Starts `minisarathi serve` as a separate process, keeps its engine busy with back-to-back one-token
 requests whose prompts fill one whole chunk (each is one prefill step), and meanwhile times `health`
@@ -21,11 +21,11 @@ import time
 
 import numpy as np
 
-from .client import Client
+from minisarathi.client import Client
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minisarathi.server.responsiveness", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.responsiveness", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: a seeded random Llama)")
     parser.add_argument("--prompt-tokens", type=int, default=512)

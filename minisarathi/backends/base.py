@@ -1,0 +1,48 @@
+"""The one interface every backend implements: what the model and the engine may ask of it.
+
+Two backends implement it: NumpyOps (minisarathi/backends/numpy_ops.py, the float32 reference on the CPU)
+and CudaOps (minisarathi/backends/cuda_ops.py, the kernels of cuda/*.cu on a GPU or on the CPU emulator).
+docs/architecture.md has the same list as a table with the shapes; tests/test_backends.py checks that both
+backends have every name listed here.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from minisarathi.batch import Batch
+
+Array = Any   # a NumPy array on the CPU and the emulator, a CuPy array on a GPU
+
+
+class Backend(Protocol):
+    device: str                   # "cpu", "cuda" or "cuda-emulated"
+    activation_dtype: np.dtype    # of activations and the KV cache (uint16 holds bfloat16 bits)
+
+    # placement
+    def weight(self, tensor: Any) -> Array:
+        """A loader CheckpointTensor (or a float32 array) placed on the device in the activation dtype."""
+    def zeros(self, shape: tuple[int, ...]) -> Array: ...
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """float32 NumPy copy (the logits' way back to the host)."""
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free now, or None where the backend's arrays are host memory."""
+    def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Any:
+        """The sampler for this backend's logits (same rule on every backend; see minisarathi/sampler.py)."""
+
+    # the ops of the forward pass (rows of x are tokens)
+    def embedding(self, table: Array, ids: np.ndarray) -> Array: ...
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
+    def add_rms_norm(self, x: Array, residual: Array, w: Array, eps: float) -> tuple[Array, Array]: ...
+    def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array: ...
+    def rope(self, q: Array, k: Array, positions: np.ndarray, inv_freq: np.ndarray) -> None: ...
+    def store_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: np.ndarray) -> None: ...
+    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float) -> Array: ...
+    def silu_and_mul(self, x: Array) -> Array: ...
+
+
+def interface_names() -> list[str]:
+    """Every attribute and method of Backend, for the test that holds both backends to it."""
+    methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
+    return sorted([*Backend.__annotations__, *methods])

@@ -1,0 +1,70 @@
+"""The command-line flags that several commands share (engine options, sampling, the API key), built from the
+dataclasses they fill so a field's flag, default and meaning are written once. Imports none of the commands."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from minisarathi.config import DEVICES, SCHEDULERS, EngineConfig
+
+API_KEY_ENV = "MINISARATHI_API_KEY"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """The engine options, named as EngineConfig's fields (chunk_size -> --chunk-size)."""
+    model_help = "Hugging Face model folder (default: the bundled stories260K)"
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, help=model_help)
+    else:
+        parser.add_argument("--model", default=None, help=model_help)
+    d = EngineConfig()   # the defaults live in one place
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", choices=DEVICES, default=d.device)
+    g.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler)
+    g.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                   help=f"per-iteration token budget (default {d.chunk_size})")
+    g.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV-cache block (default {d.block_size})")
+    g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from the memory budget)")
+    g.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache memory budget when --num-kv-blocks is unset (default: see docs/scheduling.md)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict:
+    """LLMEngine's keyword arguments: every EngineConfig field that has a flag of the same name."""
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if args.kv_cache_mb is not None:
+        options["kv_cache_bytes"] = args.kv_cache_mb << 20
+    return dict(model=args.model, **options)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Per-request sampling flags, named as SamplingParams' fields (--seed is the engine's, so --sample-seed)."""
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_options_from_args(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def read_api_key(path: str | None) -> str | None:
+    """The key in the file at `path` (surrounding whitespace stripped), else $MINISARATHI_API_KEY, else None."""
+    key = Path(path).read_text(encoding="utf-8").strip() if path else os.environ.get(API_KEY_ENV)
+    if key is not None and not key:
+        raise ValueError("api-key-file: the API key is empty")
+    return key

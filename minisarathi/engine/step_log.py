@@ -1,0 +1,50 @@
+"""The engine's record of each step: what it ran and how long each part took (benchmarks and logs read it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class StepRecord:
+    start_time: float          # time.monotonic() at the start of the step
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    schedule_time: float       # scheduling and batch building
+    execution_time: float      # model forward + sampling
+    step_time: float           # the whole step, bookkeeping and outputs included
+
+
+class StepLog:
+    """The engine's StepRecords, indexed by step number since the engine started, keeping at least the latest
+    `keep` (a server runs for ever). Because indices never shift, `log[n:]` with `n = len(log)` taken earlier
+    still means "the steps since then"; records older than the latest `keep` may be gone from it."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._records: list[StepRecord] = []
+        self._num_dropped = 0
+
+    def append(self, record: StepRecord) -> None:
+        self._records.append(record)
+        if len(self._records) >= 2 * self.keep:   # drop in bulk: amortized O(1) per step
+            del self._records[:self.keep]
+            self._num_dropped += self.keep
+
+    def __len__(self) -> int:
+        return self._num_dropped + len(self._records)
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def __getitem__(self, key: int | slice) -> StepRecord | list[StepRecord]:
+        steps = range(len(self))[key]     # step numbers: negative indices and slices resolved
+        if isinstance(steps, int):
+            if steps < self._num_dropped:
+                raise IndexError(f"step record {steps} was dropped (the log keeps the latest {self.keep})")
+            return self._records[steps - self._num_dropped]
+        return [self._records[i - self._num_dropped] for i in steps if i >= self._num_dropped]
+
+
+STEP_RECORDS_KEPT = 50_000   # the log holds 50,000 to 100,000 records: ~20 MB at most
