@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from minisarathi.backends import cuda_ops  # noqa: E402
 from minisarathi.backends.numpy_ops import NumpyOps
-from minisarathi.backends.emulator.bf16 import bf16_to_float32, float32_to_bf16  # noqa: E402
+from minisarathi.dtypes import bf16_to_float32, float32_to_bf16  # noqa: E402
 from minisarathi.testing import ScheduledChunk, build_batch  # noqa: E402
 from minisarathi.paths import cuda_dir, default_model_dir  # noqa: E402
 from minisarathi.sampler import Sampler, make_generator  # noqa: E402

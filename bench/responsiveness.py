@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from ..bench.random_model import write_random_model
+            from minisarathi.bench.random_model import write_random_model
             model = str(write_random_model(os.path.join(tmp, "random-llama")))
         proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", model, "--port", "0",
                                  "--chunk-size", str(args.chunk_size), "--log-level", "WARNING"],

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import emulator
-from minisarathi.backends.emulator import bf16_to_float32, float32_to_bf16
+from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.paths import cuda_dir
 
 CHECKS = Path(__file__).parent / "kernels" / "mma_checks.cu"

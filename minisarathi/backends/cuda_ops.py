@@ -172,7 +172,7 @@ class CupyLauncher:
 
 
 class CudaOps:
-    """The backend ops (same names as numpy_ops) over one launcher and one activation dtype."""
+    """The Backend interface (minisarathi/backends/base.py) over one launcher and one activation dtype."""
 
     def __init__(self, launcher, dtype: str = "float32"):
         if dtype not in DTYPES:
