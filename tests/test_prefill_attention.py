@@ -11,9 +11,10 @@ import platform
 import numpy as np
 import pytest
 
-from minisarathi.backends import cuda_ops, emulator, numpy_ops
-from minisarathi.backends.emulator import bf16_to_float32, float32_to_bf16
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.backends import cuda_ops, emulator
+from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
+from minisarathi.testing import ScheduledChunk, build_batch
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}   # relative to the output's scale; P is rounded to the type
@@ -55,7 +56,7 @@ def check(dtype, Hq, Hk, D, block_size, runs, seed=0):
     batch, q, k_cache, v_cache = attention_case(seed, dtype, Hq, Hk, D, block_size, runs)
     ops = cuda_ops.emulated(dtype)
     scale = 1 / np.sqrt(D)
-    expected = numpy_ops.paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, scale)
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, scale)
     atol = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
 
