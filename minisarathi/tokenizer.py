@@ -68,10 +68,13 @@ class Tokenizer:
         return cls(tokenizer, bos, eos_ids, add_bos if isinstance(add_bos, bool) else None,
                    token_id("eos_token") if tok_config.get("add_eos_token") is True else None)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` with the special tokens the model expects (BOS for Llama: "" -> [bos])."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` with the special tokens the model expects (BOS for Llama: "" -> [bos]);
+        add_special_tokens=False: the text's own tokens only (a rendered chat template writes its own)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if not add_special_tokens:
+            return self.hf.encode(text, add_special_tokens=False).ids
         if self._add_bos is None:
             return self.hf.encode(text).ids
         ids = self.hf.encode(text, add_special_tokens=False).ids

@@ -64,6 +64,7 @@ class ServerLimits:
     idle_timeout_s: float = 300.0           # a connection with nothing in flight and no bytes is closed
     max_write_buffer_bytes: int = 16 << 20  # a client that stops reading its streams is disconnected past this
     shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    max_n: int = 8                          # choices per prompt (`n`)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

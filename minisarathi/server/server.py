@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import msgpack
 
@@ -25,6 +26,7 @@ from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTI
                                          INVALID_PARAMS, NOTIFICATION, OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE,
                                          UNAUTHORIZED, UNKNOWN_METHOD, RPCError, ServerLimits, as_int, as_text,
                                          make_unpacker, pack, parse_generate, short, single_param, text_params)
+from minisarathi.server.request_log import FinishedRequest, log_finished
 
 log = logging.getLogger("minisarathi.server")
 
@@ -106,9 +108,11 @@ def _settle(future: asyncio.Future, result, error):
 
 
 class _Connection:
-    def __init__(self, conn_id: int, writer: asyncio.StreamWriter, limits: ServerLimits, authenticated: bool):
+    def __init__(self, conn_id: int, writer: asyncio.StreamWriter, limits: ServerLimits, authenticated: bool,
+                 peer: str = "unix"):
         self.id = conn_id
         self.writer = writer
+        self.peer = peer   # the client's "host:port", for the request log
         self.limits = limits
         self.authenticated = authenticated
         self.inflight: dict[int, str] = {}    # msgid -> request id of its generate
@@ -155,6 +159,7 @@ class _Pending:
     msgid: int
     stream: bool
     want_logprobs: bool
+    prompt: str | list[int]
     prompt_tokens: int
     received: float                      # time.monotonic() when the request was read
     first_token_time: float | None = None
@@ -189,6 +194,9 @@ class Server:
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None   # set whenever no request is pending
         self._tasks: set[asyncio.Task] = set()       # running async handlers (the loop keeps weak refs only)
+        self._door_requests: dict[str, Callable] = {}   # engine request id -> on_output, for the other doors
+        self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
+        self.doors: list = []    # other doors (the HTTP door): `await start()` -> addresses, `await stop()`
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -210,6 +218,8 @@ class Server:
             self._servers.append(server)
             self._unix_socket = unix_socket
             addresses.append(f"unix:{unix_socket}")
+        for door in self.doors:
+            addresses += await door.start()
         return addresses
 
     async def shutdown(self):
@@ -217,15 +227,18 @@ class Server:
         self._shutting_down = True
         for server in self._servers:
             server.close()
-        if self._pending:
+        if self._pending or self._door_requests:
             log.info("shutting down: waiting up to %.1fs for %d requests", self.limits.shutdown_grace_s,
-                     len(self._pending))
+                     len(self._pending) + len(self._door_requests))
             try:
                 await asyncio.wait_for(self._drained.wait(), self.limits.shutdown_grace_s)
             except asyncio.TimeoutError:
                 pass
         for pending in list(self._pending.values()):
             self._fail(pending, RPCError(ABORTED, "server shutting down"))
+        self._fail_door_requests(RPCError(ABORTED, "server shutting down"))
+        for door in self.doors:
+            await door.stop()
         for conn in list(self._connections):
             conn.close(flush=True)
         for server in self._servers:
@@ -251,7 +264,9 @@ class Server:
     # ---------------------------------------------------------------- connections
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None)
+        peer = writer.get_extra_info("peername")
+        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None,
+                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix")
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         if len(self._connections) >= self.limits.max_connections:
             log.warning("conn=%d refused: %d connections are open", conn.id, len(self._connections))
@@ -306,6 +321,7 @@ class Server:
             pending = self._pending.get(request_id)
             if pending is not None:
                 log.info("%s aborted: client disconnected", request_id)
+                self._report_aborted(pending)
                 self._forget(pending)
                 self._worker.post(lambda rid=request_id: self.engine.abort_request(rid))
         log.info("conn=%d closed", conn.id)
@@ -376,7 +392,7 @@ class Server:
         if len(conn.inflight) >= self.limits.max_inflight_per_connection:
             raise RPCError(OVERLOADED, f"more than {self.limits.max_inflight_per_connection} requests in flight "
                                        "on this connection")
-        if len(self._pending) >= self.limits.max_queued_requests:
+        if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
             raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
         if request.prompt is not None:
             token_ids = self.engine.tokenizer.encode(request.prompt)
@@ -390,7 +406,8 @@ class Server:
             raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is {limit}")
         request_id = f"req-{next(self._request_ids)}"
         pending = _Pending(request_id, conn, msgid, request.stream, request.params.logprobs is not None,
-                           len(token_ids), time.monotonic())
+                           request.prompt if request.prompt is not None else token_ids, len(token_ids),
+                           time.monotonic())
         self._pending[request_id] = pending
         self._drained.clear()
         conn.inflight[msgid] = request_id
@@ -418,6 +435,7 @@ class Server:
         if request_id is None:
             return False   # unknown, or already finished
         log.info("%s aborted by the client", request_id)
+        self._report_aborted(self._pending[request_id])
         self._fail(self._pending[request_id], RPCError(ABORTED, "aborted by the client"))
         self._worker.post(lambda: self.engine.abort_request(request_id))
         return True
@@ -451,7 +469,7 @@ class Server:
         self._trim_throughput_window(now)
         window = min(_THROUGHPUT_WINDOW_S, now - self._started)
         return {**engine_stats,
-                "connections": len(self._connections), "pending_requests": len(self._pending),
+                "connections": len(self._connections), "pending_requests": len(self._pending) + len(self._door_requests),
                 "write_buffer_bytes": sum(c.writer.transport.get_write_buffer_size() for c in self._connections
                                           if not c.closed),
                 "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
@@ -477,7 +495,8 @@ class Server:
         for output in outputs:
             pending = self._pending.get(output.request_id)
             if pending is None:
-                continue   # aborted or failed while the engine was stepping
+                self._deliver_to_door(output)   # or aborted or failed while the engine was stepping
+                continue
             try:
                 self._deliver(pending, output, now)
             except Exception as e:   # one bad output must not strand the others of this step
@@ -514,8 +533,9 @@ class Server:
             result["logprobs"] = [[{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank,
                                     "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
                                   for position in completion.logprobs or []]
-        log.info("%s finished: %s, %d tokens, %.3fs", pending.request_id, completion.finish_reason,
-                 len(completion.token_ids), result["e2e_s"])
+        self.report_finished(FinishedRequest(
+            pending.request_id, "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
+            output.num_cached_tokens, len(completion.token_ids), completion.finish_reason, output.metrics))
         self._forget(pending)
         pending.conn.respond(pending.msgid, None, result)
 
@@ -524,6 +544,7 @@ class Server:
         for pending in list(self._pending.values()):
             self._fail(pending, RPCError(INTERNAL, f"engine step failed: {type(error).__name__}: {error}"))
             self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
+        self._fail_door_requests(RPCError(INTERNAL, f"engine step failed: {type(error).__name__}: {error}"))
 
     def _fail(self, pending: _Pending, error: RPCError):
         self._forget(pending)
@@ -532,7 +553,83 @@ class Server:
     def _forget(self, pending: _Pending):
         self._pending.pop(pending.request_id, None)
         pending.conn.inflight.pop(pending.msgid, None)
-        if not self._pending:
+        self._check_drained()
+
+    def report_finished(self, finished: FinishedRequest) -> None:
+        """Either door, once per request: its log line, then the listeners (metrics)."""
+        log_finished(finished)
+        for listener in self.finish_listeners:
+            listener(finished)
+
+    def _report_aborted(self, pending: _Pending) -> None:
+        self.report_finished(FinishedRequest(pending.request_id, "msgpack", pending.conn.peer, pending.prompt,
+                                             pending.prompt_tokens, 0, pending.sent_tokens, "abort", None))
+
+    # ---------------------------------------------------------------- the other doors' requests (on the loop)
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown began (the HTTP door's /ready)."""
+        return not self._shutting_down
+
+    def check_api_key(self, key: str | None) -> bool:
+        return self._api_key is None or (key is not None and hmac.compare_digest(key.encode(), self._api_key.encode()))
+
+    def engine_call(self, fn) -> asyncio.Future:
+        """Run fn() on the engine thread between steps (e.g. engine.stats for a metrics scrape)."""
+        return self._worker.call(fn)
+
+    def submit(self, request_id: str, token_ids: list[int], params, on_output, arrival_time: float) -> None:
+        """Queue a request of another door under the same limits as `generate`. on_output is called on the loop
+        with each of its RequestOutputs (the last one finished), or once with an RPCError if it fails."""
+        if self._shutting_down:
+            raise RPCError(OVERLOADED, "server is shutting down")
+        if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
+            raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
+        if request_id in self._door_requests:
+            raise RPCError(INVALID_PARAMS, f"request id {short(request_id)} is already in use")
+        self._door_requests[request_id] = on_output
+        self._drained.clear()
+        added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, params,
+                                                                  arrival_time=arrival_time))
+        added.add_done_callback(lambda future: self._on_door_added(request_id, future))
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a door's request (its client went away); its outputs are no longer delivered."""
+        if self._door_requests.pop(request_id, None) is not None:
+            self._worker.post(lambda: self.engine.abort_request(request_id))
+            self._check_drained()
+
+    def _on_door_added(self, request_id: str, future: asyncio.Future):
+        error = future.exception()
+        if error is None or request_id not in self._door_requests:
+            return
+        on_output = self._door_requests.pop(request_id)
+        self._check_drained()
+        if isinstance(error, ValueError):
+            on_output(RPCError(INVALID_PARAMS, str(error)))
+        else:
+            log.error("%s add_request failed: %r", request_id, error)
+            on_output(RPCError(INTERNAL, "the engine failed to add the request"))
+
+    def _deliver_to_door(self, output):
+        on_output = self._door_requests.get(output.request_id)
+        if on_output is None:
+            return
+        if output.finished:
+            del self._door_requests[output.request_id]
+            self._check_drained()
+        on_output(output)
+
+    def _fail_door_requests(self, error: RPCError):
+        for request_id, on_output in list(self._door_requests.items()):
+            del self._door_requests[request_id]
+            self._worker.post(lambda rid=request_id: self.engine.abort_request(rid))
+            on_output(error)
+        self._check_drained()
+
+    def _check_drained(self):
+        if not self._pending and not self._door_requests:
             self._drained.set()
 
     def _trim_throughput_window(self, now: float):

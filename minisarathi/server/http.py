@@ -1,0 +1,361 @@
+"""The OpenAI-compatible HTTP door: aiohttp on the server's event loop, the same engine thread, limits, API
+key and metrics as the msgpack door (aiohttp because it is asyncio-native: it runs on the loop the
+msgpack server already owns, with no second thread or event loop, and it streams responses with
+backpressure).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the key is required on /v1/
+when one is configured), GET /health, GET /ready, GET /metrics (open, as probes and scrapers expect).
+A request's choices are engine requests whose outputs the Server hands to this door on the loop; a
+client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from minisarathi.outputs import RequestOutput
+from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
+from minisarathi.server.metrics import CONTENT_TYPE, Metrics
+from minisarathi.server.openai_api import (DoorLimits, GenerationRequest, OpenAIError, chat_logprobs,
+                                           completion_logprobs, finish_reason, parse_chat, parse_completion, usage)
+from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RPCError
+from minisarathi.server.request_log import FinishedRequest
+
+log = logging.getLogger("minisarathi.http")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")   # printable ASCII, no spaces: it goes into headers and logs
+_OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt: int                               # index of its prompt
+    engine_id: str
+    output: RequestOutput | None = None       # the latest (outputs are cumulative snapshots)
+    error: RPCError | None = None
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    started: bool = False                     # chat streams: the role delta was sent
+    reported: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or (self.output is not None and self.output.finished)
+
+
+@dataclass
+class _Call:
+    """One HTTP generation request while it runs."""
+    request_id: str
+    kind: str                                 # "completion" | "chat"
+    request: GenerationRequest
+    client: str
+    received: float
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[_Choice] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class HttpDoor:
+    def __init__(self, server, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
+                 metrics: Metrics | None, serve_api: bool = True):
+        """serve_api=False: only /health, /ready and /metrics (`--metrics-port` with the msgpack door alone)."""
+        self.server = server
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.metrics = metrics
+        engine = server.engine
+        self.limits = DoorLimits(min(server.limits.max_prompt_tokens, engine.max_model_len), server.limits.max_tokens,
+                                 server.limits.max_n, engine.tokenizer.vocab_size)
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+        app = web.Application(client_max_size=server.limits.max_message_bytes, middlewares=[self._middleware])
+        routes = [web.get("/health", self._health), web.get("/ready", self._ready)]
+        if metrics is not None:
+            routes.append(web.get("/metrics", self._metrics))
+        if serve_api:
+            routes += [web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
+                       web.get("/v1/models", self._models)]
+        app.add_routes(routes)
+        self.app = app
+
+    async def start(self) -> list[str]:
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        return [f"http://{address[0]}:{address[1]}" for address in self._runner.addresses]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/") and not self.server.check_api_key(_bearer(request)):
+                raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                  code="invalid_api_key")
+            return await handler(request)
+        except OpenAIError as e:
+            return _error_response(e)
+        except web.HTTPRequestEntityTooLarge:
+            return _error_response(OpenAIError(413, f"the request body exceeds {self.server.limits.max_message_bytes} "
+                                                    "bytes", code="request_too_large"))
+        except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
+            return _error_response(OpenAIError(e.status, e.reason, code=None))
+
+    async def _json(self, request: web.Request):
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+
+    def _request_id(self, request: web.Request, kind: str) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given is None:
+            return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        if not _REQUEST_ID.fullmatch(given):
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 printable ASCII characters without spaces",
+                              param=REQUEST_ID_HEADER)
+        return given
+
+    # ------------------------------------------------------------------------------------------ endpoints
+
+    async def _health(self, request):
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request):
+        if not self.server.accepting:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def _metrics(self, request):
+        await self.server.engine_call(lambda: self.metrics.read_engine(self.server.engine))
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "minisarathi",
+             "max_model_len": self.server.engine.max_model_len}]})
+
+    async def _completions(self, request):
+        request_id = self._request_id(request, "completion")
+        received = time.monotonic()
+        parsed = parse_completion(await self._json(request), self.model_name, self.limits,
+                                  self.server.engine.tokenizer.encode)
+        return await self._generate(request, _Call(request_id, "completion", parsed, request.remote or "", received))
+
+    async def _chat(self, request):
+        request_id = self._request_id(request, "chat")
+        received = time.monotonic()
+        body = await self._json(request)
+        if self.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template (chat_template in tokenizer_config.json or "
+                                   "chat_template.jinja); use /v1/completions or start the server with "
+                                   "--chat-template FILE", param="messages", code="no_chat_template")
+        tokenizer = self.server.engine.tokenizer
+
+        def render(messages, add_generation_prompt):
+            try:
+                return self.chat_template.render(messages, add_generation_prompt)
+            except ChatTemplateError as e:
+                raise OpenAIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        parsed = parse_chat(body, self.model_name, self.limits, render,
+                            lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return await self._generate(request, _Call(request_id, "chat", parsed, request.remote or "", received))
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    async def _generate(self, request: web.Request, call: _Call):
+        self._submit(call)
+        try:
+            if call.request.stream:
+                return await self._stream(request, call)
+            while not all(c.done for c in call.choices):
+                await call.wake.wait()
+                call.wake.clear()
+            error = next((c.error for c in call.choices if c.error is not None), None)
+            if error is not None:
+                raise _from_rpc(error)
+            return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
+        finally:
+            unfinished = [c for c in call.choices if not c.done]
+            for choice in unfinished:
+                self.server.cancel(choice.engine_id)
+            if unfinished:
+                log.info("%s aborted: client disconnected", call.request_id)
+            for choice in call.choices:
+                self._report(call, choice)
+
+    def _submit(self, call: _Call) -> None:
+        n = len(call.request.choice_params)
+        many = n * len(call.request.prompts) > 1
+        for p, prompt in enumerate(call.request.prompts):
+            for i, params in enumerate(call.request.choice_params):
+                index = p * n + i
+                engine_id = f"http-{call.request_id}" + (f"-{index}" if many else "")
+                choice = _Choice(index, p, engine_id)
+
+                def on_output(output, choice=choice):
+                    if isinstance(output, RPCError):
+                        choice.error = output
+                    else:
+                        choice.output = output
+                    call.wake.set()
+                try:
+                    self.server.submit(engine_id, prompt, params, on_output, call.received)
+                except RPCError as e:
+                    for earlier in call.choices:
+                        self.server.cancel(earlier.engine_id)
+                    call.choices.clear()
+                    raise _from_rpc(e, self.server.accepting) from None
+                call.choices.append(choice)
+        log.info("%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
+                 call.request_id, call.client, len(call.request.prompts), n,
+                 sum(len(p) for p in call.request.prompts), call.request.choice_params[0].max_tokens,
+                 call.request.stream)
+
+    async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               REQUEST_ID_HEADER: call.request_id})
+        await response.prepare(request)
+        try:
+            await self._write_events(response, call)
+        except ConnectionError:   # the client went away between two writes
+            pass
+        return response
+
+    async def _write_events(self, response: web.StreamResponse, call: _Call) -> None:
+        while True:
+            events = []
+            for choice in call.choices:
+                if choice.error is not None and not choice.reported:
+                    events.append(_from_rpc(choice.error, self.server.accepting).body())
+                    choice.reported = True
+                elif choice.output is not None:
+                    events += self._chunks(call, choice)
+            if events:
+                await response.write(b"".join(_sse(event) for event in events))
+            if any(c.error is not None for c in call.choices) or all(c.done for c in call.choices):
+                break
+            await call.wake.wait()
+            call.wake.clear()
+        if call.request.include_usage and all(c.error is None for c in call.choices):
+            await response.write(_sse({**self._envelope(call, chunk=True), "choices": [], "usage": self._usage(call)}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    def _chunks(self, call: _Call, choice: _Choice) -> list[dict]:
+        """The stream chunks for what this choice produced since its last chunk."""
+        completion = choice.output.outputs[0]
+        piece = completion.text[choice.sent_chars:]
+        new_ids = completion.token_ids[choice.sent_tokens:]
+        reason = finish_reason(completion) if choice.output.finished else None
+        if not (piece or new_ids or reason):
+            return []
+        logprobs = None
+        if call.request.logprobs is not None and new_ids:
+            positions = completion.logprobs[choice.sent_tokens:]
+            logprobs = (completion_logprobs(new_ids, positions, call.request.logprobs, choice.sent_chars)
+                        if call.kind == "completion" else chat_logprobs(new_ids, positions, call.request.logprobs))
+        chunks = []
+        if call.kind == "completion":
+            body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            if not choice.started:
+                chunks.append(self._chunk(call, {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}))
+                choice.started = True
+            delta = {"content": piece} if piece or not reason else {}
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        chunks.append(self._chunk(call, body))
+        choice.sent_chars, choice.sent_tokens = len(completion.text), len(completion.token_ids)
+        return chunks
+
+    def _chunk(self, call: _Call, choice_body: dict) -> dict:
+        chunk = {**self._envelope(call, chunk=True), "choices": [choice_body]}
+        if call.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _envelope(self, call: _Call, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if call.kind == "chat" else "text_completion"
+        return {"id": call.request_id, "object": kind, "created": call.created, "model": call.request.model,
+                "system_fingerprint": None}
+
+    def _final_body(self, call: _Call) -> dict:
+        choices = []
+        for choice in call.choices:
+            completion = choice.output.outputs[0]
+            logprobs = None
+            if call.request.logprobs is not None:
+                logprobs = (completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
+                            if call.kind == "completion"
+                            else chat_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs))
+            body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(completion)}
+            if call.kind == "completion":
+                body["text"] = completion.text
+            else:
+                body["message"] = {"role": "assistant", "content": completion.text}
+            choices.append(body)
+        return {**self._envelope(call, chunk=False), "choices": choices, "usage": self._usage(call)}
+
+    def _usage(self, call: _Call) -> dict:
+        # Each prompt counts once however many choices it has; its cached tokens are its first choice's.
+        firsts = {c.prompt: c for c in reversed(call.choices)}
+        completion_tokens = sum(len(c.output.outputs[0].token_ids) for c in call.choices if c.output is not None)
+        cached = sum(c.output.num_cached_tokens for c in firsts.values() if c.output is not None)
+        return usage(sum(len(p) for p in call.request.prompts), completion_tokens, cached)
+
+    def _report(self, call: _Call, choice: _Choice) -> None:
+        if choice.error is not None and choice.output is None:
+            return   # never ran (rejected, or the server stopped first)
+        output = choice.output
+        completion = output.outputs[0] if output is not None else None
+        finished = output is not None and output.finished
+        self.server.report_finished(FinishedRequest(
+            choice.engine_id.removeprefix("http-"), "http", call.client, call.request.prompt_texts[choice.prompt] or
+            call.request.prompts[choice.prompt], len(call.request.prompts[choice.prompt]),
+            output.num_cached_tokens if output is not None else 0,
+            len(completion.token_ids) if completion is not None else 0,
+            completion.finish_reason if finished else "abort", output.metrics if output is not None else None))
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_response(error: OpenAIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
+    """The shared engine bridge's errors as HTTP statuses."""
+    if error.code == INVALID_PARAMS:
+        return OpenAIError(400, error.message)
+    if error.code == OVERLOADED:
+        return (OpenAIError(429, error.message, code="overloaded") if accepting
+                else OpenAIError(503, error.message, code="draining"))
+    if error.code == ABORTED:
+        return OpenAIError(503, error.message, code="draining")
+    return OpenAIError(500, error.message, code="internal_error")

@@ -1,0 +1,323 @@
+"""OpenAI's /v1/completions and /v1/chat/completions: request bodies in, SamplingParams out; outputs in,
+response and stream-chunk bodies out, in OpenAI's exact shapes. No HTTP here (that is http.py), so every
+rule is testable on plain dicts. docs/http.md lists every field taken and every one refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from minisarathi.outputs import CompletionOutput, Logprob
+from minisarathi.sampling_params import SamplingParams
+
+# vLLM's floor for a logprob that is -inf (a masked token): JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's error object {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+def bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+@dataclass
+class DoorLimits:
+    """The server-wide limits as the HTTP door applies them."""
+    max_prompt_tokens: int       # min(ServerLimits.max_prompt_tokens, the engine's max_model_len)
+    max_tokens: int              # the largest max_tokens a request may ask for
+    max_n: int                   # choices per prompt
+    vocab_size: int
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints turn into: prompts (token ids), one SamplingParams per choice of a prompt."""
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    choice_params: list[SamplingParams]   # n of them; choice i of every prompt uses choice_params[i]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None                  # top logprobs wanted per token (None: no logprobs)
+    model: str
+
+
+# Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+               "stop_token_ids")
+_COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "stop", "seed", "presence_penalty",
+           "frequency_penalty", "logit_bias", "user", "max_tokens", *_EXTENSIONS}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
+                         "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+# Fields OpenAI defines that this server refuses unless they hold their no-op value.
+REFUSED = {
+    "echo": "echo is not supported (the prompt's own logprobs are not computed)",
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported; use n",
+    "logit_bias": "logit_bias is not supported yet",
+    "response_format": "response_format other than {\"type\": \"text\"} is not supported",
+    "tools": "tools are not supported",
+    "tool_choice": "tool_choice is not supported",
+    "parallel_tool_calls": "parallel_tool_calls is not supported",
+}
+
+
+def _is_noop(name: str, value, body: dict) -> bool:
+    if value is None or value is False:
+        return True
+    if name == "best_of":
+        return value == body.get("n", 1)
+    if name == "response_format":
+        return value == {"type": "text"}
+    if name in ("logit_bias", "tools"):
+        return value == {} or value == []
+    return name == "tool_choice" and value == "none"
+
+
+def parse_completion(body, model: str, limits: DoorLimits, encode) -> GenerationRequest:
+    """A /v1/completions body; encode(text) -> token ids (with the model's BOS)."""
+    body = _check_body(body, COMPLETION_FIELDS, model)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "prompt is required")
+    texts, prompts = _prompts(body["prompt"], encode, limits)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
+        raise bad("logprobs", f"logprobs must be an integer in [0, 20] or null, got {_show(logprobs)}")
+    max_tokens = body.get("max_tokens")
+    return _request(body, model, limits, texts, prompts, 16 if max_tokens is None else max_tokens, "max_tokens",
+                    logprobs)
+
+
+def parse_chat(body, model: str, limits: DoorLimits, render, encode_rendered) -> GenerationRequest:
+    """A /v1/chat/completions body; render(messages, add_generation_prompt) -> text (raises ValueError naming
+    the rule), encode_rendered(text) -> token ids without added special tokens."""
+    body = _check_body(body, CHAT_FIELDS, model)
+    messages = _messages(body.get("messages"))
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
+    text = render(messages, add_generation_prompt)
+    prompt = encode_rendered(text)
+    _check_prompt_length(prompt, limits, "messages")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", f"logprobs must be a boolean, got {_show(logprobs)}")
+    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
+        raise bad("top_logprobs", f"top_logprobs must be an integer in [0, 20] or null, got {_show(top)}")
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    wanted = (top or 0) if logprobs else None
+    max_tokens, name = body.get("max_completion_tokens"), "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = body.get("max_tokens"), "max_tokens"
+    # Without a limit the answer may run to the end of the context, as in OpenAI, within the server's cap.
+    max_tokens = limits.max_tokens if max_tokens is None else max_tokens
+    return _request(body, model, limits, [text], [prompt], max_tokens, name, wanted)
+
+
+def _check_body(body, fields: set[str], model: str) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    for key in body:
+        if key not in fields:
+            raise bad(key, f"unknown field {_show(key)}")
+    for name, message in REFUSED.items():
+        if name in body and not _is_noop(name, body[name], body):
+            raise bad(name, message)
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise bad("model", "model must be a string")
+    if requested is not None and requested != model:
+        raise OpenAIError(404, f"the model {_show(requested)} does not exist; this server serves {model!r}",
+                          param="model", code="model_not_found")
+    return body
+
+
+def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tokens, max_tokens_name: str,
+             logprobs: int | None) -> GenerationRequest:
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= limits.max_n:
+        raise bad("n", f"n must be an integer in [1, {limits.max_n}], got {_show(n)}")
+    stream = body.get("stream", False)
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise bad("stream", f"stream must be a boolean, got {_show(stream)}")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("stream_options", "stream_options must be {\"include_usage\": bool}")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("stream_options.include_usage", "stream_options.include_usage must be a boolean")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", "user must be a string")
+    if _is_int(max_tokens) and max_tokens > limits.max_tokens:
+        raise bad(max_tokens_name, f"{max_tokens_name} must be <= {limits.max_tokens}, got {max_tokens}")
+    sampling = {name: body[name] for name in ("temperature", "top_p", "seed", "presence_penalty",
+                                              "frequency_penalty", "stop", *_EXTENSIONS)
+                if body.get(name) is not None}
+    stop = sampling.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise bad("stop", "stop must be a string or an array of strings")
+    choice_params = []
+    for i in range(n):
+        seed = sampling.get("seed")
+        if _is_int(seed) and n > 1:   # each choice its own stream, all fixed by the request's seed
+            seed = (seed + i) % 2**64
+        try:
+            params = SamplingParams(**{**sampling, "seed": seed}, max_tokens=max_tokens, logprobs=logprobs)
+        except (ValueError, TypeError) as e:
+            raise _sampling_error(str(e), max_tokens_name) from None
+        choice_params.append(params)
+    return GenerationRequest(prompts, texts, choice_params, stream, include_usage, logprobs, model)
+
+
+def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:
+    # SamplingParams' messages start with the field they are about.
+    field = message.split(" ", 1)[0]
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    if field == "max_tokens":
+        return bad(max_tokens_name, message.replace("max_tokens", max_tokens_name, 1))
+    return bad(field if field in names else None, message)
+
+
+def _prompts(prompt, encode, limits: DoorLimits) -> tuple[list[str | None], list[list[int]]]:
+    usage = "prompt must be a string, an array of strings, an array of token ids, or an array of token-id arrays"
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        texts = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        texts, prompt = [None], [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                                                     for p in prompt):
+        texts = [None] * len(prompt)
+    else:
+        raise bad("prompt", usage)
+    if texts[0] is not None:
+        prompts = [encode(text) for text in texts]
+    elif not all(0 <= t < limits.vocab_size for ids in prompt for t in ids):
+        raise bad("prompt", f"prompt token ids must be in [0, {limits.vocab_size})")
+    else:
+        prompts = prompt
+    for ids in prompts:
+        _check_prompt_length(ids, limits, "prompt")
+    return texts, prompts
+
+
+def _check_prompt_length(ids: list[int], limits: DoorLimits, param: str) -> None:
+    if not ids:
+        raise bad(param, f"{param} is empty")
+    if len(ids) > limits.max_prompt_tokens:
+        raise bad(param, f"{param} has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
+
+
+def _messages(messages) -> list[dict]:
+    """Validated messages as the template sees them: text-part arrays joined into one string (as vLLM does
+    for string-content templates), null fields dropped (as transformers does)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty array")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(where, f"{where} must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"{where}.role", f"{where}.role must be a non-empty string")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise bad(f"{where}.{key}", f"{where}.{key} is not supported")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content[{j}]", f"{where}.content[{j}] must be {{\"type\": \"text\", "
+                                                       "\"text\": string}: only text content is supported")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise bad(f"{where}.content", f"{where}.content must be a string or an array of text parts")
+        if content is None and role != "assistant":
+            raise bad(f"{where}.content", f"{where}.content is required")
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"{where}.name", f"{where}.name must be a string")
+        result.append({k: v for k, v in {"role": role, "content": content, "name": name}.items() if v is not None})
+    return result
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB   # -inf (and NaN) become the floor
+
+
+def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int,
+                        text_offset: int) -> dict:
+    """OpenAI's legacy completions logprobs for these tokens: the sampled token's text and logprob, and per
+    position a map of the top `top` tokens (plus the sampled one, as vLLM does) to their logprobs."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position[token_id]
+        tokens.append(sampled.decoded_token)
+        token_logprobs.append(_logprob(sampled.logprob))
+        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for t, lp in position.items()
+                             if lp.rank <= top or t == token_id})
+        offsets.append(text_offset)
+        text_offset += len(sampled.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int) -> dict:
+    """Chat logprobs: per token its text, logprob, UTF-8 bytes, and the top `top` alternatives by rank."""
+    def entry(lp: Logprob) -> dict:
+        return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
+                "bytes": list(lp.decoded_token.encode("utf-8"))}
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        alternatives = sorted((lp for lp in position.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        content.append({**entry(position[token_id]), "top_logprobs": [entry(lp) for lp in alternatives]})
+    return {"content": content, "refusal": None}
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    return completion.finish_reason if completion.finish_reason in ("stop", "length") else None

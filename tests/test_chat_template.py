@@ -1,0 +1,67 @@
+"""Chat templates render and tokenize exactly as transformers' apply_chat_template (committed goldens made by
+tests/golden/make_chat_goldens.py), inside a sandbox a template cannot escape."""
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jinja2")
+
+from minisarathi.paths import default_model_dir
+from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from minisarathi.tokenizer import Tokenizer
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "chat_templates"
+GOLDENS = json.loads((GOLDEN_DIR / "goldens.json").read_text(encoding="utf-8"))
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+@pytest.mark.parametrize("golden", GOLDENS, ids=lambda g: f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}")
+def test_render_and_tokens_match_transformers(golden):
+    template = ChatTemplate((GOLDEN_DIR / golden["template"]).read_text(encoding="utf-8"), SPECIAL)
+    text = template.render(golden["messages"], golden["add_generation_prompt"])
+    assert text == golden["text"]
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+    assert tokenizer.encode(text, add_special_tokens=False) == golden["token_ids"]
+
+
+def test_both_styles_are_covered_and_bos_is_not_doubled():
+    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja"}
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+    for golden in GOLDENS:
+        if golden["template"] == "llama3.jinja":   # the template writes {{ bos_token }} itself
+            assert golden["token_ids"].count(tokenizer.bos_token_id) == 1 == golden["token_ids"][:1].count(1)
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+    "{{ ''.__class__.__base__.__subclasses__() }}",
+    "{{ raise_exception.__globals__.os }}",
+    "{% set x = messages.append(1) %}",                    # the immutable sandbox: no mutation
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+])
+def test_a_template_reaching_python_internals_fails_in_the_sandbox(source):
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(source, SPECIAL).render([{"role": "user", "content": "hi"}])
+
+
+def test_raise_exception_and_syntax_errors_are_clear():
+    llama3 = ChatTemplate((GOLDEN_DIR / "llama3.jinja").read_text(encoding="utf-8"), SPECIAL)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        llama3.render([{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match="syntax error on line 1"):
+        ChatTemplate("{% for %}", SPECIAL)
+
+
+def test_load_from_folder(tmp_path):
+    assert load_chat_template(default_model_dir()) is None     # the bundled model has none
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "</s>",
+         "chat_template": [{"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"},
+                           {"name": "tool_use", "template": "no"}]}))
+    assert load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "<s>hi"
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}")   # the file wins, as in transformers
+    assert load_chat_template(tmp_path).render([]) == "</s>"
+    override = tmp_path / "other.jinja"
+    override.write_text("X")
+    assert load_chat_template(tmp_path, override).render([]) == "X"
