@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.dtypes import DTYPES
-from minisarathi.validation import check_int
+from minisarathi.validation import check_float, check_int
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
@@ -29,17 +29,44 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     device: str = "cpu"
     seed: int = 0                    # seeds the sampler for requests without their own seed
+    # sarathi only: size each step so that its predicted time stays within this TBT target (ms); chunk_size
+    # stays the upper bound on its tokens (docs/scheduling.md, "SLO-driven budget")
+    tbt_slo_ms: float | None = None
+    # chunked policies: at most this many prompts mid-prefill at once, sharing the prefill budget evenly
+    # (vLLM's max_num_partial_prefills); None: no limit
+    max_partial_prefills: int | None = None
+    long_prefill_threshold: int | None = None     # a prompt with more uncomputed tokens is "long"; None: 4% of
+                                                  # max_model_len (vLLM's long_prefill_token_threshold)
+    max_long_partial_prefills: int | None = None  # at most this many of them long; None: 1 (vLLM's default)
+    priority_aging_s: float = 10.0   # a request of priority p is ordered as if it arrived p x this many s later
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len")   # None: derived
+        fair = ("max_partial_prefills", "long_prefill_threshold", "max_long_partial_prefills")
+        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", *fair)   # None: derived or off
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):
             if getattr(self, name) is not None or name not in optional:
                 check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0)
+        for name in ("tbt_slo_ms", "priority_aging_s"):
+            value = getattr(self, name)
+            if value is not None and not check_float(name, value) > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.tbt_slo_ms is not None and self.scheduler != "sarathi":
+            raise ValueError(f"tbt_slo_ms needs the sarathi scheduler, got scheduler {self.scheduler!r}")
+        if self.max_partial_prefills is None:
+            given = [name for name in fair[1:] if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs max_partial_prefills")
+        elif self.scheduler not in ("sarathi", "simple_chunking"):
+            raise ValueError(f"max_partial_prefills needs a chunked scheduler (sarathi, simple_chunking), "
+                             f"got scheduler {self.scheduler!r}")
+        elif (self.max_long_partial_prefills or 1) > self.max_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_partial_prefills ({self.max_partial_prefills})")
 
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -1,10 +1,13 @@
 """Scheduling policies as pure logic: a fake model appends tokens; every step is checked against each policy's rules."""
+import logging
 import random
 
+import numpy as np
 import pytest
 
 from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
+from minisarathi.engine.cost_model import CostModel, step_shape
 from minisarathi.engine.scheduler import POLICIES, make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.outputs import RequestMetrics
@@ -33,17 +36,23 @@ def workload(seed, num=12, num_blocks=16, block_size=4):
     return seqs
 
 
-def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, caching=False):
-    """Run the policy to the end under a fake model; check the shared rules every step; return the steps."""
-    config = EngineConfig(scheduler=policy, chunk_size=chunk_size, block_size=block_size,
-                          num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
+def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, caching=False, cost_model=None,
+          on_schedule=None, **options):
+    """Run the policy to the end under a fake model; check the shared rules every step; return the steps.
+    Each sequence's metrics get the step numbers of its first scheduling and its first token.
+    options: more EngineConfig fields; cost_model: the scheduler's (tbt_slo_ms mode); on_schedule(scheduler, out)
+    is called right after each schedule()."""
+    config = EngineConfig(scheduler=policy, chunk_size=chunk_size, block_size=block_size, num_kv_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **options)
     blocks = BlockManager(num_blocks, block_size, caching)
-    scheduler = make_scheduler(config, blocks, MAX_MODEL_LEN)
+    scheduler = make_scheduler(config, blocks, MAX_MODEL_LEN, cost_model)
     pending = sorted(arrivals, key=lambda a: (a[0], a[1].seq_id))
     steps = []
     for step in range(10_000):
         while pending and pending[0][0] <= step:
-            scheduler.add(pending.pop(0)[1])
+            arrival, seq = pending.pop(0)
+            seq.metrics.arrival_time = float(arrival)
+            scheduler.add(seq)
         if not (scheduler.waiting or scheduler.running):
             if not pending:
                 break
@@ -52,21 +61,28 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
                   "prefilling": {s: s.in_prefill for s in scheduler.running}}
         out = scheduler.schedule()
         assert out.scheduled, "work left but nothing scheduled"
+        if on_schedule:
+            on_schedule(scheduler, out)
         before["uncomputed"] = {seq: seq.num_uncomputed_tokens for seq in out.scheduled}
         before["num_blocks"] = {seq: len(seq.block_table) for seq in out.scheduled}
         for seq, n in out.scheduled.items():
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
             before["prefilling"].setdefault(seq, True)       # admitted this step
-        if out.preempted:
-            assert max((s.seq_id for s in scheduler.running), default=-1) < min(s.seq_id for s in out.preempted)
-            assert list(scheduler.waiting)[:len(out.preempted)] == sorted(out.preempted, key=lambda s: s.seq_id)
+        check_partial_prefill_limits(scheduler)
+        if out.preempted:   # the victims are the last in queue order, and wait at their place in it
+            assert max((s.queue_key for s in scheduler.running), default=(-1,)) < min(s.queue_key for s in out.preempted)
+        assert [s.queue_key for s in scheduler.waiting] == sorted(s.queue_key for s in scheduler.waiting)
         steps.append((before, out))
         finished = []
         for seq, n in out.scheduled.items():   # the fake model: compute, and sample at the end of a chunk
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = step
             seq.num_computed_tokens += n
             blocks.register_computed(seq)
             if seq.num_computed_tokens == seq.num_tokens:
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = step
                 seq.output_token_ids.append((seq.seq_id * 13 + seq.num_tokens) % 500)
                 if len(seq.output_token_ids) == seq.params.max_tokens:
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"   # as the engine's _finish
@@ -79,6 +95,19 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
     blocks.check_invariants([])
     assert blocks.num_free_blocks == num_blocks
     return steps, scheduler
+
+
+def check_partial_prefill_limits(scheduler):
+    """The fair-prefill invariant, right after scheduling: at most max_partial_prefills running prompts have
+    prefill left (those cut short this step and those it completes both count), at most
+    max_long_partial_prefills of them with more than long_prefill_threshold tokens left."""
+    config = scheduler.config
+    if config.max_partial_prefills is None:
+        return
+    partial = [s for s in scheduler.running if s.in_prefill]
+    assert len(partial) <= config.max_partial_prefills
+    num_long = sum(s.num_uncomputed_tokens > scheduler.long_prefill_threshold for s in partial)
+    assert num_long <= (config.max_long_partial_prefills or 1)
 
 
 def is_prefill(before, seq):
@@ -195,3 +224,203 @@ def test_sarathi_splits_a_long_prompt_into_chunks():
         seq.num_computed_tokens += n
     assert grants == [16, 16, 8]
     assert len(seq.block_table) == 10
+
+
+# fair partial prefills -----------------------------------------------------------------------------------------
+
+FAIR_LIMITS = [(1, 1), (2, 1), (3, 2)]   # (max_partial_prefills, max_long_partial_prefills)
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
+@pytest.mark.parametrize("limits", FAIR_LIMITS)
+@pytest.mark.parametrize("seed", range(3))
+def test_partial_prefill_limits_hold_every_step(policy, limits, seed):
+    max_partial, max_long = limits
+    stops = []
+    steps, _ = drive(policy, workload(seed, num=16), 32, 4, chunk_size=12, caching=seed == 1,
+                     on_schedule=lambda _, out: stops.append(out.admission_stop),
+                     max_partial_prefills=max_partial, long_prefill_threshold=20, max_long_partial_prefills=max_long)
+    assert "partial_prefills" in stops, "the limits never bound: the invariant went unexercised"
+    for before, out in steps:
+        if policy == "sarathi":
+            assert out.num_tokens <= 12
+
+
+def test_short_prompts_overtake_a_long_one():
+    def arrivals():   # one 200-token prompt, then short ones arriving while it prefills
+        return [(0, make_seq(0, 200, 2))] + [(1 + 2 * i, make_seq(1 + i, 6, 2)) for i in range(4)]
+
+    def ttft(seq):   # in steps, from arrival (arrival = the step it was added)
+        return seq.metrics.first_token_time - seq.metrics.arrival_time
+
+    fcfs, fair = arrivals(), arrivals()
+    drive("sarathi", fcfs, 128, 4, chunk_size=16)
+    drive("sarathi", fair, 128, 4, chunk_size=16, max_partial_prefills=2, long_prefill_threshold=32)
+    assert all(ttft(seq) >= 5 for _, seq in fcfs[1:3])       # behind the long prompt's 13 chunks
+    assert all(ttft(seq) <= 1 for _, seq in fair[1:])        # half the budget each step: 6 tokens fit at once
+    assert ttft(fair[0][1]) <= ttft(fcfs[0][1]) + 4           # the long one's cost: a few steps
+
+
+def test_a_long_prompt_over_the_limit_is_passed_over():
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    config = EngineConfig(chunk_size=16, max_partial_prefills=3, long_prefill_threshold=20)
+    scheduler = make_scheduler(config, blocks, MAX_MODEL_LEN)
+    first_long, second_long, short = make_seq(0, 60, 2), make_seq(1, 60, 2), make_seq(2, 8, 2)
+    for seq in (first_long, second_long, short):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    # shares: the first long one and the short one (the second long is over max_long_partial_prefills = 1)
+    assert out.scheduled == {first_long: 8, short: 8}
+    assert scheduler.waiting == [second_long] and out.admission_stop == "partial_prefills"
+
+
+# priorities ------------------------------------------------------------------------------------------------------
+
+def test_priority_orders_the_waiting_queue_and_ages():
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    scheduler = make_scheduler(EngineConfig(chunk_size=100, max_num_seqs=2, priority_aging_s=10), blocks,
+                               MAX_MODEL_LEN)
+    seqs = [make_seq(i, 5, 3) for i in range(4)]
+    for seq, priority in zip(seqs, [1, 0, 2, 0]):
+        seq.priority = priority
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == [seqs[1], seqs[3]] and scheduler.waiting == [seqs[0], seqs[2]]
+    assert out.admission_stop == "max_num_seqs"
+    # aging: priority 1 at t=0 ranks as priority 0 at t=10, so between arrivals at t=5 and t=15
+    early, late = make_seq(4, 5, 3), make_seq(5, 5, 3)
+    early.metrics.arrival_time, late.metrics.arrival_time = 5.0, 15.0
+    scheduler.add(late)
+    scheduler.add(early)
+    assert scheduler.waiting == [early, seqs[0], late, seqs[2]]
+
+
+def test_preemption_victim_is_the_lowest_priority_then_the_newest():
+    blocks = BlockManager(num_blocks=6, block_size=2)
+    scheduler = make_scheduler(EngineConfig(chunk_size=8, block_size=2), blocks, MAX_MODEL_LEN)
+    old_low, new_high, newest_high = make_seq(0, 3, 8), make_seq(1, 3, 8), make_seq(2, 3, 8)
+    old_low.priority = 1
+    for seq in (old_low, new_high, newest_high):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == [new_high, newest_high, old_low]      # queue order: priority, then arrival
+    for seq in out.scheduled:
+        seq.num_computed_tokens += 3
+        seq.output_token_ids.append(5)
+    for _ in range(2):   # positions 3 (in their blocks) and 4 (a third block each: none free)
+        out = scheduler.schedule()
+        for seq in out.scheduled:
+            seq.num_computed_tokens += 1
+            seq.output_token_ids.append(5)
+    assert out.preempted == [old_low] and set(out.scheduled) == {new_high, newest_high}
+    assert scheduler.waiting == [old_low]
+    out = scheduler.schedule()   # position 5: the newest of the two high-priority ones goes next
+    assert out.preempted == [] and set(out.scheduled) == {new_high, newest_high}
+    for seq in out.scheduled:
+        seq.num_computed_tokens += 1
+        seq.output_token_ids.append(5)
+    out = scheduler.schedule()
+    assert out.preempted == [newest_high]
+
+
+@pytest.mark.parametrize("aging", [10, 10 ** 9])
+def test_starvation_is_bounded_by_aging(aging):
+    """A priority-2 request arriving at step 10 into the queue of a saturating stream of priority-0 ones: with
+    aging A it ranks as a priority-0 request arriving at step 10 + 2 A, so no request arriving after that
+    goes before it. Without aging (A huge) it waits for the whole stream."""
+    low = make_seq(0, 4, 4)
+    low.priority = 2
+    stream = [(step, make_seq(1 + step, 4, 4)) for step in range(80)]
+    drive("sarathi", [(10, low)] + stream, 64, 4, chunk_size=16, max_num_seqs=2, priority_aging_s=aging)
+    started = low.metrics.first_scheduled_time
+    overtook = [seq for arrival, seq in stream if seq.metrics.first_scheduled_time < started]
+    if aging == 10:
+        assert all(seq.metrics.arrival_time <= 10 + 2 * aging for seq in overtook)
+        assert any(seq.metrics.arrival_time > 10 for seq in overtook), "the stream should have overtaken it"
+    else:
+        assert len(overtook) == len(stream)
+
+
+# tbt_slo_ms: the budget from a latency target -------------------------------------------------------------------
+
+# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode attention
+KNOWN_COSTS = (2e-3, 1e-3, 0.5e-3, 1e-5, 2e-5)
+
+
+def known_cost_model(coefficients=KNOWN_COSTS):
+    model = CostModel()
+    model.coefficients = np.array(coefficients)
+    return model
+
+
+@pytest.mark.parametrize("target_ms", [30, 3.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_slo_budget_keeps_the_predicted_step_time_under_the_limit(seed, target_ms):
+    """Every step's predicted time stays within target - margin, except by the liveness grants (a block's
+    worth for a prompt mid-prefill, or for the first prompt of an empty step); 3.5 ms is below what the
+    decodes alone often take (overload), and every request still finishes."""
+    model = known_cost_model()
+    seen = {"time_bound": 0, "overloaded": 0}
+
+    def check(scheduler, out):
+        predicted = model.predict(step_shape(out.scheduled))
+        assert out.time_limit == pytest.approx(scheduler.slo.target - scheduler.slo.margin)
+        # the decodes always run; besides them only the liveness grants (a block: 4 tokens) may pass the limit
+        decodes = model.predict(step_shape({seq: n for seq, n in out.scheduled.items() if not seq.in_prefill}))
+        floor_grants = sum(model.prefill_time(seq.num_computed_tokens, n) for seq, n in out.scheduled.items()
+                           if seq.in_prefill and n <= 4)
+        assert predicted - floor_grants <= max(out.time_limit, decodes) + 1e-12
+        if out.overloaded:
+            seen["overloaded"] += 1
+            assert not any(seq.num_computed_tokens == 0 for seq in out.scheduled), "admitted while overloaded"
+        elif out.num_tokens < 64 and any(n < seq.num_uncomputed_tokens for seq, n in out.scheduled.items()):
+            seen["time_bound"] += 1   # a prompt cut short of the token budget
+
+    drive("sarathi", workload(seed, num=16), 64, 4, chunk_size=64, caching=seed % 2 == 1, cost_model=model,
+          on_schedule=check, tbt_slo_ms=target_ms)
+    assert seen["time_bound"] > 0, "the time limit never bound a step"
+    if target_ms == 3.5:
+        assert seen["overloaded"] > 0
+
+
+def test_slo_budget_takes_the_largest_prefill_that_fits():
+    model = known_cost_model()
+    scheduler = make_scheduler(EngineConfig(chunk_size=512, block_size=4, tbt_slo_ms=40),
+                               BlockManager(num_blocks=128, block_size=4), MAX_MODEL_LEN, model)
+    seq = make_seq(0, 250, 2)
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    n = out.scheduled[seq]
+    limit = out.time_limit
+    assert limit == pytest.approx(0.9 * 0.040)      # the initial margin: 10% of the target
+    assert model.predict(step_shape(out.scheduled)) <= limit < model.predict(step_shape({seq: n + 1}))
+    assert out.admission_stop is None and 0 < n < 250
+
+
+def test_overload_stops_admission_and_keeps_the_decodes(caplog):
+    model = known_cost_model((2e-3, 1e-3, 10e-3, 0, 0))   # a decode costs 10 ms: three take 32 ms
+    scheduler = make_scheduler(EngineConfig(chunk_size=64, block_size=4, tbt_slo_ms=30),
+                               BlockManager(num_blocks=64, block_size=4), MAX_MODEL_LEN, model)
+    running = [make_seq(i, 4, 8) for i in range(3)]
+    for seq in running:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == running and not out.overloaded
+    for seq in running:
+        seq.num_computed_tokens += 4
+        seq.output_token_ids.append(5)
+    newcomer = make_seq(3, 4, 8)
+    scheduler.add(newcomer)
+    with caplog.at_level(logging.WARNING):
+        out = scheduler.schedule()
+    assert out.overloaded and out.admission_stop == "overload" and scheduler.slo.overloaded
+    assert out.scheduled == {seq: 1 for seq in running} and scheduler.waiting == [newcomer]
+    assert "overloaded" in caplog.text
+    for seq in running:
+        seq.num_computed_tokens += 1
+        seq.output_token_ids.append(5)
+    running[0].status, running[0].finish_reason = SequenceStatus.FINISHED, "length"
+    scheduler.remove_finished([running[0]])
+    out = scheduler.schedule()                              # two decodes: 22 ms, 5 ms left for the prompt
+    assert not out.overloaded and out.scheduled == {running[1]: 1, running[2]: 1, newcomer: 4}
+    assert scheduler.slo.overloaded_steps == 1

@@ -2,31 +2,51 @@
 
 Every policy returns, per step, how many tokens of which sequences to compute. A sequence's chunk is
 always its next uncomputed tokens; the engine samples when a chunk reaches the sequence's end.
-`running` is kept in arrival order, so "newest" is its last element: that is the one preempted
-(recompute: all its blocks freed, back to the front of the waiting queue) when a decode or a chunk finds
-no block.
+Both queues are ordered by `Sequence.queue_key`, (arrival time + priority x priority_aging_s, arrival
+number): waiting requests are admitted in that order and `running` is kept in it, so its last element,
+the lowest priority and then the newest, is the one preempted (recompute: all its blocks freed, back into
+the waiting queue at its place) when a decode or a chunk finds no block.
 """
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
+from minisarathi.engine.cost_model import CostModel, step_shape
 from minisarathi.engine.sequence import Sequence, SequenceStatus
+from minisarathi.engine.tbt_slo import TbtSlo
 
 WATERMARK_FRACTION = 0.01   # blocks kept free at admission so running decodes rarely hit a preemption
+LONG_PREFILL_FRACTION = 0.04   # of max_model_len: the default long_prefill_threshold (vLLM's)
+# Why a step admitted no further waiting request (SchedulerOutput.admission_stop); None: none was waiting.
+ADMISSION_STOPS = ("budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted")
+
+queue_key = attrgetter("queue_key")
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: dict[Sequence, int] = field(default_factory=dict)   # sequence -> tokens computed this step
     preempted: list[Sequence] = field(default_factory=list)
+    admission_stop: str | None = None   # one of ADMISSION_STOPS, or None when nothing was left waiting
+    time_limit: float | None = None     # tbt_slo mode: seconds the step's predicted time may reach
+    overloaded: bool = False            # tbt_slo mode: the running decodes alone are predicted over the target
 
     @property
     def num_tokens(self) -> int:
         return sum(self.scheduled.values())
+
+
+@dataclass
+class PrefillBudget:
+    """What the prefills of one step may still take."""
+    tokens: int                          # tokens in all
+    token_share: int = 1 << 30           # tokens per prompt (max_partial_prefills: the budget split evenly)
+    seconds: float | None = None         # tbt_slo mode: predicted time in all
+    time_share: float | None = None      # ... and per prompt
 
 
 class Scheduler:
@@ -34,22 +54,32 @@ class Scheduler:
 
     reserve_final_length = False   # True: blocks for the whole final length at admission (never preempts)
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 cost_model: CostModel | None = None):
         self.config = config
         self.blocks = block_manager
         self.token_budget = config.chunk_size
         # non-chunking policies run whole prompts, so their token limit must hold the longest one (as vLLM)
         self.prompt_budget = max(config.chunk_size, max_model_len)
         self.watermark = int(WATERMARK_FRACTION * block_manager.num_blocks)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []    # sorted by queue_key
+        self.running: list[Sequence] = []    # sorted by queue_key
         self.num_preemptions = 0
-        # the running sequences split once per step (arrival order kept), so each pass below visits only its kind
+        self.cost_model = cost_model or CostModel()
+        self.slo = None if config.tbt_slo_ms is None else TbtSlo(config.tbt_slo_ms / 1e3)
+        # liveness in tbt_slo mode: a prompt mid-prefill gets at least one block's worth of tokens per step
+        self.min_chunk = block_manager.block_size
+        self.max_partial_prefills = config.max_partial_prefills
+        self.long_prefill_threshold = config.long_prefill_threshold or max(1, int(LONG_PREFILL_FRACTION
+                                                                                  * max_model_len))
+        self.max_long_partial_prefills = config.max_long_partial_prefills or 1
+        # the running sequences split once per step (queue order kept), so each pass below visits only its kind
         self._decoding: list[Sequence] = []
         self._prefilling: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
+        bisect.insort(self.waiting, seq, key=queue_key)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
@@ -77,10 +107,15 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput) -> None:
         raise NotImplementedError
 
+    def is_long(self, seq: Sequence) -> bool:
+        """A prompt with more uncomputed tokens than long_prefill_threshold (vLLM's classification)."""
+        return seq.num_uncomputed_tokens > self.long_prefill_threshold
+
     # building blocks of the policies --------------------------------------------------------------------
 
     def _decodes(self, out: SchedulerOutput) -> None:
-        """One token for every running decode, oldest first, preempting the newest on block shortage."""
+        """One token for every running decode, in queue order, preempting the last in queue order on block
+        shortage."""
         block_size = self.blocks.block_size
         scheduled = out.scheduled
         running = SequenceStatus.RUNNING   # one enum lookup, not one per sequence (slow in Python 3.11)
@@ -90,49 +125,134 @@ class Scheduler:
             # most decodes write into the free slots of their last block and need no allocation
             if seq.num_computed_tokens < len(seq.block_table) * block_size or self._fit(seq, 1, out):
                 scheduled[seq] = 1
-            else:   # no one newer left to preempt: give up its own blocks
+            else:   # no one later in the queue left to preempt: give up its own blocks
                 self._preempt(seq, out)
 
-    def _prefills(self, out: SchedulerOutput, budget: int) -> None:
-        """Chunks of admitted, unfinished prefills, then new requests, within `budget` tokens."""
+    def _prefills(self, out: SchedulerOutput, tokens: int) -> None:
+        """Chunks of admitted, unfinished prefills, then new requests, within `tokens` tokens; in tbt_slo mode
+        also within the step's predicted-time limit; with max_partial_prefills, each prompt that will prefill
+        gets an even share of both (vLLM's rule)."""
+        budget = PrefillBudget(tokens)
+        if self.slo is not None and self.cost_model.fitted:
+            decode_time = self.cost_model.predict(step_shape(out.scheduled))   # the decodes so far
+            # with no decode the step is the overhead alone: a new prompt must still be able to start
+            out.overloaded = bool(out.scheduled) and decode_time > self.slo.target
+            self.slo.set_overloaded(out.overloaded, decode_time)
+            out.time_limit = self.slo.limit
+            budget.seconds = budget.time_share = out.time_limit - decode_time
+        if self.max_partial_prefills is not None:
+            shares = self._num_prefill_shares()
+            budget.token_share = max(tokens // shares, 1)
+            if budget.seconds is not None:
+                budget.time_share = budget.seconds / shares
         for seq in self._prefilling:
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this step
-                n = self._fit(seq, min(seq.num_uncomputed_tokens, budget), out)
+                # liveness: a prompt mid-prefill always gets a block's worth, whatever the margin or the load
+                want = self._grantable(budget, seq.num_computed_tokens, seq.num_uncomputed_tokens, self.min_chunk)
+                n = self._fit(seq, want, out)
                 if n:
+                    self._spend(budget, seq.num_computed_tokens, n)
                     out.scheduled[seq] = n
-                    budget -= n
         self._admit(out, budget, chunked=True)
 
-    def _admit(self, out: SchedulerOutput, budget: int, chunked: bool) -> None:
-        """New requests FCFS while the budget, max_num_seqs and free blocks allow.
+    def _grantable(self, budget: PrefillBudget, start: int, remaining: int, floor: int) -> int:
+        """Tokens a prompt at position `start` with `remaining` tokens to compute may take; in tbt_slo mode at
+        least `floor` of them (within the token budget) whatever the predicted time."""
+        n = min(remaining, budget.tokens, budget.token_share)
+        if budget.seconds is not None:
+            timed = self.cost_model.max_prefill_tokens(start, min(budget.seconds, budget.time_share))
+            n = min(n, max(timed, floor))
+        return n
+
+    def _spend(self, budget: PrefillBudget, start: int, n: int) -> None:
+        budget.tokens -= n
+        if budget.seconds is not None:
+            budget.seconds -= self.cost_model.prefill_time(start, n)
+
+    def _num_prefill_shares(self) -> int:
+        """How many prompts will prefill this step, counted as vLLM does: those mid-prefill, then the waiting
+        ones in queue order that the partial-prefill limits let in, at most max_partial_prefills."""
+        count = len(self._prefilling)
+        num_long = sum(self.is_long(s) for s in self._prefilling)
+        for seq in self.waiting:
+            if count >= self.max_partial_prefills:
+                break
+            if self.is_long(seq):
+                if num_long >= self.max_long_partial_prefills:
+                    continue
+                num_long += 1
+            count += 1
+        return max(1, min(count, self.max_partial_prefills))
+
+    def _admit(self, out: SchedulerOutput, budget: PrefillBudget, chunked: bool) -> None:
+        """New requests in queue order while the budget, max_num_seqs, the partial-prefill limits and free
+        blocks allow. A long prompt over max_long_partial_prefills is passed over (later short ones may go
+        first); any other obstacle stops admission, and out.admission_stop says which.
 
         chunked: a prompt may be cut to the budget left; otherwise it goes whole or waits."""
-        if out.preempted:   # blocks are short right now: let the preempted ones settle first
+        if not self.waiting:
             return
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.blocks.lookup_prefix(seq)
-            remaining = seq.num_tokens - len(cached) * self.blocks.block_size
-            n = min(remaining, budget) if chunked else remaining
-            if n > budget:
+        if out.preempted:   # blocks are short right now: let the preempted ones settle first
+            out.admission_stop = "preempted"
+            return
+        if out.overloaded:
+            out.admission_stop = "overload"
+            return
+        fair = self.max_partial_prefills is not None
+        if fair:
+            prefilling = [s for s in self._prefilling if s.status is SequenceStatus.RUNNING]
+            num_partial, num_long = len(prefilling), sum(self.is_long(s) for s in prefilling)
+        stop, passed_over, i = None, False, 0
+        while i < len(self.waiting):
+            if budget.tokens <= 0:
+                stop = "budget"
                 break
-            target = seq.max_kv_tokens if self.reserve_final_length else seq.num_tokens - remaining + n
+            if len(self.running) >= self.config.max_num_seqs:
+                stop = "max_num_seqs"
+                break
+            seq = self.waiting[i]
+            if fair:
+                if num_partial >= self.max_partial_prefills:
+                    stop = "partial_prefills"
+                    break
+                long = self.is_long(seq)
+                if long and num_long >= self.max_long_partial_prefills:
+                    passed_over = True
+                    i += 1
+                    continue
+            cached = self.blocks.lookup_prefix(seq)
+            start = len(cached) * self.blocks.block_size
+            remaining = seq.num_tokens - start
+            if chunked:   # the first prompt of an otherwise empty step always gets a block's worth (liveness)
+                n = self._grantable(budget, start, remaining, 0 if out.scheduled else self.min_chunk)
+            else:
+                n = remaining if remaining <= budget.tokens else 0
+            if n <= 0:
+                stop = "budget"
+                break
+            target = seq.max_kv_tokens if self.reserve_final_length else start + n
             watermark = self.watermark if self.running else 0
             if not self.blocks.can_admit(seq, cached, target, watermark):
+                stop = "blocks"
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.blocks.admit(seq, cached)
             self.blocks.grow(seq, target)
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens
-            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            bisect.insort(self.running, seq, key=queue_key)
             out.scheduled[seq] = n
-            budget -= n
+            self._spend(budget, start, n)
+            if fair:
+                num_partial += 1
+                num_long += long
+        out.admission_stop = stop or ("partial_prefills" if passed_over else None)
 
     def _fit(self, seq: Sequence, want: int, out: SchedulerOutput) -> int:
-        """Grow seq by up to `want` tokens, preempting newer sequences not yet in this step; returns the grant."""
+        """Grow seq by up to `want` tokens, preempting sequences later in queue order not yet in this step;
+        returns the grant."""
         while self.blocks.max_growth(seq) < want:
             victim = self.running[-1]
             if victim is seq or victim in out.scheduled:
@@ -147,7 +267,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=queue_key)
         out.preempted.append(seq)
         self.num_preemptions += 1
 
@@ -164,7 +284,7 @@ class VllmScheduler(Scheduler):
     """Prefill-prioritizing: whole new prompts alone in a batch whenever any fit; else a decode-only batch."""
 
     def _schedule(self, out):
-        self._admit(out, self.prompt_budget, chunked=False)
+        self._admit(out, PrefillBudget(self.prompt_budget), chunked=False)
         if not out.scheduled:
             self._decodes(out)
 
@@ -176,7 +296,7 @@ class OrcaScheduler(Scheduler):
 
     def _schedule(self, out):
         self._decodes(out)
-        self._admit(out, self.prompt_budget - len(out.scheduled), chunked=False)
+        self._admit(out, PrefillBudget(self.prompt_budget - len(out.scheduled)), chunked=False)
 
 
 class SimpleChunkingScheduler(Scheduler):
@@ -207,7 +327,7 @@ class FasterTransformerScheduler(Scheduler):
         if self.running:
             self._decodes(out)
         else:
-            self._admit(out, self.prompt_budget, chunked=False)
+            self._admit(out, PrefillBudget(self.prompt_budget), chunked=False)
 
 
 POLICIES = {
@@ -219,5 +339,6 @@ POLICIES = {
 }
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Scheduler:
-    return POLICIES[config.scheduler](config, block_manager, max_model_len)
+def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                   cost_model: CostModel | None = None) -> Scheduler:
+    return POLICIES[config.scheduler](config, block_manager, max_model_len, cost_model)

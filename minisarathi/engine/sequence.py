@@ -27,6 +27,8 @@ class Sequence:
     detokenizer: Any = None           # IncrementalDetokenizer; None when params.detokenize is False
     stream: bool = True               # False: outputs only when it finishes
     seq_id: int = -1                  # arrival order, given when queued; "newest" = largest
+    priority: int = 0                 # lower runs first (docs/scheduling.md, "Priorities")
+    queue_key: tuple[float, int] = (0.0, -1)   # (arrival time + priority x aging, seq_id), set when queued
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None      # per output token: dict[int, Logprob]

@@ -1,0 +1,158 @@
+"""A model of one engine step's duration from its composition, fitted online from the engine's own steps.
+
+    time = overhead + a * prefill_tokens + b * decode_seqs + c * prefill_attention + d * decode_attention
+
+prefill_attention is the sum over the step's prefill tokens of their context length (the keys each one
+attends to), decode_attention the sum of the decodes' context lengths: attention work grows with the
+history, the linear layers with the token count. The coefficients are a least-squares fit, kept
+non-negative (so that more work never predicts less time, which the budget search relies on), over a
+sliding window of recent steps plus the start-up profile's steps, which keep the directions the recent
+load does not exercise (e.g. prefill cost during a decode-only stretch) anchored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("overhead", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_attention")
+WINDOW = 512            # recent steps the fit covers
+REFIT_EVERY = 16        # steps between refits (a fit over 512 x 5 rows costs ~0.1 ms)
+# predicted / actual ratios: upper bucket edges of the prediction-error histogram
+ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("inf"))
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What a step computes, in the cost model's features (the overhead's feature is the constant 1)."""
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    prefill_attention: int = 0   # sum over prefill tokens of their context length (position + 1)
+    decode_attention: int = 0    # sum over decodes of their context length
+
+    def add_prefill(self, start: int, n: int) -> None:
+        """n prompt tokens at positions start .. start + n - 1."""
+        self.prefill_tokens += n
+        self.prefill_attention += chunk_attention(start, n)
+
+    def add_decode(self, context_len: int) -> None:
+        self.decode_seqs += 1
+        self.decode_attention += context_len
+
+
+def chunk_attention(start: int, n: int) -> int:
+    """Sum of the context lengths of n tokens at positions start .. start + n - 1."""
+    return n * start + n * (n + 1) // 2
+
+
+def step_shape(scheduled) -> StepShape:
+    """The shape of a step from the scheduler's {sequence: tokens} before the step computes them."""
+    shape = StepShape()
+    for seq, n in scheduled.items():
+        start = seq.num_computed_tokens
+        if start >= seq.num_prefill_tokens:   # a decode: its one token sees the whole history
+            shape.decode_seqs += 1
+            shape.decode_attention += start + 1
+        else:
+            shape.add_prefill(start, n)
+    return shape
+
+
+class CostModel:
+    def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY):
+        self.refit_every = refit_every
+        self._rows = np.zeros((window, len(FEATURES)))   # float64[window, features], a ring
+        self._times = np.zeros(window)                   # float64[window] seconds
+        self._num_rows = 0                               # rows written since the start
+        self._anchor_rows = np.zeros((0, len(FEATURES)))  # the start-up profile's steps, always in the fit
+        self._anchor_times = np.zeros(0)
+        self._since_fit = 0
+        self.coefficients: np.ndarray | None = None      # float64[features], seconds per unit; None: no fit yet
+        self.num_fits = 0
+        self.error_counts = [0] * len(ERROR_BUCKETS)     # predicted / actual, bucketed by ERROR_BUCKETS
+
+    @property
+    def fitted(self) -> bool:
+        return self.coefficients is not None
+
+    def add_profile(self, shapes: list[StepShape], seconds: list[float]) -> None:
+        """Steps measured at start-up: kept in every fit, and fitted at once."""
+        self._anchor_rows = np.vstack([self._anchor_rows, [_features(s) for s in shapes]])
+        self._anchor_times = np.concatenate([self._anchor_times, seconds])
+        self.fit()
+
+    def add(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
+        """One measured step (and what was predicted for it, for the error histogram); refits every few steps."""
+        i = self._num_rows % len(self._times)
+        self._rows[i] = _features(shape)
+        self._times[i] = seconds
+        self._num_rows += 1
+        self._since_fit += 1
+        if predicted is not None and seconds > 0:
+            ratio = predicted / seconds
+            self.error_counts[next(k for k, edge in enumerate(ERROR_BUCKETS) if ratio <= edge)] += 1
+        # the first fit as soon as the rows can determine every coefficient, then every refit_every steps
+        if self._since_fit >= self.refit_every or (not self.fitted and self._num_rows >= 2 * len(FEATURES)):
+            self.fit()
+
+    def fit(self) -> None:
+        """Non-negative least squares by dropping the most negative coefficient until none is left (at most
+        five small solves); columns are scaled to unit size first, as their magnitudes differ by ~10^6."""
+        n = min(self._num_rows, len(self._times))
+        x = np.vstack([self._rows[:n], self._anchor_rows])
+        y = np.concatenate([self._times[:n], self._anchor_times])
+        self._since_fit = 0
+        if len(y) < 2:
+            return
+        scale = np.abs(x).max(axis=0)
+        active = np.flatnonzero(scale > 0)
+        coefficients = np.zeros(len(FEATURES))
+        while len(active):
+            solution = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)[0]
+            if (solution >= 0).all():
+                coefficients[active] = solution / scale[active]
+                break
+            active = np.delete(active, np.argmin(solution))
+        self.coefficients = coefficients
+        self.num_fits += 1
+
+    def predict(self, shape: StepShape) -> float | None:
+        if self.coefficients is None:
+            return None
+        c = self.coefficients
+        return float(c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs
+                     + c[3] * shape.prefill_attention + c[4] * shape.decode_attention)
+
+    def prefill_time(self, start: int, n: int) -> float:
+        """Predicted time n prompt tokens at positions start.. add to a step."""
+        c = self.coefficients
+        return float(c[1] * n + c[3] * chunk_attention(start, n))
+
+    def max_prefill_tokens(self, start: int, seconds: float) -> int:
+        """The most prompt tokens from position `start` whose added time stays within `seconds`:
+        the largest n with (c3 / 2) n^2 + (c1 + c3 (start + 1/2)) n <= seconds."""
+        if seconds <= 0:
+            return 0
+        c = self.coefficients
+        a, b = c[3] / 2, c[1] + c[3] * (start + 0.5)
+        if a > 0:
+            n = (-b + np.sqrt(b * b + 4 * a * seconds)) / (2 * a)
+        elif b > 0:
+            n = seconds / b
+        else:
+            return 1 << 30    # prefill predicted free: only the token budget limits it
+        n = int(n)
+        # float rounding at the boundary: step back until the exact prediction fits
+        while n > 0 and self.prefill_time(start, n) > seconds:
+            n -= 1
+        return n
+
+    def summary(self) -> dict:
+        """Coefficients by feature name (None before the first fit), fits so far, and the error histogram."""
+        coefficients = None if self.coefficients is None else dict(zip(FEATURES, self.coefficients.tolist()))
+        return {"coefficients": coefficients, "fits": self.num_fits,
+                "error_histogram": {f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)}}
+
+
+def _features(shape: StepShape) -> tuple:
+    return 1.0, shape.prefill_tokens, shape.decode_seqs, shape.prefill_attention, shape.decode_attention

@@ -1,0 +1,65 @@
+"""tbt_slo_ms mode: the time a step may be predicted to take, from the TBT target and a safety margin that
+adapts to the cost model's errors, and the overload state (running decodes alone predicted over the target).
+
+The margin tracks the 99th percentile of the prediction error (actual - predicted) over the steps that come
+near the target (predicted at least half of it; small steps' errors say little about full ones), by
+stochastic quantile tracking: each such step moves it up by MARGIN_STEP x (1 - q) when the error exceeded
+it, down by MARGIN_STEP x q otherwise, which settles where a fraction q = 1% of the steps overshoot.
+It stays within [0, MAX_MARGIN x target], so a step always has a positive time to spend on prefills when the
+decodes leave it room.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+ERROR_QUANTILE = 0.01    # the share of near-target steps allowed to exceed their predicted time + margin
+MARGIN_STEP = 0.02       # x target: the largest move of the margin per step
+INITIAL_MARGIN = 0.1     # x target
+MAX_MARGIN = 0.5         # x target
+NEAR_TARGET = 0.5        # x target: steps predicted at least this long adapt the margin
+
+
+class TbtSlo:
+    def __init__(self, target_s: float):
+        self.target = target_s
+        self.margin = INITIAL_MARGIN * target_s
+        self.overloaded = False
+        self.overloaded_steps = 0    # steps in which the running decodes alone were predicted over the target
+        self.overshoots = 0          # steps that took longer than the target
+        self.num_steps = 0
+
+    @property
+    def limit(self) -> float:
+        """What a step's predicted time may reach."""
+        return self.target - self.margin
+
+    def observe(self, predicted: float | None, actual: float) -> None:
+        self.num_steps += 1
+        if actual > self.target:
+            self.overshoots += 1
+        if predicted is None or predicted < NEAR_TARGET * self.target:
+            return
+        step = MARGIN_STEP * self.target
+        if actual > predicted + self.margin:
+            self.margin = min(self.margin + step * (1 - ERROR_QUANTILE), MAX_MARGIN * self.target)
+        else:
+            self.margin = max(self.margin - step * ERROR_QUANTILE, 0.0)
+
+    def set_overloaded(self, overloaded: bool, decode_time: float) -> None:
+        """Called once per step by the scheduler; logs the transitions."""
+        if overloaded:
+            self.overloaded_steps += 1
+        if overloaded != self.overloaded:
+            if overloaded:
+                log.warning("overloaded: the running decodes alone are predicted to take %.2f ms, over the TBT "
+                            "target of %.2f ms; new prompts wait", decode_time * 1e3, self.target * 1e3)
+            else:
+                log.info("no longer overloaded: decodes predicted at %.1f ms (TBT target %.1f ms)",
+                         decode_time * 1e3, self.target * 1e3)
+        self.overloaded = overloaded
+
+    def summary(self) -> dict:
+        return {"target_ms": self.target * 1e3, "margin_ms": self.margin * 1e3, "overloaded": self.overloaded,
+                "overloaded_steps": self.overloaded_steps, "overshoots": self.overshoots, "steps": self.num_steps}
