@@ -18,8 +18,9 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in prompt order. Every prompt is checked before any runs."""
+                 use_tqdm: bool = False, priority: int | list[int] = 0) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in prompt order. Every prompt is checked before any runs.
+        priority: one for all prompts or one per prompt; lower runs first."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, Integral) for t in prompts)):
             prompts = [prompts]      # one prompt: a text or a list of token ids
@@ -29,8 +30,13 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
-        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params, stream=False)
-                for prompt, params in zip(prompts, sampling_params)]
+        if not isinstance(priority, (list, tuple)):
+            priority = [priority] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
+        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params, stream=False,
+                                            priority=p)
+                for prompt, params, p in zip(prompts, sampling_params, priority)]
         for seq in seqs:
             self.engine.add_sequence(seq)
         finished = {}

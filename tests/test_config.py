@@ -108,3 +108,18 @@ def test_engine_config_checks_its_fields():
                 {"device": "tpu"}, {"scheduler": "fifo"}, {"seed": -1}, {"max_num_seqs": None}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)
+
+
+def test_scheduling_options_are_checked():
+    from minisarathi.config import EngineConfig
+
+    EngineConfig(tbt_slo_ms=50, max_partial_prefills=4, long_prefill_threshold=2048, max_long_partial_prefills=2)
+    for options, field in [(dict(tbt_slo_ms=0), "tbt_slo_ms"), (dict(tbt_slo_ms="50"), "tbt_slo_ms"),
+                           (dict(tbt_slo_ms=50, scheduler="vllm"), "tbt_slo_ms"),
+                           (dict(max_partial_prefills=0), "max_partial_prefills"),
+                           (dict(long_prefill_threshold=64), "long_prefill_threshold"),
+                           (dict(max_partial_prefills=2, scheduler="orca"), "max_partial_prefills"),
+                           (dict(max_partial_prefills=2, max_long_partial_prefills=3), "max_long_partial_prefills"),
+                           (dict(priority_aging_s=-1), "priority_aging_s")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**options)

@@ -27,17 +27,19 @@ def requests():
             for i, (p, n) in enumerate(zip(prompts, [24, 12, 20, 16, 24, 12]))]
 
 
-def run(engine, requests, stagger=3, on_step=None):
-    """Add the first `stagger` requests, take two steps, add the rest, run to the end; check every step."""
+def run(engine, requests, stagger=3, on_step=None, priorities=None):
+    """Add the first `stagger` requests, take two steps, add the rest, run to the end; check every step.
+    priorities: request id -> priority (default 0)."""
     finals, streamed = {}, {}
+    priorities = priorities or {}
     for rid, prompt, params in requests[:stagger]:
-        engine.add_request(rid, prompt, params)
+        engine.add_request(rid, prompt, params, priority=priorities.get(rid, 0))
     late = requests[stagger:]
     num_steps = 0
     while engine.has_unfinished_requests() or late:
         if num_steps == 2 or not engine.has_unfinished_requests():
             for rid, prompt, params in late:
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, priority=priorities.get(rid, 0))
             late = []
         for out in engine.step():
             completion = out.outputs[0]
@@ -99,6 +101,34 @@ def test_greedy_tokens_identical_every_way(requests, reference, policy, chunk, b
         assert engine.scheduler.num_preemptions == 0
     if caching and chunk < 64:
         assert engine.stats()["prefix_cache_hits"] > 0
+
+
+# The scheduling options of docs/scheduling.md's "SLO-driven budget", "Fair partial prefills" and "Priorities":
+# (options, priorities by request id). 0.3 ms is below what the bundled model's decodes take (overload
+# most of the time: the liveness grants carry the prompts); the small pools force preemptions.
+NEW_OPTIONS = [
+    (dict(tbt_slo_ms=2.0, chunk_size=512), None),
+    (dict(tbt_slo_ms=0.3, chunk_size=64, block_size=4, num_kv_blocks=40), None),
+    (dict(chunk_size=16, max_partial_prefills=2, long_prefill_threshold=16), None),
+    (dict(chunk_size=8, block_size=4, num_kv_blocks=40, max_partial_prefills=3, max_long_partial_prefills=2,
+          long_prefill_threshold=8, scheduler="simple_chunking"), None),
+    (dict(chunk_size=16, block_size=4, num_kv_blocks=40), {"r0": 2, "r2": 1, "r3": -1, "r5": 1}),
+    (dict(chunk_size=16, block_size=8, num_kv_blocks=30, tbt_slo_ms=1.0, max_partial_prefills=2),
+     {"r1": 1, "r4": -2}),
+]
+
+
+@pytest.mark.parametrize("options,priorities", NEW_OPTIONS)
+def test_greedy_tokens_identical_under_the_scheduling_options(requests, reference, options, priorities):
+    engine = LLMEngine(**options)
+    finals = run(engine, requests, on_step=check_batch_shape, priorities=priorities)
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
+    if options.get("num_kv_blocks") == 40 and not options.get("tbt_slo_ms"):
+        assert engine.scheduler.num_preemptions > 0, "the small pool should force preemptions"
+    stops = {r.admission_stop for r in engine.step_records}
+    assert stops <= {None, "budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted"}
+    if options.get("tbt_slo_ms") == 0.3:
+        assert "overload" in stops and engine.stats()["tbt_slo"]["overloaded_steps"] > 0
 
 
 def check_batch_shape(engine):
@@ -438,3 +468,88 @@ def test_build_batch_matches_a_per_token_reference(decodes_only):
             assert got.dtype == np.int32 and got.tolist() == want, name
         assert batch.max_query_len == max(len(c.token_ids) for c in chunks)
         assert batch.max_context_len == max(c.start_pos + len(c.token_ids) for c in chunks)
+
+
+# the cost model and tbt_slo_ms under a fake clock ------------------------------------------------------------------
+
+# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode attention
+FAKE_COSTS = np.array([2e-3, 0.2e-3, 0.5e-3, 2e-6, 5e-6])
+
+
+class FakeClock:
+    """Stands in for the `time` module of the engine and the profile: time passes only in the model's forward,
+    by FAKE_COSTS applied to the batch (a one-token row is a decode)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    perf_counter = monotonic
+
+    def charge(self, batch):
+        q = np.diff(batch.query_start).astype(np.int64)
+        start = batch.context_lens.astype(np.int64) - q
+        decode = q == 1
+        prefill_attention = (q * start + q * (q + 1) // 2)[~decode].sum()
+        self.now += float(FAKE_COSTS @ [1, q[~decode].sum(), decode.sum(), prefill_attention,
+                                        batch.context_lens[decode].sum()])
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    from minisarathi.engine import profile as profile_module
+    from minisarathi.model import llama
+
+    clock = FakeClock()
+    forward = llama.LlamaModel.forward
+
+    def timed_forward(self, batch, kv_cache, device_logits=False):
+        clock.charge(batch)
+        return forward(self, batch, kv_cache, device_logits)
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", timed_forward)
+    monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(profile_module, "time", clock)
+    return clock
+
+
+def test_cost_model_recovers_the_step_costs_from_the_engines_own_records(fake_clock):
+    """Whole prompts (no one-token prefill chunk, which the fake clock would count as a decode), one arriving
+    every third step, then decodes of changing batch sizes and histories."""
+    engine = LLMEngine(chunk_size=512, block_size=16, num_kv_blocks=64)
+    assert engine.stats()["cost_model"]["coefficients"] is None      # no profile outside tbt_slo_ms mode
+    prompts = [list(range(3, 3 + n)) for n in (30, 90, 7, 64, 45, 12)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.cost_model.fit()
+    np.testing.assert_allclose(engine.cost_model.coefficients, FAKE_COSTS, rtol=1e-6)
+    summary = engine.stats()["cost_model"]
+    assert summary["coefficients"]["decode_attention"] == pytest.approx(FAKE_COSTS[4])
+    hist = summary["error_histogram"]     # once fitted, exact: every prediction within 5%
+    assert hist["<=1.05"] == sum(hist.values()) > 0
+    records = list(engine.step_records)
+    assert all(r.predicted_time == pytest.approx(r.step_time) for r in records[-20:])
+
+
+def test_slo_mode_keeps_steps_within_the_target(fake_clock, requests, reference):
+    """With tbt_slo_ms = 10 and a chunk_size of 512, the 120-token prompt (~30 ms whole) is cut to what fits
+    beside the decodes: every step stays within the target, the tokens are the reference ones."""
+    engine = LLMEngine(chunk_size=512, block_size=16, num_kv_blocks=64, tbt_slo_ms=10)
+    np.testing.assert_allclose(engine.cost_model.coefficients, FAKE_COSTS, rtol=1e-6)   # the start-up profile
+    finals = run(engine, requests)
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
+    records = list(engine.step_records)
+    assert max(r.step_time for r in records) <= 0.010
+    limits = [r.time_limit for r in records]   # from target - 10%; no error beyond the margin: it only shrinks
+    assert limits[0] == pytest.approx(0.009) and limits == sorted(limits) and limits[-1] < 0.0095
+    # within the limit, or over it by the liveness grant (a block of 16 tokens for the first prompt mid-prefill)
+    assert all(r.predicted_time <= r.time_limit + 1e-12 or r.num_prefill_tokens <= 16 for r in records)
+    assert max(r.num_prefill_tokens for r in records) < 120 and "budget" in {r.admission_stop for r in records}
+    slo = engine.stats()["tbt_slo"]
+    assert slo["overshoots"] == 0 and not slo["overloaded"] and slo["target_ms"] == 10

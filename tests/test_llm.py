@@ -59,3 +59,16 @@ def test_seeded_requests_repeat(llm):
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
     first, second = llm.generate(["Tom had a red", "Tom had a red"], [params, params])
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_priority_orders_the_prompts():
+    llm = LLM(chunk_size=16, block_size=8, num_kv_blocks=64, max_num_seqs=1)
+    outs = llm.generate(["Tom had a red", "Once upon a time", "Lily went"], GREEDY, priority=[1, 2, 0])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert order == [2, 0, 1]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(
+        ["Tom had a red", "Once upon a time", "Lily went"], GREEDY)]
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a", "b"], GREEDY, priority=[0])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("a", GREEDY, priority=0.5)

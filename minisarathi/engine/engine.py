@@ -10,6 +10,8 @@ from pathlib import Path
 from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager
+from minisarathi.engine.cost_model import CostModel, step_shape
+from minisarathi.engine.profile import run_profile
 from minisarathi.engine.scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
@@ -19,6 +21,7 @@ from minisarathi.paths import default_model_dir
 from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+from minisarathi.validation import check_int
 
 
 CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
@@ -58,9 +61,15 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_bytes ({budget}) holds no KV block of {config.block_size} tokens")
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len)
+        # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
+        self.cost_model = CostModel()
+        self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
+        if config.tbt_slo_ms is not None:   # a fit before the first step; the pool holds no sequence yet
+            self.cost_model.add_profile(*run_profile(
+                self.model, self.kv_cache, self.sampler, config.block_size, num_blocks, config.chunk_size,
+                self.max_model_len, config.max_num_seqs))
         self.requests: dict[str, Sequence] = {}     # unfinished requests by id
         self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
@@ -70,16 +79,19 @@ class LLMEngine:
     # requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, stream: bool = True) -> None:
+                    arrival_time: float | None = None, *, stream: bool = True, priority: int = 0) -> None:
         """stream=False: step() reports the request only once, when it finishes (vLLM's FINAL_ONLY output kind),
-        which spares a RequestOutput and a copy of its tokens per step when only the result matters."""
-        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time, stream=stream))
+        which spares a RequestOutput and a copy of its tokens per step when only the result matters.
+        priority: lower runs first (docs/scheduling.md, "Priorities")."""
+        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time, stream=stream,
+                                               priority=priority))
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        arrival_time: float | None = None, *, stream: bool = True) -> Sequence:
+                        arrival_time: float | None = None, *, stream: bool = True, priority: int = 0) -> Sequence:
         """Validate and tokenize a request without queueing it (so a batch can be checked whole first)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        check_int("priority", priority)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -114,7 +126,7 @@ class LLMEngine:
             generator=None if params.seed is None else make_generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                                params.min_tokens) if params.detokenize else None,
-            logprobs=None if params.logprobs is None else [], stream=stream)
+            logprobs=None if params.logprobs is None else [], stream=stream, priority=priority)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -148,6 +160,8 @@ class LLMEngine:
         self._aborted.clear()
         if not schedule.scheduled:
             return outputs
+        shape = step_shape(schedule.scheduled)   # before _advance counts the chunks as computed
+        predicted = self.cost_model.predict(shape)
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
 
@@ -159,9 +173,14 @@ class LLMEngine:
         executed = time.monotonic()
 
         outputs += self._update(schedule.scheduled, samplers, sampled, executed)
+        step_time = time.monotonic() - start
+        self.cost_model.add(shape, step_time, predicted)
+        if self.scheduler.slo is not None:
+            self.scheduler.slo.observe(predicted, step_time)
         self.step_records.append(StepRecord(
             start, batch.num_seqs, num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
-            scheduled - start, executed - scheduled, time.monotonic() - start))
+            scheduled - start, executed - scheduled, step_time, shape.prefill_attention, shape.decode_attention,
+            predicted, schedule.time_limit, schedule.admission_stop, schedule.overloaded))
         return outputs
 
     def _advance(self, scheduled: dict[Sequence, int], now: float) -> list[int]:
@@ -290,6 +309,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "tokens_generated": self.num_generated_tokens,
             "steps": len(self.step_records),
+            "cost_model": self.cost_model.summary(),    # coefficients (s per unit), fits, predicted/actual histogram
+            "tbt_slo": None if self.scheduler.slo is None else self.scheduler.slo.summary(),
         }
 
     def check_invariants(self) -> None:

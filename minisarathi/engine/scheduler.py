@@ -67,7 +67,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.cost_model = cost_model or CostModel()
         self.slo = None if config.tbt_slo_ms is None else TbtSlo(config.tbt_slo_ms / 1e3)
-        # liveness in tbt_slo mode: a prompt mid-prefill gets at least one block's worth of tokens per step
+        # liveness in tbt_slo mode: the first prompt mid-prefill gets at least one block's worth of tokens per step
         self.min_chunk = block_manager.block_size
         self.max_partial_prefills = config.max_partial_prefills
         self.long_prefill_threshold = config.long_prefill_threshold or max(1, int(LONG_PREFILL_FRACTION
@@ -145,12 +145,15 @@ class Scheduler:
             budget.token_share = max(tokens // shares, 1)
             if budget.seconds is not None:
                 budget.time_share = budget.seconds / shares
+        floor = self.min_chunk
         for seq in self._prefilling:
             if budget.tokens <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this step
-                # liveness: a prompt mid-prefill always gets a block's worth, whatever the margin or the load
-                want = self._grantable(budget, seq.num_computed_tokens, seq.num_uncomputed_tokens, self.min_chunk)
+                # liveness: the first prompt mid-prefill in queue order gets a block's worth whatever the margin
+                # or the load, so each one in turn completes
+                want = self._grantable(budget, seq.num_computed_tokens, seq.num_uncomputed_tokens, floor)
+                floor = 0
                 n = self._fit(seq, want, out)
                 if n:
                     self._spend(budget, seq.num_computed_tokens, n)

@@ -14,6 +14,12 @@ class StepRecord:
     schedule_time: float       # scheduling and batch building
     execution_time: float      # model forward + sampling
     step_time: float           # the whole step, bookkeeping and outputs included
+    prefill_attention: int     # the cost model's attention features (cost_model.StepShape)
+    decode_attention: int
+    predicted_time: float | None   # the cost model's prediction of step_time (None before its first fit)
+    time_limit: float | None       # tbt_slo_ms mode: what the predicted time could reach (target - margin)
+    admission_stop: str | None     # why no further waiting request was admitted (scheduler.ADMISSION_STOPS)
+    overloaded: bool               # tbt_slo_ms mode: the decodes alone were predicted over the target
 
 
 class StepLog:

@@ -1,0 +1,70 @@
+"""tbt_slo_ms mode's start-up profile: a handful of synthetic steps of chosen shapes, timed on the engine's own
+model, KV cache and sampler before any request arrives, so that the cost model has a fit from the first step
+(CostModel.add_profile). It writes garbage K/V into the pool's blocks, which is harmless only while no
+sequence holds any: the engine runs it in its constructor.
+"""
+from __future__ import annotations
+
+import time
+
+from minisarathi.batch import ScheduledChunk, build_batch
+from minisarathi.engine.cost_model import StepShape
+from minisarathi.sampling_params import SamplingParams
+
+PROFILE_SECONDS = 3.0      # no further shape starts after this long (the costly ones come last)
+MAX_PROFILE_TOKENS = 512   # the largest prefill chunk profiled: the fit extrapolates beyond it
+MAX_PROFILE_SEQS = 32      # the largest decode batch profiled
+PROFILE_PASSES = 2         # each shape timed twice: one sample of a step is noisy on a shared machine
+
+
+def profile_plan(token_budget: int, max_context: int, max_seqs: int) -> list[list[tuple[int, int]]]:
+    """Steps as lists of (start position, tokens) chunks, cheapest first. A chunk of one token is a decode over
+    start + 1 tokens; the others are prefills. The shapes vary every feature of the cost model independently:
+    one and many decodes over short and long histories, prefills of two sizes from position 0 and one late in
+    a long context, and a hybrid step."""
+    tokens = max(2, min(token_budget, max_context, MAX_PROFILE_TOKENS))
+    seqs = max(1, min(max_seqs, MAX_PROFILE_SEQS))
+    short, long = max(1, max_context // 8), max_context
+    return [
+        [(short - 1, 1)],
+        [(0, max(2, tokens // 8))],
+        [(short - 1, 1)] * seqs,
+        [(0, max(2, tokens // 2))] + [(max_context // 2 - 1, 1)] * max(1, seqs // 2),
+        [(0, tokens)],
+        [(long - 1, 1)] * seqs,
+        [(max(0, max_context - tokens), tokens)],
+    ]
+
+
+def run_profile(model, kv_cache, sampler, block_size: int, num_blocks: int, token_budget: int,
+                max_model_len: int, max_seqs: int) -> tuple[list[StepShape], list[float]]:
+    """(the shapes, their measured seconds: forward + greedy sampling). Every chunk uses the same block table:
+    only the amount of work matters, not what the K/V hold."""
+    max_context = min(max_model_len, num_blocks * block_size)
+    table = list(range(-(-max_context // block_size)))
+    greedy = SamplingParams(temperature=0.0)
+    plan = profile_plan(token_budget, max_context, max_seqs)
+
+    def run(step: list[tuple[int, int]]) -> float:
+        chunks = [ScheduledChunk([1] * n, start, table, True) for start, n in step]
+        began = time.perf_counter()
+        logits = model.forward(build_batch(chunks, block_size), kv_cache, device_logits=True)
+        sampler.sample(logits, [greedy] * len(chunks), [None] * len(chunks), [[1]] * len(chunks),
+                       [[]] * len(chunks))
+        return time.perf_counter() - began
+
+    run(plan[1])   # first calls allocate and warm caches: not a step's cost
+    shapes, seconds = [], []
+    began = time.perf_counter()
+    for step in plan * PROFILE_PASSES:
+        if time.perf_counter() - began > PROFILE_SECONDS:
+            break
+        shape = StepShape()
+        for start, n in step:
+            if n == 1:
+                shape.add_decode(start + 1)
+            else:
+                shape.add_prefill(start, n)
+        seconds.append(run(step))
+        shapes.append(shape)
+    return shapes, seconds
