@@ -34,6 +34,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
+    g.add_argument("--tbt-slo-ms", type=float, default=d.tbt_slo_ms,
+                   help="sarathi: size each step to finish within this time-between-tokens target (ms); "
+                        "--chunk-size stays the upper bound (docs/scheduling.md)")
+    g.add_argument("--max-partial-prefills", type=int, default=d.max_partial_prefills,
+                   help="chunked policies: prompts mid-prefill at once, sharing the prefill budget (default: no limit)")
+    g.add_argument("--long-prefill-threshold", type=int, default=d.long_prefill_threshold,
+                   help="prompts with more tokens left are long (default: 4%% of --max-model-len)")
+    g.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
+                   help="long prompts mid-prefill at once (default 1)")
+    g.add_argument("--priority-aging-s", type=float, default=d.priority_aging_s,
+                   help=f"a request of priority p is queued as if it arrived p x this many seconds later "
+                        f"(default {d.priority_aging_s:g})")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
-from minisarathi.batch import ScheduledChunk, build_batch
+import numpy as np
+
+from minisarathi.batch import make_batch
 from minisarathi.engine.cost_model import StepShape
 from minisarathi.sampling_params import SamplingParams
 
@@ -41,16 +43,17 @@ def run_profile(model, kv_cache, sampler, block_size: int, num_blocks: int, toke
     """(the shapes, their measured seconds: forward + greedy sampling). Every chunk uses the same block table:
     only the amount of work matters, not what the K/V hold."""
     max_context = min(max_model_len, num_blocks * block_size)
-    table = list(range(-(-max_context // block_size)))
+    table = np.arange(-(-max_context // block_size), dtype=np.int32)
     greedy = SamplingParams(temperature=0.0)
     plan = profile_plan(token_budget, max_context, max_seqs)
 
     def run(step: list[tuple[int, int]]) -> float:
-        chunks = [ScheduledChunk([1] * n, start, table, True) for start, n in step]
+        rows = len(step)
         began = time.perf_counter()
-        logits = model.forward(build_batch(chunks, block_size), kv_cache, device_logits=True)
-        sampler.sample(logits, [greedy] * len(chunks), [None] * len(chunks), [[1]] * len(chunks),
-                       [[]] * len(chunks))
+        batch = make_batch([1] * sum(n for _, n in step), [start for start, _ in step], [n for _, n in step],
+                           np.tile(table, (rows, 1)), [True] * rows, block_size)
+        logits = model.forward(batch, kv_cache, device_logits=True)
+        sampler.sample(logits, [greedy] * rows, [None] * rows, [[1]] * rows, [[]] * rows)
         return time.perf_counter() - began
 
     run(plan[1])   # first calls allocate and warm caches: not a step's cost
