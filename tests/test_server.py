@@ -347,6 +347,15 @@ def test_logprobs_and_timing_fields(server):
     assert 0 <= result.extra["ttft_s"] <= result.extra["e2e_s"]
 
 
+def test_priority_field_is_taken(server):
+    with Client("127.0.0.1", server.port) as client:
+        low = client.generate("Tom had a red", max_tokens=6, temperature=0, priority=5)
+        high = client.generate("Tom had a red", max_tokens=6, temperature=0, priority=-5)
+        with pytest.raises(RPCError, match="priority"):
+            client.generate("Tom had a red", max_tokens=6, priority="urgent")
+    assert low.token_ids == high.token_ids and len(low.token_ids) == 6
+
+
 def test_prompt_token_ids_match_text_prompt(server):
     with Client(unix_socket=server.unix_socket) as client:
         ids = client.tokenize("Tom had a red")

@@ -15,6 +15,8 @@ def test_generate_params_become_sampling_params():
     assert request.prompt == "hi" and request.prompt_token_ids is None and request.stream
     assert request.params.max_tokens == 7 and request.params.greedy and request.params.stop == ["x"]
     assert parse_generate([{"prompt_token_ids": [1, 5]}], LIMITS).prompt_token_ids == [1, 5]
+    assert request.priority is None and parse_generate([{"prompt": "a", "priority": -3}], LIMITS).priority == -3
+    assert parse_generate([{"prompt": "a", "priority": 2.0}], LIMITS).priority == 2
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -33,6 +35,9 @@ def test_generate_params_become_sampling_params():
     ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "a", "skip_special_tokens": 1}, "skip_special_tokens"),
     ({"prompt": None}, "prompt"),
+    ({"prompt": "a", "priority": "high"}, "priority"),
+    ({"prompt": "a", "priority": 1.5}, "priority"),
+    ({"prompt": "a", "priority": 2 ** 40}, "priority"),
 ])
 def test_bad_generate_params_name_the_field(fields, named):
     with pytest.raises(RPCError) as info:

@@ -135,7 +135,7 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # integral floats (32.0, as some clients send numbers) become ints in these; the dataclass says which they are
 _INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")}
 _INT_LIST_FIELDS = {"prompt_token_ids", "stop_token_ids"}
-GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream"}
+GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream", "priority"}
 
 
 @dataclass
@@ -144,6 +144,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     stream: bool
+    priority: int | None     # lower runs first; None: the connection's default (Server.generate)
 
 
 def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
@@ -172,6 +173,9 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {short(repr(stream))}")
+    priority = as_int(fields.get("priority"))
+    if priority is not None and (type(priority) is not int or not -2**31 <= priority < 2**31):
+        raise RPCError(INVALID_PARAMS, f"priority must be a 32-bit integer, got {short(repr(priority))}")
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     try:
         sampling_params = SamplingParams(**sampling)
@@ -179,7 +183,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
         raise RPCError(INVALID_PARAMS, short(str(e))) from None
     if sampling_params.max_tokens > limits.max_tokens:
         raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
-    return GenerateRequest(prompt, token_ids, sampling_params, stream)
+    return GenerateRequest(prompt, token_ids, sampling_params, stream, priority)
 
 
 def _generate_fields(params: list) -> dict:

@@ -116,6 +116,7 @@ class _Connection:
         self.limits = limits
         self.authenticated = authenticated
         self.inflight: dict[int, str] = {}    # msgid -> request id of its generate
+        self.default_priority = 0             # of its requests that give none (e.g. its API key's, once known)
         self.closed = False
 
     def send(self, message):
@@ -411,10 +412,12 @@ class Server:
         self._pending[request_id] = pending
         self._drained.clear()
         conn.inflight[msgid] = request_id
-        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s", request_id, conn.id, msgid,
-                 len(token_ids), request.params.max_tokens, request.stream)
+        priority = conn.default_priority if request.priority is None else request.priority
+        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d", request_id, conn.id,
+                 msgid, len(token_ids), request.params.max_tokens, request.stream, priority)
         added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, request.params,
-                                                                  arrival_time=pending.received))
+                                                                  arrival_time=pending.received,
+                                                                  priority=priority))
         added.add_done_callback(lambda future: self._on_added(request_id, future))
 
     def _on_added(self, request_id: str, future: asyncio.Future):
