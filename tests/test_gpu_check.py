@@ -37,7 +37,7 @@ def test_section_limits_fit_the_budget_and_the_machine():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash, timeout and mktemp as on the GPU machine")
 def test_without_a_gpu_the_summary_says_what_is_missing(tmp_path):
-    from minisarathi.model.llama import resolve_device
+    from minisarathi.backends.devices import resolve_device
     if resolve_device("auto") == "cuda":
         pytest.skip("a GPU is visible: this test is about machines without one")
     result, out = run_check(tmp_path)
