@@ -397,6 +397,10 @@ def test_metrics_equal_the_known_workload(server):
     assert delta(p + "iteration_tokens_total_sum") == computed
     assert after[(p + "num_requests_running", ())] == 0 and after[(p + "kv_cache_usage_perc", ())] == 0
     assert after[(p + "scheduler_token_budget", ())] == 64
+    # every metric the Grafana dashboard plots is exported (GPU memory only on CUDA)
+    dashboard = (REPO / "docs" / "grafana.json").read_text()
+    exported = {name.removesuffix(suffix) for name, _ in after for suffix in ("_bucket", "")}
+    assert set(re.findall(r"minisarathi:\w+", dashboard)) - exported == {p + "gpu_memory_used_bytes"}
 
 
 def test_metrics_port_with_only_the_msgpack_door():
