@@ -424,3 +424,37 @@ def test_http_port_without_the_extra_names_the_install_command(tmp_path):
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     assert proc.returncode == 2
     assert "pip install 'minisarathi[http]'" in proc.stderr and "aiohttp" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ ids and logs
+
+
+def test_request_ids_follow_requests_through_both_doors_and_json_logs():
+    with launch("--http-port", "0", "--num-kv-blocks", "128", "--log-format", "json", "--log-level", "DEBUG") as s:
+        with Client("127.0.0.1", s.msgpack_port, api_key=API_KEY) as client:
+            result = client.generate("Once upon a time", max_tokens=4, temperature=0, request_id="rpc-7")
+            assert result.extra["request_id"] == "rpc-7"
+            generated = client.generate("Zoo", max_tokens=2)
+            assert generated.extra["request_id"].startswith("req-")
+            with pytest.raises(Exception, match="request_id must be 1 to 128 printable"):
+                client.generate("Zoo", max_tokens=2, request_id="has space")
+            stream = client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True, request_id="long-1")
+            next(iter(stream))
+            assert client.call("abort", {"request_id": "long-1"}) is True
+        status, headers, body = raw(s, "POST", "/v1/completions", {"prompt": "Tom", "max_tokens": 3},
+                                    headers={"X-Request-Id": "web-9"})
+        assert status == 200 and body["id"] == headers["X-Request-Id"] == "web-9"
+        status, _, error = raw(s, "POST", "/v1/completions", {"prompt": "Tom"}, headers={"X-Request-Id": "a b"})
+        assert status == 400 and error["error"]["param"] == "X-Request-Id"
+        time.sleep(0.5)
+        lines = [json.loads(line) for line in Path(s.log_path).read_text().splitlines()]   # every line is JSON
+    finished = {line["request_id"]: line for line in lines if line["logger"] == "minisarathi.requests"}
+    assert finished["rpc-7"]["door"] == "msgpack" and finished["rpc-7"]["completion_tokens"] == 4
+    assert finished["rpc-7"]["prompt"] == "Once upon a time" and finished["rpc-7"]["finish_reason"] == "length"
+    assert finished["rpc-7"]["client"].startswith("127.0.0.1:")
+    assert finished["rpc-7"]["ttft_s"] <= finished["rpc-7"]["e2e_s"] and finished["rpc-7"]["queue_s"] >= 0
+    assert finished["long-1"]["finish_reason"] == "abort"
+    assert finished["web-9"]["door"] == "http" and finished["web-9"]["completion_tokens"] == 3
+    assert [line for line in lines if "web-9" in line["message"]]      # the door's own line names it too
+    steps = [line for line in lines if line["message"] == "step"]
+    assert steps and all({"decodes", "prefill_tokens", "preempted", "kv_blocks_free"} <= set(line) for line in steps)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,12 +25,11 @@ from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (DoorLimits, GenerationRequest, OpenAIError, chat_logprobs,
                                            completion_logprobs, finish_reason, parse_chat, parse_completion, usage)
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RPCError
-from minisarathi.server.request_log import FinishedRequest
+from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
 log = logging.getLogger("minisarathi.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")   # printable ASCII, no spaces: it goes into headers and logs
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
 
 
@@ -129,9 +127,8 @@ class HttpDoor:
         given = request.headers.get(REQUEST_ID_HEADER)
         if given is None:
             return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        if not _REQUEST_ID.fullmatch(given):
-            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 printable ASCII characters without spaces",
-                              param=REQUEST_ID_HEADER)
+        if not valid_request_id(given):
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be {REQUEST_ID_RULE}", param=REQUEST_ID_HEADER)
         return given
 
     # ------------------------------------------------------------------------------------------ endpoints
@@ -208,7 +205,8 @@ class HttpDoor:
         for p, prompt in enumerate(call.request.prompts):
             for i, params in enumerate(call.request.choice_params):
                 index = p * n + i
-                engine_id = f"http-{call.request_id}" + (f"-{index}" if many else "")
+                # The door's prefix keeps the engine's id space apart from the msgpack door's.
+                engine_id = f"http:{call.request_id}" + (f"-{index}" if many else "")
                 choice = _Choice(index, p, engine_id)
 
                 def on_output(output, choice=choice):
@@ -329,7 +327,7 @@ class HttpDoor:
         completion = output.outputs[0] if output is not None else None
         finished = output is not None and output.finished
         self.server.report_finished(FinishedRequest(
-            choice.engine_id.removeprefix("http-"), "http", call.client, call.request.prompt_texts[choice.prompt] or
+            choice.engine_id.removeprefix("http:"), "http", call.client, call.request.prompt_texts[choice.prompt] or
             call.request.prompts[choice.prompt], len(call.request.prompts[choice.prompt]),
             output.num_cached_tokens if output is not None else 0,
             len(completion.token_ids) if completion is not None else 0,

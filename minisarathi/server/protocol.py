@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgpack
 
 from minisarathi.sampling_params import SamplingParams
+from minisarathi.server.request_log import REQUEST_ID_RULE, valid_request_id
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
@@ -135,7 +136,7 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # integral floats (32.0, as some clients send numbers) become ints in these; the dataclass says which they are
 _INT_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")}
 _INT_LIST_FIELDS = {"prompt_token_ids", "stop_token_ids"}
-GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream", "priority"}
+GENERATE_FIELDS = _SAMPLING_FIELDS | {"prompt", "prompt_token_ids", "stream", "priority", "request_id"}
 
 
 @dataclass
@@ -145,6 +146,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     priority: int | None     # lower runs first; None: the connection's default (Server.generate)
+    request_id: str | None = None    # the client's id for the request (logs, result, abort), else one is made
 
 
 def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
@@ -176,6 +178,9 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     priority = as_int(fields.get("priority"))
     if priority is not None and (type(priority) is not int or not -2**31 <= priority < 2**31):
         raise RPCError(INVALID_PARAMS, f"priority must be a 32-bit integer, got {short(repr(priority))}")
+    request_id = fields.get("request_id")
+    if request_id is not None and not (isinstance(request_id, str) and valid_request_id(request_id)):
+        raise RPCError(INVALID_PARAMS, f"request_id must be {REQUEST_ID_RULE}")
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     try:
         sampling_params = SamplingParams(**sampling)
@@ -183,7 +188,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
         raise RPCError(INVALID_PARAMS, short(str(e))) from None
     if sampling_params.max_tokens > limits.max_tokens:
         raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
-    return GenerateRequest(prompt, token_ids, sampling_params, stream, priority)
+    return GenerateRequest(prompt, token_ids, sampling_params, stream, priority, request_id)
 
 
 def _generate_fields(params: list) -> dict:

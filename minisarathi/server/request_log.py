@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,12 @@ from minisarathi.outputs import RequestMetrics
 log = logging.getLogger("minisarathi.requests")
 
 PROMPT_CHARS = 80   # of the prompt text in a log line
+REQUEST_ID_RULE = "1 to 128 printable ASCII characters without spaces"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")   # it goes into headers and log lines as is
+
+
+def valid_request_id(text: str) -> bool:
+    return _REQUEST_ID.fullmatch(text) is not None
 
 
 @dataclass

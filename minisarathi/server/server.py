@@ -31,6 +31,7 @@ from minisarathi.server.request_log import FinishedRequest, log_finished
 log = logging.getLogger("minisarathi.server")
 
 _READ_SIZE = 1 << 16
+_CLIENT_ID_PREFIX = "msgpack:"   # engine ids of requests whose client named them
 _WRITE_HIGH_WATER = 1 << 16   # unsent response bytes past which a connection's requests are not read
 _CLOSE_LINGER_S = 5.0
 _THROUGHPUT_WINDOW_S = 10.0
@@ -89,13 +90,29 @@ class EngineWorker:
                     log.exception("engine command failed")
             if self.engine.has_unfinished_requests():
                 try:
+                    steps = len(self.engine.step_records)
                     outputs = self.engine.step()
+                    if log.isEnabledFor(logging.DEBUG) and len(self.engine.step_records) > steps:
+                        _log_step(self.engine)
                 except Exception as e:
                     log.exception("engine step failed")
                     self._loop.call_soon_threadsafe(self._on_step_error, e)
                     continue
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+
+def _public_id(request_id: str) -> str:
+    """The id the client gave (or the generated req-N), without the engine's door prefix."""
+    return request_id.removeprefix(_CLIENT_ID_PREFIX)
+
+
+def _log_step(engine) -> None:
+    step = engine.step_records[-1]
+    log.debug("step", extra={"fields": {"decodes": step.num_decode_tokens, "prefill_tokens": step.num_prefill_tokens,
+                                        "preempted": step.num_preempted,
+                                        "kv_blocks_free": engine.block_manager.num_free_blocks,
+                                        "step_s": round(step.step_time, 6)}})
 
 
 def _settle(future: asyncio.Future, result, error):
@@ -405,7 +422,12 @@ class Server:
         limit = min(self.limits.max_prompt_tokens, self.engine.max_model_len)
         if len(token_ids) > limit:
             raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is {limit}")
-        request_id = f"req-{next(self._request_ids)}"
+        if request.request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        else:   # the door's prefix keeps the client's ids apart from the generated ones and the HTTP door's
+            request_id = f"{_CLIENT_ID_PREFIX}{request.request_id}"
+            if request_id in self._pending:
+                raise RPCError(INVALID_PARAMS, f"request_id {request.request_id!r} is already in use")
         pending = _Pending(request_id, conn, msgid, request.stream, request.params.logprobs is not None,
                            request.prompt if request.prompt is not None else token_ids, len(token_ids),
                            time.monotonic())
@@ -433,8 +455,13 @@ class Server:
             self._fail(pending, RPCError(INTERNAL, f"{type(error).__name__}: {error}"))
 
     def _abort(self, conn: _Connection, msgid: int, params: list) -> bool:
-        target = single_param(params, "msgid", int)
-        request_id = conn.inflight.get(target)
+        """params [msgid] (of the generate call), or [{"request_id": id}] (the id given to generate)."""
+        if len(params) == 1 and isinstance(params[0], dict) and "request_id" in params[0]:
+            request_id = _CLIENT_ID_PREFIX + single_param(params, "request_id", str)
+            if request_id not in conn.inflight.values():
+                return False
+        else:
+            request_id = conn.inflight.get(single_param(params, "msgid", int))
         if request_id is None:
             return False   # unknown, or already finished
         log.info("%s aborted by the client", request_id)
@@ -526,7 +553,8 @@ class Server:
 
     def _finish(self, pending: _Pending, output, now: float):
         completion = output.outputs[0]
-        result = {"text": completion.text, "token_ids": list(completion.token_ids),
+        result = {"request_id": _public_id(pending.request_id),
+                  "text": completion.text, "token_ids": list(completion.token_ids),
                   "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                   "prompt_tokens": pending.prompt_tokens, "completion_tokens": len(completion.token_ids),
                   "cached_tokens": output.num_cached_tokens,
@@ -537,7 +565,7 @@ class Server:
                                     "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
                                   for position in completion.logprobs or []]
         self.report_finished(FinishedRequest(
-            pending.request_id, "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
+            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
             output.num_cached_tokens, len(completion.token_ids), completion.finish_reason, output.metrics))
         self._forget(pending)
         pending.conn.respond(pending.msgid, None, result)
@@ -565,8 +593,9 @@ class Server:
             listener(finished)
 
     def _report_aborted(self, pending: _Pending) -> None:
-        self.report_finished(FinishedRequest(pending.request_id, "msgpack", pending.conn.peer, pending.prompt,
-                                             pending.prompt_tokens, 0, pending.sent_tokens, "abort", None))
+        self.report_finished(FinishedRequest(_public_id(pending.request_id), "msgpack", pending.conn.peer,
+                                             pending.prompt, pending.prompt_tokens, 0, pending.sent_tokens, "abort",
+                                             None))
 
     # ---------------------------------------------------------------- the other doors' requests (on the loop)
 
