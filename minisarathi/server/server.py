@@ -241,10 +241,18 @@ class Server:
         return addresses
 
     async def shutdown(self):
-        """Stop accepting, give in-flight requests the grace period, abort the rest, close everything."""
+        """Stop accepting, give in-flight requests the grace period, abort the rest, close everything.
+
+        The listeners close first, so a load balancer's next connection (or TCP health check) fails and goes
+        to another replica; a connection with nothing in flight closes at once, and each other one as soon as
+        its last request is answered, so a client's next request reconnects instead of meeting a draining
+        server (docs/deploy.md)."""
         self._shutting_down = True
         for server in self._servers:
             server.close()
+        for conn in list(self._connections):
+            if not conn.inflight:
+                conn.close(flush=True)
         if self._pending or self._door_requests:
             log.info("shutting down: waiting up to %.1fs for %d requests", self.limits.shutdown_grace_s,
                      len(self._pending) + len(self._door_requests))
@@ -569,6 +577,7 @@ class Server:
             output.num_cached_tokens, len(completion.token_ids), completion.finish_reason, output.metrics))
         self._forget(pending)
         pending.conn.respond(pending.msgid, None, result)
+        self._close_if_drained(pending.conn)
 
     def _on_step_error(self, error: Exception):
         # The engine's state is suspect after a failed step: fail everything it holds.
@@ -580,6 +589,11 @@ class Server:
     def _fail(self, pending: _Pending, error: RPCError):
         self._forget(pending)
         pending.conn.respond(pending.msgid, error)
+        self._close_if_drained(pending.conn)
+
+    def _close_if_drained(self, conn: _Connection):
+        if self._shutting_down and not conn.inflight:
+            conn.close(flush=True)
 
     def _forget(self, pending: _Pending):
         self._pending.pop(pending.request_id, None)
