@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import inspect
 import socket
+import time
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -53,25 +54,57 @@ def _unpacker() -> msgpack.Unpacker:
 
 class Client:
     """Blocking client; one call at a time. A stream must be consumed (or closed, which aborts it) before
-    the next call."""
+    the next call.
+
+    A call whose connection fails or closes before any of its answer arrived (a replica behind a load balancer
+    draining for a restart closes its idle connections; docs/deploy.md) is sent again on a new connection, up
+    to `retries` times: the server had not accepted it, or is gone. A stream that already delivered a chunk,
+    or a timeout, is never retried: they raise."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
-                 api_key: str | None = None, timeout: float | None = None):
-        if unix_socket is not None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.settimeout(timeout)
-            self._sock.connect(unix_socket)
-        else:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._unpacker = _unpacker()
+                 api_key: str | None = None, timeout: float | None = None, retries: int = 3,
+                 source_address: tuple[str, int] | None = None):
+        self._address = (host, port, unix_socket, timeout, source_address)
+        self._api_key = api_key
+        self.retries = retries
         self._msgids = itertools.count()
-        if api_key is not None:
+        self._sock: socket.socket | None = None
+        self._retrying(lambda: None)
+
+    def _connect(self):
+        host, port, unix_socket, timeout, source_address = self._address
+        if unix_socket is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
             try:
-                self.auth(api_key)
+                sock.connect(unix_socket)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((host, port), timeout=timeout, source_address=source_address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._unpacker = _unpacker()
+        if self._api_key is not None:
+            try:
+                self._call_once("auth", [self._api_key])
             except Exception:
                 self.close()
                 raise
+
+    def _retrying(self, attempt):
+        """attempt() on a connected socket; on a connection failure, reconnect and try again."""
+        for retry in range(self.retries + 1):
+            try:
+                if self._sock is None:
+                    self._connect()
+                return attempt()
+            except ConnectionError:   # refused, reset, or closed before the answer began
+                self.close()
+                if retry == self.retries:
+                    raise
+                time.sleep(0.05 * 2 ** retry)
 
     def __enter__(self):
         return self
@@ -80,11 +113,16 @@ class Client:
         self.close()
 
     def close(self):
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def call(self, method: str, *params):
         """One request; returns its result or raises RPCError."""
-        msgid = self._send(method, list(params))
+        return self._retrying(lambda: self._call_once(method, list(params)))
+
+    def _call_once(self, method: str, params: list):
+        msgid = self._send(method, params)
         for message in self._messages():
             if message[0] == RESPONSE and message[1] == msgid:
                 return _result(message)
@@ -94,8 +132,8 @@ class Client:
         return GenerateResult.from_wire(self.call("generate", *_generate_params(prompt, False, sampling)))
 
     def generate_stream(self, prompt: str | list[int], **sampling) -> Stream:
-        msgid = self._send("generate", _generate_params(prompt, True, sampling))
-        return Stream(self, msgid)
+        params = _generate_params(prompt, True, sampling)
+        return Stream(self, params, self._retrying(lambda: self._send("generate", params)))
 
     def tokenize(self, text: str) -> list[int]:
         return self.call("tokenize", text)
@@ -136,8 +174,9 @@ class Stream:
     """Iterate for StreamChunks; `result` holds the GenerateResult once the stream ends.
     Closing it early (break, close()) aborts the request on the server."""
 
-    def __init__(self, client: Client, msgid: int):
+    def __init__(self, client: Client, params: list, msgid: int):
         self._client = client
+        self._params = params
         self.msgid = msgid
         self.result: GenerateResult | None = None
         self._iterator = self._chunks()
@@ -154,24 +193,36 @@ class Stream:
     def close(self):
         never_started = inspect.getgeneratorstate(self._iterator) == inspect.GEN_CREATED
         self._iterator.close()
-        if never_started and self._client._sock.fileno() != -1:
+        if never_started and self._client._sock is not None:
             self._abort_and_drain()   # closing a generator that never ran skips its `finally`
 
     def _chunks(self):
         done = False
+        started = False   # a chunk arrived: the stream cannot be sent again without repeating text
+        client = self._client
         try:
-            for message in self._client._messages():
-                if message[0] == NOTIFICATION and message[1] == CHUNK_NOTIFICATION and message[2][0] == self.msgid:
-                    yield StreamChunk(**message[2][1])
-                elif message[0] == RESPONSE and message[1] == self.msgid:
-                    done = True
-                    self.result = GenerateResult.from_wire(_result(message))
-                    return
+            for retry in itertools.count():
+                try:
+                    for message in client._messages():
+                        if (message[0] == NOTIFICATION and message[1] == CHUNK_NOTIFICATION
+                                and message[2][0] == self.msgid):
+                            started = True
+                            yield StreamChunk(**message[2][1])
+                        elif message[0] == RESPONSE and message[1] == self.msgid:
+                            done = True
+                            self.result = GenerateResult.from_wire(_result(message))
+                            return
+                except ConnectionError:
+                    client.close()
+                    if started or retry == client.retries:
+                        raise
+                    time.sleep(0.05 * 2 ** retry)
+                    self.msgid = client._retrying(lambda: client._send("generate", self._params))
         except RPCError:
             done = True   # an `error` notification: the server is closing the connection, nothing to abort
             raise
         finally:
-            if not done and self._client._sock.fileno() != -1:   # a closed connection aborted it already
+            if not done and client._sock is not None:   # a closed connection aborted it already
                 self._abort_and_drain()
 
     def _abort_and_drain(self):
