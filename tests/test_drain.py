@@ -1,0 +1,90 @@
+"""Draining on SIGTERM as a load balancer needs it, and the client's reconnect-and-retry.
+
+The listener closes first (a balancer's next connection or TCP check fails over), idle connections close at
+once, in-flight streams finish within the grace period; a Client whose connection closed before an answer
+began reconnects and sends the request again, and one whose stream had started raises.
+"""
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from minisarathi.client import Client, RPCError
+from minisarathi.server.protocol import ABORTED
+from test_server import launch_server
+
+
+def _connect_fails(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_sigterm_closes_listener_and_idle_connections_first_and_lets_streams_finish():
+    with launch_server("--shutdown-grace", "30") as server:
+        idle = Client("127.0.0.1", server.port, retries=0)
+        assert idle.health()["status"] == "ok"
+        busy = Client("127.0.0.1", server.port)
+        stream = busy.generate_stream("Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)
+        chunks = iter(stream)
+        next(chunks)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not _connect_fails(server.port):          # the listener goes first ...
+            assert time.monotonic() < deadline, "the listener stayed open while draining"
+            time.sleep(0.02)
+        assert server.proc.poll() is None               # ... while the stream is still being served
+        with pytest.raises(ConnectionError):            # the idle connection was closed, and no retry is allowed
+            idle.health()
+        list(chunks)
+        assert stream.result.finish_reason == "length" and stream.result.completion_tokens == 200
+        busy.close()
+        assert server.proc.wait(timeout=30) == 0
+
+
+def test_client_retries_a_request_whose_connection_closed_before_an_answer():
+    """A one-connection proxy that drops the first connection after reading a request (as a draining replica
+    closes an idle connection the request raced with), then forwards the next one: the call succeeds once."""
+    with launch_server() as server:
+        listener = socket.create_server(("127.0.0.1", 0))
+        accepted = []
+
+        def proxy():
+            first, _ = listener.accept()
+            accepted.append(first.recv(65536))
+            first.close()                                # read, never answered: not accepted
+            second, _ = listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", server.port))
+            for a, b in ((second, upstream), (upstream, second)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+        threading.Thread(target=proxy, daemon=True).start()
+        with Client("127.0.0.1", listener.getsockname()[1], retries=2) as client:
+            result = client.generate("Once upon a time", max_tokens=5, temperature=0)
+        assert result.completion_tokens == 5 and accepted and accepted[0]
+        listener.close()
+
+
+def test_a_stream_that_started_is_not_retried():
+    with launch_server("--shutdown-grace", "0.2") as server:
+        with Client("127.0.0.1", server.port) as client:
+            stream = iter(client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True))
+            next(stream)
+            server.proc.send_signal(signal.SIGTERM)     # the grace period ends the stream half way
+            with pytest.raises(RPCError) as info:      # the server's abort, not a retry that repeats text
+                list(stream)
+        assert info.value.code == ABORTED
+
+
+def _pump(source: socket.socket, sink: socket.socket):
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        sink.close()
