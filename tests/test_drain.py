@@ -4,6 +4,8 @@ The listener closes first (a balancer's next connection or TCP check fails over)
 once, in-flight streams finish within the grace period; a Client whose connection closed before an answer
 began reconnects and sends the request again, and one whose stream had started raises.
 """
+import http.client
+import json
 import signal
 import socket
 import threading
@@ -88,3 +90,27 @@ def _pump(source: socket.socket, sink: socket.socket):
         pass
     finally:
         sink.close()
+
+
+def test_sigterm_closes_the_http_listener_while_its_stream_finishes_and_ready_turns_503():
+    pytest.importorskip("aiohttp")
+    from test_http import API_KEY, launch
+    with launch("--http-port", "0", "--metrics-port", "0", "--shutdown-grace", "30") as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+             "temperature": 0, "stream": True}),
+            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data:")
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not _connect_fails(server.http_port):
+            assert time.monotonic() < deadline, "the HTTP listener stayed open while draining"
+            time.sleep(0.02)
+        probe = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+        probe.request("GET", "/ready")
+        assert probe.getresponse().status == 503
+        body = response.read()
+        assert body.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in body.replace(b" ", b"")
+        assert server.proc.wait(timeout=30) == 0

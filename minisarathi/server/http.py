@@ -75,7 +75,9 @@ class HttpDoor:
         engine = server.engine
         self.limits = DoorLimits(min(server.limits.max_prompt_tokens, engine.max_model_len), server.limits.max_tokens,
                                  server.limits.max_n, engine.tokenizer.vocab_size)
+        self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
         self._created = int(time.time())
         app = web.Application(client_max_size=server.limits.max_message_bytes, middlewares=[self._middleware])
         routes = [web.get("/health", self._health), web.get("/ready", self._ready)]
@@ -91,9 +93,16 @@ class HttpDoor:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        self._site = web.TCPSite(self._runner, self.host, self.port)
+        await self._site.start()
         return [f"http://{address[0]}:{address[1]}" for address in self._runner.addresses]
+
+    async def stop_accepting(self) -> None:
+        """Draining: the API door closes its listener, so a load balancer's next connection to it is refused and
+        goes to another replica (nginx retries a refused connection, even a POST; a request it already sent
+        would not be); requests in flight go on. A probe-only door keeps answering, /ready with 503."""
+        if self.serve_api and self._site is not None:
+            await self._site.stop()
 
     async def stop(self) -> None:
         if self._runner is not None:

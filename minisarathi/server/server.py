@@ -214,7 +214,8 @@ class Server:
         self._tasks: set[asyncio.Task] = set()       # running async handlers (the loop keeps weak refs only)
         self._door_requests: dict[str, Callable] = {}   # engine request id -> on_output, for the other doors
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
-        self.doors: list = []    # other doors (the HTTP door): `await start()` -> addresses, `await stop()`
+        # other doors (the HTTP door): `await start()` -> addresses, `await stop_accepting()`, `await stop()`
+        self.doors: list = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -250,6 +251,8 @@ class Server:
         self._shutting_down = True
         for server in self._servers:
             server.close()
+        for door in self.doors:
+            await door.stop_accepting()
         for conn in list(self._connections):
             if not conn.inflight:
                 conn.close(flush=True)
