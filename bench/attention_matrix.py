@@ -19,9 +19,10 @@ import time
 
 import numpy as np
 
-from minisarathi.backends import cuda_ops, emulator, numpy_ops
-from minisarathi.backends.emulator import bf16_to_float32, float32_to_bf16
-from minisarathi.engine.batch import ScheduledChunk, build_batch
+from minisarathi.backends import cuda_ops, emulator
+from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
+from minisarathi.testing import ScheduledChunk, build_batch
 
 TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}   # of the output's scale, as in the tests
 GROUPS = [(8, 8), (8, 4), (8, 2), (8, 1)]           # (Hq, Hk): GQA 1, 2, 4, 8
@@ -65,7 +66,7 @@ def main() -> int:
         batch, q, k_cache, v_cache = case(total, dtype, Hq, Hk, D, block_size, runs)
         widen = bf16_to_float32 if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
         scale = 1 / np.sqrt(D)
-        expected = numpy_ops.paged_attention(widen(q), widen(k_cache), widen(v_cache), batch, scale)
+        expected = NumpyOps().paged_attention(widen(q), widen(k_cache), widen(v_cache), batch, scale)
         tolerance = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
         ops = cuda_ops.emulated(dtype)
         for order in orders:

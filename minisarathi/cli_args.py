@@ -7,7 +7,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from minisarathi.config import DEVICES, SCHEDULERS, EngineConfig
+from minisarathi.config import DEVICES, ENGINE_DTYPES, SCHEDULERS, EngineConfig
 
 API_KEY_ENV = "MINISARATHI_API_KEY"
 
@@ -22,6 +22,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     d = EngineConfig()   # the defaults live in one place
     g = parser.add_argument_group("engine")
     g.add_argument("--device", choices=DEVICES, default=d.device)
+    g.add_argument("--dtype", choices=ENGINE_DTYPES, default=d.dtype,
+                   help="CUDA backends' compute dtype (default auto: the checkpoint's; float32 for an exact "
+                        "emulation against the CPU)")
     g.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler)
     g.add_argument("--chunk-size", type=int, default=d.chunk_size,
                    help=f"per-iteration token budget (default {d.chunk_size})")

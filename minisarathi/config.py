@@ -12,6 +12,7 @@ from minisarathi.validation import check_float, check_int
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
+ENGINE_DTYPES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -28,6 +29,10 @@ class EngineConfig:
     max_model_len: int | None = None # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
     device: str = "cpu"
+    # Activation, weight and KV-cache dtype of the CUDA backends ("cuda", "cuda-emulated"): "auto" is the
+    # checkpoint's, so an emulated run launches the kernels a GPU runs; "float32" emulates exactly against
+    # the NumPy reference. The "cpu" device computes in float32 ("auto" or "float32" only).
+    dtype: str = "auto"
     seed: int = 0                    # seeds the sampler for requests without their own seed
     # sarathi only: size each step so that its predicted time stays within this TBT target (ms); chunk_size
     # stays the upper bound on its tokens (docs/scheduling.md, "SLO-driven budget")
@@ -45,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         fair = ("max_partial_prefills", "long_prefill_threshold", "max_long_partial_prefills")
         optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", *fair)   # None: derived or off
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):

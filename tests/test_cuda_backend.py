@@ -11,7 +11,7 @@ from minisarathi.backends import cuda_ops
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.config import ModelConfig
 from minisarathi.testing import ScheduledChunk, build_batch
-from minisarathi.model.llama import LlamaModel
+from minisarathi.model.llama import LlamaModel, load_model
 from minisarathi import dtypes
 from minisarathi.dtypes import bf16_to_float32
 from minisarathi.model.loader import load_weights, read_checkpoint
@@ -109,6 +109,41 @@ def test_golden_models_on_emulated_kernels(name):
     assert np.abs(logits - golden["logits"]).max() <= 1e-4 * np.abs(golden["logits"]).max()
 
 
+def golden_prefill_logits(model, prompt):
+    cache = model.new_kv_cache(-(-len(prompt) // 4), 4)
+    batch = build_batch([ScheduledChunk(prompt, 0, list(range(len(cache[0][0]))), True)], 4)
+    batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
+    return model.forward(batch, cache)
+
+
+@emulator_only
+@pytest.mark.parametrize("name", GOLDEN_MODELS)
+def test_device_cuda_emulated_computes_in_the_checkpoints_dtype(name):
+    """load_model(device="cuda-emulated") runs a 16-bit checkpoint in its own dtype (the kernels a GPU runs,
+    tensor-core prefill attention included) and a float32 one in float32; dtype="float32" asks for the
+    exact emulation whatever the checkpoint."""
+    golden = np.load(GOLDEN / name / "golden.npz")
+    prompt, expected = golden["prompt"].tolist(), golden["logits"]
+    model = load_model(GOLDEN / name, device="cuda-emulated")
+    assert model.ops.dtype == model.config.dtype
+    logits = golden_prefill_logits(model, prompt)
+    if model.config.dtype == "float32":
+        assert np.abs(logits - expected).max() <= 1e-4 * np.abs(expected).max()
+        cpu_logits = golden_prefill_logits(load_model(GOLDEN / name, device="cpu"), prompt)
+        np.testing.assert_array_equal(logits.argmax(-1), cpu_logits.argmax(-1))
+    else:
+        # 16-bit activations against transformers' float32 run of the same weights (as the bf16 test above).
+        assert np.abs(logits - expected).max() <= 0.05 * np.abs(expected).max()
+        exact = load_model(GOLDEN / name, device="cuda-emulated", dtype="float32")
+        assert exact.ops.dtype == "float32"
+        assert np.abs(golden_prefill_logits(exact, prompt) - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+def test_cpu_device_refuses_a_16bit_dtype():
+    with pytest.raises(ValueError, match="dtype 'bfloat16' needs a CUDA device"):
+        load_model(default_model_dir(), device="cpu", dtype="bfloat16")
+
+
 @pytest.mark.parametrize("make_ops", [cuda_ops.emulated, pytest.param(cuda_ops.gpu, marks=ON_GPU, id="gpu")])
 def test_bf16_checkpoint_reaches_the_backend_as_its_own_bits(monkeypatch, make_ops):
     """Weights go from the memory map to the device in the checkpoint's dtype: bit-exact, with no float32
@@ -146,23 +181,21 @@ def test_bf16_golden_model_in_bfloat16_on_emulated_kernels():
 
 
 @emulator_only
-def test_engine_hybrid_batches_on_emulated_kernels(monkeypatch):
-    """The whole engine (Sarathi chunked prefills mixed with decodes, 4-token KV blocks) on emulated kernels
-    generates exactly what it generates on NumPy."""
-    import minisarathi.engine.engine as engine_module
+def test_engine_hybrid_batches_on_emulated_kernels():
+    """The whole engine (Sarathi chunked prefills mixed with decodes, 4-token KV blocks) with
+    device="cuda-emulated" (the bundled float32 model computes in float32) generates exactly what it
+    generates on NumPy."""
     from minisarathi.llm import LLM
     from minisarathi.sampling_params import SamplingParams
     prompts = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park. They saw"]
     params = SamplingParams(max_tokens=10, temperature=0)
-    def generate():
-        llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64)
+    def generate(device):
+        llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64, device=device)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.model.ops
-    expected, ops = generate()
+    expected, ops = generate("cpu")
     assert isinstance(ops, NumpyOps)
-    monkeypatch.setattr(engine_module, "load_model",
-                        lambda path, device="cpu": build_model(Path(path), cuda_ops.emulated()))
-    tokens, ops = generate()
-    assert isinstance(ops, cuda_ops.CudaOps)
+    tokens, ops = generate("cuda-emulated")
+    assert isinstance(ops, cuda_ops.CudaOps) and ops.dtype == "float32"
     assert tokens == expected
 
 

@@ -7,6 +7,7 @@ from minisarathi.backends import cuda_ops
 from minisarathi.backends.base import Backend
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.config import DEVICES
+from minisarathi.dtypes import DTYPES
 
 
 def resolve_device(device: str) -> str:
@@ -24,13 +25,19 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
-def make_backend(device: str, dtype: str) -> Backend:
-    """The backend for `device`; dtype (a checkpoint's) is the CUDA backend's activation dtype on a GPU."""
+def make_backend(device: str, dtype: str, explicit_dtype: bool = False) -> Backend:
+    """The backend for `device`; dtype is the CUDA backends' activation dtype (emulated or not), usually the
+    checkpoint's. The NumPy backend computes in float32: another dtype asked for explicitly is an error."""
     device = resolve_device(device)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device == "cpu":
+        if explicit_dtype and dtype != "float32":
+            raise ValueError(f"dtype {dtype!r} needs a CUDA device ('cuda' or 'cuda-emulated'); device 'cpu' "
+                             "computes in float32")
         return NumpyOps()
     if device == "cuda-emulated":
-        return cuda_ops.emulated()        # float32 on the CPU: exact against the NumPy reference
+        return cuda_ops.emulated(dtype)   # the very kernels a GPU runs for this dtype, on the CPU
     if resolve_device("auto") != "cuda":
         raise ValueError("device 'cuda' needs CuPy (pip install 'minisarathi[cuda13]' or '[cuda12]') and a "
                          "visible GPU; none was found (use device 'cpu', 'auto' or 'cuda-emulated')")

@@ -46,7 +46,7 @@ class LLMEngine:
         path = Path(model) if model is not None else default_model_dir()
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.model = load_model(path, device=config.device)
+        self.model = load_model(path, device=config.device, dtype=config.dtype)
         self.model_config = self.model.config
         max_positions = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_positions:

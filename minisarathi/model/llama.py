@@ -96,8 +96,9 @@ class LlamaModel:
         return logits if device_logits else ops.to_numpy(logits)
 
 
-def load_model(path: str | Path, device: str = "cpu") -> LlamaModel:
-    """A Hugging Face folder's model on the backend for `device` (minisarathi/backends/devices.py)."""
+def load_model(path: str | Path, device: str = "cpu", dtype: str = "auto") -> LlamaModel:
+    """A Hugging Face folder's model on the backend for `device` (minisarathi/backends/devices.py), computing
+    in `dtype` ("auto": the checkpoint's on the CUDA backends)."""
     config = ModelConfig.from_pretrained(path)
-    backend = make_backend(device, config.dtype)
+    backend = make_backend(device, config.dtype if dtype == "auto" else dtype, explicit_dtype=dtype != "auto")
     return LlamaModel(config, load_weights(path, config), backend)
