@@ -198,17 +198,20 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_kernel(
     }
 }
 
-// Merges the partitions of each (token, head): out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+// Merges the partitions of each (token, head) listed in `tokens`: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
 // A token at position p has keys in partitions 0 .. p / partition_size, all of them written.
 template <typename T>
 __global__ void paged_attention_reduce_kernel(const float* __restrict__ partial_out,
                                               const float* __restrict__ partial_max,
                                               const float* __restrict__ partial_sum,
-                                              const int* __restrict__ positions, T* __restrict__ out,
-                                              int num_tokens, int num_q_heads, int head_dim, int partition_size) {
-    const long long row = (long long)blockIdx.x * num_q_heads + blockIdx.y;
+                                              const int* __restrict__ positions,
+                                              const int* __restrict__ tokens,   // int32[grid x]: tokens to merge
+                                              T* __restrict__ out, int num_tokens, int num_q_heads, int head_dim,
+                                              int partition_size) {
+    const int token = tokens[blockIdx.x];
+    const long long row = (long long)token * num_q_heads + blockIdx.y;
     const long long partition_step = (long long)num_tokens * num_q_heads;
-    const int partitions = positions[blockIdx.x] / partition_size + 1;
+    const int partitions = positions[token] / partition_size + 1;
     float global_max = negative_infinity();
     for (int p = 0; p < partitions; ++p) global_max = fmaxf(global_max, partial_max[p * partition_step + row]);
     float denominator = 0.0f;

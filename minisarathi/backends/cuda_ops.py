@@ -17,12 +17,12 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16 (
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 
-from minisarathi.backends import emulator
+from minisarathi.backends import decode_plan, emulator
 from minisarathi.backends.gpu_sampling import GpuSampler
+from minisarathi.backends.kernel_source import kernel_constants
 from minisarathi.batch import Batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, convert, dtype_name, to_float32
 from minisarathi.model.loader import CheckpointTensor
@@ -38,6 +38,7 @@ TEMPLATED_KERNELS = {
     "store_kv.cu": ["store_kv_kernel"],
     "rope_store_kv.cu": ["rope_store_kv_kernel"],
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
+    "decode_attention.cu": ["decode_attention_reduce_kernel"],
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
@@ -45,6 +46,8 @@ PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sam
 PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
 TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
                                                 for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS]}
+# Kernels with a compile-time tile besides the element type: file -> (kernel, tiles per dtype).
+TILED_KERNELS = {"decode_attention.cu": ("decode_attention_kernel", decode_plan.GROUP_TILES)}
 
 # Options for NVRTC at run time; CuPy adds the architecture and its own include path.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -55,24 +58,19 @@ GRID_STRIDE_BLOCKS = 1024        # grid of the grid-stride kernels: about 8 bloc
 VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need this alignment
 
 
-def kernel_constants(file: str) -> dict[str, int]:
-    """The `constexpr int NAME = expression;` lines of a kernel file, evaluated in order. The host reads a
-    kernel's compile-time constants (block size, tile limits) from its source, so each is written once."""
-    constants: dict[str, int] = {}
-    for name, expression in re.findall(r"^constexpr int (\w+) = ([\w\s*/+()-]+);", (cuda_dir() / file).read_text(),
-                                       flags=re.MULTILINE):
-        constants[name] = int(eval(expression, {"__builtins__": {}}, dict(constants)))   # our own integer expressions
-    return constants
-
-
 PA = kernel_constants("paged_attention.cu")    # PA_THREADS, PA_MAX_ROWS, PA_MAX_HEAD_DIM, ...
 PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD
 
 
 def name_expressions(file: str) -> list[str]:
-    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `argmax_kernel`."""
+    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `decode_attention_kernel<float, 4>`,
+    `argmax_kernel`."""
     if file in TEMPLATED_KERNELS:
-        return [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
+        tiled = []
+        if file in TILED_KERNELS:
+            kernel, tiles = TILED_KERNELS[file]
+            tiled = [f"{kernel}<{CXX_TYPES[d]}, {g}>" for d in DTYPES for g in tiles[d]]
+        return tiled + [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
     if file in TENSOR_CORE_KERNELS:
         return list(TENSOR_CORE_KERNELS[file])
     return list(PLAIN_KERNELS[file])
@@ -87,6 +85,8 @@ class EmulatorLauncher:
 
     device = "cuda-emulated"
     xp = np
+    # Grids are sized for the GPU the emulator stands in for (an H100/H200), so emulated runs launch what it runs.
+    multiprocessors = 132
 
     def kernel(self, file: str, name: str):
         return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
@@ -117,6 +117,7 @@ class CupyLauncher:
         except ImportError as exc:
             raise RuntimeError("device 'cuda' needs CuPy: pip install 'minisarathi[cuda12]' or '[cuda13]'") from exc
         self.xp = cupy
+        self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._modules: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
 
@@ -182,7 +183,9 @@ class CudaOps:
         self.xp = launcher.xp
         self.dtype = dtype
         self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
-        self._uploads: dict[int, tuple[np.ndarray, object]] = {}
+        self._uploads: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
+        self._decode_plans: dict[tuple, tuple[np.ndarray, decode_plan.DecodePlan]] = {}
+        self._shared_mem_opt_in: dict[int, int] = {}   # id(kernel) -> dynamic shared memory allowed
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
         # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
         self.launches = 0
@@ -344,7 +347,10 @@ class CudaOps:
                  np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
 
     def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
-        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position."""
+        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind of
+        row, over disjoint rows of one output: decodes (query runs of one token) to decode_attention.cu,
+        longer runs (prefill chunks) of 16-bit models to prefill_attention.cu (tensor cores), and what those
+        do not take (float32 prefills, shapes they do not support) to paged_attention.cu."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         if Hq % Hk:
@@ -354,23 +360,71 @@ class CudaOps:
         if group > max_rows or D > max_head_dim:
             raise ValueError(f"paged_attention supports up to {max_rows} query heads per KV head and head_dim "
                              f"<= {max_head_dim}, got {group} and {D}")
-        xp = self.xp
-        out = xp.empty((T, Hq, D), dtype=q.dtype)
+        out = self.xp.empty((T, Hq, D), dtype=q.dtype)
         if T == 0:
             return out
-        q_lens = np.diff(batch.query_start)
-        if self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"] and (q_lens > 1).any():
-            # Two launches: prefill runs on tensor cores here, decodes (if any) in the scalar kernel below.
+        q_lens = np.diff(batch.query_start)                                  # int32[S]
+        decodes = q_lens == 1
+        if not (decode_plan.supports(D, q.dtype.itemsize, block_size) and _is_16_byte_aligned(q)):
+            decodes[:] = False
+        prefills = q_lens > 1
+        if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):
+            prefills[:] = False
+        if decodes.any():
+            self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
+        if prefills.any():
             self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
-            if not (q_lens == 1).any():
-                return out
-            runs = q_lens == 1
-        else:
-            runs = q_lens > 0
-        tile_tokens = max(1, max_rows // group)
-        work = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens, runs),
-                                 "paged_attention work")
-        partitions = max(1, math.ceil(batch.max_context_len / PA_PARTITION_SIZE))
+        rest = ~(decodes | prefills)
+        if rest.any():
+            self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest)
+        return out
+
+    def _decode_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray) -> None:
+        """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
+        T, Hq, D = q.shape
+        Hk, block_size = k_cache.shape[1], k_cache.shape[2]
+        plan_key = (id(batch.context_lens), Hq, Hk, D, q.dtype.itemsize, block_size)
+        cached = self._decode_plans.get(plan_key)
+        if cached is None or cached[0] is not batch.context_lens:   # one plan per batch, shared by every layer
+            seqs = np.flatnonzero(decodes)
+            plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], Hq, Hk, D, self.dtype,
+                                    q.dtype.itemsize, block_size, self.launcher.multiprocessors)
+            if len(self._decode_plans) >= 8:
+                self._decode_plans.clear()
+            cached = self._decode_plans[plan_key] = (batch.context_lens, plan)
+        plan = cached[1]
+        xp = self.xp
+        slots = max(1, plan.num_slots)
+        partial_out = xp.empty((slots, Hq, D), dtype=np.float32)
+        partial_max = xp.empty((slots, Hq), dtype=np.float32)
+        partial_sum = xp.empty((slots, Hq), dtype=np.float32)
+        self.launches += 1
+        kernel = self.launcher.kernel("decode_attention.cu",
+                                      f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}>")
+        self._allow_shared_mem(kernel, plan.shared_mem)
+        kernel((len(plan.items), Hk * plan.head_chunks), (decode_plan.THREADS,),
+               (q, k_cache, v_cache, self._upload_once(plan.items, lambda: plan.items),
+                self._metadata(batch.block_tables), out, partial_out, partial_max, partial_sum,
+                np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(block_size.bit_length() - 1),
+                np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")), np.float32(scale),
+                np.int32(plan.table_capacity)),
+               shared_mem=plan.shared_mem)
+        if len(plan.rows):
+            self._kernel("decode_attention.cu", "decode_attention_reduce_kernel", q)(
+                (len(plan.rows), Hq), (_threads(D, 128),),
+                (partial_out, partial_max, partial_sum, self._upload_once(plan.rows, lambda: plan.rows), out,
+                 np.int32(Hq), np.int32(D)))
+
+    def _chunk_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray) -> None:
+        """paged_attention.cu for the query runs of the sequences where bool[S] `selected` holds (any run
+        length, any shape)."""
+        T, Hq, D = q.shape
+        Hk, block_size = k_cache.shape[1], k_cache.shape[2]
+        xp = self.xp
+        tile_tokens = max(1, PA["PA_MAX_ROWS"] // (Hq // Hk))
+        items = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens, selected),
+                                  "paged_attention work")
+        partitions = max(1, math.ceil(int(batch.context_lens[selected].max()) / PA_PARTITION_SIZE))
         key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
         if partitions > 1:
             partial_out = xp.empty((partitions, T, Hq, D), dtype=np.float32)
@@ -380,18 +434,25 @@ class CudaOps:
             partial_out = partial_max = partial_sum = xp.empty((1,), dtype=np.float32)
         positions = self._metadata(batch.positions)
         self._kernel("paged_attention.cu", "paged_attention_kernel", q)(
-            (len(work), Hk, partitions), (PA["PA_THREADS"],),
-            (q, k_cache, v_cache, work, positions, self._metadata(batch.block_tables),
+            (len(items), Hk, partitions), (PA["PA_THREADS"],),
+            (q, k_cache, v_cache, items, positions, self._metadata(batch.block_tables),
              out, partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
              np.int32(block_size), np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
              np.float32(scale), np.int32(PA_PARTITION_SIZE), np.int32(key_tile)),
             shared_mem=smem)
         if partitions > 1:
+            tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
+                np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "paged_attention tokens")
             self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
-                (T, Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, positions, out, np.int32(T), np.int32(Hq), np.int32(D),
-                 np.int32(PA_PARTITION_SIZE)))
-        return out
+                (len(tokens), Hq), (_threads(D, 128),),
+                (partial_out, partial_max, partial_sum, positions, tokens,
+                 out, np.int32(T), np.int32(Hq), np.int32(D), np.int32(PA_PARTITION_SIZE)))
+
+    def _allow_shared_mem(self, kernel, nbytes: int) -> None:
+        """Opts a kernel in to more than 48 KiB of dynamic shared memory, once per size, as a GPU requires."""
+        if nbytes > self._shared_mem_opt_in.get(id(kernel), SMEM_BUDGET):
+            kernel.max_dynamic_shared_size_bytes = nbytes
+            self._shared_mem_opt_in[id(kernel)] = nbytes
 
     def _prefill_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out) -> None:
         """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token."""
@@ -509,6 +570,12 @@ def _work_items(query_start: np.ndarray, tile_tokens: int, selected: np.ndarray 
     first = query_start[seq] + tile_index * tile_tokens
     count = np.minimum(tile_tokens, query_start[seq + 1] - first)
     return np.stack([seq, first, count], axis=1).astype(np.int32)
+
+
+def _is_16_byte_aligned(x) -> bool:
+    """Rows of x[T, H, D] start on 16-byte boundaries (decode_attention.cu loads Q in 16-byte vectors)."""
+    address = x.data.ptr if hasattr(x.data, "ptr") else x.ctypes.data
+    return address % 16 == 0 and x.strides[0] % 16 == 0
 
 
 def _attention_tiling(head_dim: int, itemsize: int) -> tuple[int, int]:

@@ -240,7 +240,9 @@ inline std::string fiber_name(const Fiber& f) {
 inline void fiber_main(Fiber* f) {
     Block* b = tls_block;
     b->launch->entry(b->launch->entry_ctx);
-    if (!f->uncommitted.empty() || !f->async_groups.empty())
+    bool copies_in_flight = !f->uncommitted.empty();
+    for (const std::vector<AsyncCopy>& group : f->async_groups) copies_in_flight |= !group.empty();
+    if (copies_in_flight)
         fiber_fail("exited with cp.async copies it never waited for (cp_async_wait); on a GPU they may land "
                    "after the block's shared memory is reused");
     f->state = FiberState::Done;
@@ -680,6 +682,8 @@ inline float __half2float(__half h) { return (float)h; }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
 inline float __bfloat162float(__nv_bfloat16 b) { return (float)b; }
+inline __half __ushort_as_half(unsigned short bits) { __half h; h.bits = bits; return h; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { __nv_bfloat16 b; b.bits = bits; return b; }
 
 namespace emu {
 MINISARATHI_EMU_TYPE_NAME(__half)

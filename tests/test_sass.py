@@ -1,0 +1,123 @@
+"""Structure of the compiled kernels, checked without a GPU: nvcc -cubin for sm_80 and sm_90, ptxas -v for
+registers and spills, cuobjdump -sass for the machine code.
+
+Skips with a reason without nvcc (a CUDA toolkit) or cuobjdump + nvdisasm (pip: nvidia-cuda-cuobjdump,
+nvidia-cuda-nvdisasm, found through cuda.pathfinder; the `test` extra installs them).
+`compile_file` and `functions` are the helpers: one compile per file and architecture, every name
+expression instantiated, SASS split per kernel (mangled name).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from minisarathi.backends import cuda_ops, decode_plan
+from minisarathi.dtypes import DTYPES
+from minisarathi.paths import cuda_dir
+
+ARCHITECTURES = ["sm_80", "sm_90"]
+MANGLED_TYPES = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        from cuda import pathfinder
+        return pathfinder.find_nvidia_binary_utility(name)
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def compile_file(file: str, arch: str) -> tuple[str, str]:
+    """(SASS text, ptxas -v log) of cuda/<file> with every name expression instantiated."""
+    nvcc = _tool("nvcc") or (Path("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
+    if nvcc is None:
+        pytest.skip("nvcc not found (no CUDA toolkit): SASS checks need it")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = Path(tmp) / "all.cu"
+        # Taking each kernel's address instantiates the templates, as NVRTC's name expressions do.
+        wrapper.write_text(f'#include "{cuda_dir() / file}"\n' + "".join(
+            f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(cuda_ops.name_expressions(file))))
+        cubin = Path(tmp) / "out.cubin"
+        built = subprocess.run([str(nvcc), "--cubin", f"-arch={arch}", "-std=c++17", f"-I{cuda_dir()}",
+                                "-Xptxas", "-v,-warn-spills", "-o", str(cubin), str(wrapper)],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+        env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+        assert sass.returncode == 0, sass.stderr
+    return sass.stdout, built.stderr
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """Mangled kernel name -> [(address, instruction)] from cuobjdump -sass output."""
+    result: dict[str, list[tuple[int, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        header = re.match(r"\s*Function : (\S+)", line)
+        if header:
+            current = result.setdefault(header.group(1), [])
+            continue
+        instruction = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if instruction and current is not None:
+            current.append((int(instruction.group(1), 16), instruction.group(2)))
+    return result
+
+
+def loop_bodies(code: list[tuple[int, str]]) -> list[list[str]]:
+    """Instructions between each backward branch's target and the branch: the loops."""
+    bodies = []
+    for address, text in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", text)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            bodies.append([t for a, t in code if start <= a <= address])
+    return bodies
+
+
+def resources(log: str) -> dict[str, tuple[int, int, int]]:
+    """Mangled name -> (registers, spill store bytes, spill load bytes) from ptxas -v."""
+    out = {}
+    for block in re.split(r"ptxas info\s+: Compiling entry function ", log)[1:]:
+        name = block.split("'")[1]
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        out[name] = (regs, int(spills.group(1)), int(spills.group(2)))
+    return out
+
+
+def decode_instantiations() -> list[tuple[str, str]]:
+    return [(f"decode_attention_kernel<{cuda_ops.CXX_TYPES[d]}, {g}>",
+             f"_Z23decode_attention_kernelI{MANGLED_TYPES[cuda_ops.CXX_TYPES[d]]}Li{g}E")
+            for d in DTYPES for g in decode_plan.GROUP_TILES[d]]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_decode_attention_main_loop_streams_16_byte_async_copies(arch):
+    sass, log = compile_file("decode_attention.cu", arch)
+    kernels, used = functions(sass), resources(log)
+    for name, prefix in decode_instantiations():
+        mangled = [m for m in kernels if m.startswith(prefix)]
+        assert len(mangled) == 1, (name, list(kernels))
+        code = kernels[mangled[0]]
+        loops = loop_bodies(code)
+        # The tile loop holds the wait for a stage and the 16-byte asynchronous copies of a later tile.
+        assert any(any(t.startswith("DEPBAR") for t in body) and any("LDGSTS.E.BYPASS.128" in t for t in body)
+                   for body in loops), f"{name} ({arch}): no loop with LDGSTS.128 and its wait"
+        assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"
+        regs, spill_stores, spill_loads = used[mangled[0]]
+        assert spill_stores == spill_loads == 0, f"{name} ({arch}) spills {spill_stores}/{spill_loads} bytes"
+        assert regs <= 192, f"{name} ({arch}) {regs} registers"
