@@ -30,7 +30,11 @@ constexpr int DA_STAGES = 3;            // tiles in shared memory: one being com
 constexpr int DA_LANE_ELEMENTS = 8;
 
 // Keys per tile: one stage (K and V) is at most 32 KiB at head_dim 256.
-template <typename T> __device__ __forceinline__ constexpr int tile_keys() { return sizeof(T) == 4 ? 16 : 32; }
+constexpr int DA_TILE_KEYS_16BIT = 32;
+constexpr int DA_TILE_KEYS_FLOAT = 16;
+template <typename T> __device__ __forceinline__ constexpr int tile_keys() {
+    return sizeof(T) == 4 ? DA_TILE_KEYS_FLOAT : DA_TILE_KEYS_16BIT;
+}
 
 // 16 bytes of T as floats (8 for 16-bit types, 4 for float), from four 32-bit words: the chunk stays one
 // 128-bit shared-memory load (element-wise reads of a reinterpreted T array became eight 16-bit loads).

@@ -9,20 +9,20 @@ so the partial buffers are sized by the rows that split, and no CTA reads or wri
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-# decode_attention.cu's constants
-THREADS = 128
-STAGES = 3
-MAX_HEAD_DIM = 256
+from minisarathi.backends.kernel_source import kernel_constants
+
+DA = kernel_constants("decode_attention.cu")
+THREADS, STAGES = DA["DA_THREADS"], DA["DA_STAGES"]
+MAX_HEAD_DIM = 32 * DA["DA_LANE_ELEMENTS"]      # 32 lanes own a key row
 GROUP_TILES = {"float32": (4,), "float16": (4, 8), "bfloat16": (4, 8)}   # instantiated query heads per CTA
 
 
 def tile_keys(itemsize: int) -> int:
-    return 16 if itemsize == 4 else 32
+    return DA["DA_TILE_KEYS_FLOAT"] if itemsize == 4 else DA["DA_TILE_KEYS_16BIT"]
 
 
 WAVES = 2
