@@ -29,26 +29,32 @@ constexpr int PF_ROWS = PF_WARPS * 16;   // (token, query head) rows per CTA
 constexpr int PF_KEYS = 64;              // keys per K/V tile
 constexpr int PF_PAD = 8;                // elements of padding per shared-memory row (16 bytes)
 
-// Issues the cp.async copies of keys tile .. tile + PF_KEYS - 1 of one KV head into k_s / v_s (pitch
-// D + PF_PAD). Keys from key_end on are zero-filled without reading memory: their block-table entries
-// may not exist, and a NaN in a never-written cache slot must not reach P V through 0 * NaN.
+// Cache row of each key of a tile (block_tables lookup and the division by block_size, once per key, by
+// PF_KEYS threads); -1 past key_end. Callers separate this from the copies that read it by a barrier.
+__device__ __forceinline__ void tile_rows(const int* __restrict__ table, int* rows_s, int tile, int key_end,
+                                          int kv_head, int num_kv_heads, int block_size) {
+    if (threadIdx.x < PF_KEYS) {
+        const int key = tile + threadIdx.x;
+        rows_s[threadIdx.x] = key < key_end ? (table[key / block_size] * num_kv_heads + kv_head) * block_size + key % block_size
+                                            : -1;
+    }
+}
+
+// Issues the cp.async copies of one K/V tile (rows from tile_rows) into k_s / v_s (pitch D + PF_PAD). Keys
+// past key_end are zero-filled without reading memory: a NaN in a never-written cache slot must not reach
+// P V through 0 * NaN.
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                                             const int* __restrict__ table, T* k_s, T* v_s, int tile, int key_end,
-                                             int kv_head, int num_kv_heads, int block_size) {
+                                             const int* rows_s, T* k_s, T* v_s) {
     constexpr int CHUNKS = D / 8;   // 16-byte chunks per key row
     constexpr int PITCH = D + PF_PAD;
+#pragma unroll
     for (int i = threadIdx.x; i < PF_KEYS * CHUNKS; i += PF_THREADS) {
         const int j = i / CHUNKS, c = i % CHUNKS;
-        const int key = tile + j;
-        const bool present = key < key_end;
-        long long offset = 0;
-        if (present) {
-            const long long block = table[key / block_size];
-            offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * D + c * 8;
-        }
-        cp_async_16_zfill(k_s + j * PITCH + c * 8, k_cache + offset, present);
-        cp_async_16_zfill(v_s + j * PITCH + c * 8, v_cache + offset, present);
+        const int row = rows_s[j];
+        const long long offset = row < 0 ? 0 : (long long)row * D + c * 8;
+        cp_async_16_zfill(k_s + j * PITCH + c * 8, k_cache + offset, row >= 0);
+        cp_async_16_zfill(v_s + j * PITCH + c * 8, v_cache + offset, row >= 0);
     }
 }
 
@@ -67,11 +73,12 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
     constexpr int PITCH = D + PF_PAD;
     constexpr int KSTEPS = D / 16;         // k16 steps of Q K^T; also pairs of n8 tiles of P V
     constexpr int NTILES = PF_KEYS / 8;    // n8 tiles of S
-    // Shared memory: stage 0 K, V, then stage 1 K, V (each PF_KEYS x PITCH). Q is staged in stage 1's
-    // K before the loop: it moves to registers before tile 1 is copied there.
+    // Shared memory: stage 0 K, V, then stage 1 K, V (each PF_KEYS x PITCH), then int rows_s[PF_KEYS]. Q is
+    // staged in stage 1's K before the loop: it moves to registers before tile 1 is copied there.
     extern __shared__ __align__(16) unsigned char smem[];
     T* const stages = reinterpret_cast<T*>(smem);
     T* const q_s = stages + 2 * PF_KEYS * PITCH;
+    int* const rows_s = reinterpret_cast<int*>(stages + 4 * PF_KEYS * PITCH);   // cache rows of the next tile
 
     const int seq = work[3 * blockIdx.x], first_token = work[3 * blockIdx.x + 1], tokens = work[3 * blockIdx.x + 2];
     const int kv_head = blockIdx.y;
@@ -90,8 +97,9 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
         const long long src = present ? (first_token + r / group) * q_stride + (long long)(kv_head * group + r % group) * D + c * 8 : 0;
         cp_async_16_zfill(q_s + r * PITCH + c * 8, q + src, present);
     }
-    load_kv_tile<T, D>(k_cache, v_cache, table, stages, stages + PF_KEYS * PITCH, 0, key_end, kv_head, num_kv_heads,
-                       block_size);
+    tile_rows(table, rows_s, 0, key_end, kv_head, num_kv_heads, block_size);
+    __syncthreads();
+    load_kv_tile<T, D>(k_cache, v_cache, rows_s, stages, stages + PF_KEYS * PITCH);
     cp_async_wait_all();
     __syncthreads();   // Q and tile 0 landed for every thread's copies
 
@@ -114,10 +122,11 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
 
     for (int it = 0; it < num_tiles; ++it) {
         const int tile = it * PF_KEYS;
-        if (it + 1 < num_tiles) {
+        if (it + 1 < num_tiles) {   // uniform across the CTA
+            tile_rows(table, rows_s, tile + PF_KEYS, key_end, kv_head, num_kv_heads, block_size);
+            __syncthreads();
             T* next = stages + ((it + 1) % 2) * 2 * PF_KEYS * PITCH;
-            load_kv_tile<T, D>(k_cache, v_cache, table, next, next + PF_KEYS * PITCH, tile + PF_KEYS, key_end, kv_head,
-                               num_kv_heads, block_size);
+            load_kv_tile<T, D>(k_cache, v_cache, rows_s, next, next + PF_KEYS * PITCH);
         }
         cp_async_commit();
         cp_async_wait<1>();   // this tile's group (committed one iteration earlier) has landed
@@ -191,7 +200,7 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
                 mma_m16n8k16<T>(o[2 * d2 + 1], p_frag, v_frag + 2);
             }
         }
-        __syncthreads();   // every warp done with this stage before iteration it + 1 copies tile it + 2 into it
+        __syncthreads();   // every warp done with this stage (and rows_s) before iteration it + 1 refills them
     }
     cp_async_wait<0>();   // the last (empty) group
 

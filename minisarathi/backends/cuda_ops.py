@@ -459,9 +459,12 @@ class CudaOps:
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         group = Hq // Hk
-        work = self._upload_once(batch.query_start, lambda: _work_items(
-            batch.query_start, PF["PF_ROWS"] // group, np.diff(batch.query_start) > 1), "prefill_attention work")
-        smem = 4 * PF["PF_KEYS"] * (D + PF["PF_PAD"]) * q.dtype.itemsize   # two stages of K and V tiles
+        # Latest tokens first: they have the most keys, and a GPU starts CTAs in grid order, so the long ones
+        # start early and the short ones fill the tail (causal work grows along a chunk).
+        work = self._upload_once(batch.query_start, lambda: np.ascontiguousarray(_work_items(
+            batch.query_start, PF["PF_ROWS"] // group, np.diff(batch.query_start) > 1)[::-1]), "prefill_attention work")
+        # Two stages of K and V tiles, then the next tile's cache rows (int32).
+        smem = 4 * PF["PF_KEYS"] * (D + PF["PF_PAD"]) * q.dtype.itemsize + 4 * PF["PF_KEYS"]
         kernel = self.launcher.kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
         if smem > SMEM_BUDGET:
             kernel.max_dynamic_shared_size_bytes = smem
