@@ -48,8 +48,10 @@ __device__ __forceinline__ void load_kv_tile(const T* __restrict__ k_cache, cons
                                              const int* rows_s, T* k_s, T* v_s) {
     constexpr int CHUNKS = D / 8;   // 16-byte chunks per key row
     constexpr int PITCH = D + PF_PAD;
-#pragma unroll
-    for (int i = threadIdx.x; i < PF_KEYS * CHUNKS; i += PF_THREADS) {
+    static_assert(PF_KEYS * CHUNKS % PF_THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll 2
+    for (int m = 0; m < PF_KEYS * CHUNKS / PF_THREADS; ++m) {
+        const int i = threadIdx.x + m * PF_THREADS;
         const int j = i / CHUNKS, c = i % CHUNKS;
         const int row = rows_s[j];
         const long long offset = row < 0 ? 0 : (long long)row * D + c * 8;
