@@ -11,6 +11,7 @@ client that goes away (aiohttp cancels its handler) has them aborted, which free
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -34,20 +35,47 @@ _OPEN_PATHS = ("/health", "/ready", "/metrics")
 
 
 @dataclass
+class _Delta:
+    """What one engine output added to a choice: one stream chunk, as the msgpack door sends one per output."""
+    text: str
+    token_ids: list[int]
+    logprobs: list | None          # the new tokens' positions (dicts of Logprob), when asked for
+    text_offset: int               # characters of the choice's text before this piece
+    finish_reason: str | None
+
+
+@dataclass
 class _Choice:
     index: int
     prompt: int                               # index of its prompt
     engine_id: str
+    stream: bool
     output: RequestOutput | None = None       # the latest (outputs are cumulative snapshots)
     error: RPCError | None = None
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    deltas: collections.deque = field(default_factory=collections.deque)   # of _Delta, not yet written
+    seen_chars: int = 0
+    seen_tokens: int = 0
     started: bool = False                     # chat streams: the role delta was sent
     reported: bool = False
 
     @property
     def done(self) -> bool:
         return self.error is not None or (self.output is not None and self.output.finished)
+
+    def receive(self, output: RequestOutput | RPCError) -> None:
+        if isinstance(output, RPCError):
+            self.error = output
+            return
+        self.output = output
+        if not self.stream:
+            return
+        completion = output.outputs[0]
+        reason = finish_reason(completion) if output.finished else None
+        piece, new_ids = completion.text[self.seen_chars:], completion.token_ids[self.seen_tokens:]
+        if piece or new_ids or reason:
+            logprobs = None if completion.logprobs is None else completion.logprobs[self.seen_tokens:]
+            self.deltas.append(_Delta(piece, new_ids, logprobs, self.seen_chars, reason))
+        self.seen_chars, self.seen_tokens = len(completion.text), len(completion.token_ids)
 
 
 @dataclass
@@ -216,13 +244,10 @@ class HttpDoor:
                 index = p * n + i
                 # The door's prefix keeps the engine's id space apart from the msgpack door's.
                 engine_id = f"http:{call.request_id}" + (f"-{index}" if many else "")
-                choice = _Choice(index, p, engine_id)
+                choice = _Choice(index, p, engine_id, call.request.stream)
 
                 def on_output(output, choice=choice):
-                    if isinstance(output, RPCError):
-                        choice.error = output
-                    else:
-                        choice.output = output
+                    choice.receive(output)
                     call.wake.set()
                 try:
                     self.server.submit(engine_id, prompt, params, on_output, call.received)
@@ -254,8 +279,8 @@ class HttpDoor:
                 if choice.error is not None and not choice.reported:
                     events.append(_from_rpc(choice.error, self.server.accepting).body())
                     choice.reported = True
-                elif choice.output is not None:
-                    events += self._chunks(call, choice)
+                while choice.deltas:
+                    events += self._chunks(call, choice, choice.deltas.popleft())
             if events:
                 await response.write(b"".join(_sse(event) for event in events))
             if any(c.error is not None for c in call.choices) or all(c.done for c in call.choices):
@@ -267,19 +292,13 @@ class HttpDoor:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
 
-    def _chunks(self, call: _Call, choice: _Choice) -> list[dict]:
-        """The stream chunks for what this choice produced since its last chunk."""
-        completion = choice.output.outputs[0]
-        piece = completion.text[choice.sent_chars:]
-        new_ids = completion.token_ids[choice.sent_tokens:]
-        reason = finish_reason(completion) if choice.output.finished else None
-        if not (piece or new_ids or reason):
-            return []
+    def _chunks(self, call: _Call, choice: _Choice, delta: _Delta) -> list[dict]:
+        """The stream chunk of one delta (and, first in a chat stream, the role's)."""
+        piece, new_ids, reason = delta.text, delta.token_ids, delta.finish_reason
         logprobs = None
         if call.request.logprobs is not None and new_ids:
-            positions = completion.logprobs[choice.sent_tokens:]
-            logprobs = (completion_logprobs(new_ids, positions, call.request.logprobs, choice.sent_chars)
-                        if call.kind == "completion" else chat_logprobs(new_ids, positions, call.request.logprobs))
+            logprobs = (completion_logprobs(new_ids, delta.logprobs, call.request.logprobs, delta.text_offset)
+                        if call.kind == "completion" else chat_logprobs(new_ids, delta.logprobs, call.request.logprobs))
         chunks = []
         if call.kind == "completion":
             body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
@@ -291,7 +310,6 @@ class HttpDoor:
             delta = {"content": piece} if piece or not reason else {}
             body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         chunks.append(self._chunk(call, body))
-        choice.sent_chars, choice.sent_tokens = len(completion.text), len(completion.token_ids)
         return chunks
 
     def _chunk(self, call: _Call, choice_body: dict) -> dict:
