@@ -22,6 +22,7 @@ _READ_SIZE = 1 << 16
 class StreamChunk:
     text: str              # the new piece of text; the pieces concatenate to the final text
     token_ids: list[int]   # the new token ids
+    index: int = 0         # the choice it belongs to (n > 1); each choice's pieces concatenate to its text
 
 
 @dataclass

@@ -38,7 +38,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        check_int("n", self.n, lo=1, hi=1)
+        check_int("n", self.n, lo=1)
         check_int("max_tokens", self.max_tokens, lo=1)
         check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:

@@ -325,3 +325,39 @@ def test_generation_with_device_logits_and_the_models_sampler_matches_numpy():
     assert kind is Sampler
     tokens, kind = generate(cuda_ops.emulated())
     assert kind is GpuSampler and tokens == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_blocks_on_emulated_kernels(dtype):
+    """The copy-on-write of parallel sampling: whole blocks copied in every layer, others untouched."""
+    ops = cuda_ops.emulated(dtype)
+    rng = np.random.default_rng(0)
+    shape = (6, 2, 4, 8)   # [num_blocks, Hk, block_size, D]
+    host = [(rng.integers(0, 2**15, shape).astype(ops.activation_dtype),
+             rng.integers(0, 2**15, shape).astype(ops.activation_dtype)) for _ in range(2)]
+    kv_cache = [(ops.launcher.to_device(k), ops.launcher.to_device(v)) for k, v in host]
+    ops.copy_blocks(kv_cache, [1, 4], [3, 0])
+    reference = [(k.copy(), v.copy()) for k, v in host]
+    NumpyOps().copy_blocks(reference, [1, 4], [3, 0])
+    for (k, v), (k_ref, v_ref), (k_old, _) in zip(kv_cache, reference, host):
+        np.testing.assert_array_equal(ops.launcher.to_host(k), k_ref)
+        np.testing.assert_array_equal(ops.launcher.to_host(v), v_ref)
+        assert (k_ref[3] == k_old[1]).all() and (k_ref[0] == k_old[4]).all() and (k_ref[2] == k_old[2]).all()
+
+
+def test_parallel_sampling_on_emulated_kernels(monkeypatch):
+    """n > 1 (shared prompt blocks, copy-on-write of the partial one) generates on emulated kernels exactly
+    what it generates on NumPy."""
+    import minisarathi.engine.engine as engine_module
+    from minisarathi.llm import LLM
+    from minisarathi.sampling_params import SamplingParams
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.9, seed=4)
+
+    def generate():
+        llm = LLM(chunk_size=16, block_size=4, num_kv_blocks=64)
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(["Tom had a red"], params)]
+    expected = generate()
+    monkeypatch.setattr(engine_module, "load_model",
+                        lambda path, device="cpu": build_model(Path(path), cuda_ops.emulated()))
+    assert generate() == expected
+    assert len({tuple(c) for c in expected[0]}) > 1

@@ -458,3 +458,20 @@ def test_request_ids_follow_requests_through_both_doors_and_json_logs():
     assert [line for line in lines if "web-9" in line["message"]]      # the door's own line names it too
     steps = [line for line in lines if line["message"] == "step"]
     assert steps and all({"decodes", "prefill_tokens", "preempted", "kv_blocks_free"} <= set(line) for line in steps)
+
+
+def test_n_above_one_on_the_msgpack_door(server):
+    with Client("127.0.0.1", server.msgpack_port, api_key=API_KEY) as client:
+        result = client.generate("Once upon a time", n=3, max_tokens=10, temperature=1.0, seed=5)
+        choices = result.extra["choices"]
+        alone = [client.generate("Once upon a time", max_tokens=10, temperature=1.0, seed=5 + i) for i in range(3)]
+        assert [c["token_ids"] for c in choices] == [a.token_ids for a in alone]
+        assert [c["index"] for c in choices] == [0, 1, 2] and result.token_ids == choices[0]["token_ids"]
+        assert result.completion_tokens == sum(len(c["token_ids"]) for c in choices)
+        stream = client.generate_stream("Once upon a time", n=2, max_tokens=10, temperature=1.0, seed=5)
+        chunks = list(stream)
+        for i in range(2):
+            assert "".join(c.text for c in chunks if c.index == i) == alone[i].text
+        with pytest.raises(Exception, match="n must be <= 4"):
+            client.generate("Zoo", n=MAX_N + 1)
+    wait_until_idle(server)

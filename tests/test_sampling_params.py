@@ -5,7 +5,7 @@ from minisarathi.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("n", 0),
+    ("n", 0), ("n", 2.0),
     ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", True),
     ("min_tokens", -1),
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),

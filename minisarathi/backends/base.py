@@ -40,6 +40,9 @@ class Backend(Protocol):
     def store_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: np.ndarray) -> None: ...
     def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float) -> Array: ...
     def silu_and_mul(self, x: Array) -> Array: ...
+    def copy_blocks(self, kv_cache: list[tuple[Array, Array]], sources: list[int], destinations: list[int]) -> None:
+        """KV block sources[i] copied onto block destinations[i] in every layer's k and v cache (n > 1:
+        copy-on-write of a shared partial block)."""
 
 
 def interface_names() -> list[str]:

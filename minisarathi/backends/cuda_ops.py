@@ -40,6 +40,7 @@ TEMPLATED_KERNELS = {
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
     "decode_attention.cu": ["decode_attention_reduce_kernel"],
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
+    "copy_blocks.cu": ["copy_blocks_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
 # Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
@@ -483,6 +484,15 @@ class CudaOps:
             self._kernel("silu_and_mul.cu", "silu_and_mul_kernel", x)(
                 (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2)))
         return out
+
+    def copy_blocks(self, kv_cache, sources: list[int], destinations: list[int]) -> None:
+        pairs = self.launcher.to_device(np.array([sources, destinations], np.int32).T.ravel())   # int32[2P]: src, dst
+        for k_cache, v_cache in kv_cache:
+            for cache in (k_cache, v_cache):
+                self._check(cache, "kv cache")
+                block_elems = cache[0].size
+                self._kernel("copy_blocks.cu", "copy_blocks_kernel", cache)(
+                    (len(sources),), (256,), (cache, pairs, np.int32(block_elems)))
 
     # ---- sampling on the device ----------------------------------------------------------------------
     def greedy(self, logits) -> np.ndarray:

@@ -125,6 +125,12 @@ class NumpyOps:
         rotated_k = np.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=2)   # float32[T, Hk, D]
         self.store_kv(rotated_k, v, k_cache, v_cache, slot_mapping)
 
+    def copy_blocks(self, kv_cache: list[tuple[np.ndarray, np.ndarray]], sources: list[int],
+                    destinations: list[int]) -> None:
+        for k_cache, v_cache in kv_cache:
+            k_cache[destinations] = k_cache[sources]
+            v_cache[destinations] = v_cache[sources]
+
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """float32[T, I] = silu(gate) * up for x = [gate | up] of float32[T, 2I]."""
         inter = x.shape[1] // 2

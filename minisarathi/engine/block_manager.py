@@ -12,6 +12,12 @@ at least its last token to compute, so there are logits to sample. A cached bloc
 to 0 stays findable in an LRU list and is evicted only when the free list runs dry. Queries and hits
 are counted in tokens: each admission queries all its tokens and hits the ones it reuses.
 
+Parallel sampling (n > 1): the n choices of a request share its prompt's blocks (`fork`, ref count + 1
+each), computed once. Full blocks are immutable; the partial last block is copied when a choice first
+writes into it while another still holds it (`grow` allocates the copy and queues the (source,
+destination) pair in `pending_copies`, which the engine runs on the backend before the step's forward,
+when every block still holds what it held at scheduling).
+
 Every admitted sequence also owns a row of `tables`, a matrix that mirrors its block table (zero-padded), so
 the batch builder takes a step's block tables with one NumPy gather instead of converting lists every step.
 """
@@ -43,6 +49,7 @@ class BlockManager:
         self.prefix_hits = 0      # of them, tokens served from the cache
         self.tables = np.zeros((16, 16), np.int32)   # int32[rows, width]: row seq.block_row = seq.block_table
         self._free_rows = list(range(16))
+        self.pending_copies: list[tuple[int, int]] = []   # (source, destination) blocks to copy before the forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,18 +101,51 @@ class BlockManager:
 
     # growth ---------------------------------------------------------------------------------------------
 
+    def shared_tail(self, seq: Sequence) -> bool:
+        """Whether seq's next token goes into a partly filled block another sequence also holds."""
+        block, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return offset != 0 and block < len(seq.block_table) and self.ref_counts[seq.block_table[block]] > 1
+
     def max_growth(self, seq: Sequence) -> int:
-        """How many more tokens seq's blocks plus every free block can hold."""
-        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+        """How many more tokens seq's blocks plus every free block can hold (a shared tail must be copied
+        into a free block first)."""
+        own = len(seq.block_table) - self.shared_tail(seq)
+        return (own + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Extend seq's block table to cover its first `num_tokens` tokens."""
+        """Extend seq's block table to cover its first `num_tokens` tokens, copying a shared tail first."""
         table, needed = seq.block_table, self.blocks_for(num_tokens)
+        if seq.fork_tail and num_tokens > seq.num_computed_tokens:
+            seq.fork_tail = False
+            if self.shared_tail(seq):
+                i = seq.num_computed_tokens // self.block_size
+                source, table[i] = table[i], self._allocate()
+                self.ref_counts[source] -= 1
+                self.tables[seq.block_row, i] = table[i]
+                self.pending_copies.append((source, table[i]))
         self._widen(needed)
         while len(table) < needed:
             block = self._allocate()
             self.tables[seq.block_row, len(table)] = block
             table.append(block)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (a choice of the same request) shares the blocks of parent's computed tokens; whichever of
+        them first writes into the shared partial block gets a copy of it (grow)."""
+        shared = parent.block_table[:self.blocks_for(parent.num_computed_tokens)]
+        for block in shared:
+            self.ref_counts[block] += 1
+        child.block_table = list(shared)
+        child.block_row = self._take_row()
+        self.tables[child.block_row, :len(shared)] = shared
+        parent.fork_tail = child.fork_tail = parent.num_computed_tokens % self.block_size != 0
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _allocate(self) -> int:
         if self.free_blocks:
@@ -146,6 +186,7 @@ class BlockManager:
             self._free_rows.append(seq.block_row)
         seq.block_table = []
         seq.block_row = -1
+        seq.fork_tail = False
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 

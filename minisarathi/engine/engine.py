@@ -140,8 +140,11 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             return
-        self.scheduler.abort(seq)
-        self._finish(seq, "abort", None, time.monotonic())
+        now = time.monotonic()
+        for choice in seq.choices or [seq]:
+            if not choice.is_finished:
+                self.scheduler.abort(choice)
+                self._finish(choice, "abort", None, now)
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -164,9 +167,14 @@ class LLMEngine:
         predicted = self.cost_model.predict(shape)
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
+        copies = self.block_manager.take_copies()
+        if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
+            self.model.ops.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
 
         scheduled = time.monotonic()
         logits = self.model.forward(batch, self.kv_cache, device_logits=True)
+        if any(s.params.n > 1 and s.choices is None for s in samplers):
+            logits, samplers = self._fork(logits, samplers)
         sampled = self.sampler.sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
                                       [s.prompt_token_ids for s in samplers],
                                       [s.output_token_ids for s in samplers])
@@ -224,19 +232,54 @@ class LLMEngine:
         batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
         return batch, samplers, num_prefill
 
+    def _fork(self, logits, samplers: list[Sequence]):
+        """n > 1: a request whose prompt was just computed becomes n choices sharing its blocks, each sampling
+        its first token from the same logits row with its own random stream (seed + index when seeded)."""
+        rows, expanded = [], []
+        for row, seq in enumerate(samplers):
+            rows.append(row)
+            expanded.append(seq)
+            if seq.params.n == 1 or seq.choices is not None:
+                continue
+            seq.choices = [seq]
+            for index in range(1, seq.params.n):
+                child = self._child(seq, index)
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                seq.choices.append(child)
+                rows.append(row)
+                expanded.append(child)
+        return logits[rows], expanded
+
+    def _child(self, parent: Sequence, index: int) -> Sequence:
+        params = parent.params
+        m = parent.metrics
+        return dataclasses.replace(
+            parent, metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, chunk_times=list(m.chunk_times)),
+            generator=None if params.seed is None else make_generator((params.seed + index) % 2**64),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
+                                               params.skip_special_tokens, params.min_tokens)
+            if params.detokenize else None,
+            seq_id=next(self._arrivals), output_token_ids=[], logprobs=None if params.logprobs is None else [],
+            block_table=[], block_row=-1, block_hashes=[], index=index)
+
     def _update(self, scheduled: dict[Sequence, int], samplers: list[Sequence], sampled, now: float
                 ) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
         if self.block_manager.enable_prefix_caching:
             for seq in scheduled:
                 self.block_manager.register_computed(seq)
-        outputs, finished = [], []
+        outputs, finished, groups = [], [], {}
         for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
             done = self._append_token(seq, token, sampled, row, now)
             if done:
                 finished.append(seq)
-            if done or seq.stream:
+            if seq.choices is not None:   # n > 1: one output per request, with every choice, after the loop
+                groups[id(seq.choices[0])] = seq.choices[0]
+            elif done or seq.stream:
                 outputs.append(self._output(seq))
+        outputs += [self._output(head) for head in groups.values()
+                    if head.stream or head.request_id not in self.requests]
         self.num_generated_tokens += len(samplers)
         self.scheduler.remove_finished(finished)
         return outputs
@@ -279,18 +322,20 @@ class LLMEngine:
         seq.metrics.finished_time = now
         if seq.detokenizer is not None:
             seq.detokenizer.flush()
-        del self.requests[seq.request_id]
+        if seq.choices is None or all(choice.is_finished for choice in seq.choices):
+            del self.requests[seq.request_id]
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         # Snapshots: the token list (and logprobs list) is copied, so an output kept by the caller (or read by
         # another thread, as the server does) never changes as the sequence grows. That copy is the one part
         # of a step that grows with the length of a request (~10 ns per token here); stream=False avoids it.
-        completion = CompletionOutput(
-            0, "" if seq.detokenizer is None else seq.detokenizer.text, seq.output_token_ids.copy(),
-            seq.finish_reason, seq.stop_reason, None if seq.logprobs is None else seq.logprobs.copy())
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.metrics, seq.num_cached_tokens)
+        choices = seq.choices or [seq]
+        completions = [CompletionOutput(
+            c.index, "" if c.detokenizer is None else c.detokenizer.text, c.output_token_ids.copy(),
+            c.finish_reason, c.stop_reason, None if c.logprobs is None else c.logprobs.copy()) for c in choices]
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, completions,
+                             all(c.is_finished for c in choices), seq.metrics, seq.num_cached_tokens)
 
     # introspection -------------------------------------------------------------------------------------------
 

@@ -81,6 +81,12 @@ class Scheduler:
         seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
         bisect.insort(self.waiting, seq, key=queue_key)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A new choice of a running request (n > 1): admitted already, it holds its parent's blocks."""
+        seq.status = SequenceStatus.RUNNING
+        seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
+        bisect.insort(self.running, seq, key=queue_key)
+
     def abort(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -123,7 +129,8 @@ class Scheduler:
             if seq.status is not running:
                 continue   # preempted earlier in this pass
             # most decodes write into the free slots of their last block and need no allocation
-            if seq.num_computed_tokens < len(seq.block_table) * block_size or self._fit(seq, 1, out):
+            if (seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.fork_tail) \
+                    or self._fit(seq, 1, out):
                 scheduled[seq] = 1
             else:   # no one later in the queue left to preempt: give up its own blocks
                 self._preempt(seq, out)

@@ -42,6 +42,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, grown on demand
     num_registered_blocks: int = 0    # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0        # prompt tokens the prefix cache served at first admission
+    fork_tail: bool = False           # n > 1: its partial last block may still be shared with another choice
+    # n > 1: the request's choices in index order (this one included), shared by all of them; None when n == 1
+    choices: list | None = None
+    index: int = 0                    # its choice index
 
     @property
     def num_tokens(self) -> int:

@@ -48,15 +48,17 @@ class _Delta:
 class _Choice:
     index: int
     prompt: int                               # index of its prompt
-    engine_id: str
+    slot: int                                 # its place in its engine request's outputs (n > 1: the choices)
+    engine_id: str                            # of its prompt's engine request
     stream: bool
-    output: RequestOutput | None = None       # the latest (outputs are cumulative snapshots)
+    output: RequestOutput | None = None       # the latest of its engine request (cumulative snapshots)
     error: RPCError | None = None
     deltas: collections.deque = field(default_factory=collections.deque)   # of _Delta, not yet written
     seen_chars: int = 0
     seen_tokens: int = 0
     started: bool = False                     # chat streams: the role delta was sent
-    reported: bool = False
+    ended: bool = False                       # its last delta (with the finish reason) is queued
+    error_sent: bool = False
 
     @property
     def done(self) -> bool:
@@ -67,10 +69,11 @@ class _Choice:
             self.error = output
             return
         self.output = output
-        if not self.stream:
+        completion = output.outputs[self.slot]
+        if not self.stream or self.ended:
             return
-        completion = output.outputs[0]
-        reason = finish_reason(completion) if output.finished else None
+        self.ended = completion.finish_reason is not None
+        reason = finish_reason(completion)
         piece, new_ids = completion.text[self.seen_chars:], completion.token_ids[self.seen_tokens:]
         if piece or new_ids or reason:
             logprobs = None if completion.logprobs is None else completion.logprobs[self.seen_tokens:]
@@ -228,39 +231,38 @@ class HttpDoor:
                 raise _from_rpc(error)
             return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
         finally:
-            unfinished = [c for c in call.choices if not c.done]
+            firsts = _first_of_each_prompt(call)
+            unfinished = [c for c in firsts if not c.done]
             for choice in unfinished:
                 self.server.cancel(choice.engine_id)
             if unfinished:
                 log.info("%s aborted: client disconnected", call.request_id)
-            for choice in call.choices:
+            for choice in firsts:
                 self._report(call, choice)
 
     def _submit(self, call: _Call) -> None:
-        n = len(call.request.choice_params)
-        many = n * len(call.request.prompts) > 1
-        for p, prompt in enumerate(call.request.prompts):
-            for i, params in enumerate(call.request.choice_params):
-                index = p * n + i
-                # The door's prefix keeps the engine's id space apart from the msgpack door's.
-                engine_id = f"http:{call.request_id}" + (f"-{index}" if many else "")
-                choice = _Choice(index, p, engine_id, call.request.stream)
+        """One engine request per prompt; the engine runs its n choices on the prompt's shared KV blocks."""
+        params, prompts = call.request.params, call.request.prompts
+        for p, prompt in enumerate(prompts):
+            # The door's prefix keeps the engine's id space apart from the msgpack door's.
+            engine_id = f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "")
+            group = [_Choice(p * params.n + i, p, i, engine_id, call.request.stream) for i in range(params.n)]
 
-                def on_output(output, choice=choice):
+            def on_output(output, group=group):
+                for choice in group:
                     choice.receive(output)
-                    call.wake.set()
-                try:
-                    self.server.submit(engine_id, prompt, params, on_output, call.received)
-                except RPCError as e:
-                    for earlier in call.choices:
-                        self.server.cancel(earlier.engine_id)
-                    call.choices.clear()
-                    raise _from_rpc(e, self.server.accepting) from None
-                call.choices.append(choice)
+                call.wake.set()
+            try:
+                self.server.submit(engine_id, prompt, params, on_output, call.received)
+            except RPCError as e:
+                for earlier in _first_of_each_prompt(call):
+                    self.server.cancel(earlier.engine_id)
+                call.choices.clear()
+                raise _from_rpc(e, self.server.accepting) from None
+            call.choices += group
         log.info("%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
-                 call.request_id, call.client, len(call.request.prompts), n,
-                 sum(len(p) for p in call.request.prompts), call.request.choice_params[0].max_tokens,
-                 call.request.stream)
+                 call.request_id, call.client, len(prompts), params.n, sum(len(p) for p in prompts),
+                 params.max_tokens, call.request.stream)
 
     async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -276,9 +278,9 @@ class HttpDoor:
         while True:
             events = []
             for choice in call.choices:
-                if choice.error is not None and not choice.reported:
+                if choice.error is not None and choice.slot == 0 and not choice.error_sent:
                     events.append(_from_rpc(choice.error, self.server.accepting).body())
-                    choice.reported = True
+                    choice.error_sent = True
                 while choice.deltas:
                     events += self._chunks(call, choice, choice.deltas.popleft())
             if events:
@@ -326,7 +328,7 @@ class HttpDoor:
     def _final_body(self, call: _Call) -> dict:
         choices = []
         for choice in call.choices:
-            completion = choice.output.outputs[0]
+            completion = choice.output.outputs[choice.slot]
             logprobs = None
             if call.request.logprobs is not None:
                 logprobs = (completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
@@ -341,24 +343,27 @@ class HttpDoor:
         return {**self._envelope(call, chunk=False), "choices": choices, "usage": self._usage(call)}
 
     def _usage(self, call: _Call) -> dict:
-        # Each prompt counts once however many choices it has; its cached tokens are its first choice's.
-        firsts = {c.prompt: c for c in reversed(call.choices)}
-        completion_tokens = sum(len(c.output.outputs[0].token_ids) for c in call.choices if c.output is not None)
-        cached = sum(c.output.num_cached_tokens for c in firsts.values() if c.output is not None)
-        return usage(sum(len(p) for p in call.request.prompts), completion_tokens, cached)
+        # Each prompt counts once however many choices it has (they share its KV blocks).
+        outputs = [c.output for c in _first_of_each_prompt(call) if c.output is not None]
+        completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+        return usage(sum(len(p) for p in call.request.prompts), completion_tokens,
+                     sum(output.num_cached_tokens for output in outputs))
 
-    def _report(self, call: _Call, choice: _Choice) -> None:
-        if choice.error is not None and choice.output is None:
+    def _report(self, call: _Call, first: _Choice) -> None:
+        """The request log line and metrics of one prompt's engine request (all its choices)."""
+        output = first.output
+        if output is None:
             return   # never ran (rejected, or the server stopped first)
-        output = choice.output
-        completion = output.outputs[0] if output is not None else None
-        finished = output is not None and output.finished
         self.server.report_finished(FinishedRequest(
-            choice.engine_id.removeprefix("http:"), "http", call.client, call.request.prompt_texts[choice.prompt] or
-            call.request.prompts[choice.prompt], len(call.request.prompts[choice.prompt]),
-            output.num_cached_tokens if output is not None else 0,
-            len(completion.token_ids) if completion is not None else 0,
-            completion.finish_reason if finished else "abort", output.metrics if output is not None else None))
+            first.engine_id.removeprefix("http:"), "http", call.client,
+            call.request.prompt_texts[first.prompt] or call.request.prompts[first.prompt],
+            len(call.request.prompts[first.prompt]), output.num_cached_tokens,
+            sum(len(c.token_ids) for c in output.outputs),
+            output.outputs[0].finish_reason if output.finished else "abort", output.metrics))
+
+
+def _first_of_each_prompt(call: _Call) -> list[_Choice]:
+    return [c for c in call.choices if c.slot == 0]
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -49,7 +49,7 @@ class GenerationRequest:
     """What both endpoints turn into: prompts (token ids), one SamplingParams per choice of a prompt."""
     prompts: list[list[int]]
     prompt_texts: list[str | None]
-    choice_params: list[SamplingParams]   # n of them; choice i of every prompt uses choice_params[i]
+    params: SamplingParams                # of every prompt; its n choices are choice indexes p * n .. p * n + n - 1
     stream: bool
     include_usage: bool
     logprobs: int | None                  # top logprobs wanted per token (None: no logprobs)
@@ -179,17 +179,11 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     stop = sampling.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad("stop", "stop must be a string or an array of strings")
-    choice_params = []
-    for i in range(n):
-        seed = sampling.get("seed")
-        if _is_int(seed) and n > 1:   # each choice its own stream, all fixed by the request's seed
-            seed = (seed + i) % 2**64
-        try:
-            params = SamplingParams(**{**sampling, "seed": seed}, max_tokens=max_tokens, logprobs=logprobs)
-        except (ValueError, TypeError) as e:
-            raise _sampling_error(str(e), max_tokens_name) from None
-        choice_params.append(params)
-    return GenerationRequest(prompts, texts, choice_params, stream, include_usage, logprobs, model)
+    try:   # the engine gives choice i the seed seed + i
+        params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    except (ValueError, TypeError) as e:
+        raise _sampling_error(str(e), max_tokens_name) from None
+    return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model)
 
 
 def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:

@@ -186,6 +186,8 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
         sampling_params = SamplingParams(**sampling)
     except (ValueError, TypeError) as e:
         raise RPCError(INVALID_PARAMS, short(str(e))) from None
+    if sampling_params.n > limits.max_n:
+        raise RPCError(INVALID_PARAMS, f"n must be <= {limits.max_n}, got {sampling_params.n}")
     if sampling_params.max_tokens > limits.max_tokens:
         raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
     return GenerateRequest(prompt, token_ids, sampling_params, stream, priority, request_id)

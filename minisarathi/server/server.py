@@ -17,7 +17,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import msgpack
@@ -181,8 +181,7 @@ class _Pending:
     prompt_tokens: int
     received: float                      # time.monotonic() when the request was read
     first_token_time: float | None = None
-    sent_chars: int = 0                  # text already streamed
-    sent_tokens: int = 0                 # token ids already streamed
+    sent: list[tuple[int, int]] = field(default_factory=list)   # per choice: (characters, token ids) streamed
 
 
 class _BadMessage(Exception):
@@ -547,40 +546,52 @@ class Server:
         self._trim_throughput_window(now)
 
     def _deliver(self, pending: _Pending, output, now: float):
-        completion = output.outputs[0]
-        piece = completion.text[pending.sent_chars:]
-        new_ids = list(completion.token_ids[pending.sent_tokens:])
-        if new_ids:
-            if pending.first_token_time is None:
-                pending.first_token_time = now
-            self._delivered.append((now, len(new_ids)))
-        if pending.stream and (piece or new_ids):
-            pending.conn.send([NOTIFICATION, CHUNK_NOTIFICATION, [pending.msgid, {"text": piece,
-                                                                                   "token_ids": new_ids}]])
-        pending.sent_chars = len(completion.text)
-        pending.sent_tokens = len(completion.token_ids)
+        for completion in output.outputs:   # n > 1: every choice's chunks carry its index
+            if completion.index == len(pending.sent):
+                pending.sent.append((0, 0))
+            sent_chars, sent_tokens = pending.sent[completion.index]
+            piece = completion.text[sent_chars:]
+            new_ids = list(completion.token_ids[sent_tokens:])
+            if new_ids:
+                if pending.first_token_time is None:
+                    pending.first_token_time = now
+                self._delivered.append((now, len(new_ids)))
+            if pending.stream and (piece or new_ids):
+                chunk = {"text": piece, "token_ids": new_ids}
+                if len(output.outputs) > 1:
+                    chunk["index"] = completion.index
+                pending.conn.send([NOTIFICATION, CHUNK_NOTIFICATION, [pending.msgid, chunk]])
+            pending.sent[completion.index] = (len(completion.text), len(completion.token_ids))
         if output.finished:
             self._finish(pending, output, now)
 
     def _finish(self, pending: _Pending, output, now: float):
-        completion = output.outputs[0]
-        result = {"request_id": _public_id(pending.request_id),
-                  "text": completion.text, "token_ids": list(completion.token_ids),
-                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                  "prompt_tokens": pending.prompt_tokens, "completion_tokens": len(completion.token_ids),
+        choices = [self._choice_result(pending, completion) for completion in output.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        # choice 0 at the top level; with n > 1 every choice (0 included) also in `choices`
+        result = {"request_id": _public_id(pending.request_id), **choices[0],
+                  "prompt_tokens": pending.prompt_tokens, "completion_tokens": completion_tokens,
                   "cached_tokens": output.num_cached_tokens,
                   "ttft_s": None if pending.first_token_time is None else pending.first_token_time - pending.received,
                   "e2e_s": now - pending.received}
+        if len(choices) > 1:
+            result["choices"] = [{"index": i, **choice} for i, choice in enumerate(choices)]
+        self.report_finished(FinishedRequest(
+            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
+            output.num_cached_tokens, completion_tokens, output.outputs[0].finish_reason, output.metrics))
+        self._forget(pending)
+        pending.conn.respond(pending.msgid, None, result)
+        self._close_if_drained(pending.conn)
+
+    @staticmethod
+    def _choice_result(pending: _Pending, completion) -> dict:
+        result = {"text": completion.text, "token_ids": list(completion.token_ids),
+                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         if pending.want_logprobs:
             result["logprobs"] = [[{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank,
                                     "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
                                   for position in completion.logprobs or []]
-        self.report_finished(FinishedRequest(
-            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
-            output.num_cached_tokens, len(completion.token_ids), completion.finish_reason, output.metrics))
-        self._forget(pending)
-        pending.conn.respond(pending.msgid, None, result)
-        self._close_if_drained(pending.conn)
+        return result
 
     def _on_step_error(self, error: Exception):
         # The engine's state is suspect after a failed step: fail everything it holds.
@@ -611,7 +622,7 @@ class Server:
 
     def _report_aborted(self, pending: _Pending) -> None:
         self.report_finished(FinishedRequest(_public_id(pending.request_id), "msgpack", pending.conn.peer,
-                                             pending.prompt, pending.prompt_tokens, 0, pending.sent_tokens, "abort",
+                                             pending.prompt, pending.prompt_tokens, 0, sum(t for _, t in pending.sent), "abort",
                                              None))
 
     # ---------------------------------------------------------------- the other doors' requests (on the loop)
