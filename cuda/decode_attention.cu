@@ -17,7 +17,7 @@
 //  - The split's block-table entries are read once into shared memory; a copy finds its block with a
 //    shift and a mask (block sizes are powers of two), no division.
 //  - Q: the thread's chunks of its heads live in registers, pre-scaled. Scores: per-key partial dots,
-//    summed over the key's lanes with shuffles. Softmax per tile: warp w owns heads w, w + 4 (running
+//    summed over the key's lanes with shuffles that also transpose the heads across the lanes. Softmax per tile: warp w owns heads w, w + 4 (running
 //    max and sum in registers). P.V: 16-byte V chunks times a probability per head, fp32 accumulators
 //    per (head, chunk element); at the end, summed over the keys' lanes and the warps.
 #include "common.cuh"
@@ -47,6 +47,27 @@ __device__ __forceinline__ void unpack_word(unsigned w, float* out, __half) {
     out[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
     out[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
 }
+// Sums each of the G partial dot products over the `lanes` (>= G, checked on the host) lanes of a key and
+// hands each total to store(head, total) once. The sums are transposed on the way (each exchange sends half
+// of the values a lane still holds): G - 1 + log2(lanes / G) shuffles instead of G log2(lanes).
+template <int G, typename Store>
+__device__ __forceinline__ void reduce_over_key_lanes(float (&dot)[G], int lane_chunk, int lanes, Store store) {
+#pragma unroll
+    for (int n = G / 2, offset = lanes / 2; n >= 1; n /= 2, offset /= 2) {
+        const bool upper = lane_chunk & offset;
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+            const float send = upper ? dot[i] : dot[i + n];
+            const float keep = upper ? dot[i + n] : dot[i];
+            dot[i] = keep + __shfl_xor_sync(FULL_WARP, send, offset);
+        }
+    }
+    // Lane l now holds a partial of head l / (lanes / G); the lanes of one head finish the sum.
+    const int lanes_per_head = lanes / G;
+    for (int offset = lanes_per_head / 2; offset > 0; offset /= 2) dot[0] += __shfl_xor_sync(FULL_WARP, dot[0], offset);
+    if (lane_chunk % lanes_per_head == 0) store(lane_chunk / lanes_per_head, dot[0]);
+}
+
 template <typename T>
 __device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
     constexpr int PER_WORD = 4 / sizeof(T);
@@ -125,27 +146,29 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
     }
     __syncthreads();   // table_s complete
 
-    // Copies tile `t` (keys key_begin + t * TK ..) into its stage; keys past key_end become zeros.
-    const long long head_offset = (long long)kv_head << log2_block_size;   // rows before this head in a block
+    // Copies tile `t` (keys key_begin + t * TK ..) into its stage; keys past key_end become zeros. A key's
+    // cache row is a 32-bit index (the host checks blocks x Hk x block_size < 2^31), one multiply to bytes.
     const int rel0 = key_begin & (block_size - 1);                          // key_begin's offset in its block
+    const T* k_lane = k_cache + lane_chunk * VEC;
+    const T* v_lane = v_cache + lane_chunk * VEC;
     auto issue_tile = [&](int t) {
-        T* k_dst = stages + (t % DA_STAGES) * 2 * TK * head_dim;
+        T* k_dst = stages + (t % DA_STAGES) * 2 * TK * head_dim + lane_chunk * VEC;
         T* v_dst = k_dst + TK * head_dim;
+        const int first_rel = rel0 + t * TK, valid_keys = key_end - key_begin - t * TK;
         for (int p = 0; p < passes; ++p) {
             const int j = p * keys_per_pass + key_slot;
             if (j >= TK) break;
-            const int key = key_begin + t * TK + j;
-            const bool valid = key < key_end;
-            const int rel = rel0 + t * TK + j;   // key's index counted from the split's first block
+            const bool valid = j < valid_keys;
+            const int rel = first_rel + j;   // key's index counted from the split's first block
             const int block = valid ? table_s[rel >> log2_block_size] : 0;
-            const long long row = (((long long)block * num_kv_heads << log2_block_size) + head_offset +
-                                   (rel & (block_size - 1))) * head_dim;
+            const long long row = (long long)((((block * num_kv_heads) + kv_head) << log2_block_size) +
+                                              (rel & (block_size - 1))) * head_dim;
 #pragma unroll
             for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) {
-                const int c = lane_chunk + cc * lanes;
-                if (c >= chunks) break;
-                cp_async_16_zfill(k_dst + j * head_dim + c * VEC, k_cache + row + c * VEC, valid);
-                cp_async_16_zfill(v_dst + j * head_dim + c * VEC, v_cache + row + c * VEC, valid);
+                if (lane_chunk + cc * lanes >= chunks) break;
+                const int e = j * head_dim + cc * lanes * VEC;
+                cp_async_16_zfill(k_dst + e, k_lane + row + cc * lanes * VEC, valid);
+                cp_async_16_zfill(v_dst + e, v_lane + row + cc * lanes * VEC, valid);
             }
         }
     };
@@ -194,14 +217,9 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
                         for (int e = 0; e < VEC; ++e) dot[h] += q_reg[h][cc * VEC + e] * k[e];
                 }
             }
-#pragma unroll
-            for (int h = 0; h < GROUP_TILE; ++h) {
-                if (h >= heads) break;
-#pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1)   // over the key's lanes (a warp-uniform test)
-                    if (offset < lanes) dot[h] += __shfl_xor_sync(FULL_WARP, dot[h], offset);
-                if (lane_chunk == 0 && j < TK) scores[h * TK + j] = j < n ? dot[h] : negative_infinity();
-            }
+            reduce_over_key_lanes(dot, lane_chunk, lanes, [&](int h, float total) {
+                if (h < heads && j < TK) scores[h * TK + j] = j < n ? total : negative_infinity();
+            });
         }
         __syncthreads();   // scores complete
 

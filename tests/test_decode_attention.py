@@ -109,8 +109,9 @@ def test_mixed_batch_launches_over_disjoint_rows(order, dtype, prefill_kernel):
 
 @emulated_only
 def test_shapes_the_decode_kernel_does_not_take_stay_on_paged_attention():
-    # 24-byte key rows (not whole 16-byte chunks) and a block size that is not a power of two.
-    for dtype, D, block_size in [("bfloat16", 12, 16), ("float32", 16, 5)]:
+    # 24-byte key rows (not whole 16-byte chunks), a block size that is not a power of two, and 32-byte rows
+    # (2 lanes per key) for a CTA of 4 query heads.
+    for dtype, D, block_size in [("bfloat16", 12, 16), ("float32", 16, 5), ("bfloat16", 16, 16)]:
         launched = check(dtype, 4, 2, D, block_size, [1, 7, 40], "forward")
         assert not any(n.startswith("decode_attention") for n in launched)
 

@@ -366,7 +366,8 @@ class CudaOps:
             return out
         q_lens = np.diff(batch.query_start)                                  # int32[S]
         decodes = q_lens == 1
-        if not (decode_plan.supports(D, q.dtype.itemsize, block_size) and _is_16_byte_aligned(q)):
+        if not (decode_plan.supports(self.dtype, q.dtype.itemsize, Hq, Hk, D, block_size, k_cache.shape[0])
+                and _is_16_byte_aligned(q)):
             decodes[:] = False
         prefills = q_lens > 1
         if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):

@@ -44,18 +44,35 @@ class DecodePlan:
     shared_mem: int         # dynamic shared memory bytes per CTA
 
 
-def supports(head_dim: int, itemsize: int, block_size: int) -> bool:
+def group_tile(dtype: str, group: int) -> int:
+    """The instantiation (query heads per CTA) for a GQA group: the smallest that holds it, else the largest."""
+    return next((g for g in GROUP_TILES[dtype] if g >= group), GROUP_TILES[dtype][-1])
+
+
+def key_lanes(head_dim: int, itemsize: int) -> int:
+    """Threads per key row: the next power of two >= its 16-byte chunks, at most 32 (as the kernel computes)."""
+    chunks = head_dim * itemsize // 16
+    return min(32, 1 << max(0, chunks - 1).bit_length())
+
+
+def supports(dtype: str, itemsize: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             num_blocks: int) -> bool:
     """Whether decode_attention.cu handles this shape: key rows of whole 16-byte chunks (cp.async), head_dim
-    up to 256, block sizes that are powers of two (found by a shift). Other shapes use paged_attention.cu."""
+    up to 256, at least as many lanes per key row as query heads per CTA (the score reduction hands one head
+    to each group of lanes), block sizes that are powers of two (found by a shift) and cache rows that a
+    32-bit index reaches. Other shapes use paged_attention.cu."""
     return (head_dim * itemsize % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and block_size > 0 and block_size & (block_size - 1) == 0)
+            and key_lanes(head_dim, itemsize) >= group_tile(dtype, num_q_heads // num_kv_heads)
+            and block_size > 0 and block_size & (block_size - 1) == 0
+            and num_blocks * num_kv_heads * block_size < 2 ** 31)
 
 
 def choose_split_keys(context_lens: np.ndarray, ctas_per_split: int, multiprocessors: int) -> int:
-    """Keys per split so that sum over rows of ceil(len / split) * ctas_per_split is about WAVES waves."""
+    """Keys per split so that sum over rows of ceil(len / split) * ctas_per_split is about WAVES waves (a
+    little under rather than just over, which would add a nearly empty wave)."""
     target_ctas = WAVES * multiprocessors * CTAS_PER_MULTIPROCESSOR
-    keys = int(context_lens.sum()) * ctas_per_split // max(1, target_ctas)
-    keys = keys // SPLIT_ALIGN * SPLIT_ALIGN
+    keys = -(-int(context_lens.sum()) * ctas_per_split // max(1, target_ctas))
+    keys = -(-keys // SPLIT_ALIGN) * SPLIT_ALIGN
     return min(MAX_SPLIT_KEYS, max(MIN_SPLIT_KEYS, keys))
 
 
@@ -63,8 +80,8 @@ def plan(tokens: np.ndarray, seqs: np.ndarray, context_lens: np.ndarray, num_q_h
          head_dim: int, dtype: str, itemsize: int, block_size: int, multiprocessors: int) -> DecodePlan:
     """tokens, seqs, context_lens: int[N] of the decode rows (query row, its sequence, keys it attends to)."""
     group = num_q_heads // num_kv_heads
-    group_tile = next((g for g in GROUP_TILES[dtype] if g >= group), GROUP_TILES[dtype][-1])
-    head_chunks = -(-group // group_tile)
+    tile = group_tile(dtype, group)
+    head_chunks = -(-group // tile)
     split_keys = choose_split_keys(context_lens, num_kv_heads * head_chunks, multiprocessors)
     lens = np.asarray(context_lens, np.int64)                                   # int64[N]
     splits = np.maximum(1, -(-lens // split_keys))                               # int64[N]
@@ -86,7 +103,6 @@ def plan(tokens: np.ndarray, seqs: np.ndarray, context_lens: np.ndarray, num_q_h
     shift = int(block_size).bit_length() - 1
     table_capacity = int((((key_end - 1) >> shift) - (key_begin >> shift)).max(initial=0)) + 1
     keys = tile_keys(itemsize)
-    shared_mem = (STAGES * 2 * keys * head_dim * itemsize + 4 * group_tile * keys + 2 * 4 * group_tile
-                  + 4 * table_capacity)
-    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), split_keys, group_tile, head_chunks,
+    shared_mem = STAGES * 2 * keys * head_dim * itemsize + 4 * tile * keys + 2 * 4 * tile + 4 * table_capacity
+    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), split_keys, tile, head_chunks,
                       table_capacity, shared_mem)
