@@ -689,7 +689,10 @@ def ptxas_report(arch: str = "sm_90") -> str:
 
 
 def _mangled_type(cxx: str) -> str:
-    return {"float": "IfE", "__half": "I6__halfE", "__nv_bfloat16": "I13__nv_bfloat16E"}[cxx]
+    """Itanium mangling of template arguments: an element type, then any int arguments (`__half, 16`)."""
+    element, *ints = cxx.split(", ")
+    code = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}[element]
+    return "I" + code + "".join(f"Li{n}E" for n in ints) + "E"
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from minisarathi.backends.numpy_ops import NumpyOps
 def test_the_interface_lists_placement_and_the_ops_of_the_forward_pass():
     names = interface_names()
     assert {"device", "activation_dtype", "weight", "zeros", "to_numpy", "free_memory_bytes", "new_sampler",
-            "embedding", "rms_norm", "add_rms_norm", "linear", "rope", "store_kv", "paged_attention",
+            "constant", "embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv", "paged_attention",
             "silu_and_mul"} <= set(names)
 
 

@@ -23,10 +23,7 @@ GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mh
 
 def build_model(path: Path, ops) -> LlamaModel:
     config = ModelConfig.from_pretrained(path)
-    model = LlamaModel(config, load_weights(path, config), ops)
-    # RoPE frequencies stay float32 whatever the activation dtype (a 16-bit inv_freq ruins long positions).
-    model.inv_freq = config.rope_inv_freq()
-    return model
+    return LlamaModel(config, load_weights(path, config), ops)
 
 
 def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size: int, block_size: int = 4):

@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.config import rope_cos_sin_table
 from minisarathi.model.llama import load_model
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch
@@ -181,22 +182,33 @@ def test_elementwise_ops_match_float64():
     assert np.array_equal(ops.embedding(weight, np.array([3, 0, 3])), weight[[3, 0, 3]])
 
 
-def test_rope_rotates_half_split_pairs_in_place_on_views():
+def test_rope_store_kv_rotates_q_in_place_and_stores_rotated_k_and_v():
     rng = np.random.default_rng(2)
-    T, Hq, Hk, D = 6, 4, 2, 8
+    T, Hq, Hk, D, block_size = 6, 4, 2, 8, 4
     qkv = rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32)
     original = qkv.astype(np.float64)
-    q, k = qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
-    positions = np.array([0, 1, 2, 50, 51, 300], dtype=np.int32)
+    q, k, v = (qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
+               qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+    positions = np.array([0, 1, 2, 50, 51, 100000], dtype=np.int32)
+    slots = np.array([3, 0, 9, -1, 4, 11], dtype=np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-    ops.rope(q, k, positions, inv_freq)
+    k_cache, v_cache = ops.zeros((3, Hk, block_size, D)), ops.zeros((3, Hk, block_size, D))
+    ops.rope_store_kv(q, k, v, k_cache, v_cache, positions, slots, ops.constant(rope_cos_sin_table(inv_freq, 100001)))
     angle = positions[:, None, None].astype(np.float64) * inv_freq.astype(np.float64)  # [T, 1, D/2]
-    for rotated, start, heads in ((q, 0, Hq), (k, Hq * D, Hk)):
+
+    def rotated(start, heads):
         x = original[:, start:start + heads * D].reshape(T, heads, D)
-        complex_x = x[..., :D // 2] + 1j * x[..., D // 2:]  # half-split pairs as complex numbers
-        want = complex_x * np.exp(1j * angle)
-        assert np.abs(rotated - np.concatenate([want.real, want.imag], axis=-1)).max() < 1e-4
-    assert np.array_equal(qkv[:, (Hq + Hk) * D:], original[:, (Hq + Hk) * D:].astype(np.float32))  # v untouched
+        want = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * angle)   # half-split pairs as complex numbers
+        return np.concatenate([want.real, want.imag], axis=-1)
+
+    assert np.abs(q - rotated(0, Hq)).max() < 1e-4          # exact to float32 even at position 100000
+    assert np.array_equal(qkv[:, Hq * D:], original[:, Hq * D:].astype(np.float32))   # k and v untouched
+    want_k, want_v = np.zeros_like(k_cache), np.zeros_like(v_cache)
+    for t, slot in enumerate(slots):
+        if slot >= 0:                                        # -1: a padding token, stored nowhere
+            want_k[slot // block_size, :, slot % block_size] = rotated(Hq * D, Hk)[t]
+            want_v[slot // block_size, :, slot % block_size] = v[t]
+    assert np.abs(k_cache - want_k).max() < 1e-4 and np.array_equal(v_cache, want_v)
 
 
 def test_kv_cache_shape_and_bytes(stories):

@@ -34,8 +34,6 @@ CXX_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16
 TEMPLATED_KERNELS = {
     "embedding.cu": ["embedding_kernel"],
     "rms_norm.cu": ["rms_norm_kernel", "add_rms_norm_kernel"],
-    "rope.cu": ["rope_kernel"],
-    "store_kv.cu": ["store_kv_kernel"],
     "rope_store_kv.cu": ["rope_store_kv_kernel"],
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
     "decode_attention.cu": ["decode_attention_reduce_kernel"],
@@ -300,21 +298,6 @@ class CudaOps:
         self.launches += 1
         return self.launcher.matmul_t(x, w, bias)
 
-    def rope(self, q, k, positions, inv_freq) -> None:
-        """Rotates q[T, Hq, D] and k[T, Hk, D] in place (they may be row-strided views of one QKV array)."""
-        T, Hq, D = q.shape
-        Hk = k.shape[1]
-        if D % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {D}")
-        if inv_freq.dtype != np.float32 or inv_freq.shape != (D // 2,):
-            raise ValueError(f"inv_freq must be float32[{D // 2}] (pass config.rope_inv_freq() unconverted), "
-                             f"got {inv_freq.dtype}{list(inv_freq.shape)}")
-        if T:
-            self._kernel("rope.cu", "rope_kernel", q)(
-                (T,), (_threads((Hq + Hk) * D // 2),),
-                (q, k, self._metadata(positions), self._metadata(inv_freq, np.float32), np.int32(Hq), np.int32(Hk),
-                 np.int32(D), np.int64(_row_stride(q, "q")), np.int64(_row_stride(k, "k"))))
-
     def rope_store_kv(self, q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin) -> None:
         """One launch: rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
         slot_mapping (negative: not stored); k and v are read only. cos_sin: self.constant(config.rope_cos_sin()).
@@ -337,15 +320,6 @@ class CudaOps:
             (q, k, v, k_cache, v_cache, positions, self._metadata(slot_mapping), cos_sin, np.int32(Hq),
              np.int32(Hk), np.int32(D), np.int32(k_cache.shape[2]), np.int64(_row_stride(q, "q")),
              np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        T, Hk, D = k.shape
-        block_size = k_cache.shape[2]
-        if T:
-            self._kernel("store_kv.cu", "store_kv_kernel", k)(
-                (T,), (_threads(Hk * D),),
-                (k, v, k_cache, v_cache, self._metadata(slot_mapping), np.int32(Hk), np.int32(D), np.int32(block_size),
-                 np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
 
     def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
         """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind of
@@ -467,7 +441,7 @@ class CudaOps:
             batch.query_start, PF["PF_ROWS"] // group, np.diff(batch.query_start) > 1)[::-1]), "prefill_attention work")
         # Two stages of K and V tiles, then the next tile's cache rows (int32).
         smem = 4 * PF["PF_KEYS"] * (D + PF["PF_PAD"]) * q.dtype.itemsize + 4 * PF["PF_KEYS"]
-        kernel = self.launcher.kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
+        kernel = self._plain_kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
         if smem > SMEM_BUDGET:
             kernel.max_dynamic_shared_size_bytes = smem
         kernel((len(work), Hk), (PF["PF_THREADS"],),

@@ -31,6 +31,9 @@ class NumpyOps:
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
 
+    def constant(self, array: np.ndarray) -> np.ndarray:
+        return np.asarray(array, dtype=np.float32)
+
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
@@ -57,18 +60,6 @@ class NumpyOps:
         if bias is not None:
             out += bias
         return out
-
-    def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> None:
-        """Rotates q[T, Hq, D] and k[T, Hk, D] in place; pairs are (i, i + D/2) as in HF's rotate_half."""
-        angles = positions.astype(np.float32)[:, None] * inv_freq  # float32[T, D/2], as HF computes them
-        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-        half = inv_freq.shape[0]
-        for x in (q, k):
-            x1, x2 = x[..., :half], x[..., half:]
-            rotated_x1 = x1 * cos - x2 * sin
-            x2 *= cos
-            x2 += x1 * sin
-            x1[...] = rotated_x1
 
     def store_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  slot_mapping: np.ndarray) -> None:

@@ -43,8 +43,8 @@ class LlamaModel:
         self.layers = [LayerWeights(**{name: self._place(weights.get(f"layers.{i}.{name}"))
                                        for name in LayerWeights.__dataclass_fields__})
                        for i in range(config.num_hidden_layers)]
-        # float32 NumPy on every backend, like the batch arrays: 16-bit frequencies would ruin far positions.
-        self.inv_freq = config.rope_inv_freq()  # float32[D/2]
+        # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
+        self.rope_cos_sin = ops.constant(config.rope_cos_sin())  # float32[max_position_embeddings, D]
         self.scale = config.head_dim ** -0.5
 
     def _place(self, array: Any | None) -> Any:
@@ -83,8 +83,7 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(T, c.num_attention_heads, D)
             k = qkv[:, q_size:q_size + kv_size].reshape(T, c.num_key_value_heads, D)
             v = qkv[:, q_size + kv_size:].reshape(T, c.num_key_value_heads, D)
-            ops.rope(q, k, batch.positions, self.inv_freq)
-            ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            ops.rope_store_kv(q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin)
             attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
             hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, c.rms_norm_eps)
