@@ -151,6 +151,9 @@ def test_completions_greedy_equal_llm_generate_streamed_or_not(server):
         assert chunks[-1].choices[0].finish_reason == want.finish_reason
         assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
         assert len({c.id for c in chunks}) == 1
+    prioritized = server.client.completions.create(model="stories260K", prompt=PROMPTS[0], max_tokens=24,
+                                                   temperature=0, extra_body={"priority": -2})
+    assert prioritized.choices[0].text == expected[0].text
     wait_until_idle(server)
 
 
@@ -285,6 +288,7 @@ def test_models_health_ready_metrics_and_request_id(server):
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
     ("/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),
@@ -397,6 +401,9 @@ def test_metrics_equal_the_known_workload(server):
     assert delta(p + "iteration_tokens_total_sum") == computed
     assert after[(p + "num_requests_running", ())] == 0 and after[(p + "kv_cache_usage_perc", ())] == 0
     assert after[(p + "scheduler_token_budget", ())] == 64
+    steps = delta(p + "iteration_tokens_total_count")      # the cost model's error, once it is fitted (10 steps)
+    assert 0 < delta(p + "step_time_prediction_ratio_count") <= steps
+    assert after[(p + "cost_model_coefficient_seconds", (("feature", "prefill_tokens"),))] >= 0
     # every metric the Grafana dashboard plots is exported (GPU memory only on CUDA)
     dashboard = (REPO / "docs" / "grafana.json").read_text()
     exported = {name.removesuffix(suffix) for name, _ in after for suffix in ("_bucket", "")}

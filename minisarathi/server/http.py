@@ -253,7 +253,7 @@ class HttpDoor:
                     choice.receive(output)
                 call.wake.set()
             try:
-                self.server.submit(engine_id, prompt, params, on_output, call.received)
+                self.server.submit(engine_id, prompt, params, on_output, call.received, call.request.priority)
             except RPCError as e:
                 for earlier in _first_of_each_prompt(call):
                     self.server.cancel(earlier.engine_id)

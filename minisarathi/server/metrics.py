@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from minisarathi.engine.cost_model import ERROR_BUCKETS
 from minisarathi.server.request_log import FinishedRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +63,8 @@ class Metrics:
                                                    token_buckets)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prefill chunks plus "
                                           "decodes): where chunked prefill shows.", token_buckets)
+        self.step_prediction = histogram("step_time_prediction_ratio", "Engine steps by the cost model's "
+                                         "predicted over actual step time.", ERROR_BUCKETS)
         self._engine_state: dict = {}
         self._next_step = 0
         self.registry.register(_EngineCollector(self))
@@ -92,6 +95,8 @@ class Metrics:
         self._next_step = len(engine.step_records)
         for step in steps:
             self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
+            if step.predicted_time is not None and step.step_time > 0:
+                self.step_prediction.observe(step.predicted_time / step.step_time)
         self._engine_state = {**engine.stats(), "gpu_memory_used_bytes": _gpu_memory_used(engine)}
 
     def exposition(self) -> bytes:
@@ -125,6 +130,24 @@ class _EngineCollector:
                      state["prefix_cache_queries"])
         yield family(CounterMetricFamily, "prefix_cache_hits", "Of them, tokens found in the cache.",
                      state["prefix_cache_hits"])
+        coefficients = state["cost_model"]["coefficients"]
+        if coefficients is not None:
+            metric = GaugeMetricFamily(PREFIX + "cost_model_coefficient_seconds", "The step cost model's "
+                                       "seconds per unit of each feature (docs/scheduling.md).",
+                                       labels=[*labels, "feature"])
+            for feature, value in coefficients.items():
+                metric.add_metric([*labels.values(), feature], value)
+            yield metric
+        slo = state["tbt_slo"]
+        if slo is not None:
+            yield family(GaugeMetricFamily, "tbt_slo_target_seconds", "The TBT target (tbt_slo_ms).",
+                         slo["target_ms"] / 1e3)
+            yield family(GaugeMetricFamily, "tbt_slo_margin_seconds", "The safety margin below the target.",
+                         slo["margin_ms"] / 1e3)
+            yield family(GaugeMetricFamily, "tbt_slo_overloaded", "1 while the decodes alone are predicted over "
+                         "the target (new prompts wait).", int(slo["overloaded"]))
+            yield family(CounterMetricFamily, "tbt_slo_overloaded_steps", "Steps run overloaded.",
+                         slo["overloaded_steps"])
 
 
 def _gpu_memory_used(engine) -> int | None:

@@ -54,13 +54,14 @@ class GenerationRequest:
     include_usage: bool
     logprobs: int | None                  # top logprobs wanted per token (None: no logprobs)
     model: str
+    priority: int | None = None           # lower runs first (vLLM's extension); None: the server's default
 
 
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
                "stop_token_ids")
 _COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "logit_bias", "user", "max_tokens", *_EXTENSIONS}
+           "frequency_penalty", "logit_bias", "user", "max_tokens", "priority", *_EXTENSIONS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
                          "response_format", "tools", "tool_choice", "parallel_tool_calls"}
@@ -171,6 +172,9 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
+    priority = body.get("priority")
+    if priority is not None and (not _is_int(priority) or not -2**31 <= priority < 2**31):
+        raise bad("priority", f"priority must be a 32-bit integer or null, got {_show(priority)}")
     if _is_int(max_tokens) and max_tokens > limits.max_tokens:
         raise bad(max_tokens_name, f"{max_tokens_name} must be <= {limits.max_tokens}, got {max_tokens}")
     sampling = {name: body[name] for name in ("temperature", "top_p", "seed", "presence_penalty",
@@ -183,7 +187,7 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
         params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:
         raise _sampling_error(str(e), max_tokens_name) from None
-    return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model)
+    return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model, priority)
 
 
 def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:

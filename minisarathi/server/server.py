@@ -639,9 +639,11 @@ class Server:
         """Run fn() on the engine thread between steps (e.g. engine.stats for a metrics scrape)."""
         return self._worker.call(fn)
 
-    def submit(self, request_id: str, token_ids: list[int], params, on_output, arrival_time: float) -> None:
+    def submit(self, request_id: str, token_ids: list[int], params, on_output, arrival_time: float,
+               priority: int | None = None) -> None:
         """Queue a request of another door under the same limits as `generate`. on_output is called on the loop
-        with each of its RequestOutputs (the last one finished), or once with an RPCError if it fails."""
+        with each of its RequestOutputs (the last one finished), or once with an RPCError if it fails.
+        priority: lower runs first; None: 0."""
         if self._shutting_down:
             raise RPCError(OVERLOADED, "server is shutting down")
         if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
@@ -650,8 +652,9 @@ class Server:
             raise RPCError(INVALID_PARAMS, f"request id {short(request_id)} is already in use")
         self._door_requests[request_id] = on_output
         self._drained.clear()
+        priority = 0 if priority is None else priority
         added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, params,
-                                                                  arrival_time=arrival_time))
+                                                                  arrival_time=arrival_time, priority=priority))
         added.add_done_callback(lambda future: self._on_door_added(request_id, future))
 
     def cancel(self, request_id: str) -> None:
