@@ -51,6 +51,24 @@ def test_compare_policies_with_capacity(tmp_path, capsys):
         assert (tmp_path / "capacity.png").stat().st_size > 1000
 
 
+def test_slo_driven_variant_and_workload_groups(tmp_path, capsys):
+    args = ["bench", "compare", *SMALL, "--policies", "sarathi", "--chunk-sizes", "16", "--slo-driven",
+            "--slo-tbt", "0.05", "--out", str(tmp_path)]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert list(data["metrics"]) == ["sarathi-16", "sarathi-slo"]
+    engines = data["info"]["engines"]
+    assert engines["sarathi-slo"]["tbt_slo_ms"] == pytest.approx(50) and engines["sarathi-16"]["tbt_slo_ms"] is None
+    capsys.readouterr()
+    assert main(["bench", "run", *SMALL, "--long-fraction", "0.5", "--long-factor", "4", "--label", "fair",
+                 "--max-partial-prefills", "2", "--out", str(tmp_path)]) == 0
+    assert "fair:long" in capsys.readouterr().out
+    info, requests, _ = load_run(tmp_path / "fair.json")
+    assert info["engine"]["max_partial_prefills"] == 2 and {r.group for r in requests} == {"long", "short"}
+    metrics = json.loads((tmp_path / "fair.json").read_text())["metrics"]
+    assert metrics["groups"]["long"]["requests"] + metrics["groups"]["short"]["requests"] == 6
+
+
 def test_capacity_with_an_slo_from_the_measured_decode_step(tmp_path, capsys):
     # 256 blocks: the decode-step measure needs all 32 sequences decoding at once, with no preemption.
     args = ["bench", "capacity", *SMALL, "--num-kv-blocks", "256", "--max-trials", "2", "--trial-seconds", "0.05",

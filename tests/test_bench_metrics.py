@@ -4,7 +4,7 @@ import csv
 import pytest
 
 from minisarathi.bench.metrics import (BatchRecord, RequestRecord, compute_metrics, format_table, load_run,
-                                       save_run, summarize)
+                                       metrics_by_group, save_run, summarize)
 
 
 def timeline():
@@ -76,3 +76,13 @@ def test_table_has_one_column_per_run():
     assert "sarathi-512" in header and "vllm" in header
     assert completed.split()[1:] == ["2/3", "2/3"]
     assert "TBT P99 (ms)" in table and "1735" in table
+
+
+def test_metrics_by_group():
+    requests = timeline()
+    assert metrics_by_group(requests) == {}
+    requests[0].group, requests[1].group, requests[2].group = "short+high", "long+high", "short+low"
+    groups = metrics_by_group(requests)
+    assert sorted(groups) == ["high", "long", "low", "short"]
+    assert groups["high"]["completed"] == 2 and groups["short"]["requests"] == 2
+    assert groups["long"]["ttft"]["p50"] == 1.0 and groups["low"]["completed"] == 0

@@ -115,7 +115,25 @@ def test_bundled_trace_rows_replayed_and_scaled():
 
 @pytest.mark.parametrize("field, value", [("lengths", "normal"), ("arrivals", "burst"), ("num_requests", 0),
                                           ("qps", 0.0), ("cv", -1.0), ("max_model_len", 1),
-                                          ("min_total_tokens", 600), ("trace_scale", 0)])
+                                          ("min_total_tokens", 600), ("trace_scale", 0), ("long_fraction", 1.5),
+                                          ("long_factor", 0.5), ("high_priority_fraction", -0.1)])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         WorkloadConfig(**{field: value})
+
+
+def test_long_prompts_and_priorities_are_tagged():
+    base = dict(num_requests=400, lengths="fixed", prompt_len=50, decode_len=10, max_model_len=1024, seed=3)
+    plain = make_workload(WorkloadConfig(**base))
+    specs = make_workload(WorkloadConfig(**base, long_fraction=0.05, long_factor=16, high_priority_fraction=0.25))
+    assert [s.arrival_time for s in specs] == [s.arrival_time for s in plain]     # arrivals untouched
+    long = [s for s in specs if "long" in s.group.split("+")]
+    assert 0.02 < len(long) / len(specs) < 0.09
+    assert all(len(s.prompt_token_ids) == 800 for s in long)                     # 16 x the median (50)
+    assert all(len(s.prompt_token_ids) == 50 for s in specs if "short" in s.group)
+    high = [s for s in specs if s.group.endswith("high")]
+    assert 0.18 < len(high) / len(specs) < 0.32 and all(s.priority == 0 for s in high)
+    assert all(s.priority == 1 for s in specs if s.group.endswith("low"))
+    assert all(s.group == "" and s.priority == 0 for s in plain)
+    capped = make_workload(WorkloadConfig(**{**base, "max_model_len": 300}, long_fraction=0.5))
+    assert max(len(s.prompt_token_ids) + s.max_tokens for s in capped) <= 300

@@ -19,7 +19,7 @@ from minisarathi.config import SCHEDULERS
 from minisarathi.client import DEFAULT_PORT
 from minisarathi.bench.capacity import Slo, find_capacity, judge
 from minisarathi.bench.compare import capacity_table, policy_variants, tbt_ratio
-from minisarathi.bench.metrics import compute_metrics, format_table, load_run, save_run
+from minisarathi.bench.metrics import compute_metrics, format_table, load_run, metrics_by_group, save_run
 from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
 from minisarathi.bench.workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
@@ -50,6 +50,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument("--chunk-sizes", default=None,
                          help="comma-separated chunk sizes for sarathi and simple_chunking (default: --chunk-size)")
     compare.add_argument("--capacity", action="store_true", help="also search each policy's capacity")
+    compare.add_argument("--slo-driven", action="store_true",
+                         help="add sarathi-slo: sarathi with --tbt-slo-ms set to the capacity SLO")
+    run.add_argument("--label", default=None, help="the run's name in the results (default: the scheduler)")
     compare.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
     plot = sub.add_parser("plot", help="redraw the plots of a `bench compare` results folder")
     plot.add_argument("results", type=Path, help="the folder holding compare.json")
@@ -95,6 +98,11 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
     g.add_argument("--arrival-trace", default=None, help="trace arrivals: CSV with an arrived_at column (s)")
     g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--long-fraction", type=float, default=0.0,
+                   help="share of requests with prompts --long-factor x the median (metrics also per short/long)")
+    g.add_argument("--long-factor", type=float, default=16.0)
+    g.add_argument("--high-priority-fraction", type=float, default=0.0,
+                   help="share of requests sent with priority 0, the others with 1 (metrics also per high/low)")
 
 
 def _add_slo_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,7 +173,9 @@ class _Session:
                              max_total_tokens=a.max_total_tokens,
                              pd_ratio=a.pd_ratio, zipf_theta=a.zipf_theta, trace=a.trace, trace_scale=a.trace_scale,
                              max_model_len=max_model_len, arrivals=a.arrivals, qps=qps or a.qps, cv=a.cv,
-                             arrival_trace=a.arrival_trace, vocab_size=PROMPT_VOCAB, seed=a.workload_seed)
+                             arrival_trace=a.arrival_trace, vocab_size=PROMPT_VOCAB, seed=a.workload_seed,
+                             long_fraction=a.long_fraction, long_factor=a.long_factor,
+                             high_priority_fraction=a.high_priority_fraction)
         return cfg, make_workload(cfg)
 
     def run_info(self, target, workload: WorkloadConfig | None = None) -> dict:
@@ -194,7 +204,8 @@ class _Session:
         return result, self.save(label, result, info)
 
     def save(self, label: str, result, info: dict) -> dict:
-        metrics = compute_metrics(result.requests, result.batches) | {"stopped": result.stopped}
+        metrics = compute_metrics(result.requests, result.batches) | {"stopped": result.stopped,
+                                                                       "groups": metrics_by_group(result.requests)}
         save_run(self.out_dir, label, info, metrics, result.requests, result.batches)
         return metrics
 
@@ -205,9 +216,9 @@ class _Session:
 
     def run(self):
         target, max_model_len = self.target()
-        label = self.args.scheduler if self.args.target == "engine" else self.args.target
+        label = self.args.label or (self.args.scheduler if self.args.target == "engine" else self.args.target)
         _, metrics = self.timed_run(target, self.workload(max_model_len), label, self.args.time_limit or 600.0)
-        print(format_table({label: metrics}))
+        print(format_table({label: metrics} | {f"{label}:{g}": m for g, m in metrics["groups"].items()}))
 
     def slo(self, target, max_model_len: int) -> Slo:
         args = self.args
@@ -259,12 +270,15 @@ class _Session:
             if p not in SCHEDULERS:
                 raise ValueError(f"policies: unknown scheduler {p!r} (choose from {', '.join(SCHEDULERS)})")
         chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [args.chunk_size]
-        variants = policy_variants(policies, chunk_sizes)
+        variants = policy_variants(policies, chunk_sizes, args.slo_driven)
         slo = workload = None
         metrics, runs, capacities, trails, engines = {}, {}, {}, {}, {}
         try:
             for v in variants:
-                target, max_model_len = self.engine(scheduler=v.scheduler, chunk_size=v.chunk_size)
+                if slo is None and v.slo_driven:   # its target is the SLO: measure that on a plain engine first
+                    slo = self.slo(*self.engine(scheduler="sarathi", tbt_slo_ms=None))
+                target, max_model_len = self.engine(scheduler=v.scheduler, chunk_size=v.chunk_size,
+                                                    tbt_slo_ms=slo.p99_tbt * 1e3 if v.slo_driven else None)
                 engines[v.label] = dataclasses.asdict(target.engine.config)
                 if slo is None:
                     slo = self.slo(target, max_model_len)

@@ -8,13 +8,18 @@ CHUNKED = ("sarathi", "simple_chunking")   # the policies whose behaviour depend
 
 @dataclass
 class Variant:
-    label: str          # e.g. "sarathi-512", "vllm"
+    label: str          # e.g. "sarathi-512", "vllm", "sarathi-slo"
     scheduler: str
     chunk_size: int
+    slo_driven: bool = False   # tbt_slo_ms set to the capacity SLO; chunk_size only an upper bound
 
 
-def policy_variants(policies: list[str], chunk_sizes: list[int]) -> list[Variant]:
-    """One variant per policy, and per chunk size for the chunked policies (their label names it)."""
+SLO_DRIVEN_CHUNK_SIZE = 8192   # the SLO-driven variant's token upper bound: high, so the target alone decides
+
+
+def policy_variants(policies: list[str], chunk_sizes: list[int], slo_driven: bool = False) -> list[Variant]:
+    """One variant per policy, and per chunk size for the chunked policies (their label names it); with
+    slo_driven, last, sarathi with tbt_slo_ms = the SLO ("sarathi-slo")."""
     if not policies:
         raise ValueError("policies must name at least one scheduler")
     if not chunk_sizes or any(c < 1 for c in chunk_sizes):
@@ -26,6 +31,8 @@ def policy_variants(policies: list[str], chunk_sizes: list[int]) -> list[Variant
         else:
             # Unchunked policies admit whole prompts; the token limit only matters past max_model_len.
             variants.append(Variant(policy, policy, max(chunk_sizes)))
+    if slo_driven:
+        variants.append(Variant("sarathi-slo", "sarathi", SLO_DRIVEN_CHUNK_SIZE, slo_driven=True))
     return variants
 
 

@@ -29,6 +29,7 @@ class RequestRecord:
     finished: float | None = None                            # None: did not complete (aborted, error, timeout)
     num_preemptions: int = 0
     error: str | None = None
+    group: str = ""                                          # the workload's tag (RequestSpec.group)
 
     @property
     def output_len(self) -> int:
@@ -85,6 +86,13 @@ def compute_metrics(requests: list[RequestRecord], batches: list[BatchRecord] = 
     }
 
 
+def metrics_by_group(requests: list[RequestRecord]) -> dict[str, dict]:
+    """compute_metrics of each group of requests (by the workload's tags, "long+high" counting in both "long"
+    and "high"); empty when the requests carry no tag. Batches are the whole run's: left out here."""
+    tags = sorted({tag for r in requests if r.group for tag in r.group.split("+")})
+    return {tag: compute_metrics([r for r in requests if tag in r.group.split("+")]) for tag in tags}
+
+
 def request_row(r: RequestRecord) -> dict:
     gaps = np.diff(r.token_times)
     return {"request_id": r.request_id, "arrival": r.arrival, "prompt_len": r.prompt_len,
@@ -94,7 +102,7 @@ def request_row(r: RequestRecord) -> dict:
             "e2e_latency": r.finished - r.arrival if r.finished is not None else None,
             "mean_tbt": float(gaps.mean()) if len(gaps) else None,
             "max_tbt": float(gaps.max()) if len(gaps) else None,
-            "preemptions": r.num_preemptions, "error": r.error}
+            "preemptions": r.num_preemptions, "error": r.error, "group": r.group}
 
 
 def save_run(out_dir: Path, label: str, info: dict, metrics: dict, requests: list[RequestRecord],

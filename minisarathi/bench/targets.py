@@ -39,7 +39,7 @@ def forced_params(spec: RequestSpec) -> SamplingParams:
 
 def new_records(specs: list[RequestSpec]) -> dict[str, RequestRecord]:
     return {s.request_id: RequestRecord(s.request_id, len(s.prompt_token_ids), s.arrival_time,
-                                        error="not sent") for s in specs}
+                                        error="not sent", group=s.group) for s in specs}
 
 
 class EngineTarget:
@@ -85,7 +85,7 @@ class EngineTarget:
                     spec = pending.popleft()
                     try:
                         engine.add_request(spec.request_id, spec.prompt_token_ids, forced_params(spec),
-                                           arrival_time=start + spec.arrival_time)
+                                           arrival_time=start + spec.arrival_time, priority=spec.priority)
                     except ValueError as e:   # e.g. longer than the KV pool: that request fails alone
                         records[spec.request_id].error = f"rejected: {e}"
                         continue
@@ -267,7 +267,7 @@ class ServerTarget(_RemoteTarget):
         # One connection per request, as an HTTP client would: no per-connection in-flight limit applies.
         async with AsyncClient(self.host, self.port, api_key=self.api_key) as client:
             async for chunk in client.generate_stream(spec.prompt_token_ids, max_tokens=spec.max_tokens,
-                                                      temperature=0.0, ignore_eos=True):
+                                                      temperature=0.0, ignore_eos=True, priority=spec.priority):
                 now = time.monotonic() - start
                 record.token_times.extend([now] * len(chunk.token_ids))
 
@@ -291,6 +291,8 @@ class OpenAITarget(_RemoteTarget):
                 "stream": True, "ignore_eos": True}
         if self.model:
             body["model"] = self.model
+        if spec.priority:   # vLLM's extension (its --scheduling-policy priority)
+            body["priority"] = spec.priority
         payload = json.dumps(body).encode()
         headers = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}",
                    "Content-Type: application/json", "Accept: text/event-stream", "Connection: close",

@@ -4,6 +4,9 @@ Lengths: fixed, uniform or zipf over total tokens split by a prefill:decode rati
 (num_prefill_tokens, num_decode_tokens). Arrivals: Poisson (inter-arrival clipped at 3x the mean), gamma
 with a given coefficient of variation, all at once (static), or a trace CSV column `arrived_at` (seconds).
 Prompts are random token ids; the decode length is forced (ignore EOS, max_tokens = decode length).
+Optionally a share of the requests gets prompts `long_factor` x the median prompt (head-of-line blocking),
+and a share gets priority 0 while the others get 1; such requests are tagged with a group ("long" /
+"short", "high" / "low") that the metrics are also broken down by.
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ class WorkloadConfig:
     cv: float = 2.0                   # gamma: coefficient of variation of inter-arrival times
     arrival_trace: str | None = None  # trace: CSV with an `arrived_at` column (seconds)
     vocab_size: int = 512
+    long_fraction: float = 0.0        # this share of the requests get prompts long_factor x the median prompt
+    long_factor: float = 16.0
+    high_priority_fraction: float = 0.0   # this share get priority 0, the others 1 (0: every request priority 0)
     seed: int = 0
 
     def __post_init__(self):
@@ -62,6 +68,13 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.zipf_theta < 0:
             raise ValueError(f"zipf_theta must be >= 0, got {self.zipf_theta}")
+        for name in ("long_fraction", "high_priority_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if isinstance(self.long_factor, bool) or not isinstance(self.long_factor, (int, float)) \
+                or not self.long_factor >= 1:
+            raise ValueError(f"long_factor must be a number >= 1, got {self.long_factor!r}")
         if self.vocab_size <= FIRST_PROMPT_TOKEN:
             raise ValueError(f"vocab_size must be > {FIRST_PROMPT_TOKEN}, got {self.vocab_size}")
         if self.arrivals == "trace" and not self.arrival_trace:
@@ -74,16 +87,32 @@ class RequestSpec:
     arrival_time: float          # seconds after the run starts
     prompt_token_ids: list[int]
     max_tokens: int              # forced decode length
+    priority: int = 0
+    group: str = ""              # "long" / "short", "high" / "low" (joined by "+"), or "" when untagged
 
 
 def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
-    """The same config always gives the same requests; lengths, arrivals and prompts draw from separate streams."""
-    lengths_rng, arrivals_rng, prompts_rng = (np.random.default_rng([cfg.seed, i]) for i in range(3))
+    """The same config always gives the same requests; lengths, arrivals, prompts, long prompts and priorities
+    draw from separate streams."""
+    lengths_rng, arrivals_rng, prompts_rng, long_rng, priority_rng = (np.random.default_rng([cfg.seed, i])
+                                                                      for i in range(5))
     prompt_lens, decode_lens = request_lengths(cfg, lengths_rng)
+    groups = [[] for _ in range(cfg.num_requests)]
+    if cfg.long_fraction > 0:
+        long = long_rng.random(cfg.num_requests) < cfg.long_fraction
+        prompt_lens = np.where(long, np.round(cfg.long_factor * np.median(prompt_lens)), prompt_lens)
+        prompt_lens, decode_lens = fit_to_max_len(prompt_lens, decode_lens, cfg.max_model_len)
+        for g, is_long in zip(groups, long):
+            g.append("long" if is_long else "short")
+    priorities = np.zeros(cfg.num_requests, dtype=np.int64)
+    if cfg.high_priority_fraction > 0:
+        priorities = (priority_rng.random(cfg.num_requests) >= cfg.high_priority_fraction).astype(np.int64)
+        for g, priority in zip(groups, priorities):
+            g.append("low" if priority else "high")
     arrivals = arrival_times(cfg, arrivals_rng)
     return [RequestSpec(f"req-{i}", float(arrivals[i]),
                         prompts_rng.integers(FIRST_PROMPT_TOKEN, cfg.vocab_size, int(prompt_lens[i])).tolist(),
-                        int(decode_lens[i]))
+                        int(decode_lens[i]), int(priorities[i]), "+".join(groups[i]))
             for i in range(cfg.num_requests)]
 
 
