@@ -17,7 +17,11 @@ import numpy as np
 
 FEATURES = ("overhead", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_attention")
 WINDOW = 512            # recent steps the fit covers
-REFIT_EVERY = 16        # steps between refits (a fit over 512 x 5 rows costs ~0.1 ms)
+REFIT_EVERY = 16        # steps between refits (a fit over 512 x 5 rows costs ~0.2 ms)
+OUTLIER_MADS = 5.0      # steps further than this many median absolute deviations (relative error) are outliers
+OUTLIER_PASSES = 3      # fits at most per refit
+EARLY_REFIT_SECONDS = 0.01   # a step at least this long ...
+EARLY_REFIT_ERROR = 0.2      # ... that missed its prediction by this share of its time is refitted at once
 # predicted / actual ratios: upper bucket edges of the prediction-error histogram
 ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("inf"))
 
@@ -91,28 +95,34 @@ class CostModel:
         if predicted is not None and seconds > 0:
             ratio = predicted / seconds
             self.error_counts[next(k for k, edge in enumerate(ERROR_BUCKETS) if ratio <= edge)] += 1
-        # the first fit as soon as the rows can determine every coefficient, then every refit_every steps
-        if self._since_fit >= self.refit_every or (not self.fitted and self._num_rows >= 2 * len(FEATURES)):
+        # the first fit as soon as the rows can determine every coefficient, then every refit_every steps, or
+        # at once after a long step that missed its prediction by far (the load changed: follow it now)
+        missed = (predicted is not None and seconds >= EARLY_REFIT_SECONDS
+                  and abs(seconds - predicted) > EARLY_REFIT_ERROR * seconds)
+        if self._since_fit >= self.refit_every or missed or (not self.fitted
+                                                             and self._num_rows >= 2 * len(FEATURES)):
             self.fit()
 
     def fit(self) -> None:
-        """Non-negative least squares by dropping the most negative coefficient until none is left (at most
-        five small solves); columns are scaled to unit size first, as their magnitudes differ by ~10^6."""
+        """Fit, then fit again without the outliers: steps whose relative error is beyond OUTLIER_MADS median
+        absolute deviations (a step stalled by another process on a shared machine would otherwise drag
+        every coefficient up). The model predicts a step's typical time; the margin covers the tail."""
         n = min(self._num_rows, len(self._times))
         x = np.vstack([self._rows[:n], self._anchor_rows])
         y = np.concatenate([self._times[:n], self._anchor_times])
         self._since_fit = 0
         if len(y) < 2:
             return
-        scale = np.abs(x).max(axis=0)
-        active = np.flatnonzero(scale > 0)
-        coefficients = np.zeros(len(FEATURES))
-        while len(active):
-            solution = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)[0]
-            if (solution >= 0).all():
-                coefficients[active] = solution / scale[active]
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(OUTLIER_PASSES):   # a fit dragged by stalls mislabels some rows: trim again from the better one
+            coefficients = _non_negative_least_squares(x[keep], y[keep])
+            predicted = x @ coefficients
+            relative = (y - predicted) / np.maximum(predicted, 1e-9)
+            deviation = np.abs(relative - np.median(relative[keep]))
+            inliers = deviation <= max(OUTLIER_MADS * np.median(deviation[keep]), 1e-9)
+            if (inliers == keep).all() or inliers.sum() < len(FEATURES):
                 break
-            active = np.delete(active, np.argmin(solution))
+            keep = inliers
         self.coefficients = coefficients
         self.num_fits += 1
 
@@ -152,6 +162,21 @@ class CostModel:
         coefficients = None if self.coefficients is None else dict(zip(FEATURES, self.coefficients.tolist()))
         return {"coefficients": coefficients, "fits": self.num_fits,
                 "error_histogram": {f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)}}
+
+
+def _non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """float64[features]: least squares with the most negative coefficient dropped until none is left (at most
+    five small solves); columns are scaled to unit size first, as their magnitudes differ by ~10^6."""
+    scale = np.abs(x).max(axis=0)
+    active = np.flatnonzero(scale > 0)
+    coefficients = np.zeros(x.shape[1])
+    while len(active):
+        solution = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)[0]
+        if (solution >= 0).all():
+            coefficients[active] = solution / scale[active]
+            break
+        active = np.delete(active, np.argmin(solution))
+    return coefficients
 
 
 def _features(shape: StepShape) -> tuple:
