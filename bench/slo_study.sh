@@ -8,13 +8,14 @@
 #   priority                   20% high-priority requests above capacity
 #   timeline                   the cost model's predictions and the budget over a changing load (the plots of
 #                              docs/scheduling.md)
+#   table                      prints the capacity tables from the capacity step's results
 # Usage: bench/slo_study.sh [step ...] (default: all). Run it niced on a shared machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS=1   # see bench/study.sh
 MODEL=${MODEL:-/tmp/minisarathi-study-model}
 OUT=${OUT:-bench/out/slo-study}
-STEPS=${*:-capacity hol priority timeline}
+STEPS=${*:-capacity table hol priority timeline}
 [ -d "$MODEL" ] || python -m minisarathi bench random-model "$MODEL" --hidden-size 512 --num-layers 4 \
     --num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --max-position-embeddings 2048 --seed 0
 COMMON=(--model "$MODEL" --max-model-len 2048 --lengths trace --workload-seed 0)
@@ -47,6 +48,21 @@ for step in $STEPS; do
           --time-limit 240 --out "$OUT/priority" ;;
     timeline)
       python -m bench.slo_timeline --model "$MODEL" --out "$OUT/timeline" --plots docs/plots ;;
+    table)   # the capacity tables of docs/benchmarks.md from the capacity step's results
+      python - "$OUT" <<'PY'
+import json, pathlib, sys
+for folder in sorted(pathlib.Path(sys.argv[1]).glob("capacity-*x")):
+    print(folder.name, "  (trail: qps tried, ! = failed)")
+    for variant in ("sarathi-64", "sarathi-128", "sarathi-256", "sarathi-512", "vllm", "sarathi-slo"):
+        path = folder / variant / "capacity.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            trail = " ".join(f"{t['qps']:g}{'' if t['passed'] else '!'}" for t in data["trail"])
+            tbt = max((t["p99_tbt"] or 0 for t in data["trail"] if t["passed"]), default=None)
+            print(f"  {variant:<13} {data['capacity_qps']:6.2f} qps   worst passing P99 TBT "
+                  f"{'-' if tbt is None else f'{tbt * 1e3:.0f} ms':>7}   {trail}")
+PY
+      ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
