@@ -1,7 +1,8 @@
 """Picks the next token of every sampling row of a batch from its logits, vectorized over the rows.
 
 Per row, in vLLM's order:
-1. min_tokens: the stop token ids and the EOS ids (unless ignore_eos) get -inf until min_tokens are out.
+1. min_tokens: the stop token ids and the EOS ids (unless ignore_eos) get -inf until min_tokens are out;
+   then logit_bias is added to its token ids' logits.
 2. Penalties on the logits: repetition (tokens seen in the prompt or the output: positive logits divided
    by the penalty, negative ones multiplied), then frequency (times the token's count in the output) and
    presence (once if it is in the output) subtracted, OpenAI style.
@@ -45,6 +46,13 @@ def stop_tokens_to_mask(params: list[SamplingParams], output_ids: list[list[int]
             stop = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             masked[i] = [t for t in stop if t < vocab_size]
     return masked
+
+
+def logit_bias_entries(params: list[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64[E] flat indexes row * vocab_size + token, float32[E] biases) of every row's logit_bias."""
+    flat = [i * vocab_size + t for i, p in enumerate(params) if p.logit_bias for t in p.logit_bias]
+    values = [b for p in params if p.logit_bias for b in p.logit_bias.values()]
+    return np.array(flat, np.int64), np.array(values, np.float32)
 
 
 def is_penalized(p: SamplingParams) -> bool:
@@ -97,9 +105,13 @@ class Sampler:
         # Fast path, the common case of a benchmark or a greedy batch: nothing to mask, penalize or report,
         # so the steps below reduce to one argmax over the batch; one pass over the rows decides it.
         if not any(p.temperature or p.logprobs is not None or len(out) < p.min_tokens or is_penalized(p)
-                   for p, out in zip(params, output_ids)):
+                   or p.logit_bias for p, out in zip(params, output_ids)):
             return SamplerOutput(logits.argmax(axis=1), [None] * n, [None] * n)
         x = self._mask_stop_tokens(logits, params, output_ids)
+        flat, bias = logit_bias_entries(params, self.vocab_size)
+        if flat.size:
+            x = x.copy() if x is logits else x
+            x.reshape(-1)[flat] += bias
         x = self._apply_penalties(x, params, prompt_ids, output_ids)
 
         token_ids = np.empty(n, np.int64)

@@ -25,6 +25,7 @@ class SamplingParams:
     logprobs: int | None = None       # k: return the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
     detokenize: bool = True           # False: no text (and no stop strings), token ids only; saves CPU per token
+    logit_bias: dict[int, float] | None = None   # added to these token ids' logits (OpenAI's; in [-100, 100])
 
     def __post_init__(self):
         if self.stop is None:
@@ -71,10 +72,28 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """Token id -> bias; ids may come as decimal strings (JSON object keys always are); {} means none."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
+    result = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdecimal() else key
+        check_int("logit_bias token id", token, lo=0)
+        check_float("logit_bias value", value)
+        if not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        result[token] = float(value)
+    return result or None
 

@@ -224,6 +224,14 @@ def test_n2_stop_strings_and_seeds(server):
     wait_until_idle(server)
 
 
+def test_logit_bias(server):
+    forced = server.client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4,
+                                              temperature=0, logit_bias={"400": 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [Tokenizer.from_pretrained(default_model_dir()).decoded_token(400)] * 4
+    want = offline(["Once upon a time"], temperature=0, max_tokens=4, logit_bias={400: 100})[0]
+    assert forced.choices[0].text == want.text
+
+
 def test_logprobs_match_llm_generate(server, model_with_template):
     want = offline(["Once upon a time"], temperature=0, max_tokens=6, logprobs=2)[0]
     result = server.client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=6,
@@ -289,6 +297,8 @@ def test_models_health_ready_metrics_and_request_id(server):
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 500}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
     ("/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),

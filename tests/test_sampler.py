@@ -299,3 +299,26 @@ def test_bad_shapes():
         run(sampler, rand_logits(3), [SP()] * 2)
     with pytest.raises(ValueError, match="generators"):
         sampler.sample(rand_logits(2), [SP()] * 2, [None], [[1]] * 2, [[]] * 2)
+
+
+def test_logit_bias_moves_the_choice_but_not_the_raw_logprobs(make_sampler):
+    logits = rand_logits(4, seed=9)
+    top = logits.argmax(axis=1)
+    params = [SP(temperature=0, logit_bias={7: 100.0}), SP(temperature=0, logit_bias={int(top[1]): -100.0}),
+              SP(temperature=0, logprobs=1, logit_bias={"3": 50}), SP(temperature=0.7, seed=2, logit_bias={5: -100})]
+    out = run(make_sampler(V), logits, params, [None, None, None, make_generator(2)])
+    second = np.argsort(-logits[1], kind="stable")[1]
+    assert out.token_ids.tolist()[:3] == [7, second, 3] and out.token_ids[3] != 5
+    ref = logits[2].astype(np.float64) - np.log(np.exp(logits[2].astype(np.float64)).sum())
+    assert out.logprobs[2][0][0] == 3 and out.logprobs[2][0][1] == pytest.approx(ref[3], abs=1e-6)   # raw
+    biased = [SP(temperature=1.0, logit_bias={t: -100 for t in range(V // 2)})] * 200
+    draws = run(make_sampler(V, seed=4), np.repeat(rand_logits(1, seed=3), 200, axis=0), biased).token_ids
+    assert (draws >= V // 2).all()
+
+
+@pytest.mark.parametrize("bias, message", [({-1: 1.0}, "logit_bias token id"), ({"x": 1.0}, "logit_bias token id"),
+                                           ({1: 101}, r"\[-100, 100\]"), ({1: float("nan")}, "logit_bias value"),
+                                           ([1, 2], "map of token id")])
+def test_bad_logit_bias(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SP(logit_bias=bias)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from minisarathi.dtypes import convert, dtype_name
-from minisarathi.sampler import SamplerOutput, draw_uniforms, is_penalized, make_generator, stop_tokens_to_mask
+from minisarathi.sampler import (SamplerOutput, draw_uniforms, is_penalized, logit_bias_entries, make_generator,
+                                 stop_tokens_to_mask)
 from minisarathi.sampling_params import SamplingParams
 
 
@@ -39,9 +40,14 @@ class GpuSampler:
         if not len(generators) == len(prompt_ids) == len(output_ids) == n:
             raise ValueError("generators, prompt_ids and output_ids must have one entry per row of logits")
         logits = self.xp.ascontiguousarray(convert(logits, dtype_name(logits), "float32"))   # float32[N, V]
-        edited = any(len(o) < p.min_tokens for p, o in zip(params, output_ids)) or any(map(is_penalized, params))
+        edited = any(len(o) < p.min_tokens or p.logit_bias for p, o in zip(params, output_ids)) \
+            or any(map(is_penalized, params))
         x = logits.copy() if edited else logits   # the raw logits stay for the logprobs
         self._mask_stop_tokens(x, params, output_ids)
+        flat, bias = logit_bias_entries(params, self.vocab_size)
+        if flat.size:
+            to_device = self.ops.launcher.to_device
+            x.reshape(-1)[to_device(flat)] += to_device(bias)
         self._apply_penalties(x, params, prompt_ids, output_ids)
 
         temperature = np.array([p.temperature for p in params], np.float32)

@@ -110,6 +110,8 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         # Generation ends at max_tokens or when the sequence reaches max_model_len (at least one token);
         # the last sampled token is never fed back, so the cache holds one token less than the final length.
         final_len = min(len(ids) + params.max_tokens, max(self.max_model_len, len(ids) + 1))

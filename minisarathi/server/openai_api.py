@@ -70,7 +70,6 @@ REFUSED = {
     "echo": "echo is not supported (the prompt's own logprobs are not computed)",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported; use n",
-    "logit_bias": "logit_bias is not supported yet",
     "response_format": "response_format other than {\"type\": \"text\"} is not supported",
     "tools": "tools are not supported",
     "tool_choice": "tool_choice is not supported",
@@ -85,7 +84,7 @@ def _is_noop(name: str, value, body: dict) -> bool:
         return value == body.get("n", 1)
     if name == "response_format":
         return value == {"type": "text"}
-    if name in ("logit_bias", "tools"):
+    if name == "tools":
         return value == {} or value == []
     return name == "tool_choice" and value == "none"
 
@@ -178,7 +177,7 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     if _is_int(max_tokens) and max_tokens > limits.max_tokens:
         raise bad(max_tokens_name, f"{max_tokens_name} must be <= {limits.max_tokens}, got {max_tokens}")
     sampling = {name: body[name] for name in ("temperature", "top_p", "seed", "presence_penalty",
-                                              "frequency_penalty", "stop", *_EXTENSIONS)
+                                              "frequency_penalty", "stop", "logit_bias", *_EXTENSIONS)
                 if body.get(name) is not None}
     stop = sampling.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
@@ -187,6 +186,8 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
         params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:
         raise _sampling_error(str(e), max_tokens_name) from None
+    if params.logit_bias and max(params.logit_bias) >= limits.vocab_size:
+        raise bad("logit_bias", f"logit_bias token ids must be in [0, {limits.vocab_size})")
     return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model, priority)
 
 
