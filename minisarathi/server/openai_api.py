@@ -85,7 +85,7 @@ def _is_noop(name: str, value, body: dict) -> bool:
     if name == "response_format":
         return value == {"type": "text"}
     if name == "tools":
-        return value == {} or value == []
+        return value == []
     return name == "tool_choice" and value == "none"
 
 
