@@ -341,11 +341,21 @@ def test_auth_and_the_server_keeps_serving(server):
     wait_until_idle(server)
 
 
-def test_chat_without_a_template_is_a_clear_400():
-    with launch("--http-port", "0", "--num-kv-blocks", "64", "--no-msgpack") as s:
+def test_chat_without_a_template_is_a_clear_400_and_a_full_queue_a_429():
+    with launch("--http-port", "0", "--num-kv-blocks", "64", "--no-msgpack", "--max-queued-requests", "1") as s:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key=API_KEY, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}])
+        long = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=400,
+                                         stream=True, extra_body={"ignore_eos": True})
+        next(iter(long))                           # it holds the one queue place
+        status, headers, error = raw(s, "POST", "/v1/completions", {"prompt": "Zoo", "max_tokens": 2})
+        assert status == 429 and error["error"]["code"] == "overloaded" and "queue is full" in error["error"]["message"]
+        long.close()
+        deadline = time.monotonic() + 30
+        while raw(s, "POST", "/v1/completions", {"prompt": "Zoo", "max_tokens": 2})[0] == 429:
+            assert time.monotonic() < deadline     # the closed stream gave its place back
+            time.sleep(0.05)
         assert client.completions.create(model="stories260K", prompt="Zoo", max_tokens=2).choices[0].text is not None
 
 
