@@ -473,6 +473,9 @@ def test_request_ids_follow_requests_through_both_doors_and_json_logs():
         assert status == 200 and body["id"] == headers["X-Request-Id"] == "web-9"
         status, _, error = raw(s, "POST", "/v1/completions", {"prompt": "Tom"}, headers={"X-Request-Id": "a b"})
         assert status == 400 and error["error"]["param"] == "X-Request-Id"
+        status, headers, error = raw(s, "POST", "/v1/completions", {"prompt": "Tom", "n": 0},
+                                     headers={"X-Request-Id": "bad-n-1"})
+        assert status == 400 and headers["X-Request-Id"] == "bad-n-1"   # errors carry the id too
         time.sleep(0.5)
         lines = [json.loads(line) for line in Path(s.log_path).read_text().splitlines()]   # every line is JSON
     finished = {line["request_id"]: line for line in lines if line["logger"] == "minisarathi.requests"}

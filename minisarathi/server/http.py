@@ -149,7 +149,10 @@ class HttpDoor:
                                   code="invalid_api_key")
             return await handler(request)
         except OpenAIError as e:
-            return _error_response(e)
+            response = _error_response(e)
+            if "request_id" in request:   # the id is known once the handler read it
+                response.headers[REQUEST_ID_HEADER] = request["request_id"]
+            return response
         except web.HTTPRequestEntityTooLarge:
             return _error_response(OpenAIError(413, f"the request body exceeds {self.server.limits.max_message_bytes} "
                                                     "bytes", code="request_too_large"))
@@ -165,11 +168,10 @@ class HttpDoor:
 
     def _request_id(self, request: web.Request, kind: str) -> str:
         given = request.headers.get(REQUEST_ID_HEADER)
-        if given is None:
-            return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        if not valid_request_id(given):
+        if given is not None and not valid_request_id(given):
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be {REQUEST_ID_RULE}", param=REQUEST_ID_HEADER)
-        return given
+        request["request_id"] = given or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        return request["request_id"]
 
     # ------------------------------------------------------------------------------------------ endpoints
 
