@@ -59,6 +59,9 @@ class LLMEngine:
             num_blocks = budget // self.model.kv_cache_bytes_per_block(config.block_size)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_bytes ({budget}) holds no KV block of {config.block_size} tokens")
+            # No more than the running sequences can ever hold: a tiny model's share of a large GPU would
+            # otherwise be millions of blocks, and host bookkeeping (free list, tables) that grows with them.
+            num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
