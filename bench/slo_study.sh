@@ -38,7 +38,7 @@ for step in $STEPS; do
             --tbt-slo-ms "$slo_ms" --chunk-size 8192 --out "$OUT/capacity-${scale}x/sarathi-slo"
       done ;;
     hol)
-      HOL=(--trace-scale 0.0625 --long-fraction 0.05 --long-factor 16 --num-requests 80 --qps 2 --chunk-size 256)
+      HOL=(--trace-scale 0.0625 --long-fraction 0.05 --long-factor 16 --num-requests 100 --qps 1 --chunk-size 256)
       python -m minisarathi bench run "${COMMON[@]}" "${HOL[@]}" --label fcfs --out "$OUT/hol"
       python -m minisarathi bench run "${COMMON[@]}" "${HOL[@]}" --label fair --max-partial-prefills 2 \
           --long-prefill-threshold 256 --out "$OUT/hol" ;;
