@@ -9,13 +9,15 @@
 #   timeline                   the cost model's predictions and the budget over a changing load (the plots of
 #                              docs/scheduling.md)
 #   table                      prints the capacity tables from the capacity step's results
+#   repeat                     3x again for sarathi-64 and sarathi-slo (run-to-run noise), and sarathi-slo
+#                              with a 250 ms target under the 363 ms SLO
 # Usage: bench/slo_study.sh [step ...] (default: all). Run it niced on a shared machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS=1   # see bench/study.sh
 MODEL=${MODEL:-/tmp/minisarathi-study-model}
 OUT=${OUT:-bench/out/slo-study}
-STEPS=${*:-capacity table hol priority timeline}
+STEPS=${*:-capacity table repeat hol priority timeline}
 [ -d "$MODEL" ] || python -m minisarathi bench random-model "$MODEL" --hidden-size 512 --num-layers 4 \
     --num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --max-position-embeddings 2048 --seed 0
 COMMON=(--model "$MODEL" --max-model-len 2048 --lengths trace --workload-seed 0)
@@ -37,6 +39,14 @@ for step in $STEPS; do
         python -m minisarathi bench capacity "${COMMON[@]}" "${CAPACITY[@]}" --slo-tbt "$slo_s" \
             --tbt-slo-ms "$slo_ms" --chunk-size 8192 --out "$OUT/capacity-${scale}x/sarathi-slo"
       done ;;
+    repeat)   # run-to-run noise at 3x, and the SLO-driven mode with a target below the SLO
+      slo_ms=$((3 * DECODE_STEP_MS)); slo_s=$(python -c "print($slo_ms / 1000)")
+      python -m minisarathi bench capacity "${COMMON[@]}" "${CAPACITY[@]}" --slo-tbt "$slo_s" --chunk-size 64 \
+          --out "$OUT/repeat-3x/sarathi-64"
+      python -m minisarathi bench capacity "${COMMON[@]}" "${CAPACITY[@]}" --slo-tbt "$slo_s" \
+          --tbt-slo-ms "$slo_ms" --chunk-size 8192 --out "$OUT/repeat-3x/sarathi-slo"
+      python -m minisarathi bench capacity "${COMMON[@]}" "${CAPACITY[@]}" --slo-tbt "$slo_s" \
+          --tbt-slo-ms 250 --chunk-size 8192 --out "$OUT/repeat-3x/sarathi-slo-250" ;;
     hol)
       HOL=(--trace-scale 0.0625 --long-fraction 0.05 --long-factor 16 --num-requests 100 --qps 1 --chunk-size 256)
       python -m minisarathi bench run "${COMMON[@]}" "${HOL[@]}" --label fcfs --out "$OUT/hol"

@@ -50,16 +50,18 @@ def chunk_attention(start: int, n: int) -> int:
 
 
 def step_shape(scheduled) -> StepShape:
-    """The shape of a step from the scheduler's {sequence: tokens} before the step computes them."""
-    shape = StepShape()
+    """The shape of a step from the scheduler's {sequence: tokens} before the step computes them. It runs every
+    step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence)."""
+    prefill_tokens = decodes = prefill_attention = decode_history = 0
     for seq, n in scheduled.items():
         start = seq.num_computed_tokens
-        if start >= seq.num_prefill_tokens:   # a decode: its one token sees the whole history
-            shape.decode_seqs += 1
-            shape.decode_attention += start + 1
+        if start >= seq.num_prefill_tokens:   # a decode: its one token sees the history and itself
+            decodes += 1
+            decode_history += start
         else:
-            shape.add_prefill(start, n)
-    return shape
+            prefill_tokens += n
+            prefill_attention += n * start + n * (n + 1) // 2
+    return StepShape(prefill_tokens, decodes, prefill_attention, decode_history + decodes)
 
 
 class CostModel:
