@@ -11,9 +11,9 @@
 // loaded once for all of them. Inside the CTA:
 //  - K/V stream through DA_STAGES shared-memory stages of `tile_keys<T>()` keys with cp.async: while
 //    one tile is computed, the next DA_STAGES - 1 are in flight (16-byte copies that bypass L1).
-//  - Thread mapping, the same for copying and computing: a group of `lanes` (a power of two >= the
-//    16-byte chunks per key row, at most 32) threads owns one key per pass, lane l owning chunks l and
-//    l + lanes of the row. A thread therefore reads back only the chunks it copied itself.
+//  - Thread mapping, the same for copying and computing: a group of LANES (a power of two >= the
+//    16-byte chunks per key row, at most 32; a template parameter, so passes and shuffles unroll)
+//    threads owns one key per pass, lane l owning chunks l and l + LANES of the row. A thread therefore reads back only the chunks it copied itself.
 //  - The split's block-table entries are read once into shared memory; a copy finds its block with a
 //    shift and a mask (block sizes are powers of two), no division.
 //  - Q: the thread's chunks of its heads live in registers, pre-scaled. Scores: per-key partial dots,
@@ -47,13 +47,14 @@ __device__ __forceinline__ void unpack_word(unsigned w, float* out, __half) {
     out[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
     out[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
 }
-// Sums each of the G partial dot products over the `lanes` (>= G, checked on the host) lanes of a key and
-// hands each total to store(head, total) once. The sums are transposed on the way (each exchange sends half
-// of the values a lane still holds): G - 1 + log2(lanes / G) shuffles instead of G log2(lanes).
-template <int G, typename Store>
-__device__ __forceinline__ void reduce_over_key_lanes(float (&dot)[G], int lane_chunk, int lanes, Store store) {
+// Sums each of the G partial dot products over the LANES (>= G) lanes of a key and hands each total to
+// store(head, total) once. The sums are transposed on the way (each exchange sends half of the values a
+// lane still holds): G - 1 + log2(LANES / G) shuffles instead of G log2(LANES).
+template <int LANES, int G, typename Store>
+__device__ __forceinline__ void reduce_over_key_lanes(float (&dot)[G], int lane_chunk, Store store) {
+    static_assert(LANES >= G, "one head per group of lanes");
 #pragma unroll
-    for (int n = G / 2, offset = lanes / 2; n >= 1; n /= 2, offset /= 2) {
+    for (int n = G / 2, offset = LANES / 2; n >= 1; n /= 2, offset /= 2) {
         const bool upper = lane_chunk & offset;
 #pragma unroll
         for (int i = 0; i < n; ++i) {
@@ -62,10 +63,11 @@ __device__ __forceinline__ void reduce_over_key_lanes(float (&dot)[G], int lane_
             dot[i] = keep + __shfl_xor_sync(FULL_WARP, send, offset);
         }
     }
-    // Lane l now holds a partial of head l / (lanes / G); the lanes of one head finish the sum.
-    const int lanes_per_head = lanes / G;
-    for (int offset = lanes_per_head / 2; offset > 0; offset /= 2) dot[0] += __shfl_xor_sync(FULL_WARP, dot[0], offset);
-    if (lane_chunk % lanes_per_head == 0) store(lane_chunk / lanes_per_head, dot[0]);
+    // Lane l now holds a partial of head l / (LANES / G); the lanes of one head finish the sum.
+    constexpr int LANES_PER_HEAD = LANES / G;
+#pragma unroll
+    for (int offset = LANES_PER_HEAD / 2; offset > 0; offset /= 2) dot[0] += __shfl_xor_sync(FULL_WARP, dot[0], offset);
+    if (lane_chunk % LANES_PER_HEAD == 0) store(lane_chunk / LANES_PER_HEAD, dot[0]);
 }
 
 template <typename T>
@@ -78,9 +80,12 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
 }
 
 // GROUP_TILE (4 or 8): query heads per CTA, a compile-time bound so that Q and the accumulators stay in
-// registers (8 heads cost about 180 registers, 4 about 110); a larger GQA group takes several CTAs.
-template <typename T, int GROUP_TILE>
-__global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
+// registers (8 heads cost about 180 registers, 4 about 100); a larger GQA group takes several CTAs.
+// LANES (8, 16 or 32): threads per key row, from head_dim and T (decode_plan.key_lanes).
+// Launch bounds: 4 resident CTAs per SM for 4 heads (at most 128 registers); 2 for 8 heads (ptxas would
+// otherwise aim at 3 and spill).
+template <typename T, int GROUP_TILE, int LANES>
+__global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_attention_kernel(
     const T* __restrict__ q,               // [num_tokens, num_q_heads, head_dim], rows q_stride apart
     const T* __restrict__ k_cache,         // [num_blocks, num_kv_heads, block_size, head_dim]
     const T* __restrict__ v_cache,         // same layout
@@ -112,10 +117,9 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
     const int block_size = 1 << log2_block_size;
 
     const int chunks = head_dim / VEC;                  // 16-byte chunks per key row
-    int lanes = 1;
-    while (lanes < chunks && lanes < 32) lanes <<= 1;
-    const int keys_per_pass = DA_THREADS / lanes;
-    const int passes = (TK + keys_per_pass - 1) / keys_per_pass;
+    constexpr int lanes = LANES;                        // chunks <= LANES * CHUNKS_PER_LANE (host-checked)
+    constexpr int keys_per_pass = DA_THREADS / lanes;
+    constexpr int passes = (TK + keys_per_pass - 1) / keys_per_pass;
     const int key_slot = threadIdx.x / lanes, lane_chunk = threadIdx.x % lanes;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -155,6 +159,7 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
         T* k_dst = stages + (t % DA_STAGES) * 2 * TK * head_dim + lane_chunk * VEC;
         T* v_dst = k_dst + TK * head_dim;
         const int first_rel = rel0 + t * TK, valid_keys = key_end - key_begin - t * TK;
+#pragma unroll
         for (int p = 0; p < passes; ++p) {
             const int j = p * keys_per_pass + key_slot;
             if (j >= TK) break;
@@ -199,7 +204,9 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
         const T* v_tile = k_tile + TK * head_dim;
         const int n = min(TK, key_end - key_begin - t * TK);
 
-        // Scores of this thread's keys (every lane runs the shuffles, so no early exit).
+        // Scores of this thread's keys (every lane runs the shuffles, so no early exit). Unrolled for 4 heads;
+        // with 8, unrolling the passes too runs out of registers.
+#pragma unroll(GROUP_TILE == 4 ? passes : 1)
         for (int p = 0; p < passes; ++p) {
             const int j = p * keys_per_pass + key_slot;
             float dot[GROUP_TILE];
@@ -217,7 +224,7 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
                         for (int e = 0; e < VEC; ++e) dot[h] += q_reg[h][cc * VEC + e] * k[e];
                 }
             }
-            reduce_over_key_lanes(dot, lane_chunk, lanes, [&](int h, float total) {
+            reduce_over_key_lanes<LANES>(dot, lane_chunk, [&](int h, float total) {
                 if (h < heads && j < TK) scores[h * TK + j] = j < n ? total : negative_infinity();
             });
         }
@@ -247,6 +254,7 @@ __global__ void __launch_bounds__(DA_THREADS) decode_attention_kernel(
 #pragma unroll
             for (int e = 0; e < DA_LANE_ELEMENTS; ++e) acc[h][e] *= corr;
         }
+#pragma unroll
         for (int p = 0; p < passes; ++p) {
             const int j = p * keys_per_pass + key_slot;
             if (j >= n) break;

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from minisarathi.backends import cuda_ops, decode_plan
-from minisarathi.dtypes import DTYPES
 from minisarathi.paths import cuda_dir
 
 ARCHITECTURES = ["sm_80", "sm_90"]
@@ -100,9 +99,9 @@ def resources(log: str) -> dict[str, tuple[int, int, int]]:
 
 
 def decode_instantiations() -> list[tuple[str, str]]:
-    return [(f"decode_attention_kernel<{cuda_ops.CXX_TYPES[d]}, {g}>",
-             f"_Z23decode_attention_kernelI{MANGLED_TYPES[cuda_ops.CXX_TYPES[d]]}Li{g}E")
-            for d in DTYPES for g in decode_plan.GROUP_TILES[d]]
+    return [(f"decode_attention_kernel<{cuda_ops.CXX_TYPES[d]}, {g}, {lanes}>",
+             f"_Z23decode_attention_kernelI{MANGLED_TYPES[cuda_ops.CXX_TYPES[d]]}Li{g}ELi{lanes}E")
+            for d, g, lanes in decode_plan.INSTANTIATIONS]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -45,8 +45,9 @@ PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sam
 PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
 TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
                                                 for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS]}
-# Kernels with a compile-time tile besides the element type: file -> (kernel, tiles per dtype).
-TILED_KERNELS = {"decode_attention.cu": ("decode_attention_kernel", decode_plan.GROUP_TILES)}
+# Kernels with compile-time tiles besides the element type: file -> instantiations.
+TILED_KERNELS = {"decode_attention.cu": [f"decode_attention_kernel<{CXX_TYPES[d]}, {g}, {lanes}>"
+                                         for d, g, lanes in decode_plan.INSTANTIATIONS]}
 
 # Options for NVRTC at run time; CuPy adds the architecture and its own include path.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -62,14 +63,10 @@ PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per C
 
 
 def name_expressions(file: str) -> list[str]:
-    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `decode_attention_kernel<float, 4>`,
+    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `decode_attention_kernel<float, 4, 16>`,
     `argmax_kernel`."""
     if file in TEMPLATED_KERNELS:
-        tiled = []
-        if file in TILED_KERNELS:
-            kernel, tiles = TILED_KERNELS[file]
-            tiled = [f"{kernel}<{CXX_TYPES[d]}, {g}>" for d in DTYPES for g in tiles[d]]
-        return tiled + [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
+        return TILED_KERNELS.get(file, []) + [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
     if file in TENSOR_CORE_KERNELS:
         return list(TENSOR_CORE_KERNELS[file])
     return list(PLAIN_KERNELS[file])
@@ -376,7 +373,7 @@ class CudaOps:
         partial_sum = xp.empty((slots, Hq), dtype=np.float32)
         self.launches += 1
         kernel = self.launcher.kernel("decode_attention.cu",
-                                      f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}>")
+                                      f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}, {plan.lanes}>")
         self._allow_shared_mem(kernel, plan.shared_mem)
         kernel((len(plan.items), Hk * plan.head_chunks), (decode_plan.THREADS,),
                (q, k_cache, v_cache, self._upload_once(plan.items, lambda: plan.items),

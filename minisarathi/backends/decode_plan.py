@@ -19,6 +19,9 @@ DA = kernel_constants("decode_attention.cu")
 THREADS, STAGES = DA["DA_THREADS"], DA["DA_STAGES"]
 MAX_HEAD_DIM = 32 * DA["DA_LANE_ELEMENTS"]      # 32 lanes own a key row
 GROUP_TILES = {"float32": (4,), "float16": (4, 8), "bfloat16": (4, 8)}   # instantiated query heads per CTA
+LANES = (8, 16, 32)                             # instantiated threads per key row
+# Every instantiation (dtype, query heads per CTA, lanes per key row) of decode_attention_kernel.
+INSTANTIATIONS = [(dtype, tile, lanes) for dtype, tiles in GROUP_TILES.items() for tile in tiles for lanes in LANES]
 
 
 def tile_keys(itemsize: int) -> int:
@@ -39,6 +42,7 @@ class DecodePlan:
     num_slots: int          # partial slots (sum of the splits of the rows that split)
     split_keys: int         # the batch's target split length
     group_tile: int         # query heads per CTA (a kernel instantiation)
+    lanes: int              # threads per key row (a kernel instantiation)
     head_chunks: int        # CTAs per KV head and split: ceil(group / group_tile)
     table_capacity: int     # block-table entries one split spans at most
     shared_mem: int         # dynamic shared memory bytes per CTA
@@ -58,11 +62,13 @@ def key_lanes(head_dim: int, itemsize: int) -> int:
 def supports(dtype: str, itemsize: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
              num_blocks: int) -> bool:
     """Whether decode_attention.cu handles this shape: key rows of whole 16-byte chunks (cp.async), head_dim
-    up to 256, at least as many lanes per key row as query heads per CTA (the score reduction hands one head
-    to each group of lanes), block sizes that are powers of two (found by a shift) and cache rows that a
-    32-bit index reaches. Other shapes use paged_attention.cu."""
+    up to 256, an instantiated number of lanes per key row (8 to 32: bf16 head_dim >= 64, float32 >= 32)
+    and at least as many as query heads per CTA (the score reduction hands one head to each group of lanes),
+    block sizes that are powers of two (found by a shift) and cache rows that a 32-bit index reaches. Other
+    shapes use paged_attention.cu."""
+    lanes = key_lanes(head_dim, itemsize)
     return (head_dim * itemsize % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and key_lanes(head_dim, itemsize) >= group_tile(dtype, num_q_heads // num_kv_heads)
+            and lanes in LANES and lanes >= group_tile(dtype, num_q_heads // num_kv_heads)
             and block_size > 0 and block_size & (block_size - 1) == 0
             and num_blocks * num_kv_heads * block_size < 2 ** 31)
 
@@ -104,5 +110,5 @@ def plan(tokens: np.ndarray, seqs: np.ndarray, context_lens: np.ndarray, num_q_h
     table_capacity = int((((key_end - 1) >> shift) - (key_begin >> shift)).max(initial=0)) + 1
     keys = tile_keys(itemsize)
     shared_mem = STAGES * 2 * keys * head_dim * itemsize + 4 * tile * keys + 2 * 4 * tile + 4 * table_capacity
-    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), split_keys, tile, head_chunks,
-                      table_capacity, shared_mem)
+    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), split_keys, tile,
+                      key_lanes(head_dim, itemsize), head_chunks, table_capacity, shared_mem)
