@@ -46,6 +46,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                    help="prompts with more tokens left are long (default: 4%% of --max-model-len)")
     g.add_argument("--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills,
                    help="long prompts mid-prefill at once (default 1)")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="split the model over this many rank processes (needs pip install 'minisarathi[mpi]')")
+    g.add_argument("--rank-timeout-s", type=float, default=d.rank_timeout_s,
+                   help=f"with --tensor-parallel-size: a step the ranks do not finish in this long stops them "
+                        f"(default {d.rank_timeout_s:g})")
     g.add_argument("--priority-aging-s", type=float, default=d.priority_aging_s,
                    help=f"a request of priority p is queued as if it arrived p x this many seconds later "
                         f"(default {d.priority_aging_s:g})")

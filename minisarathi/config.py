@@ -44,6 +44,10 @@ class EngineConfig:
                                                   # max_model_len (vLLM's long_prefill_token_threshold)
     max_long_partial_prefills: int | None = None  # at most this many of them long; None: 1 (vLLM's default)
     priority_aging_s: float = 10.0   # a request of priority p is ordered as if it arrived p x this many s later
+    # Megatron-style tensor parallelism over this many rank processes (minisarathi/parallel/; needs MPI:
+    # pip install 'minisarathi[mpi]'); the ranks must answer each step within rank_timeout_s or are stopped
+    tensor_parallel_size: int = 1
+    rank_timeout_s: float = 120.0
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -58,7 +62,8 @@ class EngineConfig:
             if getattr(self, name) is not None or name not in optional:
                 check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0)
-        for name in ("tbt_slo_ms", "priority_aging_s"):
+        check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        for name in ("tbt_slo_ms", "priority_aging_s", "rank_timeout_s"):
             value = getattr(self, name)
             if value is not None and not check_float(name, value) > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")

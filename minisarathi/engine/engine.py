@@ -17,6 +17,7 @@ from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minisarathi.parallel.group import TensorParallelModel
 from minisarathi.paths import default_model_dir
 from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
@@ -28,13 +29,21 @@ CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend repor
 GPU_KV_CACHE_FRACTION = 0.9      # of the device memory free after the weights: the rest is for activations
 
 
-def kv_cache_budget(config: EngineConfig, ops) -> int:
-    """config.kv_cache_bytes, else a share of the device memory the backend reports free (called after the
-    weights are placed), else (host memory: the backend reports none) CPU_KV_CACHE_BYTES."""
+def kv_cache_budget(config: EngineConfig, model) -> int:
+    """config.kv_cache_bytes, else a share of the device memory the model reports free (called after the
+    weights are placed), else (host memory: it reports none) CPU_KV_CACHE_BYTES. Per rank under tensor
+    parallelism, as each rank holds its own KV heads' cache."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
-    free = ops.free_memory_bytes()
+    free = model.free_memory_bytes()
     return CPU_KV_CACHE_BYTES if free is None else int(GPU_KV_CACHE_FRACTION * free)
+
+
+def load_engine_model(path: Path, config: EngineConfig):
+    """A LlamaModel in this process, or with tensor_parallel_size > 1 a TensorParallelModel (its ranks)."""
+    if config.tensor_parallel_size == 1:
+        return load_model(path, device=config.device, dtype=config.dtype)
+    return TensorParallelModel(path, config.device, config.dtype, config.tensor_parallel_size, config.rank_timeout_s)
 
 
 class LLMEngine:
@@ -46,7 +55,7 @@ class LLMEngine:
         path = Path(model) if model is not None else default_model_dir()
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.model = load_model(path, device=config.device, dtype=config.dtype)
+        self.model = load_engine_model(path, config)
         self.model_config = self.model.config
         max_positions = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_positions:
@@ -55,7 +64,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or max_positions
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            budget = kv_cache_budget(config, self.model.ops)
+            budget = kv_cache_budget(config, self.model)
             num_blocks = budget // self.model.kv_cache_bytes_per_block(config.block_size)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_bytes ({budget}) holds no KV block of {config.block_size} tokens")
@@ -359,6 +368,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "tokens_generated": self.num_generated_tokens,
             "steps": len(self.step_records),
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "ranks": self.model.rank_info(),    # one process per rank: rank, pid, host, device
             "cost_model": self.cost_model.summary(),    # coefficients (s per unit), fits, predicted/actual histogram
             "tbt_slo": None if self.scheduler.slo is None else self.scheduler.slo.summary(),
         }

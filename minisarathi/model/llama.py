@@ -6,6 +6,8 @@ the rows that are sampled.
 """
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
 from minisarathi.model.loader import load_weights
+from minisarathi.parallel.communicator import Communicator
 from minisarathi.validation import check_int
 
 
@@ -32,11 +35,15 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend):
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend,
+                 comm: Communicator | None = None):
         """weights as load_weights returns them (checkpoint tensors, which ops.weight places in the backend's
-        dtype) or float32 arrays; ops the backend that places them and runs the forward pass."""
+        dtype) or float32 arrays; ops the backend that places them and runs the forward pass.
+        comm: one rank of a tensor-parallel group, which runs `config` and `weights` as sharded by
+        minisarathi/parallel/sharding.py and sums o_proj's and down_proj's partial outputs over the ranks."""
         self.config = config
         self.ops = ops
+        self.comm = comm
         self.embed_tokens = ops.weight(weights["embed_tokens"])
         self.norm = ops.weight(weights["norm"])
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
@@ -60,6 +67,14 @@ class LlamaModel:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
+
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free now (None: host memory), which sizes the KV cache."""
+        return self.ops.free_memory_bytes()
+
+    def rank_info(self) -> list[dict]:
+        """The processes that run the model (tensor parallelism has one per rank)."""
+        return [{"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "device": self.ops.device}]
 
     def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         """The backend's sampler for forward(..., device_logits=True)'s logits."""
@@ -86,8 +101,12 @@ class LlamaModel:
             ops.rope_store_kv(q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin)
             attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
             hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
+            if self.comm is not None:
+                hidden = self.comm.all_reduce(hidden)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, c.rms_norm_eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            if self.comm is not None:
+                hidden = self.comm.all_reduce(hidden)
         # Only the sampled rows go through the final norm and the (large) vocabulary projection.
         rows = batch.logits_indices
         x, _ = ops.add_rms_norm(hidden[rows], residual[rows], self.norm, c.rms_norm_eps)

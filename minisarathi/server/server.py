@@ -496,6 +496,7 @@ class Server:
                 "scheduler": config.scheduler, "chunk_size": config.chunk_size, "block_size": config.block_size,
                 "max_num_seqs": config.max_num_seqs, "device": config.device,
                 "enable_prefix_caching": config.enable_prefix_caching,
+                "tensor_parallel_size": config.tensor_parallel_size,
                 "max_prompt_tokens": min(self.limits.max_prompt_tokens, self.engine.max_model_len),
                 "max_tokens": self.limits.max_tokens}
 

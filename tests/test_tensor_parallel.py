@@ -1,0 +1,152 @@
+"""Tensor parallelism over MPI on the CPU: the sharded model equals the whole one (greedy tokens identical,
+logits within 1e-5 relative) for the bundled model and every golden model whose head counts allow the split;
+a rank that dies or hangs fails the step with a clear error instead of hanging; wrong sizes and a missing MPI
+are refused with errors that name the rule and the install command."""
+import os
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minisarathi.llm import LLM
+from minisarathi.model.llama import load_model
+from minisarathi.paths import default_model_dir
+from minisarathi.sampling_params import SamplingParams
+from test_model import GOLDEN, prefill_then_greedy, relative_error
+
+pytest.importorskip("mpi4py", reason="tensor parallelism needs MPI: pip install 'minisarathi[mpi]'")
+from minisarathi.parallel.group import MPI_INSTALL, TensorParallelError, TensorParallelModel  # noqa: E402
+
+CASES = [("stories260K", 2), ("stories260K", 4), ("mistral_mha", 2), ("mistral_mha", 4), ("llama_gqa_bf16", 2),
+         ("llama_linear_rope_bias", 2), ("qwen2_tied", 2)]
+
+
+def model_dir(name: str):
+    return default_model_dir() if name == "stories260K" else GOLDEN / name
+
+
+@pytest.mark.parametrize("name, size", CASES, ids=[f"{n}-tp{s}" for n, s in CASES])
+def test_tensor_parallel_equals_one_process(name, size):
+    prompt = np.random.default_rng(size).integers(3, 128, 21).tolist()
+    want_logits, want_tokens = prefill_then_greedy(load_model(model_dir(name)), prompt, 12, chunk_size=8)
+    model = TensorParallelModel(model_dir(name), "cpu", "auto", size, rank_timeout_s=120)
+    try:
+        logits, tokens = prefill_then_greedy(model, prompt, 12, chunk_size=8)
+        assert [r["rank"] for r in model.rank_info()] == list(range(size))
+        assert len({r["pid"] for r in model.rank_info()}) == size
+    finally:
+        model.close()
+    assert relative_error(logits, want_logits) <= 1e-5
+    assert tokens == want_tokens
+
+
+def test_engine_with_tensor_parallel_matches_greedy_with_mixed_batches_and_reports_ranks():
+    prompts = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park.", "The cat"]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i) for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in LLM(chunk_size=16).generate(prompts, params)]
+    llm = LLM(tensor_parallel_size=2, chunk_size=16)   # prefills in chunks beside decodes: hybrid batches
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.model.close()
+    assert got == want
+    assert stats["tensor_parallel_size"] == 2 and [r["rank"] for r in stats["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize("name, size, named", [
+    ("llama3_rope_fp16", 2, "num_key_value_heads (1)"),
+    ("stories260K", 3, "num_key_value_heads (4)"),
+    ("stories260K", 8, "num_key_value_heads (4)"),
+])
+def test_sizes_that_do_not_divide_the_heads_are_refused(name, size, named):
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size \({size}\) must divide .*{re.escape(named)}"):
+        TensorParallelModel(model_dir(name), "cpu", "auto", size, rank_timeout_s=10)
+
+
+def test_without_mpi_the_error_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)    # import mpi4py now raises ImportError
+    with pytest.raises(ValueError, match=r"pip install 'minisarathi\[mpi\]'") as info:
+        LLM(tensor_parallel_size=2)
+    assert MPI_INSTALL in str(info.value)
+
+
+def _decode_once(model):
+    return prefill_then_greedy(model, [1, 403, 407], 2)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:   # a zombie: dead, not yet reaped by its parent
+        return stat.read().split(") ")[1].startswith("Z")
+
+
+def _all_gone(model, timeout: float = 10.0) -> bool:
+    """Every rank process has ended (SIGKILL takes effect asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not all(_gone(r["pid"]) for r in model.rank_info()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_killed_rank_fails_the_step_with_a_clear_error_and_no_hang():
+    model = TensorParallelModel(default_model_dir(), "cpu", "auto", 2, rank_timeout_s=60)
+    try:
+        _decode_once(model)
+        victim = model.rank_info()[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel group of 2 ranks failed") as info:
+            _decode_once(model)
+        assert time.monotonic() - started < 30          # the group's exit, not the 60 s rank timeout
+        assert "exited" in str(info.value) or "closed" in str(info.value)
+        with pytest.raises(TensorParallelError):       # stays failed, at once
+            _decode_once(model)
+        assert _all_gone(model)
+    finally:
+        model.close()
+
+
+def test_a_hung_rank_is_caught_by_the_rank_timeout():
+    model = TensorParallelModel(default_model_dir(), "cpu", "auto", 2, rank_timeout_s=2)
+    try:
+        _decode_once(model)
+        victim = model.rank_info()[1]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"no answer to forward within rank_timeout_s \(2s\): a rank hangs"):
+            _decode_once(model)
+        assert time.monotonic() - started < 15
+        assert _all_gone(model)
+    finally:
+        model.close()
+
+
+def test_server_with_tensor_parallel_reports_ranks_and_a_dead_rank_fails_requests_not_the_server():
+    from minisarathi.client import Client, RPCError
+    from minisarathi.server.protocol import INTERNAL
+    from test_server import launch_server, offline_greedy
+    want = offline_greedy(["Once upon a time"], [10])[0].token_ids
+    with launch_server("--tensor-parallel-size", "2", "--rank-timeout-s", "30") as server:
+        with Client("127.0.0.1", server.port) as client:
+            assert client.model_info()["tensor_parallel_size"] == 2
+            ranks = client.stats()["ranks"]
+            assert [r["rank"] for r in ranks] == [0, 1]
+            assert client.generate("Once upon a time", max_tokens=10, temperature=0).token_ids == want
+            os.kill(ranks[1]["pid"], signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(RPCError) as info:
+                client.generate("Once upon a time", max_tokens=10, temperature=0)
+            assert info.value.code == INTERNAL and "tensor-parallel group of 2 ranks failed" in info.value.message
+            assert time.monotonic() - started < 30
+            assert client.health()["status"] == "ok"    # the server answers; every generate now fails fast
+            with pytest.raises(RPCError, match="tensor-parallel"):
+                client.generate("Tom", max_tokens=2)
