@@ -46,10 +46,11 @@ def test_tensor_parallel_equals_one_process(name, size):
 def test_engine_with_tensor_parallel_matches_greedy_with_mixed_batches_and_reports_ranks():
     prompts = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park.", "The cat"]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i) for i in range(len(prompts))]
-    want = [o.outputs[0].token_ids for o in LLM(chunk_size=16).generate(prompts, params)]
+    params[1] = SamplingParams(temperature=0, max_tokens=9, n=2)   # forks: copy-on-write of a shared block
+    want = [[c.token_ids for c in o.outputs] for o in LLM(chunk_size=16).generate(prompts, params)]
     llm = LLM(tensor_parallel_size=2, chunk_size=16)   # prefills in chunks beside decodes: hybrid batches
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
         stats = llm.engine.stats()
     finally:
         llm.engine.model.close()
@@ -116,9 +117,10 @@ def test_a_killed_rank_fails_the_step_with_a_clear_error_and_no_hang():
 
 
 def test_a_hung_rank_is_caught_by_the_rank_timeout():
-    model = TensorParallelModel(default_model_dir(), "cpu", "auto", 2, rank_timeout_s=2)
+    model = TensorParallelModel(default_model_dir(), "cpu", "auto", 2, rank_timeout_s=60)
     try:
         _decode_once(model)
+        model.rank_timeout_s = 2     # short only now: on a loaded machine the first steps may take longer
         victim = model.rank_info()[1]["pid"]
         os.kill(victim, signal.SIGSTOP)
         started = time.monotonic()
@@ -147,6 +149,7 @@ def test_server_with_tensor_parallel_reports_ranks_and_a_dead_rank_fails_request
                 client.generate("Once upon a time", max_tokens=10, temperature=0)
             assert info.value.code == INTERNAL and "tensor-parallel group of 2 ranks failed" in info.value.message
             assert time.monotonic() - started < 30
-            assert client.health()["status"] == "ok"    # the server answers; every generate now fails fast
-            with pytest.raises(RPCError, match="tensor-parallel"):
+            health = client.health()                    # the server answers, and says it cannot serve
+            assert health["status"] == "failed" and "tensor-parallel" in health["error"]
+            with pytest.raises(RPCError, match="tensor-parallel"):   # every generate now fails fast, the same way
                 client.generate("Tom", max_tokens=2)

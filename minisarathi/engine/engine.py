@@ -17,7 +17,7 @@ from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minisarathi.parallel.group import TensorParallelModel
+from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir
 from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
@@ -83,6 +83,7 @@ class LLMEngine:
                 self.model, self.kv_cache, self.sampler, config.block_size, num_blocks, config.chunk_size,
                 self.max_model_len, config.max_num_seqs))
         self.requests: dict[str, Sequence] = {}     # unfinished requests by id
+        self.model_failure: TensorParallelError | None = None   # set once the model's ranks died or hung
         self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
         self._arrivals = itertools.count()
@@ -169,6 +170,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns a RequestOutput for every request that got a token (stream=False ones: only
         when they finish), and for every request aborted since the last step."""
+        if self.model_failure is not None:
+            raise self.model_failure
         start = time.monotonic()
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
@@ -182,11 +185,15 @@ class LLMEngine:
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
         copies = self.block_manager.take_copies()
-        if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
-            self.model.ops.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
 
         scheduled = time.monotonic()
-        logits = self.model.forward(batch, self.kv_cache, device_logits=True)
+        try:
+            if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
+                self.model.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
+            logits = self.model.forward(batch, self.kv_cache, device_logits=True)
+        except TensorParallelError as e:   # the ranks are gone for good: fail every later step the same way
+            self.model_failure = e
+            raise
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
         sampled = self.sampler.sample(logits, [s.params for s in samplers], [s.generator for s in samplers],

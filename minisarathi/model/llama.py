@@ -68,6 +68,10 @@ class LlamaModel:
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
 
+    def copy_blocks(self, kv_cache: list[tuple[Any, Any]], sources: list[int], destinations: list[int]) -> None:
+        """KV block sources[i] onto destinations[i] in every layer (the backend's copy_blocks)."""
+        self.ops.copy_blocks(kv_cache, sources, destinations)
+
     def free_memory_bytes(self) -> int | None:
         """Device memory free now (None: host memory), which sizes the KV cache."""
         return self.ops.free_memory_bytes()

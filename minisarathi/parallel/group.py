@@ -99,6 +99,10 @@ class TensorParallelModel:
         self._call(("kv_cache", num_blocks, block_size))
         return []
 
+    def copy_blocks(self, kv_cache: list, sources: list[int], destinations: list[int]) -> None:
+        """Each rank copies the blocks in its own cache."""
+        self._call(("copy_blocks", sources, destinations))
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Per rank: each holds num_key_value_heads / size heads (the budget is per rank, as on one device)."""
         c = self._rank_config

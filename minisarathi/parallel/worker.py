@@ -67,6 +67,9 @@ def serve(comm, model_dir: str, device: str, dtype: str, address: str) -> None:
         if command[0] == "kv_cache":
             kv_cache = model.new_kv_cache(*command[1:])
             reply = ("ok",)
+        elif command[0] == "copy_blocks":
+            model.copy_blocks(kv_cache, *command[1:])
+            reply = ("ok",)
         else:   # ("forward", batch)
             logits = model.forward(command[1], kv_cache)
             reply = ("logits", logits)
