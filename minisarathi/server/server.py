@@ -296,6 +296,9 @@ class Server:
         conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None,
                            peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix")
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        if self._shutting_down:   # accepted just before the listener closed: the client will go elsewhere
+            conn.close()
+            return
         if len(self._connections) >= self.limits.max_connections:
             log.warning("conn=%d refused: %d connections are open", conn.id, len(self._connections))
             conn.protocol_error(None, RPCError(OVERLOADED, f"more than {self.limits.max_connections} connections"))
@@ -413,6 +416,9 @@ class Server:
 
     def _generate(self, conn: _Connection, msgid: int, params: list):
         if self._shutting_down:
+            if not conn.inflight:   # not taken: the closed connection tells the client to try elsewhere
+                conn.close(flush=True)
+                return None
             raise RPCError(OVERLOADED, "server is shutting down")
         request = parse_generate(params, self.limits)
         if msgid in conn.inflight:
@@ -501,6 +507,11 @@ class Server:
                 "max_tokens": self.limits.max_tokens}
 
     def _health(self, conn, msgid, params) -> dict:
+        """"failed" (with the error) once the model cannot run any more (its tensor-parallel ranks died), so a
+        load balancer's check takes the replica out."""
+        if self.engine.model_failure is not None:
+            return {"status": "failed", "error": str(self.engine.model_failure),
+                    "uptime_s": time.monotonic() - self._started}
         return {"status": "shutting_down" if self._shutting_down else "ok",
                 "uptime_s": time.monotonic() - self._started}
 
@@ -630,8 +641,8 @@ class Server:
 
     @property
     def accepting(self) -> bool:
-        """False once shutdown began (the HTTP door's /ready)."""
-        return not self._shutting_down
+        """False once shutdown began or the model failed (the HTTP door's /ready)."""
+        return not self._shutting_down and self.engine.model_failure is None
 
     def check_api_key(self, key: str | None) -> bool:
         return self._api_key is None or (key is not None and hmac.compare_digest(key.encode(), self._api_key.encode()))
