@@ -23,6 +23,8 @@ def _connect_fails(port: int) -> bool:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:   # accepted in the instant before the close, then dropped: not refused yet
+        return False
     return False
 
 
