@@ -153,3 +153,13 @@ def test_server_with_tensor_parallel_reports_ranks_and_a_dead_rank_fails_request
             assert health["status"] == "failed" and "tensor-parallel" in health["error"]
             with pytest.raises(RPCError, match="tensor-parallel"):   # every generate now fails fast, the same way
                 client.generate("Tom", max_tokens=2)
+
+
+def test_the_nccl_communicator_imports_and_without_nccl_names_the_install():
+    """The GPU path is not yet run on GPUs (docs/deploy.md); here it must at least import and refuse clearly."""
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="CuPy is not installed")
+    from minisarathi.parallel.communicator import NcclCommunicator
+    if nccl.available:
+        pytest.skip("NCCL is installed: a communicator needs more than one GPU, run by hand (docs/deploy.md)")
+    with pytest.raises(RuntimeError, match="needs NCCL: pip install 'nvidia-nccl-cu13'"):
+        NcclCommunicator(comm=None)

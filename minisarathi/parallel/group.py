@@ -161,7 +161,10 @@ class TensorParallelModel:
         try:
             return pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
-            self._proc.wait(timeout=30)   # the socket closed: the group is ending
+            try:
+                self._proc.wait(timeout=10)   # the socket closed: the group is ending; its status says how
+            except subprocess.TimeoutExpired:
+                pass
             self._check_alive(deadline, doing)
             raise self._fail("rank 0 closed its connection")
 
