@@ -1,0 +1,307 @@
+"""Replicas behind a real load balancer, on one machine: the recipes of deploy/ run by nginx or HAProxy in
+front of `minisarathi serve` processes, for tests/test_deploy.py and bench/deploy.py.
+
+A recipe is used as written, with its example addresses (127.0.0.1:7000-7002 msgpack, 8000-8002 HTTP)
+replaced by free ports, and its affinity line optionally removed (round robin).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minisarathi.bench.multiturn import served_model
+from minisarathi.client import Client
+
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
+# the affinity line of each recipe, deleted for round robin
+AFFINITY = {"nginx-msgpack.conf": "hash $remote_addr consistent;", "nginx-http.conf": "hash $http_x_session_id consistent;",
+            "haproxy-msgpack.cfg": "balance source", "haproxy-http.cfg": "balance hdr(X-Session-Id)"}
+ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
+EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
+FAIL_TIMEOUT_S = 2.0   # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
+STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")   # Debian's libnginx-mod-stream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_balancer(kind: str) -> str | None:
+    """The nginx or haproxy executable (Debian installs them in /usr/sbin, often not on a user's PATH), or
+    None; nginx counts only with its stream module (Debian: libnginx-mod-stream)."""
+    path = shutil.which(kind) or shutil.which(kind, path="/usr/sbin:/usr/local/sbin")
+    if path is None or kind == "haproxy":
+        return path
+    configure = subprocess.run([path, "-V"], capture_output=True, text=True).stderr
+    if "--with-stream=dynamic" in configure:
+        return path if STREAM_MODULE.is_file() else None
+    return path if "--with-stream" in configure else None
+
+
+def nginx_has_stream_built_in(executable: str) -> bool:
+    configure = subprocess.run([executable, "-V"], capture_output=True, text=True).stderr
+    return "--with-stream" in configure and "--with-stream=dynamic" not in configure
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the process serving port {port} exited with status {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f}s")
+            time.sleep(0.05)
+
+
+@dataclass
+class Replica:
+    """`minisarathi serve` with both doors on fixed ports, so that a restart comes back where the balancer looks."""
+    msgpack_port: int
+    http_port: int
+    log_dir: Path
+    extra_args: tuple[str, ...] = ()   # `serve` flags (a model folder first, if any)
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    listening_since: float = 0.0   # time.monotonic() when both doors listened after the last start
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.starts += 1
+        repo = Path(__file__).resolve().parents[2]
+        log = open(self.log_dir / f"replica-{self.msgpack_port}-{self.starts}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minisarathi", "serve", *self.extra_args, "--port", str(self.msgpack_port),
+             "--http-port", str(self.http_port), "--enable-prefix-caching", "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL, stderr=log, cwd=repo,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
+        log.close()
+        wait_for_port(self.msgpack_port, timeout, self.proc)
+        wait_for_port(self.http_port, timeout, self.proc)
+        self.listening_since = time.monotonic()
+
+    def wait_until_served(self, timeout: float = 60.0) -> None:
+        """Until every balancer can send it requests again: its engine has generated tokens since its last
+        start (one balancer took it back), and FAIL_TIMEOUT_S has passed since it listened (nginx retries a
+        replica it marked down only after fail_timeout, each nginx on its own; HAProxy needs `rise` checks)."""
+        deadline = time.monotonic() + timeout
+        with Client("127.0.0.1", self.msgpack_port) as client:
+            while client.stats()["tokens_generated"] == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the replica on port {self.msgpack_port} got no request in {timeout:.0f}s")
+                time.sleep(0.1)
+        time.sleep(max(0.0, self.listening_since + FAIL_TIMEOUT_S + 0.5 - time.monotonic()))
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (drain), then the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Balancer:
+    """One recipe of deploy/ run in the foreground by nginx or HAProxy."""
+    recipe: str                    # a file name in deploy/
+    door: str                      # "msgpack" or "http"
+    ports: tuple[int, int, int]    # listen, replica 1, replica 2
+    work_dir: Path
+    affinity: bool = True
+    proc: subprocess.Popen | None = None
+    config_path: Path = field(init=False)
+
+    @property
+    def kind(self) -> str:
+        return "nginx" if self.recipe.startswith("nginx") else "haproxy"
+
+    def render(self, executable: str) -> str:
+        text = (DEPLOY_DIR / self.recipe).read_text()
+        if self.kind == "nginx" and nginx_has_stream_built_in(executable):
+            text = text.replace(f"load_module {STREAM_MODULE};", "")   # as the recipe's comment says
+        for example, port in zip(EXAMPLE_PORTS[self.door], self.ports):
+            text = text.replace(f"127.0.0.1:{example}", f"127.0.0.1:{port}")
+        if not self.affinity:
+            text = text.replace(AFFINITY[self.recipe], ROUND_ROBIN[self.kind])
+            if self.kind == "haproxy":
+                text = re.sub(r"\n\s*hash-type consistent", "", text)
+        return text
+
+    def start(self, executable: str, timeout: float = 30.0) -> None:
+        prefix = self.work_dir / f"{self.recipe}.d"
+        (prefix / "tmp").mkdir(parents=True, exist_ok=True)
+        self.config_path = prefix / self.recipe
+        self.config_path.write_text(self.render(executable))
+        if self.kind == "nginx":
+            command = [executable, "-p", str(prefix), "-c", str(self.config_path), "-e", "stderr",
+                       "-g", "daemon off;"]
+        else:
+            command = [executable, "-db", "-f", str(self.config_path)]
+        log = open(prefix / "balancer.log", "w")
+        # its own process group: nginx's workers outlive a killed master, and kill() ends them all
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=prefix,
+                                     start_new_session=True)
+        log.close()
+        try:
+            wait_for_port(self.ports[0], timeout, self.proc)
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{self.kind} did not start with {self.recipe}: {e}\n{self.log()}") from None
+
+    def log(self) -> str:
+        return (self.work_dir / f"{self.recipe}.d" / "balancer.log").read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL to the balancer's every process (a crash, not a graceful stop)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+class Cluster:
+    """Two replicas with both doors, and a balancer per door (nginx or HAProxy) in front of them."""
+
+    def __init__(self, kind: str, affinity: bool = True, extra_args: tuple[str, ...] = ()):
+        """Two replicas, as the recipes name (add `server` lines to them for more)."""
+        self.kind = kind
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"minisarathi-{kind}-"))
+        self.replicas = [Replica(free_port(), free_port(), self.work_dir, extra_args) for _ in range(2)]
+        suffix = "conf" if kind == "nginx" else "cfg"
+        self.balancers = {door: Balancer(f"{kind}-{door}.{suffix}", door,
+                                         (free_port(), *(getattr(r, f"{door}_port") for r in self.replicas)),
+                                         self.work_dir, affinity)
+                          for door in ("msgpack", "http")}
+
+    @property
+    def msgpack_port(self) -> int:
+        return self.balancers["msgpack"].ports[0]
+
+    @property
+    def http_port(self) -> int:
+        return self.balancers["http"].ports[0]
+
+    def start(self, executable: str) -> None:
+        for replica in self.replicas:
+            replica.start()
+        for balancer in self.balancers.values():
+            balancer.start(executable)
+
+    def close(self) -> None:
+        for balancer in self.balancers.values():
+            balancer.kill()
+        for replica in self.replicas:
+            if replica.proc is not None and replica.proc.poll() is None:
+                try:
+                    replica.stop(timeout=30)
+                except subprocess.TimeoutExpired:
+                    replica.kill()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+class ContinuousLoad:
+    """Clients that send requests through a Cluster's balancers until stopped, and check every answer against
+    the expected greedy outputs (`expected`: one CompletionOutput per PROMPTS entry, from offline decoding).
+
+    msgpack: four clients, two keeping one connection for all their requests (a draining replica closes it
+    between two) and two opening one per request, streams and plain calls alternating, each from its own
+    address (the address hash spreads them over the replicas). http: two clients, a new session key each
+    request."""
+
+    PROMPTS = ("Once upon a time", "Tom had a red", "Lily and Tom went to the park.", "The cat")
+    MAX_TOKENS = 12
+
+    def __init__(self, cluster: Cluster, expected: list):
+        self.cluster = cluster
+        self.expected = {p: out.token_ids for p, out in zip(self.PROMPTS, expected)}
+        self.expected_text = {p: out.text for p, out in zip(self.PROMPTS, expected)}
+        self.stop = threading.Event()
+        self.done = {"msgpack": 0, "http": 0}
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._msgpack, args=(i, i % 2 == 0)) for i in range(4)]
+        self._threads += [threading.Thread(target=self._http, args=(i,)) for i in range(2)]
+
+    def __enter__(self):
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def _record(self, door: str, failure: str | None):
+        with self._lock:
+            if failure is None:
+                self.done[door] += 1
+            else:
+                self.failures.append(f"{door}: {failure}")
+
+    def _msgpack(self, i: int, persistent: bool):
+        address = ("127.0.0.1", self.cluster.msgpack_port)
+        source = (f"127.0.0.{20 + i}", 0)
+        client = Client(*address, source_address=source, retries=5) if persistent else None
+        n = 0
+        while not self.stop.is_set():
+            prompt = self.PROMPTS[n % len(self.PROMPTS)]
+            n += 1
+            try:
+                c = client or Client(*address, source_address=source, retries=5)
+                if n % 2:
+                    stream = c.generate_stream(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
+                    list(stream)
+                    result = stream.result
+                else:
+                    result = c.generate(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
+                if client is None:
+                    c.close()
+                ok = result.token_ids == self.expected[prompt]
+                self._record("msgpack", None if ok else f"{prompt!r} gave {result.token_ids}")
+            except Exception as e:   # counted: a failed request is what the run measures
+                self._record("msgpack", f"{type(e).__name__}: {e}")
+        if client is not None:
+            client.close()
+
+    def _http(self, i: int):
+        model = served_model("127.0.0.1", self.cluster.http_port)
+        n = 0
+        while not self.stop.is_set():
+            prompt = self.PROMPTS[n % len(self.PROMPTS)]
+            n += 1
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.cluster.http_port, timeout=120)
+                conn.request("POST", "/v1/completions", json.dumps(
+                    {"model": model, "prompt": prompt, "max_tokens": self.MAX_TOKENS, "temperature": 0}),
+                    {"Content-Type": "application/json", "X-Session-Id": f"load-{i}-{n}"})
+                response = conn.getresponse()
+                body = response.read()
+                conn.close()
+                if response.status != 200:
+                    self._record("http", f"HTTP {response.status}: {body[:200]!r}")
+                    continue
+                text = json.loads(body)["choices"][0]["text"]
+                self._record("http", None if text == self.expected_text[prompt] else f"{prompt!r} gave {text!r}")
+            except Exception as e:   # counted, as above
+                self._record("http", f"{type(e).__name__}: {e}")

@@ -1,0 +1,91 @@
+"""The recipes of deploy/ with a real nginx and HAProxy in front of two replicas (both doors):
+
+- a rolling restart under continuous load (each replica SIGTERMed and started again in turn) loses no request
+  and changes no answer, on the msgpack door (the client reconnects) and the HTTP door (the balancer retries);
+- session affinity raises the prefix-cache hit rate of a multi-turn workload over round robin;
+- a balancer that dies gives its clients a clear error at once, never a hang.
+
+The balancers come from the distribution (Debian: apt-get install nginx libnginx-mod-stream haproxy); without
+them these tests skip and say so.
+"""
+import time
+
+import pytest
+
+from minisarathi.bench.cluster import Cluster, ContinuousLoad, find_balancer
+from minisarathi.bench.multiturn import MultiTurnConfig, run_multiturn, summarize_turns
+from minisarathi.client import Client
+from test_server import offline_greedy
+
+pytest.importorskip("aiohttp", reason="the replicas' HTTP door needs aiohttp (pip install 'minisarathi[http]')")
+
+
+def balancer(kind: str) -> str:
+    path = find_balancer(kind)
+    if path is None:
+        pytest.skip(f"{kind} is not installed (Debian: apt-get install "
+                    f"{'nginx libnginx-mod-stream' if kind == 'nginx' else 'haproxy'})")
+    return path
+
+
+@pytest.fixture(params=["nginx", "haproxy"])
+def cluster(request):
+    executable = balancer(request.param)
+    cluster = Cluster(request.param, extra_args=("--shutdown-grace", "30"))
+    try:
+        cluster.start(executable)
+        cluster.executable = executable
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_rolling_restart_under_load_loses_no_request(cluster):
+    with ContinuousLoad(cluster, offline_greedy(ContinuousLoad.PROMPTS, [ContinuousLoad.MAX_TOKENS] * 4)) as load:
+        for replica in cluster.replicas:
+            replica.wait_until_served()                 # both take a share of the load
+        for replica in cluster.replicas:
+            before = dict(load.done)
+            assert replica.stop() == 0                  # drained: exit status 0
+            replica.start()
+            replica.wait_until_served()                 # back in the balancer's rotation before the next goes
+            assert load.done["msgpack"] > before["msgpack"] and load.done["http"] > before["http"], load.done
+    if load.failures:   # the balancers' own account, shown with the failure
+        print(*(f"--- {d}\n{b.log()[-4000:]}" for d, b in cluster.balancers.items()), sep="\n")
+    assert load.failures == [], load.failures[:3]
+    assert min(load.done.values()) >= 10, load.done
+
+
+def test_session_affinity_raises_the_prefix_cache_hit_rate(cluster):
+    """The same replicas, the balancer restarted with the affinity line removed; each run's sessions are new
+    text, so the first run's cache does not help the second."""
+    # An odd number of sessions: with an even one, round robin over two replicas can hand each session's
+    # turns to the same replica by accident when the sessions advance in step.
+    config = MultiTurnConfig(num_sessions=5, num_turns=3, first_message_words=40, message_words=8, answer_tokens=8)
+    rates = {}
+    for affinity in (True, False):
+        for door in ("msgpack", "http"):
+            balancer = cluster.balancers[door]
+            balancer.kill()
+            balancer.affinity = affinity
+            balancer.start(cluster.executable)
+            config.seed += 1
+            summary = summarize_turns(run_multiturn(config, door, balancer.ports[0]))
+            assert summary["failed"] == 0, summary
+            rates[door, affinity] = summary["hit_rate_later_turns"]
+    for door in ("msgpack", "http"):
+        assert rates[door, True] > 0.6, rates            # most of each later prompt was cached
+        assert rates[door, True] > rates[door, False] + 0.1, rates
+
+
+def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
+    with Client("127.0.0.1", cluster.msgpack_port, retries=2) as client:
+        stream = iter(client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True))
+        next(stream)
+        cluster.balancers["msgpack"].kill()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError):           # mid-stream: not retried, the stream ends with an error
+            list(stream)
+        with pytest.raises(ConnectionRefusedError):    # then every retry is refused
+            client.health()
+        assert time.monotonic() - started < 10
