@@ -120,3 +120,32 @@ def test_decode_attention_main_loop_streams_16_byte_async_copies(arch):
         regs, spill_stores, spill_loads = used[mangled[0]]
         assert spill_stores == spill_loads == 0, f"{name} ({arch}) spills {spill_stores}/{spill_loads} bytes"
         assert regs <= 192, f"{name} ({arch}) {regs} registers"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefill_attention_main_loop_runs_on_tensor_cores(arch):
+    """Every prefill instantiation: the key-tile loop issues HMMA (tensor cores) fed by LDSM (ldmatrix),
+    2 x (64 / 8) x (D / 16) of them per 64-key tile (Q K^T: 8 key tiles x D/16 k steps; P V: 4 key steps x
+    D/8 dim tiles), and 16-byte
+    asynchronous copies of the next tile with their wait; no local memory, no spills."""
+    sass, log = compile_file("prefill_attention.cu", arch)
+    kernels, used = functions(sass), resources(log)
+    for name in cuda_ops.name_expressions("prefill_attention.cu"):
+        cxx, head_dim = re.match(r"prefill_attention_kernel<(\w+), (\d+)>", name).groups()
+        prefix = f"_Z24prefill_attention_kernelI{MANGLED_TYPES[cxx]}Li{head_dim}E"
+        mangled = [m for m in kernels if m.startswith(prefix)]
+        assert len(mangled) == 1, (name, list(kernels))
+        code = kernels[mangled[0]]
+        mma = "HMMA.16816.F32.BF16" if cxx == "__nv_bfloat16" else "HMMA.16816.F32"
+        expected = 2 * (64 // 8) * (int(head_dim) // 16)
+        tile_loops = [body for body in loop_bodies(code) if any(t.startswith("HMMA") for t in body)]
+        assert tile_loops, f"{name} ({arch}): no loop issues HMMA"
+        loop = max(tile_loops, key=len)
+        assert sum(t.startswith(mma) for t in loop) == expected, f"{name} ({arch}): HMMA per tile"
+        assert any(t.startswith("LDSM.16.M88") for t in loop) and any(t.startswith("LDSM.16.MT88") for t in loop), \
+            f"{name} ({arch}): K and V fragments not loaded by ldmatrix / ldmatrix.trans"
+        assert any("LDGSTS.E.BYPASS.128" in t for t in loop) and any(t.startswith("DEPBAR") for t in loop), \
+            f"{name} ({arch}): no 16-byte cp.async of the next tile and its wait in the tile loop"
+        assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"
+        regs, spill_stores, spill_loads = used[mangled[0]]
+        assert spill_stores == spill_loads == 0, f"{name} ({arch}) spills {spill_stores}/{spill_loads} bytes"
