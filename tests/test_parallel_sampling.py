@@ -98,3 +98,15 @@ def test_stream_outputs_carry_every_choice():
         seen += [out for out in engine.step() if out.request_id == "s"]
     assert all(len(out.outputs) == 2 for out in seen) and seen[-1].finished
     assert [len(c.token_ids) for c in seen[-1].outputs] == [5, 5]
+
+
+@pytest.mark.parametrize("scheduler", ["orca", "faster_transformer"])
+def test_policies_that_reserve_the_final_length_copy_into_their_own_reserved_block(scheduler):
+    # 16 blocks of 4: every free block is reserved at admission, so the copy of a shared tail must come out of
+    # the writer's own reserved blocks (the free list is empty)
+    options = dict(scheduler=scheduler, block_size=4, num_kv_blocks=16)
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    together = run(LLMEngine(**options), {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)})
+    alone = LLM(**options).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for i, want in enumerate(alone):
+        assert [c.token_ids for c in together[f"r{i}"].outputs] == [want.outputs[0].token_ids] * 3

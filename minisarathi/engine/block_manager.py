@@ -119,7 +119,14 @@ class BlockManager:
             seq.fork_tail = False
             if self.shared_tail(seq):
                 i = seq.num_computed_tokens // self.block_size
-                source, table[i] = table[i], self._allocate()
+                # a sequence that reserved its final length (orca) copies into its own last, unused block:
+                # max_growth counted that block as room, and the free list may be empty
+                if len(table) > i + 1:
+                    destination = table.pop()
+                    self.tables[seq.block_row, len(table)] = 0
+                else:
+                    destination = self._allocate()
+                source, table[i] = table[i], destination
                 self.ref_counts[source] -= 1
                 self.tables[seq.block_row, i] = table[i]
                 self.pending_copies.append((source, table[i]))
