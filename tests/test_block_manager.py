@@ -180,3 +180,24 @@ def test_tables_matrix_mirrors_block_tables_as_it_grows():
     admit(bm, again)
     assert again.block_row == freed_row
     bm.check_invariants([s for s in seqs if s is not seqs[5]] + [again])
+
+
+def test_a_pending_copy_source_is_no_destination_in_the_same_step():
+    # two requests forked at a partial block each; the first copy empties the free list
+    bm = BlockManager(num_blocks=5, block_size=4)
+    p, q, p_child, q_child = (make_seq(range(5), name) for name in "pqPQ")
+    for parent, child in ((p, p_child), (q, q_child)):
+        admit(bm, parent)
+        parent.num_computed_tokens = 5
+        bm.fork(parent, child)
+    bm.grow(p, 6)                   # copies its shared tail into the last free block
+    (source, _), = bm.pending_copies
+    bm.free(p_child)                # preempted in the same pass: it held the source's last other reference
+    if bm.max_growth(q) >= 1:       # the scheduler grows q only if the manager says there is room
+        bm.grow(q, 6)
+    sources = {s for s, _ in bm.pending_copies}
+    assert not sources & {d for _, d in bm.pending_copies}, "a step's copies run in parallel"
+    bm.check_invariants([p, q, q_child])
+    bm.take_copies()                # once copied, the source is free again
+    assert source in bm.free_blocks
+    bm.check_invariants([p, q, q_child])

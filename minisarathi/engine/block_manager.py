@@ -16,7 +16,9 @@ Parallel sampling (n > 1): the n choices of a request share its prompt's blocks 
 each), computed once. Full blocks are immutable; the partial last block is copied when a choice first
 writes into it while another still holds it (`grow` allocates the copy and queues the (source,
 destination) pair in `pending_copies`, which the engine runs on the backend before the step's forward,
-when every block still holds what it held at scheduling).
+when every block still holds what it held at scheduling). A pending source whose last holder leaves stays
+off the free list until `take_copies`, so no block is both a source and a destination of one step's copies
+(they run in parallel).
 
 Every admitted sequence also owns a row of `tables`, a matrix that mirrors its block table (zero-padded), so
 the batch builder takes a step's block tables with one NumPy gather instead of converting lists every step.
@@ -151,7 +153,11 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
 
     def take_copies(self) -> list[tuple[int, int]]:
+        """The step's (source, destination) pairs, to be copied now: their sources' references are dropped."""
         copies, self.pending_copies = self.pending_copies, []
+        for source, _ in copies:
+            if self.ref_counts[source] == 0:   # its last holder left in the same pass (_release kept it)
+                self._list_idle(source)
         return copies
 
     def _allocate(self) -> int:
@@ -182,12 +188,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.block_hash[block] is None:
-                    self.free_blocks.append(block)
-                else:
-                    self.evictable[block] = None
+            self._release(block)
         if seq.block_row >= 0:
             self.tables[seq.block_row] = 0
             self._free_rows.append(seq.block_row)
@@ -196,6 +197,19 @@ class BlockManager:
         seq.fork_tail = False
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        # a pending copy's source stays off the lists until the copy has run: else a sibling preempted later
+        # in this pass could hand it out as another copy's destination, and a step's copies run in parallel
+        if self.ref_counts[block] == 0 and all(block != source for source, _ in self.pending_copies):
+            self._list_idle(block)
+
+    def _list_idle(self, block: int) -> None:
+        if self.block_hash[block] is None:
+            self.free_blocks.append(block)
+        else:
+            self.evictable[block] = None
 
     def _take_row(self) -> int:
         if not self._free_rows:   # more sequences than ever before: twice the rows
@@ -240,8 +254,9 @@ class BlockManager:
         assert len({seq.block_row for seq in live}) == len(live) == len(self.tables) - len(self._free_rows)
         free, evictable = set(self.free_blocks), set(self.evictable)
         assert len(free) == len(self.free_blocks) and not free & evictable, "a block is listed twice"
+        pending = {source for source, _ in self.pending_copies}
         for block in range(self.num_blocks):
-            idle = self.ref_counts[block] == 0
+            idle = self.ref_counts[block] == 0 and block not in pending
             assert idle == (block in free or block in evictable), f"block {block} lost or double-booked"
             if block in free or block in evictable:
                 assert (block in evictable) == (self.block_hash[block] is not None), f"block {block} misfiled"
