@@ -227,7 +227,8 @@ def test_n2_stop_strings_and_seeds(server):
 def test_logit_bias(server):
     forced = server.client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4,
                                               temperature=0, logit_bias={"400": 100}, logprobs=0)
-    assert forced.choices[0].logprobs.tokens == [Tokenizer.from_pretrained(default_model_dir()).decoded_token(400)] * 4
+    assert forced.choices[0].logprobs.tokens == [" do"] * 4   # "▁do" after a word, not decoded alone ("do")
+    assert "".join(forced.choices[0].logprobs.tokens) == forced.choices[0].text
     want = offline(["Once upon a time"], temperature=0, max_tokens=4, logit_bias={400: 100})[0]
     assert forced.choices[0].text == want.text
 
@@ -243,9 +244,15 @@ def test_logprobs_match_llm_generate(server, model_with_template):
         assert token == position[token_id].decoded_token
         assert token_lp == pytest.approx(position[token_id].logprob, abs=1e-4)  # float32 logits; the chunking differs
         assert {position[t].decoded_token for t in position if position[t].rank <= 2} <= set(top)
+    # each token's text in context ("▁there" is " there"): they make up the text, and their offsets index it
+    text = result.choices[0].text
+    assert "".join(lp.tokens) == text and any(t.startswith(" ") for t in lp.tokens)
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     streamed = list(server.client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=6,
                                                      temperature=0, logprobs=2, stream=True))
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
 
     messages = [{"role": "user", "content": "Hi"}]
     template = load_chat_template(model_with_template)
@@ -256,6 +263,8 @@ def test_logprobs_match_llm_generate(server, model_with_template):
                                                  logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert len(content) == len(chat_want.token_ids)
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    assert bytes(b for entry in content for b in entry.bytes).decode() == chat.choices[0].message.content
     for entry, token_id, position in zip(content, chat_want.token_ids, chat_want.logprobs):
         assert entry.token == position[token_id].decoded_token
         assert entry.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)  # float32 logits; the chunking differs

@@ -249,3 +249,20 @@ def test_stop_strings_count_only_after_min_tokens(tok):
     assert run(first + 1, straddle) == (n + 1, full[:end - 3])
     # min_tokens beyond the output: never stops
     assert run(len(output), "little") == (None, full)
+
+
+def test_token_texts_and_bytes_in_context(tok):
+    # "▁" words and byte-fallback characters (株, 😀 are 3 and 4 byte tokens here)
+    prompt, ids = tok.encode("Once upon a time"), tok.encode(" there was ö株😀 Lily", add_special_tokens=False)
+    assert any(tok.hf.id_to_token(i).startswith("<0x") for i in ids), "the test needs byte tokens"
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = []
+    for token_id in ids:
+        detok.add(token_id)
+        pieces.append(detok.last_piece)
+    assert "".join(pieces) == detok.text == continuation(tok, prompt, ids)
+    assert b"".join(tok.token_bytes(i, piece) for i, piece in zip(ids, pieces)) == detok.text.encode()
+    # a candidate's text after a context is what it would add there
+    assert tok.token_texts(prompt, ids[:2]) == [continuation(tok, prompt, ids[:1])] + [
+        continuation(tok, prompt, ids[1:2])]
+    assert tok.token_texts(prompt, ids[:1]) == [" there"] != [tok.decoded_token(ids[0])]

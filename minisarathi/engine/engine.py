@@ -21,7 +21,7 @@ from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir
 from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
-from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+from minisarathi.tokenizer import STREAM_CONTEXT, IncrementalDetokenizer, Tokenizer
 from minisarathi.validation import check_int
 
 
@@ -313,7 +313,7 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.token_times.append(now)
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprobs(sampled.logprobs[row], sampled.ranks[row], seq.params.detokenize))
+            seq.logprobs.append(self._logprobs(seq, sampled.logprobs[row], sampled.ranks[row]))
         # A stop token (EOS or a stop id; the sampler masks them until min_tokens are out) ends the request
         # before the detokenizer sees it: as in vLLM, its id is in token_ids but its text is not in text.
         # The detokenizer ignores stop strings until min_tokens are out.
@@ -322,7 +322,7 @@ class LLMEngine:
             self._finish(seq, "stop", None, now)
         elif token in params.stop_token_ids:
             self._finish(seq, "stop", token, now)
-        elif seq.detokenizer is not None and (stop_string := seq.detokenizer.add(token)[1]) is not None:
+        elif seq.detokenizer is not None and (stop_string := self._detokenize(seq, token)) is not None:
             self._finish(seq, "stop", stop_string, now)
         elif seq.num_tokens > seq.max_kv_tokens:   # max_tokens, or max_model_len, reached
             self._finish(seq, "length", None, now)
@@ -330,12 +330,27 @@ class LLMEngine:
             return False
         return True
 
-    def _logprobs(self, row: list[tuple[int, float]], rank: int, detokenize: bool) -> dict[int, Logprob]:
+    def _logprobs(self, seq: Sequence, row: list[tuple[int, float]], rank: int) -> dict[int, Logprob]:
+        """The sampled token (seq's last) and the top alternatives, each with its text after seq's earlier tokens
+        (the sampled one's is set again by the detokenizer, which also knows an unfinished character's bytes)."""
         (sampled_id, sampled_lp), top = row[0], row[1:]
-        decode = self.tokenizer.decoded_token if detokenize else lambda token_id: None
-        result = {t: Logprob(lp, r, decode(t)) for r, (t, lp) in enumerate(top, start=1)}
-        result.setdefault(sampled_id, Logprob(sampled_lp, rank, decode(sampled_id)))
+        ids = [t for t, _ in top] + [sampled_id]
+        texts = [None] * len(ids)
+        if seq.params.detokenize:
+            end = seq.num_tokens - 1
+            texts = self.tokenizer.token_texts(seq.token_slice(max(0, end - STREAM_CONTEXT), end), ids)
+        result = {t: Logprob(lp, r, text) for r, ((t, lp), text) in enumerate(zip(top, texts), start=1)}
+        result.setdefault(sampled_id, Logprob(sampled_lp, rank, texts[-1]))
         return result
+
+    @staticmethod
+    def _detokenize(seq: Sequence, token: int) -> str | None:
+        """Feed token to seq's detokenizer; the stop string it completes, if any. The sampled token's logprobs
+        text becomes exactly what it added to the text."""
+        stop_string = seq.detokenizer.add(token)[1]
+        if seq.logprobs is not None:
+            seq.logprobs[-1][token].decoded_token = seq.detokenizer.last_piece
+        return stop_string
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, now: float) -> None:
         seq.status = SequenceStatus.FINISHED

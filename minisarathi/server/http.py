@@ -302,7 +302,9 @@ class HttpDoor:
         logprobs = None
         if call.request.logprobs is not None and new_ids:
             logprobs = (completion_logprobs(new_ids, delta.logprobs, call.request.logprobs, delta.text_offset)
-                        if call.kind == "completion" else chat_logprobs(new_ids, delta.logprobs, call.request.logprobs))
+                        if call.kind == "completion" else
+                        chat_logprobs(new_ids, delta.logprobs, call.request.logprobs,
+                                      self.server.engine.tokenizer.token_bytes))
         chunks = []
         if call.kind == "completion":
             body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
@@ -335,7 +337,8 @@ class HttpDoor:
             if call.request.logprobs is not None:
                 logprobs = (completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
                             if call.kind == "completion"
-                            else chat_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs))
+                            else chat_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs,
+                                               self.server.engine.tokenizer.token_bytes))
             body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(completion)}
             if call.kind == "completion":
                 body["text"] = completion.text

@@ -5,6 +5,7 @@ rule is testable on plain dicts. docs/http.md lists every field taken and every 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minisarathi.outputs import CompletionOutput, Logprob
@@ -306,15 +307,18 @@ def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]
             "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int) -> dict:
-    """Chat logprobs: per token its text, logprob, UTF-8 bytes, and the top `top` alternatives by rank."""
-    def entry(lp: Logprob) -> dict:
+def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int,
+                  token_bytes: Callable[[int, str], bytes]) -> dict:
+    """Chat logprobs: per token its text, logprob, bytes (a byte-fallback token's own byte, else its text's
+    UTF-8: `token_bytes`), and the top `top` alternatives by rank."""
+    def entry(token_id: int, lp: Logprob) -> dict:
         return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
-                "bytes": list(lp.decoded_token.encode("utf-8"))}
+                "bytes": list(token_bytes(token_id, lp.decoded_token))}
     content = []
     for token_id, position in zip(token_ids, positions):
-        alternatives = sorted((lp for lp in position.values() if lp.rank <= top), key=lambda lp: lp.rank)
-        content.append({**entry(position[token_id]), "top_logprobs": [entry(lp) for lp in alternatives]})
+        alternatives = sorted(((t, lp) for t, lp in position.items() if lp.rank <= top), key=lambda a: a[1].rank)
+        content.append({**entry(token_id, position[token_id]),
+                        "top_logprobs": [entry(t, lp) for t, lp in alternatives]})
     return {"content": content, "refusal": None}
 
 
