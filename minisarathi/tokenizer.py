@@ -25,9 +25,22 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _token_content(value) -> str | None:
-    # tokenizer_config.json spells special tokens as a string or as an AddedToken dict.
-    return value.get("content") if isinstance(value, dict) else value
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def special_tokens(path: Path) -> dict[str, str]:
+    """The folder's special tokens by name (bos_token: "<s>", ...): tokenizer_config.json's, with
+    special_tokens_map.json's entries over them, as transformers' from_pretrained merges the two files."""
+    config = _read_json(path / "tokenizer_config.json")
+    config.update(_read_json(path / "special_tokens_map.json"))
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        # spelled as a string or as an AddedToken dict
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
 
 
 class Tokenizer:
@@ -53,8 +66,10 @@ class Tokenizer:
         model_config = _read_json(path / "config.json")
         gen_config = _read_json(path / "generation_config.json")
 
+        special = special_tokens(path)
+
         def token_id(name: str) -> int | None:
-            content = _token_content(tok_config.get(name))
+            content = special.get(name)
             return tokenizer.token_to_id(content) if content else None
 
         bos = token_id("bos_token")

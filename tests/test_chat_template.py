@@ -1,6 +1,7 @@
 """Chat templates render and tokenize exactly as transformers' apply_chat_template (committed goldens made by
 tests/golden/make_chat_goldens.py), inside a sandbox a template cannot escape."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,21 @@ def test_load_from_folder(tmp_path):
     override = tmp_path / "other.jinja"
     override.write_text("X")
     assert load_chat_template(tmp_path, override).render([]) == "X"
+
+
+def test_special_tokens_only_in_special_tokens_map(tmp_path):
+    # many model folders name BOS/EOS only in special_tokens_map.json; transformers merges both files
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
+    assert load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+    shutil.copy(default_model_dir() / "tokenizer.json", tmp_path)
+    tokenizer = Tokenizer.from_pretrained(tmp_path)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, (2,))
+
+
+@pytest.mark.parametrize("source", ["{{ messages[0].content + 1 }}", "{{ 1 // (messages | length - 1) }}"])
+def test_a_template_failing_in_python_is_a_template_error(source):
+    with pytest.raises(ChatTemplateError, match="the template failed on these messages: "):
+        ChatTemplate(source, SPECIAL).render([{"role": "user", "content": "hi"}])

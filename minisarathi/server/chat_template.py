@@ -17,7 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+from minisarathi.tokenizer import special_tokens
 
 
 class ChatTemplateError(ValueError):
@@ -68,6 +68,8 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:   # SecurityError included
             raise ChatTemplateError(str(e)) from None
+        except Exception as e:   # the template's own bug on these messages (a TypeError, a division by zero...)
+            raise ChatTemplateError(f"the template failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def load_chat_template(model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
@@ -87,10 +89,4 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
                           None)
     if not isinstance(source, str):
         return None
-    special = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[name] = value
-    return ChatTemplate(source, special)
+    return ChatTemplate(source, special_tokens(model_dir))
