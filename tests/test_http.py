@@ -386,6 +386,40 @@ def test_sse_disconnect_frees_the_kv_pool(server):
     assert "aborted: client disconnected" in Path(server.log_path).read_text()
 
 
+def _post_raw(port: int, body: dict, request_id: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: "
+                 + request_id.encode() + b"\r\nAuthorization: Bearer " + API_KEY.encode()
+                 + b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_a_request_aborted_before_its_first_output_is_logged_and_counted():
+    with launch("--http-port", "0", "--max-num-seqs", "1", "--num-kv-blocks", "64") as s:
+        long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        running = _post_raw(s.http_port, {**long, "stream": True}, "running")
+        queued = _post_raw(s.http_port, long, "queued")   # max_num_seqs 1: it waits, no output yet
+        with Client("127.0.0.1", s.msgpack_port, api_key=API_KEY) as client:
+            deadline = time.monotonic() + 30
+            while client.stats()["waiting"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            queued.close()
+            running.close()
+            deadline = time.monotonic() + 30
+            while client.stats()["running"] + client.stats()["waiting"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10   # each handler reports once its cancellation has run
+        while len(re.findall(r"(running|queued) door=\"http\".* finish_reason=\"abort\"",
+                             Path(s.log_path).read_text())) < 2:
+            assert time.monotonic() < deadline, "no finished-request line for an aborted request"
+            time.sleep(0.05)
+        aborted = scrape(s.http_port)[("minisarathi:request_success_total", (("finished_reason", "abort"),))]
+        assert aborted == 2
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 
 

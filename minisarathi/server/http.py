@@ -357,14 +357,19 @@ class HttpDoor:
     def _report(self, call: _Call, first: _Choice) -> None:
         """The request log line and metrics of one prompt's engine request (all its choices)."""
         output = first.output
-        if output is None:
+        if output is None and first.error is not None:
             return   # never ran (rejected, or the server stopped first)
-        self.server.report_finished(FinishedRequest(
-            first.engine_id.removeprefix("http:"), "http", call.client,
-            call.request.prompt_texts[first.prompt] or call.request.prompts[first.prompt],
-            len(call.request.prompts[first.prompt]), output.num_cached_tokens,
-            sum(len(c.token_ids) for c in output.outputs),
-            output.outputs[0].finish_reason if output.finished else "abort", output.metrics))
+        prompt = call.request.prompt_texts[first.prompt] or call.request.prompts[first.prompt]
+        prompt_tokens = len(call.request.prompts[first.prompt])
+        if output is None:   # aborted before its first output (cancel drops the engine's abort output)
+            finished = FinishedRequest(first.engine_id.removeprefix("http:"), "http", call.client, prompt,
+                                       prompt_tokens, 0, 0, "abort", None)
+        else:
+            finished = FinishedRequest(
+                first.engine_id.removeprefix("http:"), "http", call.client, prompt, prompt_tokens,
+                output.num_cached_tokens, sum(len(c.token_ids) for c in output.outputs),
+                output.outputs[0].finish_reason if output.finished else "abort", output.metrics)
+        self.server.report_finished(finished)
 
 
 def _first_of_each_prompt(call: _Call) -> list[_Choice]:
