@@ -146,11 +146,10 @@ def _http_turn(host: str, port: int, session: int, prompt: str, answer_tokens: i
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices"):
-                piece = event["choices"][0].get("text", "")
-                if piece and record.ttft_s is None:
+            if event.get("choices"):   # a token arrived (its text may be held back: an incomplete character)
+                if record.ttft_s is None:
                     record.ttft_s = time.monotonic() - sent
-                text.append(piece)
+                text.append(event["choices"][0].get("text", ""))
             if event.get("usage"):
                 record.prompt_tokens = event["usage"]["prompt_tokens"]
                 record.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
