@@ -61,7 +61,7 @@ def test_session_affinity_raises_the_prefix_cache_hit_rate(cluster):
     text, so the first run's cache does not help the second."""
     # An odd number of sessions: with an even one, round robin over two replicas can hand each session's
     # turns to the same replica by accident when the sessions advance in step.
-    config = MultiTurnConfig(num_sessions=5, num_turns=3, first_message_words=40, message_words=8, answer_tokens=8)
+    config = MultiTurnConfig(num_sessions=5, num_turns=4, first_message_words=40, message_words=8, answer_tokens=8)
     rates = {}
     for affinity in (True, False):
         for door in ("msgpack", "http"):
