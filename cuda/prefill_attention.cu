@@ -61,7 +61,7 @@ __device__ __forceinline__ void load_kv_tile(const T* __restrict__ k_cache, cons
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
+__global__ void __launch_bounds__(PF_THREADS, 2) prefill_attention_kernel(
     const T* __restrict__ q,               // [num_tokens, num_q_heads, D], rows q_stride elements apart
     const T* __restrict__ k_cache,         // [num_blocks, num_kv_heads, block_size, D]
     const T* __restrict__ v_cache,         // same layout
@@ -151,14 +151,13 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
             }
         }
 
-        const bool diagonal = tile + PF_KEYS - 1 > first_position;
+        if (tile + PF_KEYS - 1 > first_position) {   // a diagonal tile (the test is uniform across the CTA)
 #pragma unroll
-        for (int j = 0; j < NTILES; ++j)
+            for (int j = 0; j < NTILES; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = tile + j * 8 + 2 * t + e % 2;
-                s[j][e] = diagonal && key > row_position[e / 2] ? negative_infinity() : s[j][e] * scale_log2;
-            }
+                for (int e = 0; e < 4; ++e)
+                    if (tile + j * 8 + 2 * t + e % 2 > row_position[e / 2]) s[j][e] = negative_infinity();
+        }
 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -167,16 +166,17 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_attention_kernel(
             for (int j = 0; j < NTILES; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_WARP, tile_max, 1));   // the 4 lanes of a row
             tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_WARP, tile_max, 2));
-            // A row with no visible key yet (only padding rows) keeps max -inf; subtract 0 instead so
-            // exp2 gives 0, not NaN.
-            const float base = tile_max == negative_infinity() ? 0.0f : tile_max;
-            const float correction = exp2f(row_max[h] - base);
+            // Maxima are kept unscaled (scale > 0 keeps the order); exp2(s * scale_log2 - base) is one FFMA
+            // and one EX2 per score. A row with no visible key yet (only padding rows) keeps max -inf; use
+            // base 0 so exp2 gives 0, not NaN.
+            const float base = tile_max == negative_infinity() ? 0.0f : tile_max * scale_log2;
+            const float correction = exp2f(row_max[h] * scale_log2 - base);
             row_max[h] = tile_max;
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < NTILES; ++j) {
-                s[j][2 * h] = exp2f(s[j][2 * h] - base);
-                s[j][2 * h + 1] = exp2f(s[j][2 * h + 1] - base);
+                s[j][2 * h] = exp2f(fmaf(s[j][2 * h], scale_log2, -base));
+                s[j][2 * h + 1] = exp2f(fmaf(s[j][2 * h + 1], scale_log2, -base));
                 sum += s[j][2 * h] + s[j][2 * h + 1];
             }
             row_sum[h] = row_sum[h] * correction + sum;
