@@ -110,3 +110,21 @@ def test_policies_that_reserve_the_final_length_copy_into_their_own_reserved_blo
     alone = LLM(**options).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for i, want in enumerate(alone):
         assert [c.token_ids for c in together[f"r{i}"].outputs] == [want.outputs[0].token_ids] * 3
+
+
+def test_choices_count_toward_max_num_seqs():
+    engine = LLMEngine(chunk_size=64, block_size=4, num_kv_blocks=128, max_num_seqs=4)
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(f"r{i}", prompt, params)
+    most, finished = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        most = max(most, len(engine.scheduler.running))
+    # both prompts fit one step's budget, but each becomes 3 sequences: the second waits for the first
+    assert most == 3 and sorted(finished) == ["r0", "r1"]
+    assert all(len(c.token_ids) == 8 for out in finished.values() for c in out.outputs)
+    with pytest.raises(ValueError, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+        engine.add_request("wide", PROMPTS[0], SamplingParams(n=5))

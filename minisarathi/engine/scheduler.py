@@ -214,15 +214,17 @@ class Scheduler:
         if fair:
             prefilling = [s for s in self._prefilling if s.status is SequenceStatus.RUNNING]
             num_partial, num_long = len(prefilling), sum(self.is_long(s) for s in prefilling)
+        # n > 1: a prompt not yet forked counts as the n sequences it becomes once its prefill ends
+        num_seqs = sum(s.num_seqs for s in self.running)
         stop, passed_over, i = None, False, 0
         while i < len(self.waiting):
             if budget.tokens <= 0:
                 stop = "budget"
                 break
-            if len(self.running) >= self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if num_seqs + seq.num_seqs > self.config.max_num_seqs:
                 stop = "max_num_seqs"
                 break
-            seq = self.waiting[i]
             if fair:
                 if num_partial >= self.max_partial_prefills:
                     stop = "partial_prefills"
@@ -253,6 +255,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens
             bisect.insort(self.running, seq, key=queue_key)
+            num_seqs += seq.num_seqs
             out.scheduled[seq] = n
             self._spend(budget, start, n)
             if fair:

@@ -60,6 +60,11 @@ class Sequence:
         return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
+    def num_seqs(self) -> int:
+        """The running sequences it stands for: n before the fork at its prefill's end, then itself alone."""
+        return self.params.n if self.choices is None else 1
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None   # set with status FINISHED (cheaper to test than an enum in 3.11)
 
