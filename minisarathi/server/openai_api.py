@@ -65,7 +65,8 @@ _COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "st
            "frequency_penalty", "logit_bias", "user", "max_tokens", "priority", *_EXTENSIONS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-                         "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+                         "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata",
+                         "service_tier"}
 # Fields OpenAI defines that this server refuses unless they hold their no-op value.
 REFUSED = {
     "echo": "echo is not supported (the prompt's own logprobs are not computed)",
@@ -75,7 +76,13 @@ REFUSED = {
     "tools": "tools are not supported",
     "tool_choice": "tool_choice is not supported",
     "parallel_tool_calls": "parallel_tool_calls is not supported",
+    "store": "store: true (stored completions) is not supported",
+    "metadata": "metadata must be an object of strings or null",
+    "service_tier": "service_tier other than \"auto\" or \"default\" is not supported",
 }
+# Fields of a message that clients echo back from an earlier answer: taken only with their empty value.
+MESSAGE_ECHOES = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
+                  "annotations": (None, [])}
 
 
 def _is_noop(name: str, value, body: dict) -> bool:
@@ -87,6 +94,10 @@ def _is_noop(name: str, value, body: dict) -> bool:
         return value == {"type": "text"}
     if name == "tools":
         return value == []
+    if name == "metadata":   # only labels stored completions, which are never stored here
+        return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    if name == "service_tier":
+        return value in ("auto", "default")
     return name == "tool_choice" and value == "none"
 
 
@@ -246,7 +257,11 @@ def _messages(messages) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise bad(f"{where}.role", f"{where}.role must be a non-empty string")
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key in MESSAGE_ECHOES:
+                if message[key] not in MESSAGE_ECHOES[key]:
+                    raise bad(f"{where}.{key}", f"{where}.{key} is not supported (only null"
+                                                + (" or []" if [] in MESSAGE_ECHOES[key] else "") + ")")
+            elif key not in ("role", "content", "name"):
                 raise bad(f"{where}.{key}", f"{where}.{key} is not supported")
         content = message.get("content")
         if isinstance(content, list):

@@ -1,0 +1,41 @@
+"""The OpenAI request parser on plain dicts: what foreign clients send that changes nothing is taken, what
+would change the output is refused naming the field."""
+import pytest
+
+from minisarathi.server.openai_api import DoorLimits, OpenAIError, parse_chat
+
+LIMITS = DoorLimits(max_prompt_tokens=512, max_tokens=64, max_n=4, vocab_size=512)
+USER = {"role": "user", "content": "Hi"}
+
+
+def chat(**body):
+    rendered = []
+    request = parse_chat({"messages": [USER], **body}, "m", LIMITS,
+                         lambda messages, add: rendered.append(messages) or "x", lambda text: [1, 2])
+    return request, rendered[0]
+
+
+def refused(**body) -> str:
+    with pytest.raises(OpenAIError) as error:
+        chat(**body)
+    assert error.value.status == 400
+    return error.value.param
+
+
+def test_harmless_fields_of_foreign_clients_are_taken():
+    chat(store=False, metadata={"user": "x"}, service_tier="auto")
+    chat(store=None, metadata=None, service_tier=None)
+    # an assistant message echoed back from an earlier answer, as the SDKs serialize it
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": [], "function_call": None,
+              "audio": None, "annotations": []}
+    _, messages = chat(messages=[USER, echoed, USER])
+    assert messages[1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_fields_that_would_change_the_output_are_refused():
+    assert refused(store=True) == "store"
+    assert refused(service_tier="flex") == "service_tier"
+    assert refused(metadata={"n": 1}) == "metadata"
+    for key, value in [("tool_calls", [{"id": "1", "type": "function"}]), ("refusal", "no"),
+                       ("function_call", {"name": "f"}), ("audio", {"id": "a"}), ("annotations", [{"x": 1}])]:
+        assert refused(messages=[{**USER, key: value}]) == f"messages[0].{key}"
