@@ -3,6 +3,7 @@ results equal offline LLM.generate, streams equal non-streamed results, bad inpu
 an OpenAI error naming the field (and the server keeps serving), a disconnected stream frees its KV blocks,
 and the Prometheus metrics equal what a known workload implies.
 """
+import asyncio
 import contextlib
 import http.client
 import json
@@ -395,7 +396,7 @@ def _post_raw(port: int, body: dict, request_id: str) -> socket.socket:
     return sock
 
 
-def test_a_request_aborted_before_its_first_output_is_logged_and_counted():
+def test_a_request_aborted_before_its_first_output_is_logged_and_counted_and_ids_are_unique():
     with launch("--http-port", "0", "--max-num-seqs", "1", "--num-kv-blocks", "64") as s:
         long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
         running = _post_raw(s.http_port, {**long, "stream": True}, "running")
@@ -405,6 +406,11 @@ def test_a_request_aborted_before_its_first_output_is_logged_and_counted():
             while client.stats()["waiting"] == 0:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
+            # the id of a request in flight again: the client's error, named by its public id
+            status, headers, error = raw(s, "POST", "/v1/completions", {"prompt": "Tom", "max_tokens": 2},
+                                         headers={"X-Request-Id": "running"})
+            assert status == 400 and error["error"]["param"] == "X-Request-Id"
+            assert "'running'" in error["error"]["message"] and "http:" not in error["error"]["message"]
             queued.close()
             running.close()
             deadline = time.monotonic() + 30
@@ -548,3 +554,18 @@ def test_n_above_one_on_the_msgpack_door(server):
         with pytest.raises(Exception, match="n must be <= 4"):
             client.generate("Zoo", n=MAX_N + 1)
     wait_until_idle(server)
+
+
+def test_an_unexpected_exception_is_an_openai_shaped_500_with_the_request_id(caplog):
+    from aiohttp.test_utils import make_mocked_request
+    from minisarathi.server.http import HttpDoor
+
+    async def broken(request):
+        request["request_id"] = "bug-1"
+        raise ZeroDivisionError("division by zero")
+    door = SimpleNamespace(server=SimpleNamespace(check_api_key=lambda key: True))
+    response = asyncio.run(HttpDoor._middleware(door, make_mocked_request("POST", "/v1/completions"), broken))
+    error = json.loads(response.body)["error"]
+    assert response.status == 500 and response.headers["X-Request-Id"] == "bug-1"
+    assert error["code"] == "internal_error" and "bug-1" in error["message"] and error["type"] == "server_error"
+    assert "ZeroDivisionError" in caplog.text and "bug-1" in caplog.text

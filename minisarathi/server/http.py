@@ -110,6 +110,7 @@ class HttpDoor:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._created = int(time.time())
+        self._engine_ids: set[str] = set()   # of the requests in flight: a duplicate X-Request-Id is the client's error
         app = web.Application(client_max_size=server.limits.max_message_bytes, middlewares=[self._middleware])
         routes = [web.get("/health", self._health), web.get("/ready", self._ready)]
         if metrics is not None:
@@ -158,6 +159,15 @@ class HttpDoor:
                                                     "bytes", code="request_too_large"))
         except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
             return _error_response(OpenAIError(e.status, e.reason, code=None))
+        except Exception:   # a bug: the client still gets OpenAI's error shape and the id to report; the log the rest
+            request_id = request.get("request_id")
+            log.exception("%s %s %s failed", request_id or "-", request.method, request.path)
+            response = _error_response(OpenAIError(
+                500, "internal server error" + (f" (request {request_id})" if request_id else ""),
+                code="internal_error"))
+            if request_id is not None:
+                response.headers[REQUEST_ID_HEADER] = request_id
+            return response
 
     async def _json(self, request: web.Request):
         raw = await request.read()
@@ -234,6 +244,7 @@ class HttpDoor:
             return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
         finally:
             firsts = _first_of_each_prompt(call)
+            self._engine_ids.difference_update(c.engine_id for c in firsts)
             unfinished = [c for c in firsts if not c.done]
             for choice in unfinished:
                 self.server.cancel(choice.engine_id)
@@ -245,9 +256,12 @@ class HttpDoor:
     def _submit(self, call: _Call) -> None:
         """One engine request per prompt; the engine runs its n choices on the prompt's shared KV blocks."""
         params, prompts = call.request.params, call.request.prompts
-        for p, prompt in enumerate(prompts):
-            # The door's prefix keeps the engine's id space apart from the msgpack door's.
-            engine_id = f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "")
+        # The door's prefix keeps the engine's id space apart from the msgpack door's.
+        engine_ids = [f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "") for p in range(len(prompts))]
+        if not self._engine_ids.isdisjoint(engine_ids):
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} {call.request_id!r} is already in use by a request in flight",
+                              param=REQUEST_ID_HEADER)
+        for p, (prompt, engine_id) in enumerate(zip(prompts, engine_ids)):
             group = [_Choice(p * params.n + i, p, i, engine_id, call.request.stream) for i in range(params.n)]
 
             def on_output(output, group=group):
@@ -262,6 +276,7 @@ class HttpDoor:
                 call.choices.clear()
                 raise _from_rpc(e, self.server.accepting) from None
             call.choices += group
+        self._engine_ids.update(engine_ids)
         log.info("%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
                  call.request_id, call.client, len(prompts), params.n, sum(len(p) for p in prompts),
                  params.max_tokens, call.request.stream)
