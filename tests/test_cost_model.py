@@ -72,6 +72,18 @@ def test_max_prefill_tokens_is_the_largest_chunk_within_the_time():
     assert chunk_attention(3, 2) == 4 + 5
 
 
+@pytest.mark.parametrize("attention", [1e-20, 1e-22, 1e-24, 0.0])
+def test_max_prefill_tokens_with_a_vanishing_attention_coefficient(attention):
+    """NNLS often leaves the attention cost at ~1e-20: the textbook root (-b + sqrt(b^2 + 4as)) / 2a cancels
+    to 0 there, where ~141 tokens fit."""
+    model = CostModel()
+    model.coefficients = np.array([1e-3, 7.1e-5, 1e-4, attention, 1e-9])
+    for start, seconds in [(0, 0.01), (300, 0.01), (4000, 0.0371), (0, 1e-6)]:
+        n = model.max_prefill_tokens(start, seconds)
+        assert model.prefill_time(start, n) <= seconds < model.prefill_time(start, n + 1)
+    assert model.max_prefill_tokens(0, 0.01) == 140
+
+
 @pytest.mark.parametrize("window", [8, 64])
 def test_the_window_follows_a_change_of_load(window):
     """Only the latest `window` steps count: after the machine gets 2x slower, the fit follows."""

@@ -227,7 +227,17 @@ def test_bad_requests_are_rejected_alone(requests, reference):
         engine.add_request("type", 3.5)
     with pytest.raises(ValueError, match="params"):
         engine.add_request("params", [1], {"max_tokens": 3})
-    assert list(engine.requests) == [rid]
+    with pytest.raises(ValueError, match=r"priority must be in \[-2147483648, 2147483647\]"):
+        engine.add_request("huge", [1], priority=10**400)   # would overflow the float queue key
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("low", [1], priority=-2**31 - 1)
+    with pytest.raises(ValueError, match="arrival_time"):
+        engine.add_request("nan", [1], arrival_time=float("nan"))   # would break the sorted waiting queue
+    ghost = engine.prepare_request("ghost", [1])
+    ghost.priority = 10**400   # a queueing failure past validation must not leave the request registered
+    with pytest.raises(OverflowError):
+        engine.add_sequence(ghost)
+    assert list(engine.requests) == [rid] and len(engine.scheduler.waiting) == 1
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

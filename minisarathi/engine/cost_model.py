@@ -147,13 +147,11 @@ class CostModel:
             return 0
         c = self.coefficients
         a, b = c[3] / 2, c[1] + c[3] * (start + 0.5)
-        if a > 0:
-            n = (-b + np.sqrt(b * b + 4 * a * seconds)) / (2 * a)
-        elif b > 0:
-            n = seconds / b
-        else:
+        if a <= 0 and b <= 0:
             return 1 << 30    # prefill predicted free: only the token budget limits it
-        n = int(n)
+        # the positive root in the form that does not cancel when a is tiny next to b (fits of ~1e-20 are
+        # common); a = 0 gives seconds / b
+        n = int(2 * seconds / (b + np.sqrt(b * b + 4 * a * seconds)))
         # float rounding at the boundary: step back until the exact prediction fits
         while n > 0 and self.prefill_time(start, n) > seconds:
             n -= 1

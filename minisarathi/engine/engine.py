@@ -22,7 +22,7 @@ from minisarathi.paths import default_model_dir
 from minisarathi.sampler import make_generator
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import STREAM_CONTEXT, IncrementalDetokenizer, Tokenizer
-from minisarathi.validation import check_int
+from minisarathi.validation import PRIORITY_RANGE, check_float, check_int
 
 
 CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
@@ -104,7 +104,9 @@ class LLMEngine:
         """Validate and tokenize a request without queueing it (so a batch can be checked whole first)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        check_int("priority", priority)
+        check_int("priority", priority, *PRIORITY_RANGE)
+        if arrival_time is not None:
+            check_float("arrival_time", arrival_time)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -149,8 +151,8 @@ class LLMEngine:
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         seq.seq_id = next(self._arrivals)
-        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq   # only once queued: a failed add leaves no request behind
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks; the next step reports it once, as "abort"."""

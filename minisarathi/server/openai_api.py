@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from minisarathi.outputs import CompletionOutput, Logprob
 from minisarathi.sampling_params import SamplingParams
+from minisarathi.validation import PRIORITY_RANGE
 
 # vLLM's floor for a logprob that is -inf (a masked token): JSON has no infinity.
 MIN_LOGPROB = -9999.0
@@ -184,7 +185,7 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
     priority = body.get("priority")
-    if priority is not None and (not _is_int(priority) or not -2**31 <= priority < 2**31):
+    if priority is not None and (not _is_int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):
         raise bad("priority", f"priority must be a 32-bit integer or null, got {_show(priority)}")
     if _is_int(max_tokens) and max_tokens > limits.max_tokens:
         raise bad(max_tokens_name, f"{max_tokens_name} must be <= {limits.max_tokens}, got {max_tokens}")

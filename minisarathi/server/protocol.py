@@ -12,6 +12,7 @@ import msgpack
 
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.request_log import REQUEST_ID_RULE, valid_request_id
+from minisarathi.validation import PRIORITY_RANGE
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
@@ -176,7 +177,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     if not isinstance(stream, bool):
         raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {short(repr(stream))}")
     priority = as_int(fields.get("priority"))
-    if priority is not None and (type(priority) is not int or not -2**31 <= priority < 2**31):
+    if priority is not None and (type(priority) is not int or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):
         raise RPCError(INVALID_PARAMS, f"priority must be a 32-bit integer, got {short(repr(priority))}")
     request_id = fields.get("request_id")
     if request_id is not None and not (isinstance(request_id, str) and valid_request_id(request_id)):
