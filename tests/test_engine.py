@@ -5,6 +5,7 @@ import pytest
 from minisarathi.engine import engine as engine_module
 from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.engine.engine import LLMEngine
+from minisarathi.engine.scheduler import ADMISSION_STOPS
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import Tokenizer
@@ -126,7 +127,7 @@ def test_greedy_tokens_identical_under_the_scheduling_options(requests, referenc
     if options.get("num_kv_blocks") == 40 and not options.get("tbt_slo_ms"):
         assert engine.scheduler.num_preemptions > 0, "the small pool should force preemptions"
     stops = {r.admission_stop for r in engine.step_records}
-    assert stops <= {None, "budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted"}
+    assert stops <= {None, *ADMISSION_STOPS}
     if options.get("tbt_slo_ms") == 0.3:
         assert "overload" in stops and engine.stats()["tbt_slo"]["overloaded_steps"] > 0
 

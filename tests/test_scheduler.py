@@ -69,7 +69,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
             before["prefilling"].setdefault(seq, True)       # admitted this step
-        check_partial_prefill_limits(scheduler)
+        scheduler.check_invariants()
         if out.preempted:   # the victims are the last in queue order, and wait at their place in it
             assert max((s.queue_key for s in scheduler.running), default=(-1,)) < min(s.queue_key for s in out.preempted)
         assert [s.queue_key for s in scheduler.waiting] == sorted(s.queue_key for s in scheduler.waiting)
@@ -95,19 +95,6 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
     blocks.check_invariants([])
     assert blocks.num_free_blocks == num_blocks
     return steps, scheduler
-
-
-def check_partial_prefill_limits(scheduler):
-    """The fair-prefill invariant, right after scheduling: at most max_partial_prefills running prompts have
-    prefill left (those cut short this step and those it completes both count), at most
-    max_long_partial_prefills of them with more than long_prefill_threshold tokens left."""
-    config = scheduler.config
-    if config.max_partial_prefills is None:
-        return
-    partial = [s for s in scheduler.running if s.in_prefill]
-    assert len(partial) <= config.max_partial_prefills
-    num_long = sum(s.num_uncomputed_tokens > scheduler.long_prefill_threshold for s in partial)
-    assert num_long <= (config.max_long_partial_prefills or 1)
 
 
 def is_prefill(before, seq):
@@ -321,6 +308,43 @@ def test_preemption_victim_is_the_lowest_priority_then_the_newest():
         seq.output_token_ids.append(5)
     out = scheduler.schedule()
     assert out.preempted == [newest_high]
+
+
+def test_preemption_victim_is_the_latest_aged_key():
+    """Unequal priorities: the victim is the latest virtual arrival, not the lowest priority. A priority-1
+    request arrived at t=0 (key 0 + 1 x 10) is kept; the priority-0 one arrived at t=20 (key 20) is preempted."""
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    scheduler = make_scheduler(EngineConfig(chunk_size=8, block_size=2, priority_aging_s=10.0), blocks,
+                               MAX_MODEL_LEN)
+    old_low, new_high = make_seq(0, 3, 8), make_seq(1, 3, 8)
+    old_low.priority, new_high.metrics.arrival_time = 1, 20.0
+    scheduler.add(new_high)
+    scheduler.add(old_low)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == [old_low, new_high]
+    for _ in range(2):   # positions 3 (in their second blocks), then 4: a third block each, none free
+        for seq in out.scheduled:
+            seq.num_computed_tokens += out.scheduled[seq]
+            seq.output_token_ids.append(5)
+        out = scheduler.schedule()
+    assert out.preempted == [new_high] and list(out.scheduled) == [old_low]
+
+
+def test_partial_prefill_limits_are_an_engine_invariant():
+    """engine.check_invariants checks the fair-prefill limits through the scheduler."""
+    from minisarathi.engine.engine import LLMEngine
+    engine = LLMEngine(chunk_size=8, block_size=4, num_kv_blocks=32, max_partial_prefills=2,
+                       long_prefill_threshold=100)
+    engine.add_request("a", list(range(3, 23)))
+    engine.add_request("b", list(range(3, 23)))
+    engine.step()
+    engine.check_invariants()   # two 20-token prompts mid-prefill: within the limits
+    engine.scheduler.max_partial_prefills = 1   # the same state under a tighter limit
+    with pytest.raises(AssertionError, match="max_partial_prefills"):
+        engine.check_invariants()
+    engine.scheduler.max_partial_prefills, engine.scheduler.long_prefill_threshold = 2, 4
+    with pytest.raises(AssertionError, match="max_long_partial_prefills"):
+        engine.check_invariants()
 
 
 @pytest.mark.parametrize("aging", [10, 10 ** 9])

@@ -401,6 +401,8 @@ class LLMEngine:
         }
 
     def check_invariants(self) -> None:
-        """Block-manager consistency against the live sequences (tests call it after every step)."""
+        """Block-manager consistency against the live sequences and the scheduler's limits (tests call it after
+        every step)."""
         assert all(not s.block_table for s in self.scheduler.waiting), "a waiting sequence holds blocks"
         self.block_manager.check_invariants(self.scheduler.running)
+        self.scheduler.check_invariants()

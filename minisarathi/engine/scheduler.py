@@ -4,7 +4,7 @@ Every policy returns, per step, how many tokens of which sequences to compute. A
 always its next uncomputed tokens; the engine samples when a chunk reaches the sequence's end.
 Both queues are ordered by `Sequence.queue_key`, (arrival time + priority x priority_aging_s, arrival
 number): waiting requests are admitted in that order and `running` is kept in it, so its last element,
-the lowest priority and then the newest, is the one preempted (recompute: all its blocks freed, back into
+the latest virtual arrival (not always the lowest priority: aging counts), is the one preempted (recompute: all its blocks freed, back into
 the waiting queue at its place) when a decode or a chunk finds no block.
 """
 from __future__ import annotations
@@ -78,13 +78,17 @@ class Scheduler:
         self._prefilling: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
+        self._set_queue_key(seq)
         bisect.insort(self.waiting, seq, key=queue_key)
+
+    def _set_queue_key(self, seq: Sequence) -> None:
+        """The virtual arrival time (priority p: as if it arrived p x priority_aging_s later), then arrival order."""
+        seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
 
     def add_running(self, seq: Sequence) -> None:
         """A new choice of a running request (n > 1): admitted already, it holds its parent's blocks."""
         seq.status = SequenceStatus.RUNNING
-        seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
+        self._set_queue_key(seq)
         bisect.insort(self.running, seq, key=queue_key)
 
     def abort(self, seq: Sequence) -> None:
@@ -116,6 +120,21 @@ class Scheduler:
     def is_long(self, seq: Sequence) -> bool:
         """A prompt with more uncomputed tokens than long_prefill_threshold (vLLM's classification)."""
         return seq.num_uncomputed_tokens > self.long_prefill_threshold
+
+    def _partial_counts(self, prefilling: list[Sequence]) -> tuple[int, int]:
+        """(prompts mid-prefill, the long ones among them): what the partial-prefill limits count."""
+        return len(prefilling), sum(self.is_long(s) for s in prefilling)
+
+    def check_invariants(self) -> None:
+        """The fair-prefill limits over the running prompts with prefill left (engine.check_invariants calls it
+        after every step in tests; right after schedule() too it must hold)."""
+        if self.max_partial_prefills is None:
+            return
+        num_partial, num_long = self._partial_counts([s for s in self.running if s.in_prefill])
+        assert num_partial <= self.max_partial_prefills, \
+            f"{num_partial} prompts mid-prefill, over max_partial_prefills ({self.max_partial_prefills})"
+        assert num_long <= self.max_long_partial_prefills, \
+            f"{num_long} long prompts mid-prefill, over max_long_partial_prefills ({self.max_long_partial_prefills})"
 
     # building blocks of the policies --------------------------------------------------------------------
 
@@ -184,8 +203,7 @@ class Scheduler:
     def _num_prefill_shares(self) -> int:
         """How many prompts will prefill this step, counted as vLLM does: those mid-prefill, then the waiting
         ones in queue order that the partial-prefill limits let in, at most max_partial_prefills."""
-        count = len(self._prefilling)
-        num_long = sum(self.is_long(s) for s in self._prefilling)
+        count, num_long = self._partial_counts(self._prefilling)
         for seq in self.waiting:
             if count >= self.max_partial_prefills:
                 break
@@ -212,8 +230,8 @@ class Scheduler:
             return
         fair = self.max_partial_prefills is not None
         if fair:
-            prefilling = [s for s in self._prefilling if s.status is SequenceStatus.RUNNING]
-            num_partial, num_long = len(prefilling), sum(self.is_long(s) for s in prefilling)
+            num_partial, num_long = self._partial_counts([s for s in self._prefilling
+                                                          if s.status is SequenceStatus.RUNNING])
         # n > 1: a prompt not yet forked counts as the n sequences it becomes once its prefill ends
         num_seqs = sum(s.num_seqs for s in self.running)
         stop, passed_over, i = None, False, 0
