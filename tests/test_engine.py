@@ -128,8 +128,9 @@ def test_greedy_tokens_identical_under_the_scheduling_options(requests, referenc
         assert engine.scheduler.num_preemptions > 0, "the small pool should force preemptions"
     stops = {r.admission_stop for r in engine.step_records}
     assert stops <= {None, *ADMISSION_STOPS}
-    if options.get("tbt_slo_ms") == 0.3:
-        assert "overload" in stops and engine.stats()["tbt_slo"]["overloaded_steps"] > 0
+    if options.get("tbt_slo_ms") == 0.3:   # overloaded; admission stops unless one decode alone is over 0.3 ms
+        slo = engine.stats()["tbt_slo"]
+        assert slo["overloaded_steps"] > 0 and ("overload" in stops or slo["infeasible"])
 
 
 def check_batch_shape(engine):

@@ -448,3 +448,18 @@ def test_overload_stops_admission_and_keeps_the_decodes(caplog):
     out = scheduler.schedule()                              # two decodes: 22 ms, 5 ms left for the prompt
     assert not out.overloaded and out.scheduled == {running[1]: 1, running[2]: 1, newcomer: 4}
     assert scheduler.slo.overloaded_steps == 1
+
+
+def test_an_slo_below_a_single_decode_falls_back_to_the_fixed_budget(caplog):
+    """One decode alone costs 12 ms, over the 10 ms target: stopping admission whenever a decode runs would
+    serialize the requests (one at a time); the steps take the chunk_size budget instead, still counted as
+    overloaded, with one warning."""
+    model = known_cost_model((2e-3, 1e-3, 10e-3, 0, 0))
+    arrivals = [(0, make_seq(i, 4, 6)) for i in range(4)]
+    with caplog.at_level(logging.WARNING):
+        steps, scheduler = drive("sarathi", arrivals, 64, 4, chunk_size=64, cost_model=model, tbt_slo_ms=10)
+    assert len(steps) <= 8      # together: 6 tokens each in ~6 steps, not ~4 x 6 one after the other
+    assert all(out.admission_stop != "overload" for _, out in steps)
+    assert all(out.time_limit is None for _, out in steps if out.overloaded)
+    assert scheduler.slo.overloaded_steps > 0 and scheduler.slo.summary()["infeasible"]
+    assert caplog.text.count("below the predicted time of a single decode") == 1

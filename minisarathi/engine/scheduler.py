@@ -15,7 +15,7 @@ from operator import attrgetter
 
 from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
-from minisarathi.engine.cost_model import CostModel, step_shape
+from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.tbt_slo import TbtSlo
 
@@ -25,6 +25,7 @@ LONG_PREFILL_FRACTION = 0.04   # of max_model_len: the default long_prefill_thre
 ADMISSION_STOPS = ("budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted")
 
 queue_key = attrgetter("queue_key")
+ONE_DECODE = StepShape(decode_seqs=1, decode_attention=1)   # the cheapest step with a decode
 
 
 @dataclass
@@ -164,8 +165,11 @@ class Scheduler:
             # with no decode the step is the overhead alone: a new prompt must still be able to start
             out.overloaded = bool(out.scheduled) and decode_time > self.slo.target
             self.slo.set_overloaded(out.overloaded, decode_time)
-            out.time_limit = self.slo.limit
-            budget.seconds = budget.time_share = out.time_limit - decode_time
+            # a target not even one decode meets: stopping admission would only serialize the requests, so
+            # the step gets the fixed chunk_size budget (the overload metric still counts it)
+            if not (out.overloaded and self.slo.is_infeasible(self.cost_model.predict(ONE_DECODE))):
+                out.time_limit = self.slo.limit
+                budget.seconds = budget.time_share = out.time_limit - decode_time
         if self.max_partial_prefills is not None:
             shares = self._num_prefill_shares()
             budget.token_share = max(tokens // shares, 1)
@@ -225,7 +229,7 @@ class Scheduler:
         if out.preempted:   # blocks are short right now: let the preempted ones settle first
             out.admission_stop = "preempted"
             return
-        if out.overloaded:
+        if out.overloaded and budget.seconds is not None:   # (an infeasible target: fixed budget, no stop)
             out.admission_stop = "overload"
             return
         fair = self.max_partial_prefills is not None

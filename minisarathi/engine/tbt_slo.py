@@ -27,6 +27,7 @@ class TbtSlo:
         self.target = target_s
         self.margin = INITIAL_MARGIN * target_s
         self.overloaded = False
+        self.infeasible = False      # once a single decode was predicted over the target: fixed budget then
         self.overloaded_steps = 0    # steps in which the running decodes alone were predicted over the target
         self.overshoots = 0          # steps that took longer than the target
         self.num_steps = 0
@@ -61,6 +62,16 @@ class TbtSlo:
                          decode_time * 1e3, self.target * 1e3)
         self.overloaded = overloaded
 
+    def is_infeasible(self, one_decode_time: float) -> bool:
+        """Whether a step of a single decode (predicted one_decode_time) is over the target; logs the first
+        time it is."""
+        infeasible = one_decode_time > self.target
+        if infeasible and not self.infeasible:
+            log.warning("TBT target of %.2f ms is below the predicted time of a single decode (%.2f ms): steps "
+                        "use the fixed chunk_size budget while it is", self.target * 1e3, one_decode_time * 1e3)
+        self.infeasible = self.infeasible or infeasible
+        return infeasible
+
     def summary(self) -> dict:
-        return {"target_ms": self.target * 1e3, "margin_ms": self.margin * 1e3, "overloaded": self.overloaded,
+        return {"target_ms": self.target * 1e3, "margin_ms": self.margin * 1e3, "overloaded": self.overloaded, "infeasible": self.infeasible,
                 "overloaded_steps": self.overloaded_steps, "overshoots": self.overshoots, "steps": self.num_steps}
