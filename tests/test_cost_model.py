@@ -39,6 +39,32 @@ def test_recovers_known_coefficients_from_noisy_steps():
     assert counts["<=1.05"] > 0.9 * sum(counts.values())   # 0.3% noise: nearly all within 5%
 
 
+def test_an_offline_model_fits_only_when_read():
+    """Outside tbt_slo_ms mode no fit runs in the step loop: the rows are fitted when summary() reads them."""
+    rng = np.random.default_rng(1)
+    model = CostModel(online=False)
+    for shape in random_shapes(rng, 100):
+        model.add(shape, true_time(shape), model.predict(shape))
+    assert model.num_fits == 0 and not model.fitted
+    assert model.summary()["coefficients"]["decode_attention"] == pytest.approx(TRUE[4])
+    model.summary()
+    assert model.num_fits == 1   # nothing new since: no second fit
+
+
+def test_early_refits_are_rate_limited():
+    """A noisy machine makes most long steps miss their prediction by 20%: refitting on each would put a fit
+    in nearly every step. At most one early refit per EARLY_REFIT_GAP steps."""
+    from minisarathi.engine.cost_model import EARLY_REFIT_GAP
+    rng = np.random.default_rng(2)
+    model = CostModel()
+    for shape in random_shapes(rng, 16):
+        model.add(shape, true_time(shape), model.predict(shape))
+    fits = model.num_fits
+    for k, shape in enumerate(random_shapes(rng, 32)):   # every step 30% over or under: each one "missed"
+        model.add(shape, true_time(shape) * (1.3 if k % 2 else 0.7), model.predict(shape))
+    assert model.num_fits - fits <= 32 // EARLY_REFIT_GAP + 32 // 16
+
+
 def test_coefficients_stay_non_negative():
     rng = np.random.default_rng(1)
     truth = TRUE * [1, 1, 0, 1, 0]      # no cost per decode: noise alone would fit a negative one

@@ -541,6 +541,8 @@ def test_cost_model_recovers_the_step_costs_from_the_engines_own_records(fake_cl
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True))
         for _ in range(3):
             engine.step()
+    assert engine.cost_model.num_fits == 0   # outside tbt_slo_ms mode the steps only collect rows ...
+    engine.stats()                           # ... and reading the fit fits them
     while engine.has_unfinished_requests():
         engine.step()
     engine.cost_model.fit()

@@ -21,7 +21,8 @@ REFIT_EVERY = 16        # steps between refits (a fit over 512 x 5 rows costs ~0
 OUTLIER_MADS = 5.0      # steps further than this many median absolute deviations (relative error) are outliers
 OUTLIER_PASSES = 3      # fits at most per refit
 EARLY_REFIT_SECONDS = 0.01   # a step at least this long ...
-EARLY_REFIT_ERROR = 0.2      # ... that missed its prediction by this share of its time is refitted at once
+EARLY_REFIT_ERROR = 0.2      # ... that missed its prediction by this share of its time is refitted at once,
+EARLY_REFIT_GAP = 4          # ... if at least this many steps came since the last fit (noisy steps miss often)
 # predicted / actual ratios: upper bucket edges of the prediction-error histogram
 ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("inf"))
 
@@ -65,8 +66,11 @@ def step_shape(scheduled) -> StepShape:
 
 
 class CostModel:
-    def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY):
+    def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY, online: bool = True):
+        """online: refit while steps are added (tbt_slo_ms mode sizes the steps with it); False: only collect
+        them and fit when summary() is read, which keeps the fits off the step loop."""
         self.refit_every = refit_every
+        self.online = online
         self._rows = np.zeros((window, len(FEATURES)))   # float64[window, features], a ring
         self._times = np.zeros(window)                   # float64[window] seconds
         self._num_rows = 0                               # rows written since the start
@@ -99,7 +103,9 @@ class CostModel:
             self.error_counts[next(k for k, edge in enumerate(ERROR_BUCKETS) if ratio <= edge)] += 1
         # the first fit as soon as the rows can determine every coefficient, then every refit_every steps, or
         # at once after a long step that missed its prediction by far (the load changed: follow it now)
-        missed = (predicted is not None and seconds >= EARLY_REFIT_SECONDS
+        if not self.online:
+            return
+        missed = (predicted is not None and seconds >= EARLY_REFIT_SECONDS and self._since_fit >= EARLY_REFIT_GAP
                   and abs(seconds - predicted) > EARLY_REFIT_ERROR * seconds)
         if self._since_fit >= self.refit_every or missed or (not self.fitted
                                                              and self._num_rows >= 2 * len(FEATURES)):
@@ -159,6 +165,8 @@ class CostModel:
 
     def summary(self) -> dict:
         """Coefficients by feature name (None before the first fit), fits so far, and the error histogram."""
+        if not self.online and self._since_fit:
+            self.fit()
         coefficients = None if self.coefficients is None else dict(zip(FEATURES, self.coefficients.tolist()))
         return {"coefficients": coefficients, "fits": self.num_fits,
                 "error_histogram": {f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)}}

@@ -74,7 +74,7 @@ class LLMEngine:
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
-        self.cost_model = CostModel()
+        self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
