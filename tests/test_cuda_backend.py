@@ -196,6 +196,30 @@ def test_engine_hybrid_batches_on_emulated_kernels():
     assert tokens == expected
 
 
+def test_a_steps_metadata_goes_up_in_one_copy(monkeypatch):
+    """The batch's arrays travel in one packed copy per step, and no upload repeats per layer: the same step
+    with one layer or all of them makes the same copies, and gives the NumPy backend's logits."""
+    model = build_model(default_model_dir(), cuda_ops.emulated())
+    uploads = []
+    to_device = model.ops.launcher.to_device
+    monkeypatch.setattr(model.ops.launcher, "to_device", lambda a: uploads.append(np.asarray(a).shape) or to_device(a))
+    chunks = [ScheduledChunk([5, 9, 11], 0, [3, 4], True), ScheduledChunk([7], 6, [0, 1], True),
+              ScheduledChunk([8], 2, [2], True)]
+    batch = build_batch(chunks, 4)
+    logits = model.forward(batch, model.new_kv_cache(5, 4))
+    all_layers = list(uploads)
+    packed = sum(-(-a.size // 4) * 4 for a in (batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start,
+                                                 batch.context_lens, batch.block_tables, batch.logits_indices))
+    assert all_layers[0] == (packed,)
+    assert not any(shape == batch.block_tables.shape for shape in all_layers)   # not uploaded on its own
+    uploads.clear()
+    model.layers = model.layers[:1]
+    model.forward(build_batch(chunks, 4), model.new_kv_cache(5, 4))
+    assert uploads == all_layers
+    reference = build_model(default_model_dir(), NumpyOps())
+    np.testing.assert_allclose(logits, reference.forward(batch, reference.new_kv_cache(5, 4)), atol=1e-4)
+
+
 def test_emulated_ops_reject_a_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
         cuda_ops.emulated("int8")

@@ -180,6 +180,7 @@ class CudaOps:
         self.dtype = dtype
         self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
         self._uploads: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
+        self._checked_positions: np.ndarray | None = None   # the positions array rope_store_kv last checked
         self._decode_plans: dict[tuple, tuple[np.ndarray, decode_plan.DecodePlan]] = {}
         self._shared_mem_opt_in: dict[int, int] = {}   # id(kernel) -> dynamic shared memory allowed
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
@@ -226,7 +227,23 @@ class CudaOps:
             return array   # already on the device
         return self._upload_once(array, lambda: np.asarray(array, dtype=dtype))
 
-    def _upload_once(self, source: np.ndarray, make, what: str = ""):
+    def upload_batch(self, batch: Batch) -> None:
+        """A step's int32 metadata in one host-to-device copy instead of one per array: the batch's arrays are
+        packed (each at a 16-byte boundary) into one buffer, and each op then finds its array's device view in
+        the upload cache. Called once per step, before the layers."""
+        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
+                  batch.block_tables, batch.logits_indices]
+        if len(self._uploads) > 32 - len(arrays):   # room for all of them: none is evicted before it is read
+            self._uploads.clear()
+        starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in arrays])     # int32 elements, 16-byte aligned
+        packed = np.zeros(int(starts[-1]), np.int32)                        # int32[sum of padded sizes]
+        for array, start in zip(arrays, starts):
+            packed[start:start + array.size] = array.ravel()
+        device = self.launcher.to_device(packed)
+        for array, start in zip(arrays, starts):
+            self._upload_once(array, lambda: None, view=device[start:start + array.size].reshape(array.shape))
+
+    def _upload_once(self, source: np.ndarray, make, what: str = "", view=None):
         """Device copy of make(), computed once per `source` array and `what` is derived from it. Batch
         arrays are immutable and shared by every layer of a step, so each is uploaded once per step, not
         once per layer."""
@@ -235,7 +252,7 @@ class CudaOps:
             return cached[1]
         if len(self._uploads) >= 32:
             self._uploads.clear()
-        device = self.launcher.to_device(make())
+        device = view if view is not None else self.launcher.to_device(make())
         self._uploads[(id(source), what)] = (source, device)
         return device
 
@@ -309,7 +326,10 @@ class CudaOps:
         if not T:
             return
         if isinstance(positions, np.ndarray):
-            positions = self._upload_once(positions, lambda: _checked_positions(positions, cos_sin.shape[0]))
+            if self._checked_positions is not positions:   # once per step, not once per layer
+                _check_positions(positions, cos_sin.shape[0])
+                self._checked_positions = positions
+            positions = self._metadata(positions)
         items = (Hq + Hk) * D // 2 + Hk * D
         vector = VECTOR_BYTES // q.dtype.itemsize if (D // 2) % (VECTOR_BYTES // q.dtype.itemsize) == 0 else 1
         self._kernel("rope_store_kv.cu", "rope_store_kv_kernel", q)(
@@ -522,12 +542,10 @@ def _aligned(array, what: str):
     return array
 
 
-def _checked_positions(positions: np.ndarray, table_rows: int) -> np.ndarray:
-    positions = np.asarray(positions, dtype=np.int32)
+def _check_positions(positions: np.ndarray, table_rows: int) -> None:
     if len(positions) and (positions.min() < 0 or positions.max() >= table_rows):
         raise ValueError(f"positions must be in [0, {table_rows}) (the RoPE table's rows, max_position_embeddings), "
                          f"got {positions.min()}..{positions.max()}")
-    return positions
 
 
 def _threads(work: int, most: int = 256) -> int:

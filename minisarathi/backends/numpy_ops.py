@@ -31,6 +31,9 @@ class NumpyOps:
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
 
+    def upload_batch(self, batch: Batch) -> None:
+        """Nothing to do: the batch's arrays are already where this backend computes."""
+
     def constant(self, array: np.ndarray) -> np.ndarray:
         return np.asarray(array, dtype=np.float32)
 

@@ -90,6 +90,7 @@ class LlamaModel:
         ops, c = self.ops, self.config
         T, D = batch.num_tokens, c.head_dim
         q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
+        ops.upload_batch(batch)   # one host-to-device copy of the step's metadata, read by every layer
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)  # [T, H]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
