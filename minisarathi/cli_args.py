@@ -54,6 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     g.add_argument("--priority-aging-s", type=float, default=d.priority_aging_s,
                    help=f"a request of priority p is queued as if it arrived p x this many seconds later "
                         f"(default {d.priority_aging_s:g})")
+    g.add_argument("--blas-threads", type=int, default=d.blas_threads,
+                   help="BLAS threads (default: the CPUs idle at start-up, at least 1)")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:

@@ -48,6 +48,9 @@ class EngineConfig:
     # pip install 'minisarathi[mpi]'); the ranks must answer each step within rank_timeout_s or are stopped
     tensor_parallel_size: int = 1
     rank_timeout_s: float = 120.0
+    # BLAS threads of the process (the NumPy backend's matmuls, the sampler). None: the CPUs other processes
+    # leave idle at start-up, at least 1 (minisarathi/backends/cpu_setup.py).
+    blas_threads: int | None = None
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -57,7 +60,7 @@ class EngineConfig:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         fair = ("max_partial_prefills", "long_prefill_threshold", "max_long_partial_prefills")
-        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", *fair)   # None: derived or off
+        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "blas_threads", *fair)   # None: derived or off
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):
             if getattr(self, name) is not None or name not in optional:
                 check_int(name, getattr(self, name), lo=1)

@@ -7,20 +7,29 @@ from __future__ import annotations
 
 import numpy as np
 
+from minisarathi.backends import numpy_attention
+from minisarathi.backends.numpy_attention import AttentionPlan, GatherBuffers
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
-# Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
-# (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
-QUERY_TILE = 128
-_CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
-
 
 class NumpyOps:
-    """The Backend interface (minisarathi/backends/base.py) on the CPU."""
+    """The Backend interface (minisarathi/backends/base.py) on the CPU.
+
+    Every layer of a forward pass sees the same batch, so what the ops derive from the batch alone (RoPE's
+    cos/sin, the cache slots, attention's tile indices and padding mask) is computed by the first layer and
+    kept until the batch changes; at small models each NumPy call costs as much as the arithmetic. An
+    instance serves one forward at a time.
+    """
 
     device = "cpu"
     activation_dtype = np.dtype(np.float32)   # of activations and the KV cache
+
+    def __init__(self):
+        self._rope_tables = (None, None, None)      # (positions, inv_freq, (cos, sin)) of the last rope call
+        self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
+        self._attention_plan: AttentionPlan | None = None
+        self._gather_buffers = GatherBuffers()
 
     def free_memory_bytes(self) -> None:
         return None   # host memory: the engine uses its CPU default for the KV cache
@@ -67,10 +76,15 @@ class NumpyOps:
     def store_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
         """Scatters token t's k[t], v[t] into slot slot_mapping[t]; a negative slot is padding, not stored."""
-        stored = slot_mapping >= 0
-        if not stored.all():
-            k, v, slot_mapping = k[stored], v[stored], slot_mapping[stored]
-        blocks, offsets = np.divmod(slot_mapping, k_cache.shape[2])
+        block_size = k_cache.shape[2]
+        last_slot_mapping, last_block_size, stored, blocks, offsets = self._slots
+        if slot_mapping is not last_slot_mapping or block_size != last_block_size:
+            stored = slot_mapping >= 0
+            stored = None if stored.all() else stored       # None: every token is stored
+            blocks, offsets = np.divmod(slot_mapping if stored is None else slot_mapping[stored], block_size)
+            self._slots = slot_mapping, block_size, stored, blocks, offsets
+        if stored is not None:
+            k, v = k[stored], v[stored]
         # Caches are [num_blocks, Hk, block_size, D]; indexing axes 0 and 2 selects [T, Hk, D].
         k_cache[blocks, :, offsets] = k
         v_cache[blocks, :, offsets] = v
@@ -81,26 +95,13 @@ class NumpyOps:
 
         Single-token runs (decodes) are done together, padded to the longest context (the padding reads
         block-table entries past a context and masks them out, so the cache must hold finite numbers, as
-        zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. GQA never
-        copies K/V per query head: queries are grouped as [Hk, G] and the G queries of a KV head share its
-        keys in one product.
+        zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. How: see
+        minisarathi/backends/numpy_attention.py.
         """
-        T, Hq, D = q.shape
-        Hk = k_cache.shape[1]
-        G = Hq // Hk
-        q = (q * np.float32(scale)).reshape(T, Hk, G, D)
-        out = np.empty((T, Hk, G, D), dtype=np.float32)
-        q_lens = np.diff(batch.query_start)
-        decodes = np.flatnonzero(q_lens == 1)
-        if len(decodes):
-            rows = batch.query_start[decodes]
-            out[rows] = _decode_attention(q[rows], k_cache, v_cache, batch.block_tables[decodes],
-                                          batch.context_lens[decodes])
-        for s in np.flatnonzero(q_lens > 1):
-            start, end = batch.query_start[s], batch.query_start[s + 1]
-            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, batch.block_tables[s],
-                                                int(batch.context_lens[s]))
-        return out.reshape(T, Hq, D)
+        plan = self._attention_plan
+        if plan is None or not plan.describes(batch, k_cache):
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape[1:])
+        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale)
 
     def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
@@ -136,53 +137,3 @@ class NumpyOps:
         np.divide(gate, out, out=out)
         out *= up
         return out
-
-
-def _prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
-                       context_len: int) -> np.ndarray:
-    q_len, Hk, _, D = q.shape
-    history = context_len - q_len  # keys every query of the chunk sees
-    blocks = block_table[:-(-context_len // k_cache.shape[2])]
-    # One sequence's blocks laid out as [Hk, n, D]: each head's keys one matrix for the matmuls.
-    k = np.take(k_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
-    v = np.take(v_cache, blocks, axis=0).transpose(1, 0, 2, 3).reshape(Hk, 1, -1, D)[:, :, :context_len]
-    out = np.empty_like(q)  # float32[q, Hk, G, D]
-    for start in range(0, q_len, QUERY_TILE):
-        end = min(start + QUERY_TILE, q_len)
-        visible = history + end
-        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].transpose(0, 1, 3, 2)  # [Hk, G, t, visible]
-        scores[..., history + start:] += _CAUSAL_TILE[:end - start, :end - start]
-        denominator = _exp_in_place(scores)
-        tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
-        tile /= denominator
-        out[start:end] = tile.transpose(2, 0, 1, 3)
-    return out
-
-
-def _decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                      context_lens: np.ndarray) -> np.ndarray:
-    S, Hk, G, D = q.shape
-    block_size = k_cache.shape[2]
-    num_blocks = -(-int(context_lens.max()) // block_size)
-    n = num_blocks * block_size
-    # Whole blocks are the cheapest gather (one contiguous [Hk, bs, D] run each), so the products are
-    # taken block by block and only the small scores array is reordered for the softmax.
-    k = np.take(k_cache, block_tables[:, :num_blocks], axis=0)  # float32[S, nb, Hk, bs, D]
-    v = np.take(v_cache, block_tables[:, :num_blocks], axis=0)
-    scores = q[:, None] @ k.swapaxes(-1, -2)  # float32[S, nb, Hk, G, bs]
-    scores = scores.transpose(0, 2, 3, 1, 4).reshape(S, Hk, G, n)
-    padding = np.arange(n) >= context_lens[:, None]  # bool[S, n]: keys past each context
-    scores += np.where(padding, np.float32(-np.inf), np.float32(0))[:, None, None, :]
-    denominator = _exp_in_place(scores)
-    probs = scores.reshape(S, Hk, G, num_blocks, block_size).transpose(0, 3, 1, 2, 4)  # [S, nb, Hk, G, bs]
-    out = (probs @ v).sum(axis=1)  # float32[S, Hk, G, D]
-    out /= denominator
-    return out
-
-
-def _exp_in_place(scores: np.ndarray) -> np.ndarray:
-    """The softmax numerator over the last axis, in place; returns the denominator, which is applied
-    after the product with V (on D numbers per row instead of n)."""
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    return scores.sum(axis=-1, keepdims=True)

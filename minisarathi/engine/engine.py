@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from numbers import Integral
 from pathlib import Path
 
+from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager
@@ -27,6 +29,8 @@ from minisarathi.validation import PRIORITY_RANGE, check_float, check_int
 
 CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
 GPU_KV_CACHE_FRACTION = 0.9      # of the device memory free after the weights: the rest is for activations
+
+log = logging.getLogger("minisarathi.engine")
 
 
 def kv_cache_budget(config: EngineConfig, model) -> int:
@@ -54,6 +58,9 @@ class LLMEngine:
         config = dataclasses.replace(config, **options) if config else EngineConfig(**options)
         path = Path(model) if model is not None else default_model_dir()
         self.config = config
+        # Process-wide, before any matmul: BLAS threads (config.blas_threads) and the allocator.
+        self.cpu_setup = configure_cpu(config.blas_threads)
+        log.info("%s", self.cpu_setup.describe())
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.model = load_engine_model(path, config)
         self.model_config = self.model.config

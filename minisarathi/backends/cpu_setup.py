@@ -1,0 +1,78 @@
+"""How the process is set up for NumPy work: the BLAS thread count and the allocator's thresholds.
+
+BLAS threads: OpenBLAS starts one thread per CPU, and its threads spin and wait for each other at every
+matmul. On a machine whose CPUs are busy with other processes that collapses: on the 2-core VM with a second
+job running, the tiny model's offline burst ran at 294-947 tok/s with two threads against 1580-1700 with one
+(1.4x faster with two when the machine was idle; docs/performance.md). So the default ("auto", None) gives
+BLAS the CPUs that are idle when the engine starts: the CPUs this process may run on minus the 1-minute load
+average, at least one. blas_threads=N sets N. Choosing needs threadpoolctl (the `cpu` extra); without it
+the BLAS library keeps its own default and the log says so.
+
+Allocator: glibc serves every allocation above 128 KiB with a fresh mmap and gives freed memory back at once,
+so each step's large temporaries (a layer's activations, the gathered K/V) are page-faulted in again, step
+after step: that was 40% of a decode step of the bundled model. Keeping allocations up to 32 MiB on the
+heap and freed memory in the process (up to 256 MiB) removes those faults; other allocators are left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from dataclasses import dataclass
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 32 << 20                   # the largest glibc accepts on 64-bit
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+@dataclass
+class CpuSetup:
+    blas_threads: int | None      # the BLAS thread count in force; None where no BLAS library could be set
+    how: str                      # why that count, for the startup log
+    allocator_tuned: bool
+
+    def describe(self) -> str:
+        threads = "library default" if self.blas_threads is None else str(self.blas_threads)
+        return (f"BLAS threads: {threads} ({self.how}); "
+                f"allocator: {'glibc thresholds raised' if self.allocator_tuned else 'unchanged'}")
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def auto_blas_threads() -> tuple[int, str]:
+    """The CPUs left idle by other processes (1-minute load average), at least 1."""
+    cpus = available_cpus()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = max(1, min(cpus, int(cpus - load + 0.5)))
+    return threads, f"auto: {cpus} CPUs, load average {load:.2f}"
+
+
+def set_blas_threads(threads: int) -> bool:
+    """Limit every BLAS library loaded in the process to `threads`; False when threadpoolctl is missing."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return False
+    ThreadpoolController().limit(limits=threads, user_api="blas")
+    return True
+
+
+def tune_allocator() -> bool:
+    """Raise glibc's mmap and trim thresholds (see the module docstring); False on other C libraries."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def configure_cpu(blas_threads: int | None) -> CpuSetup:
+    """Apply EngineConfig.blas_threads (None: auto) and the allocator thresholds to this process."""
+    threads, how = (blas_threads, "set") if blas_threads is not None else auto_blas_threads()
+    if not set_blas_threads(threads):
+        threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
+        if blas_threads is not None:
+            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: pip install 'minisarathi[cpu]'")
+    return CpuSetup(threads, how, tune_allocator())
