@@ -22,7 +22,7 @@ class LLM:
         """One finished RequestOutput per prompt, in prompt order. Every prompt is checked before any runs.
         priority: one for all prompts or one per prompt; lower runs first."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, Integral) for t in prompts)):
+                                        and all(type(t) is int or isinstance(t, Integral) for t in prompts)):
             prompts = [prompts]      # one prompt: a text or a list of token ids
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a str, a list of token ids, or a list of those")

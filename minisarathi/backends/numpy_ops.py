@@ -26,7 +26,7 @@ class NumpyOps:
     activation_dtype = np.dtype(np.float32)   # of activations and the KV cache
 
     def __init__(self):
-        self._rope_tables = (None, None, None)      # (positions, inv_freq, (cos, sin)) of the last rope call
+        self._rope_tables = (None, None, None)      # (positions, cos_sin, per-column tables) of the last call
         self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
@@ -107,18 +107,35 @@ class NumpyOps:
                       positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
         """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
         (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
-        pairs are (i, i + D/2) as in HF's rotate_half."""
-        half = q.shape[2] // 2
-        table = cos_sin[positions]                                   # float32[T, D]
-        cos, sin = table[:, None, :half], table[:, None, half:]
-        q1, q2 = q[..., :half], q[..., half:]
-        rotated_q1 = q1 * cos - q2 * sin
-        q2 *= cos
-        q2 += q1 * sin
-        q1[...] = rotated_q1
-        k1, k2 = k[..., :half], k[..., half:]
-        rotated_k = np.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=2)   # float32[T, Hk, D]
-        self.store_kv(rotated_k, v, k_cache, v_cache, slot_mapping)
+        pairs are (i, i + D/2) as in HF's rotate_half.
+
+        Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid out
+        per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with long
+        inner loops rather than many with loops of D/2 numbers, bit for bit the same results."""
+        T, _, D = q.shape
+        heads = max(q.shape[1], k.shape[1])
+        last_positions, last_cos_sin, tables = self._rope_tables
+        if positions is not last_positions or cos_sin is not last_cos_sin or tables[0].shape[1] < heads * D:
+            table = cos_sin[positions]                                       # float32[T, D]: cos | sin
+            cos, sin = table[:, :D // 2], table[:, D // 2:]
+            tables = (np.tile(np.concatenate([cos, cos], axis=1), heads),    # float32[T, heads * D]
+                      np.tile(np.concatenate([-sin, sin], axis=1), heads),
+                      # rotate_half's source column for each column: the other half of the same head
+                      np.arange(heads * D).reshape(heads, 2, D // 2)[:, ::-1].ravel())
+            self._rope_tables = positions, cos_sin, tables
+        q[...] = self._rotated(q, tables)
+        self.store_kv(self._rotated(k, tables), v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def _rotated(x: np.ndarray, tables) -> np.ndarray:
+        """float32[T, H, D]: x[T, H, D] rotated with the per-column tables of rope_store_kv."""
+        cos_rows, sin_rows, partner = tables
+        T, H, D = x.shape
+        rows = x.reshape(T, H * D)
+        rotated = np.take(rows, partner[:H * D], axis=1)    # rotate_half(x)
+        rotated *= sin_rows[:, :H * D]
+        rotated += rows * cos_rows[:, :H * D]
+        return rotated.reshape(T, H, D)
 
     def copy_blocks(self, kv_cache: list[tuple[np.ndarray, np.ndarray]], sources: list[int],
                     destinations: list[int]) -> None:

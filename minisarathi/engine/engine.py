@@ -119,7 +119,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
+        # type(t) is int first: the ABC check alone costs ~1 us a token (7% of a burst's time at stories260K)
+        elif isinstance(prompt, (list, tuple)) and all(type(t) is int or (isinstance(t, Integral)
+                                                                          and not isinstance(t, bool))
                                                         for t in prompt):
             text, ids = None, [int(t) for t in prompt]
         else:

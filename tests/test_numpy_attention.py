@@ -1,0 +1,56 @@
+"""The NumPy backend's paged attention: decode groups and per-batch plans change nothing but speed.
+(Exactness against a float64 dense reference: tests/test_model.py::test_paged_attention_matches_dense_float64.)"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from minisarathi.backends import numpy_attention
+from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.testing import ScheduledChunk, build_batch
+
+Hq, Hk, D, BLOCK_SIZE = 8, 2, 16, 4
+
+
+def case(seed: int, runs):
+    """A batch of (history, new tokens) runs over blocks scattered in a pool, its caches and queries."""
+    rng = np.random.default_rng(seed)
+    needs = [-(-(h + n) // BLOCK_SIZE) for h, n in runs]
+    pool = rng.permutation(sum(needs) + 3).tolist()
+    batch = build_batch([ScheduledChunk([0] * n, h, [pool.pop() for _ in range(need)], True)
+                         for (h, n), need in zip(runs, needs)], BLOCK_SIZE)
+    shape = (sum(needs) + 3, Hk, BLOCK_SIZE, D)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32)
+    return batch, q, k_cache, v_cache
+
+
+DECODES_FIRST = [(9, 1), (30, 1), (0, 1), (17, 1), (3, 1), (12, 6), (0, 9)]
+DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN])
+@pytest.mark.parametrize("group_bytes", [1, 2 * Hk * 32 * D * 4 * 2, 1 << 30])   # 1 sequence, 2, all
+def test_decode_groups_give_the_same_output(monkeypatch, runs, group_bytes):
+    batch, q, k_cache, v_cache = case(1, runs)
+    whole = NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
+    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", group_bytes)
+    grouped = NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
+    np.testing.assert_array_equal(grouped, whole)
+
+
+def test_a_plan_serves_only_its_batch():
+    """One backend over batches that follow each other (as engine steps do), against a fresh one for each."""
+    ops = NumpyOps()
+    for seed, runs in enumerate([DECODES_FIRST, DECODES_BETWEEN, DECODES_FIRST[:3], [(40, 1), (5, 1)]]):
+        batch, q, k_cache, v_cache = case(seed, runs)
+        for step_batch in (batch, dataclasses.replace(batch, context_lens=batch.context_lens.copy())):
+            got = ops.paged_attention(q, k_cache, v_cache, step_batch, 0.3)
+            np.testing.assert_array_equal(got, NumpyOps().paged_attention(q, k_cache, v_cache, step_batch, 0.3))
+        # the same batch object with an array replaced is another batch: shorter decode contexts here
+        shorter = batch.context_lens - (np.diff(batch.query_start) == 1) * (batch.context_lens > 1)
+        before = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+        batch.context_lens = shorter
+        after = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+        np.testing.assert_array_equal(after, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        assert not np.array_equal(after, before)
