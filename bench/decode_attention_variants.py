@@ -5,21 +5,24 @@
 
 Every variant computes the same float32[S, Hk, G, D] for S decoding sequences whose blocks are scattered
 over a shuffled pool of [num_blocks, Hk, block_size, D] caches; all are checked against the first before
-timing, then timed in turns (best of --repeats, CPU time of this thread: BLAS runs on one thread here) so
+timing, then timed in turns (best of --repeats, CPU time of this thread, one BLAS thread, the process set up as
+the engine sets it up) so
 that load from other processes falls on all alike. A step is NUM_LAYERS calls on one batch. The last
-variant is the backend's (NumpyOps.paged_attention: per-batch plan, reused buffers, decodes in groups whose
-K/V fit DECODE_GROUP_BYTES). Prints one JSON line per shape and variant.
+variants are the backend's (NumpyOps.store_kv of one token per sequence, then paged_attention, per layer):
+on its first step (everything copied) and on the steps after (decode K/V kept; only the blocks written
+since are copied again). Prints one JSON line per shape and variant.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
+from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
@@ -114,22 +117,20 @@ def head_major_einsum(q, k_cache, v_cache, tables, context_lens, plan=None):
 
 
 def main():
-    with threadpool_limits(1, "blas"):   # thread CPU time then counts all the work
-        run()
-
-
-def run():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
+    print(configure_cpu(1).describe(), file=sys.stderr)   # as the engine; one thread: its CPU time is the work
     for name in args.shapes.split(","):
         Hk, G, D, S, context = SHAPES[name]
         rng = np.random.default_rng(0)
         nb = -(-context // BLOCK_SIZE)
         num_blocks = S * nb + 7
-        k_cache = rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D), dtype=np.float32)
-        v_cache = rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D), dtype=np.float32)
+        # one (k_cache, v_cache) per layer, as in a model
+        caches = [tuple(rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D), dtype=np.float32) for _ in range(2))
+                  for _ in range(NUM_LAYERS)]
+        k_cache, v_cache = caches[0]
         tables = rng.permutation(num_blocks)[:S * nb].reshape(S, nb).astype(np.int32)
         context_lens = rng.integers(context - 2 * BLOCK_SIZE, context + 1, S).astype(np.int32)
         batch = build_batch([ScheduledChunk([5], int(n) - 1, t.tolist(), True) for n, t in zip(context_lens, tables)],
@@ -140,14 +141,21 @@ def run():
         def per_step(fn, planned=False, **kw):
             def run():
                 plan = Plan(k_cache, tables, context_lens) if planned else None
-                for _ in range(NUM_LAYERS):
-                    fn(*args_, plan=plan, **kw) if planned else fn(*args_, **kw)
+                for k, v in caches:
+                    fn(q, k, v, tables, context_lens, plan=plan, **kw) if planned else \
+                        fn(q, k, v, tables, context_lens, **kw)
             return run
 
-        def backend_step():
-            ops, step_batch = NumpyOps(), dataclasses.replace(batch)   # a new batch: the plan is made again
-            for _ in range(NUM_LAYERS):
-                ops.paged_attention(q.reshape(S, Hk * G, D), k_cache, v_cache, step_batch, 1.0)
+        new_token = rng.standard_normal((S, Hk, D), dtype=np.float32)
+        kept_ops = NumpyOps()
+
+        def backend_step(ops=None):
+            """A decode step: every layer writes one token per sequence (store_kv), then attends.
+            ops None: a fresh backend (all K/V copied); else the same one from step to step (K/V kept)."""
+            ops, step_batch = ops or NumpyOps(), dataclasses.replace(batch)   # a new batch: a new plan
+            for k, v in caches:
+                ops.store_kv(new_token, new_token, k, v, step_batch.slot_mapping)
+                ops.paged_attention(q.reshape(S, Hk * G, D), k, v, step_batch, 1.0)
         variants = {
             "blockwise (original)": (blockwise, {}, False),
             "head-major gather": (head_major, {}, False),
@@ -161,8 +169,9 @@ def run():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=label)
         got = NumpyOps().paged_attention(q.reshape(S, Hk * G, D), k_cache, v_cache, batch, 1.0)
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6, err_msg="backend")
-        fns = [per_step(fn, planned, **kw) for fn, kw, planned in variants.values()] + [backend_step]
-        labels = [*variants, "backend (plan, buffers, grouped)"]
+        fns = [per_step(fn, planned, **kw) for fn, kw, planned in variants.values()]
+        fns += [backend_step, lambda: backend_step(kept_ops)]
+        labels = [*variants, "backend, first step", "backend, next steps"]
         for fn in fns:
             fn()
         best = [float("inf")] * len(fns)

@@ -32,10 +32,12 @@ DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1)]
 @pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN])
 @pytest.mark.parametrize("group_bytes", [1, 2 * Hk * 32 * D * 4 * 2, 1 << 30])   # 1 sequence, 2, all
 def test_decode_groups_give_the_same_output(monkeypatch, runs, group_bytes):
+    """Decodes gathered group by group each step (the path when their K/V is not kept across steps)."""
     batch, q, k_cache, v_cache = case(1, runs)
     whole = NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
     monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", group_bytes)
-    grouped = NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
+    plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
+    grouped = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.25)
     np.testing.assert_array_equal(grouped, whole)
 
 
@@ -54,3 +56,38 @@ def test_a_plan_serves_only_its_batch():
         after = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
         np.testing.assert_array_equal(after, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
         assert not np.array_equal(after, before)
+
+
+def test_kept_decode_kv_follows_every_write_and_batch_change():
+    """Engine-like steps with one backend: decodes write their token (store_kv) then attend; sequences
+    finish and new ones take their freed blocks (written anew through store_kv). Each step's output must
+    equal a fresh backend's, which copies everything."""
+    rng = np.random.default_rng(7)
+    num_blocks = 48
+    k_cache, v_cache = (rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D)).astype(np.float32) for _ in range(2))
+    free = list(rng.permutation(num_blocks))
+    seqs = []      # [length in the cache, blocks]
+
+    def admit(length):
+        blocks = [free.pop() for _ in range(-(-(length + 15) // BLOCK_SIZE))]   # room for 15 decodes
+        prompt = build_batch([ScheduledChunk([0] * length, 0, blocks, True)], BLOCK_SIZE)
+        kv = rng.standard_normal((length, Hk, D)).astype(np.float32)
+        ops.store_kv(kv, -kv, k_cache, v_cache, prompt.slot_mapping)
+        seqs.append([length, blocks])
+
+    ops = NumpyOps()
+    for length in (5, 13, 2, 9):
+        admit(length)
+    for step in range(14):
+        if step in (4, 9):                 # the second sequence finishes; a new one reuses its blocks
+            _, blocks = seqs.pop(1)
+            free.extend(blocks[::-1])
+            admit(int(rng.integers(1, 12)))
+        batch = build_batch([ScheduledChunk([0], n, blocks, True) for n, blocks in seqs], BLOCK_SIZE)
+        kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
+        ops.store_kv(kv, kv * 2, k_cache, v_cache, batch.slot_mapping)
+        q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
+        np.testing.assert_array_equal(ops.paged_attention(q, k_cache, v_cache, batch, 0.3),
+                                      NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        for s in seqs:
+            s[0] += 1

@@ -34,9 +34,9 @@ def cache_tiles(block_table: np.ndarray, num_kv_heads: int) -> np.ndarray:
 class AttentionPlan:
     """Per batch, for every layer alike: which rows decode, which tiles each run reads, the decode padding."""
 
-    def __init__(self, batch: Batch, num_kv_heads: int, block_size: int, head_dim: int):
+    def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int):
         self.batch = batch
-        self.cache_shape = (num_kv_heads, block_size, head_dim)
+        self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
         q_lens = np.diff(batch.query_start)
         decodes = np.flatnonzero(q_lens == 1)
@@ -44,17 +44,21 @@ class AttentionPlan:
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
         self.decode_rows = slice(0, len(decodes)) if first_are_decodes else batch.query_start[decodes]
         self.num_decodes = len(decodes)
+        self.keeps_decode_kv = False
         if self.num_decodes:
             context_lens = batch.context_lens[decodes]
-            num_blocks = -(-int(context_lens.max()) // block_size)
-            n = num_blocks * block_size
-            self.decode_tiles = cache_tiles(batch.block_tables[decodes, :num_blocks], num_kv_heads).ravel()
+            blocks_per_seq = -(-int(context_lens.max()) // block_size)
+            n = blocks_per_seq * block_size
+            self.decode_tiles = cache_tiles(batch.block_tables[decodes, :blocks_per_seq], num_kv_heads).ravel()
             self.decode_keys = n
             self.decode_group = max(1, DECODE_GROUP_BYTES // (2 * num_kv_heads * n * head_dim * 4))
             # float32[S, 1, 1, n]: -inf on the keys past each context (padding reads whatever the
             # block-table entries past a context name, so the cache must hold finite numbers)
             self.decode_mask = np.where(np.arange(n) >= context_lens[:, None], np.float32(-np.inf),
                                         np.float32(0))[:, None, None, :]
+            # Decode K/V is kept across steps (DecodeKV) while its padded tiles are no more than the pool
+            # holds, so the copy costs at most the KV cache's memory again; past that, groups are gathered.
+            self.keeps_decode_kv = len(self.decode_tiles) <= num_blocks * num_kv_heads
         self.prefills = []    # (first row, last row + 1, tiles, context length) per longer run
         for s in np.flatnonzero(q_lens > 1).tolist():
             context_len = int(batch.context_lens[s])
@@ -65,7 +69,7 @@ class AttentionPlan:
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
         """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like k_cache."""
-        return (batch is self.batch and k_cache.shape[1:] == self.cache_shape
+        return (batch is self.batch and k_cache.shape == self.cache_shape
                 and all(a is b for a, b in zip(self._arrays, (batch.query_start, batch.context_lens,
                                                                batch.block_tables))))
 
@@ -90,8 +94,50 @@ class GatherBuffers:
         return k, v
 
 
+class DecodeKV:
+    """One layer's decode K/V tiles, kept gathered from one step to the next: a step re-copies only the tiles
+    that changed (a block written since it was copied, or another tile at that place: the decode batch
+    changed), typically each sequence's last block. The cache must be written only through
+    NumpyOps.store_kv, which reports the blocks it writes (written()). Costs memory: a second copy of the
+    decode batch's K/V, at most the KV pool's size."""
+
+    def __init__(self, k_cache: np.ndarray):
+        num_blocks, _, block_size, D = k_cache.shape
+        self._clock = 0                                         # counts this layer's store_kv calls
+        self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
+        self._tiles = np.empty(0, np.int64)                     # the tile each entry holds (-1: none)
+        self._copied = np.empty(0, np.int64)                    # the clock when each entry was copied
+        self._k = self._v = np.empty((0, block_size, D), np.float32)
+
+    def written(self, blocks: np.ndarray) -> None:
+        self._clock += 1
+        self._block_written[blocks] = self._clock
+
+    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32[len(tiles), block_size, D] each: the K and V tiles (valid until the next call)."""
+        num_blocks, Hk, block_size, D = k_cache.shape
+        m = len(tiles)
+        if len(self._tiles) < m:      # grow by a quarter at least (contexts grow), to the pool's size at most
+            size = min(max(m, len(self._tiles) * 5 // 4), num_blocks * Hk)
+            self._tiles, self._copied = np.full(size, -1, np.int64), np.zeros(size, np.int64)
+            self._k, self._v = (np.empty((size, block_size, D), np.float32) for _ in range(2))
+        stale = np.flatnonzero((self._tiles[:m] != tiles) | (self._block_written[tiles // Hk] > self._copied[:m]))
+        k, v = self._k[:m], self._v[:m]
+        k_tiles, v_tiles = k_cache.reshape(num_blocks * Hk, block_size, D), v_cache.reshape(num_blocks * Hk, block_size, D)
+        if len(stale) == m:
+            # mode="clip": with out=, the default "raise" copies through a temporary; the indices are valid
+            np.take(k_tiles, tiles, axis=0, out=k, mode="clip")
+            np.take(v_tiles, tiles, axis=0, out=v, mode="clip")
+        elif len(stale):
+            k[stale] = k_tiles[tiles[stale]]
+            v[stale] = v_tiles[tiles[stale]]
+        self._tiles[:m] = tiles
+        self._copied[stale] = self._clock
+        return k, v
+
+
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,
-                    buffers: GatherBuffers, scale: float) -> np.ndarray:
+                    buffers: GatherBuffers, scale: float, decode_kv: DecodeKV | None = None) -> np.ndarray:
     """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
     Single-token runs (decodes) are done together, padded to the longest context; longer runs (prefill chunks)
@@ -107,10 +153,14 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
         q_decode = q[plan.decode_rows]                        # float32[S, Hk, G, D]
         out_decode = out[plan.decode_rows] if isinstance(plan.decode_rows, slice) else np.empty_like(q_decode)
         tiles_per_seq = len(plan.decode_tiles) // plan.num_decodes
-        for first in range(0, plan.num_decodes, plan.decode_group):
-            rows = slice(first, min(first + plan.decode_group, plan.num_decodes))
-            k, v = buffers.gather(k_cache, v_cache, plan.decode_tiles[rows.start * tiles_per_seq:
-                                                                      rows.stop * tiles_per_seq])
+        if decode_kv is not None:
+            kept = decode_kv.gather(k_cache, v_cache, plan.decode_tiles)
+        group = plan.num_decodes if decode_kv is not None else plan.decode_group
+        for first in range(0, plan.num_decodes, group):
+            rows = slice(first, min(first + group, plan.num_decodes))
+            entries = slice(rows.start * tiles_per_seq, rows.stop * tiles_per_seq)
+            k, v = (kept[0][entries], kept[1][entries]) if decode_kv is not None else \
+                buffers.gather(k_cache, v_cache, plan.decode_tiles[entries])
             k, v = k.reshape(-1, Hk, plan.decode_keys, D), v.reshape(-1, Hk, plan.decode_keys, D)
             scores = q_decode[rows] @ k.swapaxes(-1, -2)      # float32[s, Hk, G, n]
             scores += plan.decode_mask[rows]

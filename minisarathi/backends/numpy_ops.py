@@ -5,10 +5,12 @@ reads as a transposed operand without a copy.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from minisarathi.backends import numpy_attention
-from minisarathi.backends.numpy_attention import AttentionPlan, GatherBuffers
+from minisarathi.backends.numpy_attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
@@ -30,6 +32,7 @@ class NumpyOps:
         self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
+        self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
 
     def free_memory_bytes(self) -> None:
         return None   # host memory: the engine uses its CPU default for the KV cache
@@ -85,6 +88,9 @@ class NumpyOps:
             self._slots = slot_mapping, block_size, stored, blocks, offsets
         if stored is not None:
             k, v = k[stored], v[stored]
+        kept = self._decode_kv.get(id(k_cache))
+        if kept is not None and kept[0]() is k_cache:
+            kept[1].written(blocks)
         # Caches are [num_blocks, Hk, block_size, D]; indexing axes 0 and 2 selects [T, Hk, D].
         k_cache[blocks, :, offsets] = k
         v_cache[blocks, :, offsets] = v
@@ -100,8 +106,16 @@ class NumpyOps:
         """
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape[1:])
-        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale)
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape)
+        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
+                                               self._layer_decode_kv(k_cache) if plan.keeps_decode_kv else None)
+
+    def _layer_decode_kv(self, k_cache: np.ndarray) -> DecodeKV:
+        kept = self._decode_kv.get(id(k_cache))
+        if kept is None or kept[0]() is not k_cache:
+            kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache)
+            weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
+        return kept[1]
 
     def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
