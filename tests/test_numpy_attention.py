@@ -58,10 +58,12 @@ def test_a_plan_serves_only_its_batch():
         assert not np.array_equal(after, before)
 
 
-def test_kept_decode_kv_follows_every_write_and_batch_change():
+def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     """Engine-like steps with one backend: decodes write their token (store_kv) then attend; sequences
-    finish and new ones take their freed blocks (written anew through store_kv). Each step's output must
-    equal a fresh backend's, which copies everything."""
+    finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
+    block. Each step's output must equal a fresh backend's, which copies everything."""
+    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
+    kept_steps = 0
     rng = np.random.default_rng(7)
     num_blocks = 48
     k_cache, v_cache = (rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D)).astype(np.float32) for _ in range(2))
@@ -83,11 +85,15 @@ def test_kept_decode_kv_follows_every_write_and_batch_change():
             _, blocks = seqs.pop(1)
             free.extend(blocks[::-1])
             admit(int(rng.integers(1, 12)))
+        if step in (6, 11):                # copy-on-write: a block of the first sequence is overwritten
+            ops.copy_blocks([(k_cache, v_cache)], [seqs[-1][1][0]], [seqs[0][1][0]])
         batch = build_batch([ScheduledChunk([0], n, blocks, True) for n, blocks in seqs], BLOCK_SIZE)
         kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
         ops.store_kv(kv, kv * 2, k_cache, v_cache, batch.slot_mapping)
         q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
+        kept_steps += numpy_attention.AttentionPlan(batch, *k_cache.shape).keeps_decode_kv
         np.testing.assert_array_equal(ops.paged_attention(q, k_cache, v_cache, batch, 0.3),
                                       NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
         for s in seqs:
             s[0] += 1
+    assert kept_steps == 14

@@ -7,7 +7,9 @@ then come from one batched matmul, [S, Hk, G, D] @ [S, Hk, D, n], and need no re
 
 What every layer of a step shares (the tile indices, the padding mask) is computed once per batch
 (AttentionPlan), and the gathered tiles land in buffers that live across layers and steps (GatherBuffers):
-a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself.
+a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. Decode K/V too large to
+stay in the CPU's cache between the gather and the products is kept from one step to the next instead
+(DecodeKV): a step then copies only what was written since, typically each sequence's last block.
 """
 from __future__ import annotations
 
@@ -56,9 +58,13 @@ class AttentionPlan:
             # block-table entries past a context name, so the cache must hold finite numbers)
             self.decode_mask = np.where(np.arange(n) >= context_lens[:, None], np.float32(-np.inf),
                                         np.float32(0))[:, None, None, :]
-            # Decode K/V is kept across steps (DecodeKV) while its padded tiles are no more than the pool
-            # holds, so the copy costs at most the KV cache's memory again; past that, groups are gathered.
-            self.keeps_decode_kv = len(self.decode_tiles) <= num_blocks * num_kv_heads
+            # Decode K/V that fits one group is gathered again each step: it stays in the cache for the
+            # products, and is cheaper in NumPy calls than finding what changed. Larger, it is kept across
+            # steps (DecodeKV) while its padded tiles are no more than the pool holds (the copy then costs
+            # at most the KV cache's memory again); past that, it is gathered group by group.
+            decode_bytes = 2 * len(self.decode_tiles) * block_size * head_dim * 4
+            self.keeps_decode_kv = (DECODE_GROUP_BYTES < decode_bytes
+                                    and len(self.decode_tiles) <= num_blocks * num_kv_heads)
         self.prefills = []    # (first row, last row + 1, tiles, context length) per longer run
         for s in np.flatnonzero(q_lens > 1).tolist():
             context_len = int(batch.context_lens[s])
@@ -123,7 +129,8 @@ class DecodeKV:
             self._k, self._v = (np.empty((size, block_size, D), np.float32) for _ in range(2))
         stale = np.flatnonzero((self._tiles[:m] != tiles) | (self._block_written[tiles // Hk] > self._copied[:m]))
         k, v = self._k[:m], self._v[:m]
-        k_tiles, v_tiles = k_cache.reshape(num_blocks * Hk, block_size, D), v_cache.reshape(num_blocks * Hk, block_size, D)
+        k_tiles = k_cache.reshape(num_blocks * Hk, block_size, D)
+        v_tiles = v_cache.reshape(num_blocks * Hk, block_size, D)
         if len(stale) == m:
             # mode="clip": with out=, the default "raise" copies through a temporary; the indices are valid
             np.take(k_tiles, tiles, axis=0, out=k, mode="clip")

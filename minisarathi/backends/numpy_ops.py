@@ -88,9 +88,7 @@ class NumpyOps:
             self._slots = slot_mapping, block_size, stored, blocks, offsets
         if stored is not None:
             k, v = k[stored], v[stored]
-        kept = self._decode_kv.get(id(k_cache))
-        if kept is not None and kept[0]() is k_cache:
-            kept[1].written(blocks)
+        self._report_written(k_cache, blocks)
         # Caches are [num_blocks, Hk, block_size, D]; indexing axes 0 and 2 selects [T, Hk, D].
         k_cache[blocks, :, offsets] = k
         v_cache[blocks, :, offsets] = v
@@ -109,6 +107,12 @@ class NumpyOps:
             plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape)
         return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
                                                self._layer_decode_kv(k_cache) if plan.keeps_decode_kv else None)
+
+    def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
+        """Every write into a cache goes through here, so that a layer's kept decode K/V knows what changed."""
+        kept = self._decode_kv.get(id(k_cache))
+        if kept is not None and kept[0]() is k_cache:
+            kept[1].written(blocks)
 
     def _layer_decode_kv(self, k_cache: np.ndarray) -> DecodeKV:
         kept = self._decode_kv.get(id(k_cache))
@@ -156,6 +160,7 @@ class NumpyOps:
         for k_cache, v_cache in kv_cache:
             k_cache[destinations] = k_cache[sources]
             v_cache[destinations] = v_cache[sources]
+            self._report_written(k_cache, np.asarray(destinations))
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """float32[T, I] = silu(gate) * up for x = [gate | up] of float32[T, 2I]."""
