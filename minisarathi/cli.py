@@ -1,4 +1,4 @@
-"""Command line: minisarathi generate | serve | client | bench. This module only dispatches."""
+"""Command line: minisarathi generate | serve | client | keys | bench. This module only dispatches."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
              "generate text offline, streamed to the terminal"),
             ("serve", server_cli.add_serve_arguments, server_cli.run_serve, "run the MessagePack-RPC server"),
             ("client", server_cli.add_client_arguments, server_cli.run_client, "send one request to a server"),
+            ("keys", server_cli.add_keys_arguments, server_cli.run_keys, "manage the API keys file of `serve`"),
             ("bench", bench_cli.add_bench_arguments, bench_cli.run_bench, "serving benchmark")):
         command = sub.add_parser(name, help=help_text)
         add_arguments(command)

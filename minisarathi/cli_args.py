@@ -85,8 +85,28 @@ def sampling_options_from_args(args: argparse.Namespace) -> dict:
 
 
 def read_api_key(path: str | None) -> str | None:
-    """The key in the file at `path` (surrounding whitespace stripped), else $MINISARATHI_API_KEY, else None."""
-    key = Path(path).read_text(encoding="utf-8").strip() if path else os.environ.get(API_KEY_ENV)
-    if key is not None and not key:
-        raise ValueError("api-key-file: the API key is empty")
-    return key
+    """The key in the file at `path` (surrounding whitespace stripped), else $MINISARATHI_API_KEY, else None;
+    ValueError naming the flag or variable when it cannot be read or is empty."""
+    if path:
+        try:
+            key = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty")
+    return None if key is None else key.strip()
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port flag: an error naming the flag instead of a traceback at bind time."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port

@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import inspect
 import socket
+import ssl
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, NOTIFICATION, REQUEST,
-                                         RESPONSE, RPCError, ServerLimits, make_unpacker, pack)
+                                         RESPONSE, RPCError, make_unpacker, pack)
 
 DEFAULT_PORT = 7000
 _READ_SIZE = 1 << 16
@@ -50,7 +51,7 @@ def _generate_params(prompt: str | list[int], stream: bool, sampling: dict) -> l
 
 def _unpacker() -> msgpack.Unpacker:
     # Responses carry whole texts and token lists; allow generously more than a request may hold.
-    return make_unpacker(ServerLimits(max_message_bytes=64 << 20))
+    return make_unpacker(64 << 20)
 
 
 class Client:
@@ -64,8 +65,11 @@ class Client:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
                  api_key: str | None = None, timeout: float | None = None, retries: int = 3,
-                 source_address: tuple[str, int] | None = None):
+                 source_address: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None):
+        """tls: a client SSLContext (ssl.create_default_context(cafile=...)) to speak TLS; the server's
+        certificate is checked against `host`."""
         self._address = (host, port, unix_socket, timeout, source_address)
+        self._tls = tls
         self._api_key = api_key
         self.retries = retries
         self._msgids = itertools.count()
@@ -85,6 +89,12 @@ class Client:
         else:
             sock = socket.create_connection((host, port), timeout=timeout, source_address=source_address)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_hostname=host if unix_socket is None else None)
+            except Exception:
+                sock.close()
+                raise
         self._sock = sock
         self._unpacker = _unpacker()
         if self._api_key is not None:
@@ -253,9 +263,10 @@ class AsyncClient:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, tls: ssl.SSLContext | None = None):
         self._address = (host, port, unix_socket)
         self._api_key = api_key
+        self._tls = tls
         self._msgids = itertools.count()
         self._waiters: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}
@@ -265,9 +276,10 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         host, port, unix_socket = self._address
         if unix_socket is not None:
-            reader, self._writer = await asyncio.open_unix_connection(unix_socket)
+            reader, self._writer = await asyncio.open_unix_connection(
+                unix_socket, ssl=self._tls, server_hostname=None if self._tls is None else "")
         else:
-            reader, self._writer = await asyncio.open_connection(host, port)
+            reader, self._writer = await asyncio.open_connection(host, port, ssl=self._tls)
         self._reader_task = asyncio.ensure_future(self._read_loop(reader))
         if self._api_key is not None:
             await self.auth(self._api_key)

@@ -10,6 +10,20 @@ import numpy as np
 from minisarathi.dtypes import DTYPES
 from minisarathi.validation import check_float, check_int
 
+
+def read_json_object(path: Path) -> dict:
+    """A model folder's JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return value
+
+
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
 DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
 ENGINE_DTYPES = ("auto", *DTYPES)
@@ -122,7 +136,13 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"path {str(path)!r} has no config.json")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        try:
+            return cls.from_dict(read_json_object(config_file))
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith(str(config_file)) else f"{config_file}: {message}") from None
+        except (TypeError, AttributeError):   # a field of the wrong JSON type deep in it (rope_scaling a list, ...)
+            raise ValueError(f"{config_file}: a field has the wrong type for a Hugging Face config.json") from None
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:

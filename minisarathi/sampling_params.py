@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from minisarathi.validation import check_float, check_int
+
+# The smallest normal float32: the sampler works in float32, where a smaller positive number is 0 or loses
+# precision, and the reciprocal of a smaller one overflows.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass
@@ -45,8 +51,8 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < _FLOAT32_TINY:
+            raise ValueError(f"temperature must be 0 or a float32 number >= {_FLOAT32_TINY:.3g}, got {self.temperature}")
         check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -55,8 +61,11 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         check_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # The sampler divides and multiplies float32 logits by it: it and its reciprocal must be finite
+        # float32 numbers (1e-300 is 0 in float32, and a logit divided by it is inf).
+        if not _FLOAT32_TINY <= self.repetition_penalty <= 1 / _FLOAT32_TINY:
+            raise ValueError(f"repetition_penalty must be in [{_FLOAT32_TINY:.3g}, {1 / _FLOAT32_TINY:.3g}] "
+                             f"(float32), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             check_float(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:

@@ -14,6 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from minisarathi.config import read_json_object
+
 # Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
 # token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
 STREAM_CONTEXT = 8
@@ -22,7 +24,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallb
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -61,7 +63,10 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: no tokenizer.json in {path}")
-        tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:   # tokenizers raises plain Exception for a malformed file
+            raise ValueError(f"{path / 'tokenizer.json'}: cannot be loaded ({e})") from None
         tok_config = _read_json(path / "tokenizer_config.json")
         model_config = _read_json(path / "config.json")
         gen_config = _read_json(path / "generation_config.json")

@@ -143,12 +143,13 @@ def test_async_and_sync_clients_agree(server):
 
 
 def test_idle_connection_is_closed_and_engine_rejections_are_invalid_params():
-    with launch_server("--idle-timeout", "0.3", "--num-kv-blocks", "4", "--block-size", "16") as server:
+    with launch_server("--idle-timeout", "0.3", "--unread-timeout", "0.3", "--num-kv-blocks", "4",
+                       "--block-size", "16") as server:
         idle = socket.create_connection(("127.0.0.1", server.port))
         idle.settimeout(30)
         assert idle.recv(1) == b""                 # closed by the server, not by the 30 s timeout
         idle.close()
-        # So is one that leaves its answers unread that long (the server stopped reading its requests).
+        # So is one that leaves its answers unread --unread-timeout long (the server stopped reading its requests).
         deaf = socket.socket()
         deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         deaf.connect(("127.0.0.1", server.port))

@@ -571,3 +571,43 @@ def test_slo_mode_keeps_steps_within_the_target(fake_clock, requests, reference)
     assert max(r.num_prefill_tokens for r in records) < 120 and "budget" in {r.admission_stop for r in records}
     slo = engine.stats()["tbt_slo"]
     assert slo["overshoots"] == 0 and not slo["overloaded"] and slo["target_ms"] == 10
+@pytest.mark.parametrize("num_blocks", [1024 // 4, 40])   # plenty; too few (paused KV must give way)
+def test_paused_requests_get_no_tokens_keep_or_yield_their_kv_and_resume_exactly(requests, reference, num_blocks):
+    """The server pauses the requests of a client that stopped reading: they get no tokens and no batch slot,
+    keep their KV blocks unless others need the memory (then they are preempted), and once resumed finish
+    with the tokens they would have had anyway."""
+    engine = LLMEngine(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=num_blocks, max_num_seqs=3)
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    for _ in range(12):
+        engine.step()
+    paused = ["r0", "r1"]
+    held = {rid: (len(engine.requests[rid].output_token_ids), list(engine.requests[rid].block_table))
+            for rid in paused}
+    for rid in paused:
+        engine.pause_request(rid)
+    engine.check_invariants()
+    others_done = {}
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            assert out.request_id not in paused
+            if out.finished:
+                others_done[out.request_id] = out.outputs[0].token_ids
+        engine.check_invariants()
+        # max_num_seqs counts only the scheduled: the paused ones' slots went to others
+        assert len(engine.scheduler.running) <= 3
+    assert others_done == {rid: reference[rid] for rid in reference if rid not in paused}
+    for rid in paused:   # no token while paused; KV kept where nothing forced it out
+        seq = engine.requests[rid]
+        assert len(seq.output_token_ids) == held[rid][0]
+        if num_blocks > 100:
+            assert seq.block_table == held[rid][1]
+    if num_blocks == 40:
+        assert any(not engine.requests[rid].block_table for rid in paused), "the small pool should preempt one"
+    assert engine.has_unfinished_requests() and not engine.has_work()
+    for rid in paused:
+        engine.resume_request(rid)
+    finals = run(engine, [])
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == {rid: reference[rid] for rid in paused}

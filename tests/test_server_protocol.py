@@ -99,14 +99,14 @@ def test_single_param_takes_bare_or_named():
 
 
 def test_unpacker_rejects_a_huge_array_header_without_allocating():
-    unpacker = make_unpacker(LIMITS)
+    unpacker = make_unpacker(LIMITS.max_message_bytes)
     unpacker.feed(b"\xdd\xff\xff\xff\xff")   # array32 claiming 4 billion elements
     with pytest.raises(ValueError):
         list(unpacker)
 
 
 def test_unpacker_caps_a_huge_string_at_the_buffer():
-    unpacker = make_unpacker(LIMITS)
+    unpacker = make_unpacker(LIMITS.max_message_bytes)
     unpacker.feed(b"\xdb\xff\xff\xff\xff")   # str32 claiming 4 GiB: waits for bytes ...
     assert list(unpacker) == []
     with pytest.raises(msgpack.BufferFull):  # ... but never buffers more than the limit allows

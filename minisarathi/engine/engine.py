@@ -175,8 +175,24 @@ class LLMEngine:
                 self._finish(choice, "abort", None, now)
         self._aborted.append(seq)
 
+    def pause_request(self, request_id: str) -> None:
+        """Stop scheduling a request (a server pauses those whose client stopped reading), keeping its KV
+        blocks unless memory is needed; resume_request goes on with it. Unknown or finished ids are ignored."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.pause(seq)
+
+    def resume_request(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.resume(seq)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborted)
+
+    def has_work(self) -> bool:
+        """Whether step() has anything to do: unfinished requests not all paused, or aborts to report."""
+        return bool(self._aborted or len(self.requests) > len(self.scheduler.paused))
 
     # the step -----------------------------------------------------------------------------------------------
 
@@ -413,5 +429,6 @@ class LLMEngine:
         """Block-manager consistency against the live sequences and the scheduler's limits (tests call it after
         every step)."""
         assert all(not s.block_table for s in self.scheduler.waiting), "a waiting sequence holds blocks"
-        self.block_manager.check_invariants(self.scheduler.running)
+        holding = self.scheduler.running + [s for s in self.scheduler.paused if s.block_table]
+        self.block_manager.check_invariants(holding)
         self.scheduler.check_invariants()

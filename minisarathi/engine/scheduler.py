@@ -65,6 +65,7 @@ class Scheduler:
         self.watermark = int(WATERMARK_FRACTION * block_manager.num_blocks)
         self.waiting: list[Sequence] = []    # sorted by queue_key
         self.running: list[Sequence] = []    # sorted by queue_key
+        self.paused: list[Sequence] = []     # taken out of scheduling by pause(), oldest pause first
         self.num_preemptions = 0
         self.cost_model = cost_model or CostModel()
         self.slo = None if config.tbt_slo_ms is None else TbtSlo(config.tbt_slo_ms / 1e3)
@@ -95,9 +96,43 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.PAUSED:
+            self.paused.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling seq, keeping its blocks: its batch slot goes to others, and its KV stays until
+        memory is needed (then it is preempted like any other). resume() puts it back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        seq.status = SequenceStatus.PAUSED
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.PAUSED:
+            return
+        self.paused.remove(seq)
+        if seq.block_table:   # its KV is still there: it goes on where it stopped
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=queue_key)
+        else:                 # never admitted, or preempted while paused
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=queue_key)
+
+    def _release_paused(self) -> bool:
+        """Preempt the most recently paused sequence that holds blocks; False if none does."""
+        for seq in reversed(self.paused):
+            if seq.block_table:
+                self.blocks.free(seq)
+                self.num_preemptions += 1
+                return True
+        return False
 
     def remove_finished(self, finished: list[Sequence]) -> None:
         """Drop the running sequences that finished this step and free their blocks."""
@@ -269,6 +304,8 @@ class Scheduler:
             target = seq.max_kv_tokens if self.reserve_final_length else start + n
             watermark = self.watermark if self.running else 0
             if not self.blocks.can_admit(seq, cached, target, watermark):
+                if self._release_paused():
+                    continue
                 stop = "blocks"
                 break
             del self.waiting[i]
@@ -289,6 +326,8 @@ class Scheduler:
         """Grow seq by up to `want` tokens, preempting sequences later in queue order not yet in this step;
         returns the grant."""
         while self.blocks.max_growth(seq) < want:
+            if self._release_paused():   # paused sequences give up their blocks before running ones
+                continue
             victim = self.running[-1]
             if victim is seq or victim in out.scheduled:
                 break

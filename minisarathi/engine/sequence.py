@@ -12,6 +12,7 @@ from minisarathi.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # queued, or preempted and holding no blocks
     RUNNING = "running"      # admitted: holds blocks, gets chunks or decode slots
+    PAUSED = "paused"        # not scheduled (its client is not reading); keeps its blocks unless memory is needed
     FINISHED = "finished"
 
 

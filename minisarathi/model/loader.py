@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.config import ModelConfig
+from minisarathi.config import ModelConfig, read_json_object
 from minisarathi.dtypes import to_float32
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
@@ -119,7 +119,7 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     model_dir = Path(model_dir)
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text()).get("weight_map")
+        weight_map = read_json_object(index_file).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_file} has no weight_map")
         files = sorted(set(weight_map.values()))
@@ -142,12 +142,22 @@ def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
     header_len = int(data[:8].view("<u8")[0]) if len(data) >= 8 else -1
     if not 0 < header_len <= len(data) - 8:
         raise ValueError(f"{file} is not a safetensors file (bad header length {header_len})")
-    header = json.loads(bytes(data[8:8 + header_len]))
+    try:
+        header = json.loads(bytes(data[8:8 + header_len]))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: the safetensors header must be a JSON object")
     body = data[8 + header_len:]
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+                and all(type(n) is int and n >= 0 for n in info["shape"])
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+                and all(type(n) is int and n >= 0 for n in info["data_offsets"])):
+            raise ValueError(f"tensor {name!r} in {file} must have dtype, shape and data_offsets [begin, end]")
         dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if dtype not in STORED_DTYPES:
             raise ValueError(f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}")

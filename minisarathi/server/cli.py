@@ -1,28 +1,38 @@
-"""`minisarathi serve` and `minisarathi client` (dispatched by minisarathi/cli.py)."""
+"""`minisarathi serve`, `minisarathi client` and `minisarathi keys` (wired into minisarathi/cli.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import ipaddress
 import json
+import ssl
 import sys
 from pathlib import Path
 
 from minisarathi.cli_args import (API_KEY_ENV, add_engine_arguments, add_sampling_arguments, engine_options_from_args,
-                                  read_api_key, sampling_options_from_args)
+                                  port_number, read_api_key, sampling_options_from_args)
 from minisarathi.client import DEFAULT_PORT, Client
+from minisarathi.server.auth import KeyStore, add_key
 from minisarathi.server.protocol import RPCError, ServerLimits
 from minisarathi.server.request_log import configure_logging
+
+# ServerLimits fields whose flag is not simply the field's name (without a trailing _s for seconds)
+_LIMIT_FLAGS = {"max_tokens": "--max-tokens-limit"}
+
+
+def _limit_flag(field: dataclasses.Field) -> str:
+    return _LIMIT_FLAGS.get(field.name, "--" + field.name.removesuffix("_s").replace("_", "-"))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="TCP address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+    g.add_argument("--host", default="127.0.0.1",
+                   help="TCP address to listen on (default 127.0.0.1); beyond loopback a key is required")
+    g.add_argument("--port", type=port_number, default=DEFAULT_PORT,
                    help=f"TCP port; 0 picks a free one (default {DEFAULT_PORT})")
     g.add_argument("--unix-socket", default=None, help="also listen on this Unix socket path")
-    g.add_argument("--api-key-file", default=None,
-                   help=f"file holding the API key clients must `auth` with (or set ${API_KEY_ENV})")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="DEBUG adds one line per engine step")
     g.add_argument("--log-format", default="text", choices=("text", "json"),
@@ -30,31 +40,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-msgpack", action="store_true",
                    help="no MessagePack-RPC TCP door (with --http-port: HTTP only)")
     h = parser.add_argument_group("HTTP (needs pip install 'minisarathi[http]')")
-    h.add_argument("--http-port", type=int, default=None,
+    h.add_argument("--http-port", type=port_number, default=None,
                    help="serve the OpenAI-compatible HTTP API on this port (0 picks a free one); off by default")
     h.add_argument("--http-host", default=None, help="address of the HTTP door (default: --host)")
-    h.add_argument("--metrics-port", type=int, default=None,
+    h.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve /metrics, /health and /ready on this port (0 picks a free one)")
     h.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (default: the model folder's name)")
     h.add_argument("--chat-template", default=None,
                    help="Jinja2 chat template file (default: the model folder's own)")
-    defaults = ServerLimits()
-    limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
-    limits.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
-    limits.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens,
-                        help="largest max_tokens a request may ask for")
-    limits.add_argument("--max-inflight-per-connection", type=int, default=defaults.max_inflight_per_connection)
-    limits.add_argument("--max-connections", type=int, default=defaults.max_connections,
-                        help="open connections; more are refused with `overloaded`")
-    limits.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
-                        help="unfinished requests server-wide before new ones get `overloaded`")
-    limits.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds")
-    limits.add_argument("--max-write-buffer-bytes", type=int, default=defaults.max_write_buffer_bytes,
-                        help="unsent output past which a client that does not read is disconnected")
-    limits.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s, help="seconds")
-    limits.add_argument("--max-n", type=int, default=defaults.max_n, help="choices per prompt (`n`) at most")
+    a = parser.add_argument_group("security (docs/security.md)")
+    a.add_argument("--api-key-file", default=None,
+                   help=f"file holding the one API key clients must `auth` with (or set ${API_KEY_ENV})")
+    a.add_argument("--keys-file", default=None,
+                   help="TOML file of named keys with quotas (`minisarathi keys add`); SIGHUP reloads it")
+    a.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow listening beyond loopback without any key")
+    a.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    a.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA bundle: require client certificates signed by it")
+    limits = parser.add_argument_group("limits (docs/protocol.md)")
+    for field in dataclasses.fields(ServerLimits):
+        default = getattr(ServerLimits, field.name)
+        kind = float if "float" in str(field.type) else int
+        limits.add_argument(_limit_flag(field), dest=f"limit_{field.name}", type=kind, default=default,
+                            metavar="SECONDS" if field.name.endswith("_s") else "N")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServerLimits)})
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -73,20 +88,125 @@ def run_serve(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ValueError(f"--http-port and --metrics-port need the http extra ({e.name} is missing): "
                              "pip install 'minisarathi[http]'") from None
-    limits = ServerLimits(max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                          max_tokens=args.max_tokens_limit,
-                          max_inflight_per_connection=args.max_inflight_per_connection,
-                          max_connections=args.max_connections,
-                          max_queued_requests=args.max_queued_requests, idle_timeout_s=args.idle_timeout,
-                          max_write_buffer_bytes=args.max_write_buffer_bytes, shutdown_grace_s=args.shutdown_grace,
-                          max_n=args.max_n)
-    api_key = read_api_key(args.api_key_file)
+    try:
+        limits = limits_from_args(args)
+    except ValueError as e:
+        field = str(e).split()[0]
+        flag = next(_limit_flag(f) for f in dataclasses.fields(ServerLimits) if f.name == field)
+        raise ValueError(f"{flag}: {e}") from None
+    keys = _key_store(args)
+    for host in {args.host, args.http_host or args.host}:
+        _check_exposure(host, keys, args.insecure_no_auth)
+    tls = server_tls_context(args.tls_cert, args.tls_key, args.tls_client_ca)
     engine = LLMEngine(**engine_options_from_args(args))
     model_dir = Path(args.model or default_model_dir())
-    server = Server(engine, limits, api_key=api_key, model_name=str(model_dir))
+    server = Server(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls)
     if args.http_port is not None or args.metrics_port is not None:
         _add_http_doors(server, args, model_dir)
-    asyncio.run(server.run(None if args.no_msgpack else args.host, args.port, args.unix_socket))
+    try:
+        asyncio.run(server.run(None if args.no_msgpack else args.host, args.port, args.unix_socket))
+    except OSError as e:
+        where = f"--unix-socket {args.unix_socket}" if e.filename else f"--host {args.host} --port {args.port}"
+        if args.http_port is not None or args.metrics_port is not None:
+            where += " (or --http-port / --metrics-port)"
+        raise ValueError(f"{where}: cannot listen ({e.strerror or e})") from None
+    return 0
+
+
+def _add_http_doors(server, args: argparse.Namespace, model_dir: Path) -> None:
+    from minisarathi.server.chat_template import load_chat_template
+    from minisarathi.server.http import HttpDoor
+    from minisarathi.server.metrics import Metrics
+
+    name = args.served_model_name or model_dir.resolve().name
+    engine = server.engine
+    metrics = Metrics(name, engine.max_model_len, engine.config.chunk_size)
+    server.finish_listeners.append(metrics.request_finished)
+    metrics.watch_server(server)
+    host = args.http_host or args.host
+    if args.http_port is not None:
+        template = load_chat_template(model_dir, args.chat_template)
+        server.doors.append(HttpDoor(server, host, args.http_port, name, template, metrics))
+    if args.metrics_port is not None:
+        server.doors.append(HttpDoor(server, host, args.metrics_port, name, None, metrics, serve_api=False))
+
+
+def _key_store(args) -> KeyStore | None:
+    if args.keys_file and args.api_key_file:
+        raise ValueError("--keys-file and --api-key-file: give one of them")
+    if args.keys_file:
+        return KeyStore.from_file(args.keys_file)
+    secret = read_api_key(args.api_key_file)
+    return None if secret is None else KeyStore.single(secret)
+
+
+def _check_exposure(host: str, keys: KeyStore | None, insecure: bool) -> None:
+    """Refuse to serve every interface, or any non-loopback one, without a key (unless told to)."""
+    if not host:
+        raise ValueError("--host: an empty host would listen on every interface; give an address "
+                         "(0.0.0.0 for all, with a key)")
+    if keys is not None or insecure:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"--host {host}: listening beyond loopback without a key would let anyone who can reach "
+                         f"it use the server; give --keys-file or --api-key-file (or --insecure-no-auth)")
+
+
+def server_tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({_ssl_reason(e)})") from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--tls-client-ca {client_ca}: cannot be loaded ({_ssl_reason(e)})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    if ca is None and cert is None:
+        return None
+    context = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def _ssl_reason(error: Exception) -> str:
+    return getattr(error, "strerror", None) or getattr(error, "reason", None) or str(error)
+
+
+def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="keys_command", required=True)
+    add = sub.add_parser("add", help="add a named key to a keys file; prints the new secret once")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--file", required=True, help="the TOML keys file (created if missing)")
+    for name, help_text in (("rpm", "requests per minute"), ("tpm", "tokens per minute (prompt + max_tokens)"),
+                            ("concurrent", "requests in flight at once"), ("max-tokens", "cap on max_tokens"),
+                            ("priority", "scheduling priority")):
+        add.add_argument(f"--{name}", type=int, default=None, help=help_text)
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    secret = add_key(Path(args.file), args.name, rpm=args.rpm, tpm=args.tpm, concurrent=args.concurrent,
+                     max_tokens=args.max_tokens, priority=args.priority)
+    print(secret)
+    print(f"key {args.name!r} added to {args.file}; the secret above is shown only now (the file keeps its "
+          "SHA-256). A running server takes it on SIGHUP.", file=sys.stderr)
     return 0
 
 
@@ -99,6 +219,7 @@ def _add_http_doors(server, args: argparse.Namespace, model_dir: Path) -> None:
     engine = server.engine
     metrics = Metrics(name, engine.max_model_len, engine.config.chunk_size)
     server.finish_listeners.append(metrics.request_finished)
+    metrics.watch_server(server)
     host = args.http_host or args.host
     if args.http_port is not None:
         template = load_chat_template(model_dir, args.chat_template)
@@ -111,9 +232,13 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     c = parser.add_argument_group("connection")
     c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=int, default=DEFAULT_PORT)
+    c.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     c.add_argument("--unix-socket", default=None)
     c.add_argument("--api-key-file", default=None, help=f"(or set ${API_KEY_ENV})")
+    c.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --tls-ca)")
+    c.add_argument("--tls-ca", default=None, help="PEM CA bundle that signed the server's certificate")
+    c.add_argument("--tls-cert", default=None, help="client certificate (PEM), when the server asks for one")
+    c.add_argument("--tls-key", default=None, help="private key of --tls-cert")
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     add_sampling_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the whole result map as JSON")
@@ -121,9 +246,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_client(args: argparse.Namespace) -> int:
     sampling = sampling_options_from_args(args)
+    tls = client_tls_context(args.tls_ca, args.tls_cert, args.tls_key)
+    if args.tls and tls is None:
+        tls = ssl.create_default_context()
     try:
         with Client(args.host, args.port, unix_socket=args.unix_socket,
-                    api_key=read_api_key(args.api_key_file)) as client:
+                    api_key=read_api_key(args.api_key_file), tls=tls) as client:
             if args.stream:
                 sys.stdout.write(args.prompt)
                 stream = client.generate_stream(args.prompt, **sampling)

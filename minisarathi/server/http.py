@@ -14,6 +14,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (DoorLimits, GenerationRequest, OpenAIError, chat_logprobs,
                                            completion_logprobs, finish_reason, parse_chat, parse_completion, usage)
-from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RPCError
+from minisarathi.server.auth import Key, Quota
+from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
 log = logging.getLogger("minisarathi.http")
@@ -89,6 +91,9 @@ class _Call:
     request: GenerationRequest
     client: str
     received: float
+    key: Key | None = None                    # the API key it came with (None without keys)
+    quota: Quota | None = None                # charged charged_tokens at admission; refunded at the end
+    charged_tokens: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[_Choice] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -125,7 +130,7 @@ class HttpDoor:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port)
+        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.server.tls)
         await self._site.start()
         return [f"http://{address[0]}:{address[1]}" for address in self._runner.addresses]
 
@@ -145,9 +150,12 @@ class HttpDoor:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") and not self.server.check_api_key(_bearer(request)):
-                raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
-                                  code="invalid_api_key")
+            if request.path.startswith("/v1/"):
+                accepted, request["key"], delay = self.server.authenticate(_bearer(request), request.remote or "")
+                if not accepted:
+                    await asyncio.sleep(delay)   # failed keys slow their address down, as on the msgpack door
+                    raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                      code="invalid_api_key")
             return await handler(request)
         except OpenAIError as e:
             response = _error_response(e)
@@ -207,7 +215,8 @@ class HttpDoor:
         received = time.monotonic()
         parsed = parse_completion(await self._json(request), self.model_name, self.limits,
                                   self.server.engine.tokenizer.encode)
-        return await self._generate(request, _Call(request_id, "completion", parsed, request.remote or "", received))
+        return await self._generate(request, _Call(request_id, "completion", parsed, request.remote or "", received,
+                                                   request.get("key")))
 
     async def _chat(self, request):
         request_id = self._request_id(request, "chat")
@@ -226,7 +235,8 @@ class HttpDoor:
                 raise OpenAIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         parsed = parse_chat(body, self.model_name, self.limits, render,
                             lambda text: tokenizer.encode(text, add_special_tokens=False))
-        return await self._generate(request, _Call(request_id, "chat", parsed, request.remote or "", received))
+        return await self._generate(request, _Call(request_id, "chat", parsed, request.remote or "", received,
+                                                   request.get("key")))
 
     # ------------------------------------------------------------------------------------------ generation
 
@@ -252,6 +262,11 @@ class HttpDoor:
                 log.info("%s aborted: client disconnected", call.request_id)
             for choice in firsts:
                 self._report(call, choice)
+            if call.quota is not None:
+                ran = [c.output for c in firsts if c.output is not None]
+                call.quota.finish(call.charged_tokens, sum(len(call.request.prompts[c.prompt]) for c in firsts
+                                                           if c.output is not None),
+                                  sum(len(c.token_ids) for output in ran for c in output.outputs))
 
     def _submit(self, call: _Call) -> None:
         """One engine request per prompt; the engine runs its n choices on the prompt's shared KV blocks."""
@@ -261,6 +276,12 @@ class HttpDoor:
         if not self._engine_ids.isdisjoint(engine_ids):
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} {call.request_id!r} is already in use by a request in flight",
                               param=REQUEST_ID_HEADER)
+        charge = sum(len(p) + params.n * params.max_tokens for p in prompts)
+        try:
+            call.quota = self.server.admit(call.key, params.max_tokens, charge)
+        except RPCError as e:
+            raise _from_rpc(e) from None
+        call.charged_tokens = charge
         for p, (prompt, engine_id) in enumerate(zip(prompts, engine_ids)):
             group = [_Choice(p * params.n + i, p, i, engine_id, call.request.stream) for i in range(params.n)]
 
@@ -269,11 +290,17 @@ class HttpDoor:
                     choice.receive(output)
                 call.wake.set()
             try:
-                self.server.submit(engine_id, prompt, params, on_output, call.received, call.request.priority)
+                priority = call.request.priority
+                if priority is None and call.key is not None:   # the key's, as a msgpack connection's default
+                    priority = call.key.priority
+                self.server.submit(engine_id, prompt, params, on_output, call.received, priority)
             except RPCError as e:
                 for earlier in _first_of_each_prompt(call):
                     self.server.cancel(earlier.engine_id)
                 call.choices.clear()
+                if call.quota is not None:   # nothing ran: the whole charge comes back
+                    call.quota.finish(call.charged_tokens, 0, 0)
+                    call.quota = None
                 raise _from_rpc(e, self.server.accepting) from None
             call.choices += group
         self._engine_ids.update(engine_ids)
@@ -401,7 +428,8 @@ def _sse(event: dict) -> bytes:
 
 
 def _error_response(error: OpenAIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    return web.json_response(error.body(), status=error.status, headers=headers)
 
 
 def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
@@ -413,4 +441,6 @@ def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
                 else OpenAIError(503, error.message, code="draining"))
     if error.code == ABORTED:
         return OpenAIError(503, error.message, code="draining")
+    if error.code == RATE_LIMITED:
+        return OpenAIError(429, error.message, code="rate_limit_exceeded", retry_after_s=error.retry_after_s)
     return OpenAIError(500, error.message, code="internal_error")

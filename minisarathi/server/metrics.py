@@ -5,6 +5,8 @@ histograms, when they finish: `prompt_tokens_total` and `generation_tokens_total
 request's tokens (aborted ones included). The engine's state is read at scrape time, on the engine thread
 between steps: the gauges, the engine's own counters (preemptions, prefix-cache queries and hits), and
 the steps since the last scrape for `iteration_tokens_total` (the engine keeps its latest 50,000 steps).
+A third, read at scrape time on the loop: the server's security counters (failed auths, paused requests,
+unauthenticated connections) and per-key quotas, labelled only by the names in the keys file.
 """
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ class Metrics:
         self._engine_state: dict = {}
         self._next_step = 0
         self.registry.register(_EngineCollector(self))
+
+    def watch_server(self, server) -> None:
+        """Export `server.security_stats()` at every scrape (Server, minisarathi/server/server.py)."""
+        self.registry.register(_SecurityCollector(server, self._labels))
 
     def request_finished(self, r: FinishedRequest) -> None:
         self.request_success.labels(self._labels["model_name"], r.finish_reason).inc()
@@ -148,6 +154,37 @@ class _EngineCollector:
                          "the target (new prompts wait).", int(slo["overloaded"]))
             yield family(CounterMetricFamily, "tbt_slo_overloaded_steps", "Steps run overloaded.",
                          slo["overloaded_steps"])
+
+
+class _SecurityCollector:
+    def __init__(self, server, labels: dict):
+        self._server = server
+        self._labels = labels
+
+    def collect(self):
+        state, names, values = self._server.security_stats(), list(self._labels), list(self._labels.values())
+        for kind, name, doc, value in (
+                (CounterMetricFamily, "auth_failures", "Failed authentications (both doors).", state["auth_failures"]),
+                (GaugeMetricFamily, "unauthenticated_connections", "msgpack connections not yet authenticated.",
+                 state["unauthenticated_connections"]),
+                (CounterMetricFamily, "requests_paused", "Requests paused because their client stopped reading.",
+                 state["paused"]),
+                (CounterMetricFamily, "unread_aborts", "Paused requests aborted after --unread-timeout.",
+                 state["unread_aborts"])):
+            metric = kind(PREFIX + name, doc, labels=names)
+            metric.add_metric(values, value)
+            yield metric
+        per_key = state.get("keys", {})
+        for field, kind, name, doc in (
+                ("requests", CounterMetricFamily, "key_requests", "Requests admitted, by API key name."),
+                ("rate_limited", CounterMetricFamily, "key_rate_limited", "Requests refused over quota, by key."),
+                ("prompt_tokens", CounterMetricFamily, "key_prompt_tokens", "Prompt tokens of finished requests."),
+                ("completion_tokens", CounterMetricFamily, "key_generation_tokens", "Generated tokens, by key."),
+                ("inflight", GaugeMetricFamily, "key_requests_inflight", "Requests in flight, by key.")):
+            metric = kind(PREFIX + name, doc, labels=[*names, "key"])
+            for key_name, counters in per_key.items():
+                metric.add_metric([*values, key_name], counters[field])
+            yield metric
 
 
 def _gpu_memory_used(engine) -> int | None:

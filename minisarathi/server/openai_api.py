@@ -20,10 +20,11 @@ class OpenAIError(Exception):
     """An error answered as OpenAI's error object {"error": {message, type, param, code}} with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s   # 429 over a key's quota: the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -27,60 +27,94 @@ UNAUTHORIZED = 5
 OVERLOADED = 6          # queue full, too many requests in flight on the connection, or shutting down
 ABORTED = 7             # aborted by the client, or by the server on shutdown
 INTERNAL = 8
+RATE_LIMITED = 9        # over the key's quota; the error map also carries retry_after_s
 
 ERROR_NAMES = {INVALID_MESSAGE: "invalid_message", UNKNOWN_METHOD: "unknown_method",
                INVALID_PARAMS: "invalid_params", PROMPT_TOO_LONG: "prompt_too_long",
-               UNAUTHORIZED: "unauthorized", OVERLOADED: "overloaded", ABORTED: "aborted", INTERNAL: "internal"}
+               UNAUTHORIZED: "unauthorized", OVERLOADED: "overloaded", ABORTED: "aborted", INTERNAL: "internal",
+               RATE_LIMITED: "rate_limited"}
 
 
 class RPCError(Exception):
     """An error that travels in a response: raised by server handlers, and by clients on an error response."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, retry_after_s: float | None = None):
         super().__init__(f"{ERROR_NAMES.get(code, code)}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s   # rate_limited only: when the quota will admit the request
 
     @property
     def name(self) -> str:
         return ERROR_NAMES.get(self.code, "unknown")
 
     def to_wire(self) -> dict:
-        return {"code": self.code, "message": self.message}
+        wire = {"code": self.code, "message": self.message}
+        if self.retry_after_s is not None:
+            wire["retry_after_s"] = self.retry_after_s
+        return wire
 
     @classmethod
     def from_wire(cls, error) -> RPCError:
         if isinstance(error, dict) and isinstance(error.get("code"), int):
-            return cls(error["code"], str(error.get("message", "")))
+            retry = error.get("retry_after_s")
+            return cls(error["code"], str(error.get("message", "")),
+                       retry if isinstance(retry, (int, float)) else None)
         return cls(INTERNAL, repr(error))
 
 
 @dataclass
 class ServerLimits:
+    """Every bound a client meets (docs/protocol.md, Limits): no legal request may cost others much."""
     max_message_bytes: int = 1 << 20        # one incoming msgpack object, and the unpacker's whole buffer
     max_prompt_tokens: int = 32768          # also bounded by the engine's max_model_len
     max_tokens: int = 4096                  # the largest max_tokens a request may ask for
+    # A stop string is searched for in every step's new text, a stop token id checked per token: unbounded
+    # lists made one request slow down every other one (60k stop strings: a bystander's step 38x slower).
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024              # all of a request's stop strings together
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024              # entries of a request's logit_bias map
+    max_tokenize_bytes: int = 256 << 10     # tokenize's text, in UTF-8 bytes
+    max_detokenize_tokens: int = 65536      # detokenize's token ids
+    # Also capped at the engine's max_num_seqs, so one connection cannot hold more than the engine runs.
     max_inflight_per_connection: int = 256
-    max_connections: int = 1024             # more are refused: each may hold 2 x max_message_bytes of input
+    max_pending_calls_per_connection: int = 16   # other calls not yet answered; past it the server stops reading
+    max_connections: int = 1024             # authenticated (or, without a key, all) open connections
     max_queued_requests: int = 1024         # unfinished requests server-wide (running + waiting)
     idle_timeout_s: float = 300.0           # a connection with nothing in flight and no bytes is closed
+    auth_timeout_s: float | None = None     # connect to a successful auth (trickled bytes do not extend it); None: idle_timeout_s
+    message_timeout_s: float | None = None  # first byte of a message to its last; None: idle_timeout_s
+    max_unauthenticated_message_bytes: int = 4096   # one message before auth succeeds
+    max_unauthenticated_connections: int = 256      # past it, the oldest unauthenticated one is closed
+    max_unauthenticated_per_address: int = 32       # the same, per client IP address
     max_write_buffer_bytes: int = 16 << 20  # a client that stops reading its streams is disconnected past this
+    unread_timeout_s: float = 60.0          # requests paused because their client stopped reading are then aborted
     shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
     max_n: int = 8                          # choices per prompt (`n`)
 
     def __post_init__(self):
+        if self.auth_timeout_s is None:
+            self.auth_timeout_s = self.idle_timeout_s
+        if self.message_timeout_s is None:
+            self.message_timeout_s = self.idle_timeout_s
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{f.name} must be positive, got {value!r}")
 
 
-def make_unpacker(limits: ServerLimits) -> msgpack.Unpacker:
+UNPACKER_READ_SIZE = 16 << 10   # the buffer an unpacker starts with; it grows only for a message that needs it
+
+
+def make_unpacker(max_message_bytes: int) -> msgpack.Unpacker:
     # Every length is capped by the message limit, so a hostile length prefix fails at its header (arrays,
-    # maps) or when the buffer overflows (str, bin) instead of allocating what it claims.
-    n = limits.max_message_bytes
-    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=2 * n, max_str_len=n,
-                            max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+    # maps) or when the buffer overflows (str, bin) instead of allocating what it claims. read_size: msgpack
+    # reserves min(max_buffer_size, 1 MiB) up front by default; 1000 idle connections then held 1 GB.
+    n = max_message_bytes
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=2 * n,
+                            read_size=min(UNPACKER_READ_SIZE, 2 * n), max_str_len=n, max_bin_len=n,
+                            max_array_len=n, max_map_len=n // 2, max_ext_len=n)
 
 
 def pack(message) -> bytes:
@@ -93,6 +127,15 @@ def _to_builtin(value):
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+_WIRE_TYPES = {type(None): "nil", bool: "bool", int: "integer", float: "float", str: "string", bytes: "bin",
+               list: "array", dict: "map"}
+
+
+def wire_type(value) -> str:
+    """The msgpack type name of a decoded value, for error messages (a client never sees Python's names)."""
+    return _WIRE_TYPES.get(type(value), "ext")
 
 
 def as_text(value, name: str):
@@ -169,7 +212,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     if (prompt is None) == (token_ids is None):
         raise RPCError(INVALID_PARAMS, "exactly one of prompt, prompt_token_ids must be given")
     if prompt is not None and not isinstance(prompt, str):
-        raise RPCError(INVALID_PARAMS, f"prompt must be a string, got {type(prompt).__name__}")
+        raise RPCError(INVALID_PARAMS, f"prompt must be a string, got {wire_type(prompt)}")
     if token_ids is not None and (not isinstance(token_ids, list) or not token_ids
                                   or set(map(type, token_ids)) != {int} or min(token_ids) < 0):
         raise RPCError(INVALID_PARAMS, "prompt_token_ids must be a non-empty list of non-negative integers")
@@ -182,6 +225,7 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     request_id = fields.get("request_id")
     if request_id is not None and not (isinstance(request_id, str) and valid_request_id(request_id)):
         raise RPCError(INVALID_PARAMS, f"request_id must be {REQUEST_ID_RULE}")
+    _check_list_bounds(fields, limits)
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     try:
         sampling_params = SamplingParams(**sampling)
@@ -192,6 +236,25 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     if sampling_params.max_tokens > limits.max_tokens:
         raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
     return GenerateRequest(prompt, token_ids, sampling_params, stream, priority, request_id)
+
+
+def _check_list_bounds(fields: dict, limits: ServerLimits) -> None:
+    """The fields whose cost grows with their length, bounded before anything walks them."""
+    stop = fields.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list):
+        if len(stop) > limits.max_stop_strings:
+            raise RPCError(INVALID_PARAMS, f"stop must hold at most {limits.max_stop_strings} strings, "
+                                           f"got {len(stop)}")
+        total = sum(len(s) for s in stop if isinstance(s, str))
+        if total > limits.max_stop_chars:
+            raise RPCError(INVALID_PARAMS, f"stop strings must total at most {limits.max_stop_chars} characters, "
+                                           f"got {total}")
+    for name, limit in (("stop_token_ids", limits.max_stop_token_ids), ("logit_bias", limits.max_logit_bias)):
+        value = fields.get(name)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise RPCError(INVALID_PARAMS, f"{name} must hold at most {limit} entries, got {len(value)}")
 
 
 def _generate_fields(params: list) -> dict:
@@ -225,5 +288,6 @@ def single_param(params: list, name: str, kind: type):
         raise RPCError(INVALID_PARAMS, f"params must be [{name}]")
     value = as_int(value) if kind is int else value
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise RPCError(INVALID_PARAMS, f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+        raise RPCError(INVALID_PARAMS, f"{name} must be {'an integer' if kind is int else 'a ' + _WIRE_TYPES[kind]}, "
+                                       f"got {wire_type(value)}")
     return value

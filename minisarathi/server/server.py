@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
+import concurrent.futures
 import itertools
 import logging
 import os
 import queue
 import signal
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,19 +24,32 @@ from typing import Callable
 
 import msgpack
 
-from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE,
-                                         INVALID_PARAMS, NOTIFICATION, OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE,
-                                         UNAUTHORIZED, UNKNOWN_METHOD, RPCError, ServerLimits, as_int, as_text,
-                                         make_unpacker, pack, parse_generate, short, single_param, text_params)
+from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
+from minisarathi.server.protocol import (
+    ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
+    OVERLOADED, PROMPT_TOO_LONG, RATE_LIMITED, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
+    UNPACKER_READ_SIZE, ServerLimits, as_int, as_text, make_unpacker, pack, parse_generate, short, single_param,
+    text_params)
 from minisarathi.server.request_log import FinishedRequest, log_finished
 
 log = logging.getLogger("minisarathi.server")
 
 _READ_SIZE = 1 << 16
 _CLIENT_ID_PREFIX = "msgpack:"   # engine ids of requests whose client named them
-_WRITE_HIGH_WATER = 1 << 16   # unsent response bytes past which a connection's requests are not read
+_UNAUTHENTICATED_READ_SIZE = 1 << 12
+# Unsent output (the transport's buffer) past which a connection's requests are not read and its running
+# requests are paused: its client has stopped reading.
+_WRITE_HIGH_WATER = 1 << 16
+# The kernel's share of unread output, bounded too: with autotuning a loopback socket buffers ~2.8 MB,
+# enough to hide hundreds of unread streams from the check above. Linux doubles SO_SNDBUF.
+_SOCKET_SNDBUF = 32 << 10
+_TCP_NOTSENT_LOWAT = 16 << 10
 _CLOSE_LINGER_S = 5.0
 _THROUGHPUT_WINDOW_S = 10.0
+# Text longer than this is tokenized on a worker thread (tokenizers releases the GIL): ~4 ms on the loop at most.
+_INLINE_TOKENIZE_CHARS = 4096
+_INLINE_DETOKENIZE_TOKENS = 4096
+_MAX_AUTH_FAILURES_PER_CONNECTION = 16
 
 
 class EngineWorker:
@@ -74,8 +89,9 @@ class EngineWorker:
 
     def _run(self):
         while True:
-            # Block only when idle; while requests run, take whatever arrived since the last step.
-            commands = [] if self.engine.has_unfinished_requests() else [self._inbox.get()]
+            # Block only when idle (or every request is paused); while requests run, take whatever arrived
+            # since the last step.
+            commands = [] if self.engine.has_work() else [self._inbox.get()]
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
@@ -88,7 +104,7 @@ class EngineWorker:
                     command()
                 except Exception:
                     log.exception("engine command failed")
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_work():
                 try:
                     steps = len(self.engine.step_records)
                     outputs = self.engine.step()
@@ -126,23 +142,43 @@ def _settle(future: asyncio.Future, result, error):
 
 class _Connection:
     def __init__(self, conn_id: int, writer: asyncio.StreamWriter, limits: ServerLimits, authenticated: bool,
-                 peer: str = "unix"):
+                 peer: str = "unix", on_stall=None):
         self.id = conn_id
         self.writer = writer
-        self.peer = peer   # the client's "host:port", for the request log
+        self.peer = peer                      # the client's "host:port", for the request log
+        self.address = peer.rpartition(":")[0] if peer != "unix" else peer   # its IP, for per-address limits
         self.limits = limits
         self.authenticated = authenticated
+        self.opened = time.monotonic()        # also reset when an auth is revoked: the auth deadline runs from it
+        self.key: Key | None = None           # the key it authenticated with (None without keys)
         self.inflight: dict[int, str] = {}    # msgid -> request id of its generate
-        self.default_priority = 0             # of its requests that give none (e.g. its API key's, once known)
+        self.default_priority = 0             # of its requests that give none: its API key's
+        self.pending_calls = 0                # other calls being answered (tokenize, stats, ...)
+        self.call_done = asyncio.Event()      # set when pending_calls drops
+        self.auth_failures = 0
+        self.auth_delay = 0.0                 # seconds to wait before reading on, after a failed auth
+        self.stalled = False                  # its output waits unread: its requests are paused
+        self._on_stall = on_stall             # called once each time the output backs up
         self.closed = False
 
     def send(self, message):
         if self.closed:
             return
         self.writer.write(pack(message))
-        if self.writer.transport.get_write_buffer_size() > self.limits.max_write_buffer_bytes:
+        buffered = self.buffered()
+        if buffered > self.limits.max_write_buffer_bytes:
             log.warning("conn=%d is not reading its responses; disconnecting", self.id)
             self.close()
+        elif buffered > _WRITE_HIGH_WATER and not self.stalled and self._on_stall is not None:
+            self.stalled = True
+            self._on_stall(self)
+
+    def buffered(self) -> int:
+        """Output written but not yet taken by the kernel."""
+        try:
+            return self.writer.transport.get_write_buffer_size()
+        except AttributeError:   # a closed TLS transport (CPython's sslproto drops its protocol on close)
+            return 0
 
     def respond(self, msgid: int, error: RPCError | None, result=None):
         self.send([RESPONSE, msgid, None if error is None else error.to_wire(), result])
@@ -165,7 +201,7 @@ class _Connection:
             self.writer.transport.abort()
             return
         self.writer.close()
-        if self.writer.transport.get_write_buffer_size():
+        if self.buffered():
             asyncio.get_running_loop().call_later(_CLOSE_LINGER_S, self.writer.transport.abort)
 
 
@@ -178,10 +214,12 @@ class _Pending:
     stream: bool
     want_logprobs: bool
     prompt: str | list[int]
-    prompt_tokens: int
     received: float                      # time.monotonic() when the request was read
+    prompt_tokens: int = 0               # known once tokenized
     first_token_time: float | None = None
     sent: list[tuple[int, int]] = field(default_factory=list)   # per choice: (characters, token ids) streamed
+    quota: Quota | None = None           # the key's quota it was charged to, and how many tokens
+    charged_tokens: int = 0
 
 
 class _BadMessage(Exception):
@@ -193,14 +231,16 @@ class _BadMessage(Exception):
 
 
 class Server:
-    def __init__(self, engine, limits: ServerLimits | None = None, api_key: str | None = None,
-                 model_name: str = ""):
+    def __init__(self, engine, limits: ServerLimits | None = None, keys: KeyStore | None = None,
+                 model_name: str = "", tls: ssl.SSLContext | None = None):
         self.engine = engine
         self.limits = limits or ServerLimits()
-        self._api_key = api_key
-        self._model_name = model_name
+        self.keys = keys                       # None: no auth
+        self._model_name = model_name          # the model folder's name, never its path
+        self._tls = tls
         self._pending: dict[str, _Pending] = {}
         self._connections: set[_Connection] = set()
+        self._unauthenticated: dict[_Connection, None] = {}   # oldest first
         self._request_ids = itertools.count()
         self._conn_ids = itertools.count()
         self._delivered: collections.deque = collections.deque()    # (time, tokens) in the throughput window
@@ -215,6 +255,16 @@ class Server:
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
         # other doors (the HTTP door): `await start()` -> addresses, `await stop_accepting()`, `await stop()`
         self.doors: list = []
+        # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
+        # queues (holding only its inputs) instead of taking every core.
+        self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._throttle = AuthThrottle()
+        self._counters = collections.Counter()       # paused, unread_aborts, connections_evicted, ...
+        # A prompt of more bytes than this has more tokens than any limit allows, whatever its text:
+        # rejected before it is tokenized (see _longest_token_bytes).
+        self._max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
+        self._max_prompt_bytes = self._max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
+        self._max_inflight = min(self.limits.max_inflight_per_connection, engine.config.max_num_seqs)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -226,13 +276,14 @@ class Server:
         self._drained.set()
         self._worker = EngineWorker(self.engine, loop, self._on_outputs, self._on_step_error)
         self._worker.start()
+        tls = {} if self._tls is None else {"ssl": self._tls, "ssl_handshake_timeout": self.limits.auth_timeout_s}
         addresses = []
         if host is not None:
-            server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE)
+            server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE, **tls)
             self._servers.append(server)
             addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
         if unix_socket is not None:
-            server = await asyncio.start_unix_server(self._serve_connection, unix_socket, limit=_READ_SIZE)
+            server = await asyncio.start_unix_server(self._serve_connection, unix_socket, limit=_READ_SIZE, **tls)
             self._servers.append(server)
             self._unix_socket = unix_socket
             addresses.append(f"unix:{unix_socket}")
@@ -274,10 +325,12 @@ class Server:
         if self._unix_socket is not None and os.path.exists(self._unix_socket):
             os.unlink(self._unix_socket)
         await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
+        self._text_pool.shutdown(cancel_futures=True)
         log.info("server stopped")
 
     async def run(self, host: str | None, port: int, unix_socket: str | None = None):
-        """Serve until SIGINT or SIGTERM, then shut down; prints one 'serving on' line per address."""
+        """Serve until SIGINT or SIGTERM, then shut down; prints one 'serving on' line per address.
+        SIGHUP reloads the keys file."""
         addresses = await self.start(host, port, unix_socket)
         for address in addresses:
             print(f"minisarathi serving on {address}", flush=True)
@@ -285,69 +338,187 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         await stop.wait()
         log.info("signal received")
         await self.shutdown()
+
+    def reload_keys(self):
+        """Re-read the keys file; connections stay, each keeping its key if the file still has it."""
+        if self.keys is None or self.keys.path is None:
+            log.warning("SIGHUP: no keys file to reload")
+            return
+        try:
+            self.keys.reload()
+        except ValueError as e:
+            log.error("keys not reloaded, the old ones stay in force: %s", e)
+            return
+        for conn in list(self._connections):
+            if conn.key is not None:
+                key = self.keys.current(conn.key)
+                if key is None:
+                    self._revoke(conn)
+                conn.key = key
+        log.info("keys reloaded from %s", self.keys.path)
 
     # ---------------------------------------------------------------- connections
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         peer = writer.get_extra_info("peername")
-        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self._api_key is None,
-                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix")
+        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self.keys is None,
+                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix", on_stall=self._on_stall)
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         if self._shutting_down:   # accepted just before the listener closed: the client will go elsewhere
             conn.close()
             return
-        if len(self._connections) >= self.limits.max_connections:
-            log.warning("conn=%d refused: %d connections are open", conn.id, len(self._connections))
-            conn.protocol_error(None, RPCError(OVERLOADED, f"more than {self.limits.max_connections} connections"))
-            conn.close(flush=True)
+        _bound_kernel_buffer(writer)
+        if not self._admit_connection(conn):
             return
-        self._connections.add(conn)
-        log.info("conn=%d opened from %s", conn.id, writer.get_extra_info("peername") or "unix socket")
-        unpacker = make_unpacker(self.limits)
+        log.debug("conn=%d opened from %s", conn.id, peer or "unix socket")
+        reading = _Reader(conn, self.limits)
         try:
             while not conn.closed:
                 try:
-                    data = await asyncio.wait_for(reader.read(_READ_SIZE), self.limits.idle_timeout_s)
+                    data = await asyncio.wait_for(reader.read(reading.read_size), reading.timeout())
                 except asyncio.TimeoutError:
-                    if conn.inflight:
+                    why = reading.expired()
+                    if why is None:
                         continue
-                    log.info("conn=%d idle for %.0fs; closing", conn.id, self.limits.idle_timeout_s)
+                    log.info("conn=%d closed: %s", conn.id, why)
                     break
                 if not data:
                     break
-                try:
-                    for message in _messages(unpacker, data):
-                        self._handle_message(conn, message)
-                        if not await self._wait_for_reader(conn):
-                            break
-                except _BadMessage as e:
-                    log.warning("conn=%d bad message: %s", conn.id, e)
-                    conn.protocol_error(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
-                    break
+                reading.feed(data)
+                while not conn.closed and (message := reading.next_message()) is not _NO_MESSAGE:
+                    was_authenticated = conn.authenticated
+                    self._handle_message(conn, message)
+                    if conn.authenticated and not was_authenticated:   # the full message size from now on
+                        reading.resize()
+                    if not await self._throttle_reading(conn):
+                        break
+                reading.done_with_data()
+        except _BadMessage as e:
+            log.info("conn=%d bad message: %s", conn.id, e)
+            conn.protocol_error(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
         except (ConnectionError, OSError):
             pass
         finally:
             self._close_connection(conn)
 
+    def _admit_connection(self, conn: _Connection) -> bool:
+        """Without keys: at most max_connections. With keys, an unauthenticated connection always gets in,
+        closing the oldest unauthenticated one of its address (or of all) past their limits: a flood of
+        connections without the key never locks a key holder out, and costs the flooder its own oldest."""
+        if conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                self._refuse(conn, f"more than {self.limits.max_connections} connections")
+                return False
+        else:
+            same_address = [c for c in self._unauthenticated if c.address == conn.address]
+            if len(same_address) >= self.limits.max_unauthenticated_per_address:
+                self._evict(same_address[0])
+            if len(self._unauthenticated) >= self.limits.max_unauthenticated_connections:
+                self._evict(next(iter(self._unauthenticated)))
+            self._unauthenticated[conn] = None
+        self._connections.add(conn)
+        return True
+
+    def _num_authenticated(self) -> int:
+        return sum(1 for c in self._connections if c.authenticated and not c.closed)
+
+    def _refuse(self, conn: _Connection, why: str):
+        log.warning("conn=%d refused: %s", conn.id, why)
+        conn.protocol_error(None, RPCError(OVERLOADED, why))
+        conn.close(flush=True)
+
+    def _evict(self, conn: _Connection):
+        self._counters["unauthenticated_evicted"] += 1
+        self._unauthenticated.pop(conn, None)
+        conn.close()
+
+    def _authenticated(self, conn: _Connection, key: Key) -> bool:
+        """auth succeeded: the connection leaves the unauthenticated pool, if there is room for it."""
+        if not conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                return False
+            self._unauthenticated.pop(conn, None)
+        conn.authenticated = True
+        conn.key = key
+        return True
+
+    def _revoke(self, conn: _Connection):
+        if conn.authenticated and self.keys is not None:
+            conn.authenticated = False
+            conn.opened = time.monotonic()
+            self._unauthenticated[conn] = None
+
+    async def _throttle_reading(self, conn: _Connection) -> bool:
+        """Pause reading a connection: after a failed auth (its backoff), while its answers wait unread, and
+        while it has max_pending_calls_per_connection calls unanswered. False when the connection is done."""
+        if conn.auth_delay:
+            delay, conn.auth_delay = conn.auth_delay, 0.0
+            await asyncio.sleep(delay)
+        while conn.pending_calls >= self.limits.max_pending_calls_per_connection and not conn.closed:
+            conn.call_done.clear()
+            await conn.call_done.wait()
+        return await self._wait_for_reader(conn)
+
     async def _wait_for_reader(self, conn: _Connection) -> bool:
         """Backpressure: take no more requests from a client that leaves its responses unread, so a
-        pipelining client holds about _WRITE_HIGH_WATER bytes here, not all it asked for (streams it
-        started still grow it, up to max_write_buffer_bytes). False when the connection is done."""
-        if conn.closed or conn.writer.transport.get_write_buffer_size() <= _WRITE_HIGH_WATER:
+        pipelining client holds about _WRITE_HIGH_WATER bytes here, not all it asked for. False when the
+        connection is done."""
+        if conn.closed or conn.buffered() <= _WRITE_HIGH_WATER:
             return not conn.closed
         try:
-            await asyncio.wait_for(conn.writer.drain(), self.limits.idle_timeout_s)
+            await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.idle_timeout_s)
+            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.unread_timeout_s)
+            conn.close()
+        except (ConnectionError, OSError):
             conn.close()
         return not conn.closed
+
+    def _on_stall(self, conn: _Connection):
+        """The client stopped reading: pause its requests (their batch slots go to others), resume them when
+        it reads again, abort them (closing the connection) if it does not within unread_timeout_s."""
+        self._set_paused(conn, True)
+        task = asyncio.ensure_future(self._await_unstall(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _await_unstall(self, conn: _Connection):
+        try:
+            await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("conn=%d left %d requests unread for %.0fs; aborting them", conn.id, len(conn.inflight),
+                        self.limits.unread_timeout_s)
+            self._counters["unread_aborts"] += len(conn.inflight)
+            conn.close()
+            return
+        except (ConnectionError, OSError):
+            conn.close()
+            return
+        conn.stalled = False
+        if not conn.closed:
+            self._set_paused(conn, False)
+
+    def _set_paused(self, conn: _Connection, paused: bool):
+        request_ids = list(conn.inflight.values())
+        if not request_ids:
+            return
+        self._counters["paused" if paused else "resumed"] += len(request_ids)
+        hook = self.engine.pause_request if paused else self.engine.resume_request
+
+        def apply():
+            for request_id in request_ids:
+                hook(request_id)
+        self._worker.post(apply)
 
     def _close_connection(self, conn: _Connection):
         conn.close(flush=True)   # an error about a bad message, say, still reaches the client
         self._connections.discard(conn)
+        self._unauthenticated.pop(conn, None)
+        conn.call_done.set()
         for request_id in list(conn.inflight.values()):
             pending = self._pending.get(request_id)
             if pending is not None:
@@ -355,7 +526,7 @@ class Server:
                 self._report_aborted(pending)
                 self._forget(pending)
                 self._worker.post(lambda rid=request_id: self.engine.abort_request(rid))
-        log.info("conn=%d closed", conn.id)
+        log.debug("conn=%d closed", conn.id)
 
     def _handle_message(self, conn: _Connection, message):
         if not isinstance(message, list) or not message or type(message[0]) is not int:
@@ -370,21 +541,23 @@ class Server:
         _, msgid, method, params = message
         method = _method_name(method, msgid)
         try:
-            params = _params_array(params)
+            # Auth first: a client without the key learns nothing about methods or params.
             if not conn.authenticated and method != "auth":
                 raise RPCError(UNAUTHORIZED, "call auth with the API key first")
             handler = self._handlers.get(method)
             if handler is None:
                 raise RPCError(UNKNOWN_METHOD, f"unknown method {short(repr(method))}")
-            result = handler(self, conn, msgid, params)
+            result = handler(self, conn, msgid, _params_array(params))
         except RPCError as e:
-            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
+            if e.code != UNAUTHORIZED:   # those are counted and summarized by the throttle
+                log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
             conn.respond(msgid, e)
-        except Exception as e:
+        except Exception:
             log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
-            conn.respond(msgid, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+            conn.respond(msgid, _internal_error())
         else:
             if asyncio.iscoroutine(result):
+                conn.pending_calls += 1
                 task = asyncio.ensure_future(self._respond_later(conn, msgid, method, result))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -401,16 +574,23 @@ class Server:
                 return
             self._handlers[method](self, conn, None, _params_array(params))
         except RPCError as e:
-            log.info("conn=%d notification %s failed: %s", conn.id, method, e)
+            if e.code != UNAUTHORIZED:
+                log.info("conn=%d notification %s failed: %s", conn.id, method, e)
 
     async def _respond_later(self, conn, msgid, method, coroutine):
         try:
             result = await coroutine
-        except Exception as e:
+        except RPCError as e:
+            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
+            conn.respond(msgid, e)
+        except Exception:
             log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
-            conn.respond(msgid, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+            conn.respond(msgid, _internal_error())
         else:
             conn.respond(msgid, None, result)
+        finally:
+            conn.pending_calls -= 1
+            conn.call_done.set()
 
     # ---------------------------------------------------------------- methods
 
@@ -421,23 +601,21 @@ class Server:
                 return None
             raise RPCError(OVERLOADED, "server is shutting down")
         request = parse_generate(params, self.limits)
+        key_cap = None if conn.key is None else conn.key.max_tokens
+        if key_cap is not None and request.params.max_tokens > key_cap:
+            raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {key_cap} for this key, "
+                                           f"got {request.params.max_tokens}")
         if msgid in conn.inflight:
             raise RPCError(INVALID_PARAMS, f"msgid {msgid} is already in flight on this connection")
-        if len(conn.inflight) >= self.limits.max_inflight_per_connection:
-            raise RPCError(OVERLOADED, f"more than {self.limits.max_inflight_per_connection} requests in flight "
-                                       "on this connection")
+        if len(conn.inflight) >= self._max_inflight:
+            raise RPCError(OVERLOADED, f"more than {self._max_inflight} requests in flight on this connection")
         if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
             raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
-        if request.prompt is not None:
-            token_ids = self.engine.tokenizer.encode(request.prompt)
-        else:
-            token_ids = request.prompt_token_ids
-            if max(token_ids) >= self.engine.tokenizer.vocab_size:
-                raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size "
-                                               f"({self.engine.tokenizer.vocab_size})")
-        limit = min(self.limits.max_prompt_tokens, self.engine.max_model_len)
-        if len(token_ids) > limit:
-            raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is {limit}")
+        if request.prompt is not None and len(request.prompt) > self._max_prompt_bytes // 4:
+            num_bytes = len(request.prompt.encode("utf-8", "surrogatepass"))
+            if num_bytes > self._max_prompt_bytes:
+                raise RPCError(PROMPT_TOO_LONG, f"prompt has {num_bytes} bytes, more than the "
+                                                f"{self._max_prompt_tokens} tokens allowed can hold")
         if request.request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         else:   # the door's prefix keeps the client's ids apart from the generated ones and the HTTP door's
@@ -445,17 +623,61 @@ class Server:
             if request_id in self._pending:
                 raise RPCError(INVALID_PARAMS, f"request_id {request.request_id!r} is already in use")
         pending = _Pending(request_id, conn, msgid, request.stream, request.params.logprobs is not None,
-                           request.prompt if request.prompt is not None else token_ids, len(token_ids),
+                           request.prompt if request.prompt is not None else request.prompt_token_ids,
                            time.monotonic())
         self._pending[request_id] = pending
         self._drained.clear()
         conn.inflight[msgid] = request_id
+        if request.prompt is None or len(request.prompt) <= _INLINE_TOKENIZE_CHARS:
+            token_ids = request.prompt_token_ids or self.engine.tokenizer.encode(request.prompt)
+            self._submit(pending, request, token_ids)
+            return
+        task = asyncio.ensure_future(self._tokenize_then_submit(pending, request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tokenize_then_submit(self, pending: _Pending, request):
+        token_ids = await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.engine.tokenizer.encode, request.prompt)
+        if pending.request_id in self._pending:   # not aborted meanwhile
+            self._submit(pending, request, token_ids)
+
+    def _submit(self, pending: _Pending, request, token_ids: list[int]):
+        """Checks that need the token ids, the key's quota, then the engine."""
+        try:
+            if request.prompt is None and max(token_ids) >= self.engine.tokenizer.vocab_size:
+                raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size "
+                                               f"({self.engine.tokenizer.vocab_size})")
+            if len(token_ids) > self._max_prompt_tokens:
+                raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is "
+                                                f"{self._max_prompt_tokens}")
+            if pending.conn.key is not None:
+                quota = self.keys.quota(pending.conn.key)
+                charge = len(token_ids) + request.params.n * request.params.max_tokens
+                if quota.key.tpm is not None and charge > quota.key.tpm:
+                    raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({charge}) must be <= the key's "
+                                                   f"tokens per minute ({quota.key.tpm})")
+                wait = quota.admit(charge)
+                if wait is not None:
+                    raise RPCError(RATE_LIMITED, f"over the quota of key {quota.key.name!r}", retry_after_s=wait)
+                pending.quota, pending.charged_tokens = quota, charge
+        except RPCError as e:
+            log.info("%s rejected: %s", pending.request_id, e)
+            self._fail(pending, e)
+            return
+        request_id, conn = pending.request_id, pending.conn
+        pending.prompt_tokens = len(token_ids)
         priority = conn.default_priority if request.priority is None else request.priority
         log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d", request_id, conn.id,
-                 msgid, len(token_ids), request.params.max_tokens, request.stream, priority)
-        added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, request.params,
-                                                                  arrival_time=pending.received,
-                                                                  priority=priority))
+                 pending.msgid, len(token_ids), request.params.max_tokens, request.stream, priority)
+        paused = conn.stalled   # its client is not reading: it starts paused
+
+        def add():
+            self.engine.add_request(request_id, token_ids, request.params, arrival_time=pending.received,
+                                    priority=priority)
+            if paused:
+                self.engine.pause_request(request_id)
+        added = self._worker.call(add)
         added.add_done_callback(lambda future: self._on_added(request_id, future))
 
     def _on_added(self, request_id: str, future: asyncio.Future):
@@ -468,7 +690,7 @@ class Server:
             self._fail(pending, RPCError(INVALID_PARAMS, str(error)))
         else:
             log.error("%s add_request failed: %r", request_id, error)
-            self._fail(pending, RPCError(INTERNAL, f"{type(error).__name__}: {error}"))
+            self._fail(pending, _internal_error())
 
     def _abort(self, conn: _Connection, msgid: int, params: list) -> bool:
         """params [msgid] (of the generate call), or [{"request_id": id}] (the id given to generate)."""
@@ -486,14 +708,32 @@ class Server:
         self._worker.post(lambda: self.engine.abort_request(request_id))
         return True
 
-    def _tokenize(self, conn, msgid, params) -> list[int]:
-        return list(self.engine.tokenizer.encode(single_param(params, "text", str)))
+    def _tokenize(self, conn, msgid, params):
+        text = single_param(params, "text", str)
+        if len(text) > self.limits.max_tokenize_bytes // 4:   # a character is at most 4 bytes
+            num_bytes = len(text.encode("utf-8", "surrogatepass"))
+            if num_bytes > self.limits.max_tokenize_bytes:
+                raise RPCError(INVALID_PARAMS, f"text must be at most {self.limits.max_tokenize_bytes} bytes, "
+                                               f"got {num_bytes}")
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.engine.tokenizer.encode(text)
+        return self._off_loop(self.engine.tokenizer.encode, text)
 
-    def _detokenize(self, conn, msgid, params) -> str:
-        token_ids = [as_int(t) for t in single_param(params, "token_ids", list)]
-        if not all(type(t) is int and 0 <= t < self.engine.tokenizer.vocab_size for t in token_ids):
-            raise RPCError(INVALID_PARAMS, f"token_ids must be integers in [0, {self.engine.tokenizer.vocab_size})")
-        return self.engine.tokenizer.decode(token_ids)
+    def _detokenize(self, conn, msgid, params):
+        token_ids = single_param(params, "token_ids", list)
+        if len(token_ids) > self.limits.max_detokenize_tokens:
+            raise RPCError(INVALID_PARAMS, f"token_ids must hold at most {self.limits.max_detokenize_tokens} "
+                                           f"ids, got {len(token_ids)}")
+        token_ids = [as_int(t) for t in token_ids]
+        vocab_size = self.engine.tokenizer.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab_size for t in token_ids):
+            raise RPCError(INVALID_PARAMS, f"token_ids must be integers in [0, {vocab_size})")
+        if len(token_ids) <= _INLINE_DETOKENIZE_TOKENS:
+            return self.engine.tokenizer.decode(token_ids)
+        return self._off_loop(self.engine.tokenizer.decode, token_ids)
+
+    async def _off_loop(self, fn, arg):
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, arg)
 
     def _model_info(self, conn, msgid, params) -> dict:
         config = self.engine.config
@@ -503,8 +743,7 @@ class Server:
                 "max_num_seqs": config.max_num_seqs, "device": config.device,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "tensor_parallel_size": config.tensor_parallel_size,
-                "max_prompt_tokens": min(self.limits.max_prompt_tokens, self.engine.max_model_len),
-                "max_tokens": self.limits.max_tokens}
+                "max_prompt_tokens": self._max_prompt_tokens, "max_tokens": self.limits.max_tokens}
 
     def _health(self, conn, msgid, params) -> dict:
         """"failed" (with the error) once the model cannot run any more (its tensor-parallel ranks died), so a
@@ -520,21 +759,41 @@ class Server:
         now = time.monotonic()
         self._trim_throughput_window(now)
         window = min(_THROUGHPUT_WINDOW_S, now - self._started)
-        return {**engine_stats,
-                "connections": len(self._connections), "pending_requests": len(self._pending) + len(self._door_requests),
-                "write_buffer_bytes": sum(c.writer.transport.get_write_buffer_size() for c in self._connections
-                                          if not c.closed),
+        return {**engine_stats, **self.security_stats(),
+                "connections": len(self._connections),
+                "pending_requests": len(self._pending) + len(self._door_requests),
+                "pending_calls": sum(c.pending_calls for c in self._connections),
+                "write_buffer_bytes": sum(c.buffered() for c in self._connections if not c.closed),
                 "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
                 "uptime_s": now - self._started}
 
+    def security_stats(self) -> dict:
+        """What `stats` and the metrics report about auth, quotas and paused requests (on the loop)."""
+        stats = {"unauthenticated_connections": len(self._unauthenticated),
+                 "auth_failures": self._throttle.failures_total,
+                 **{name: self._counters[name] for name in ("paused", "resumed", "unread_aborts",
+                                                             "unauthenticated_evicted")}}
+        if self.keys is not None:
+            stats["keys"] = {name: dict(quota.counters, inflight=quota.inflight)
+                             for name, quota in self.keys.quotas.items()}
+        return stats
+
     def _auth(self, conn, msgid, params) -> bool:
-        key = single_param(params, "api_key", str)
-        if self._api_key is None:
+        secret = single_param(params, "api_key", str)
+        if self.keys is None:
             return True
-        if not hmac.compare_digest(key.encode(), self._api_key.encode()):
-            conn.authenticated = False
+        key = self.keys.authenticate(secret)
+        if key is None:
+            self._revoke(conn)
+            conn.auth_failures += 1
+            conn.auth_delay = self._throttle.failed(conn.address)
+            if conn.auth_failures >= _MAX_AUTH_FAILURES_PER_CONNECTION:
+                conn.close(flush=True)
             raise RPCError(UNAUTHORIZED, "wrong API key")
-        conn.authenticated = True
+        self._throttle.succeeded(conn.address)
+        if not self._authenticated(conn, key):
+            raise RPCError(OVERLOADED, f"more than {self.limits.max_connections} connections")
+        conn.default_priority = key.priority
         return True
 
     _handlers = {"generate": _generate, "abort": _abort, "tokenize": _tokenize, "detokenize": _detokenize,
@@ -551,9 +810,9 @@ class Server:
                 continue
             try:
                 self._deliver(pending, output, now)
-            except Exception as e:   # one bad output must not strand the others of this step
+            except Exception:   # one bad output must not strand the others of this step
                 log.exception("%s delivering output failed", pending.request_id)
-                self._fail(pending, RPCError(INTERNAL, f"{type(e).__name__}: {e}"))
+                self._fail(pending, _internal_error())
                 self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
         self._trim_throughput_window(now)
 
@@ -608,9 +867,9 @@ class Server:
     def _on_step_error(self, error: Exception):
         # The engine's state is suspect after a failed step: fail everything it holds.
         for pending in list(self._pending.values()):
-            self._fail(pending, RPCError(INTERNAL, f"engine step failed: {type(error).__name__}: {error}"))
+            self._fail(pending, _internal_error())
             self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
-        self._fail_door_requests(RPCError(INTERNAL, f"engine step failed: {type(error).__name__}: {error}"))
+        self._fail_door_requests(_internal_error())
 
     def _fail(self, pending: _Pending, error: RPCError):
         self._forget(pending)
@@ -622,7 +881,8 @@ class Server:
             conn.close(flush=True)
 
     def _forget(self, pending: _Pending):
-        self._pending.pop(pending.request_id, None)
+        if self._pending.pop(pending.request_id, None) is not None and pending.quota is not None:
+            pending.quota.finish(pending.charged_tokens, pending.prompt_tokens, sum(t for _, t in pending.sent))
         pending.conn.inflight.pop(pending.msgid, None)
         self._check_drained()
 
@@ -634,8 +894,8 @@ class Server:
 
     def _report_aborted(self, pending: _Pending) -> None:
         self.report_finished(FinishedRequest(_public_id(pending.request_id), "msgpack", pending.conn.peer,
-                                             pending.prompt, pending.prompt_tokens, 0, sum(t for _, t in pending.sent), "abort",
-                                             None))
+                                             pending.prompt, pending.prompt_tokens, 0, sum(t for _, t in pending.sent),
+                                             "abort", None))
 
     # ---------------------------------------------------------------- the other doors' requests (on the loop)
 
@@ -644,8 +904,37 @@ class Server:
         """False once shutdown began or the model failed (the HTTP door's /ready)."""
         return not self._shutting_down and self.engine.model_failure is None
 
-    def check_api_key(self, key: str | None) -> bool:
-        return self._api_key is None or (key is not None and hmac.compare_digest(key.encode(), self._api_key.encode()))
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        return self._tls
+
+    def authenticate(self, secret: str | None, address: str) -> tuple[bool, Key | None, float]:
+        """Another door's credentials: (accepted, the key or None without keys, seconds to wait before
+        answering a refusal: the same per-address backoff as failed msgpack auths)."""
+        if self.keys is None:
+            return True, None, 0.0
+        key = None if secret is None else self.keys.authenticate(secret)
+        if key is None:
+            return False, None, self._throttle.failed(address)
+        self._throttle.succeeded(address)
+        return True, key, 0.0
+
+    def admit(self, key: Key | None, max_tokens: int, tokens: int) -> Quota | None:
+        """Another door's request of `tokens` (prompts + max_tokens of every choice) against its key's
+        quota; RPCError (invalid_params, rate_limited with retry_after_s) if it may not run. Returns the
+        quota charged (None without a key), to pass to release() when the request ends."""
+        if key is None:
+            return None
+        if key.max_tokens is not None and max_tokens > key.max_tokens:
+            raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}")
+        quota = self.keys.quota(key)
+        if key.tpm is not None and tokens > key.tpm:
+            raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({tokens}) must be <= the key's tokens per "
+                                           f"minute ({key.tpm})")
+        wait = quota.admit(tokens)
+        if wait is not None:
+            raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
+        return quota
 
     def engine_call(self, fn) -> asyncio.Future:
         """Run fn() on the engine thread between steps (e.g. engine.stats for a metrics scrape)."""
@@ -685,7 +974,7 @@ class Server:
             on_output(RPCError(INVALID_PARAMS, str(error)))
         else:
             log.error("%s add_request failed: %r", request_id, error)
-            on_output(RPCError(INTERNAL, "the engine failed to add the request"))
+            on_output(_internal_error())
 
     def _deliver_to_door(self, output):
         on_output = self._door_requests.get(output.request_id)
@@ -716,25 +1005,133 @@ def _is_msgid(value) -> bool:
     return type(value) is int and 0 <= value < 2**32
 
 
-def _messages(unpacker: msgpack.Unpacker, data: bytes):
-    """Feed data, then yield every whole message; bytes that are not msgpack raise _BadMessage."""
+def _internal_error() -> RPCError:
+    # The exception goes to the server's log; the client learns nothing of the server's code.
+    return RPCError(INTERNAL, "internal server error (logged on the server)")
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of prompt text one token covers: 4x (NFKC normalization can fold
+    a 4-byte character to 1 byte before tokenizing) the longest token's text, at least 4."""
+    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+    longest = max((len(token.encode("utf-8")) for token in vocab), default=1)
+    return 4 * max(longest, 1)
+
+
+def _bound_kernel_buffer(writer: asyncio.StreamWriter):
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
     try:
-        unpacker.feed(data)
-    except msgpack.BufferFull:
-        raise _BadMessage(None, "message exceeds the size limit") from None
-    while True:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_SNDBUF)
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _TCP_NOTSENT_LOWAT)
+    except OSError:   # not every platform has both; the transport's own buffer is still bounded
+        pass
+
+
+_NO_MESSAGE = object()
+
+
+class _Reader:
+    """One connection's incoming bytes: the unpacker (small before auth, sized to use after), its deadlines.
+
+    Deadlines: an unauthenticated connection must authenticate within auth_timeout_s of connecting, and a
+    message must arrive whole within message_timeout_s of its first byte; bytes trickled in do not extend
+    either. A connection with nothing in flight that sends nothing for idle_timeout_s is closed.
+    """
+
+    def __init__(self, conn: _Connection, limits: ServerLimits):
+        self._conn = conn
+        self._limits = limits
+        self._message_started: float | None = None   # when the unfinished message's first byte came
+        self._message_at = 0                         # unpacker offset where that message starts
+        self._unpacker: msgpack.Unpacker | None = None
+        self.resize()
+
+    def resize(self):
+        """A fresh unpacker for the connection's state (called with no bytes pending, or on auth), keeping
+        the bytes not yet unpacked: before auth they are at most 2 x max_unauthenticated_message_bytes,
+        which _tail keeps (msgpack cannot hand back a half-read object)."""
+        rest = b""
+        if self._unpacker is not None and self._fed > self._consumed:
+            rest = self._tail[len(self._tail) - (self._fed - self._consumed):]
+        limit = (self._limits.max_message_bytes if self._conn.authenticated
+                 else self._limits.max_unauthenticated_message_bytes)
+        self.read_size = _READ_SIZE if self._conn.authenticated else _UNAUTHENTICATED_READ_SIZE
+        self._unpacker = make_unpacker(limit)
+        self._fed = 0
+        self._consumed = 0   # bytes of whole messages unpacked (msgpack's tell() also counts a partial one)
+        self._message_at = 0
+        self._grown = False
+        self._tail = b""
+        if rest:
+            self.feed(rest)
+
+    def feed(self, data: bytes):
         try:
-            yield next(unpacker)
+            self._unpacker.feed(data)
+        except msgpack.BufferFull:
+            raise _BadMessage(None, "message exceeds the size limit") from None
+        self._fed += len(data)
+        if not self._conn.authenticated:
+            self._tail = (self._tail + data)[-2 * self._limits.max_unauthenticated_message_bytes:]
+        if self._fed - self._consumed > UNPACKER_READ_SIZE:
+            self._grown = True
+        if self._message_started is None:
+            self._message_started = time.monotonic()
+            self._message_at = self._consumed
+
+    def next_message(self):
+        """The next whole message, or _NO_MESSAGE; bytes that are not msgpack raise _BadMessage."""
+        try:
+            message = next(self._unpacker)
         except StopIteration:
-            return
+            return _NO_MESSAGE
         except msgpack.BufferFull:
             raise _BadMessage(None, "message exceeds the size limit") from None
         except msgpack.StackError:
             raise _BadMessage(None, "message nested too deeply") from None
-        # TypeError: a map key msgpack can decode but Python cannot hash (an array)
-        except (msgpack.UnpackException, ValueError, TypeError) as e:
-            detail = f": {short(str(e))}" if str(e) else ""
-            raise _BadMessage(None, f"malformed msgpack ({type(e).__name__}{detail})") from None
+        except UnicodeDecodeError:
+            raise _BadMessage(None, "a str that is not UTF-8") from None
+        except TypeError:   # a map key msgpack can decode but that cannot be a key here (an array, a map)
+            raise _BadMessage(None, "a map key must be a string, a number, a bool or nil") from None
+        except (msgpack.UnpackException, ValueError):
+            raise _BadMessage(None, "bytes that are not msgpack") from None
+        self._consumed = self._unpacker.tell()   # exact right after a whole object
+        self._message_started = time.monotonic()   # the next message starts here
+        self._message_at = self._consumed
+        return message
+
+    def done_with_data(self):
+        """Every whole message is handled: the deadline now runs only if part of one is buffered."""
+        if self._fed == self._consumed:
+            self._message_started = None
+            if self._grown:   # a big message made the buffer grow: give it back
+                self.resize()
+        elif self._message_at != self._consumed or self._message_started is None:
+            self._message_started = time.monotonic()
+            self._message_at = self._consumed
+
+    def timeout(self) -> float:
+        now = time.monotonic()
+        deadlines = [now + self._limits.idle_timeout_s]
+        if not self._conn.authenticated:
+            deadlines.append(self._conn.opened + self._limits.auth_timeout_s)
+        if self._message_started is not None:
+            deadlines.append(self._message_started + self._limits.message_timeout_s)
+        return max(min(deadlines) - now, 0.0)
+
+    def expired(self) -> str | None:
+        """Why the connection must close now that a read timed out, or None to keep reading."""
+        now = time.monotonic()
+        if not self._conn.authenticated and now >= self._conn.opened + self._limits.auth_timeout_s:
+            return f"no successful auth within {self._limits.auth_timeout_s:.0f}s"
+        if self._message_started is not None and now >= self._message_started + self._limits.message_timeout_s:
+            return f"a message took more than {self._limits.message_timeout_s:.0f}s to arrive"
+        if not self._conn.inflight and not self._conn.pending_calls:
+            return f"idle for {self._limits.idle_timeout_s:.0f}s"
+        return None
 
 
 def _method_name(method, msgid) -> str:

@@ -1,0 +1,309 @@
+"""Issue 13's defects, one regression test each: a legal but greedy client, or one without the key, must not
+cost the others. Each test failed on the server before the fix (see docs/reliability.md for how that was
+checked); none of them measures time, they check bounds, orders and states.
+"""
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+
+from minisarathi.client import Client, RPCError
+from minisarathi.server.protocol import (INVALID_MESSAGE, INVALID_PARAMS, OVERLOADED, PROMPT_TOO_LONG,
+                                         UNAUTHORIZED, ServerLimits, make_unpacker)
+from test_server import REPO, RawConnection, launch_server, wait_until_idle
+
+KEY = "hardening-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Small limits so each bound is cheap to reach; a key, so the unauthenticated rules apply."""
+    key_file = tmp_path_factory.mktemp("key") / "key.txt"
+    key_file.write_text(KEY)
+    with launch_server("--api-key-file", str(key_file), "--max-num-seqs", "96",
+                       "--max-connections", "30", "--max-unauthenticated-connections", "12",
+                       "--max-unauthenticated-per-address", "8", "--auth-timeout", "1.5",
+                       "--message-timeout", "1.5", "--max-tokenize-bytes", "300000",
+                       "--max-message-bytes", str(1 << 20), "--log-level", "INFO") as s:
+        s.key = KEY
+        yield s
+
+
+def client(server, **kwargs) -> Client:
+    return Client("127.0.0.1", server.port, api_key=KEY, timeout=60, **kwargs)
+
+
+def authed_raw(server) -> RawConnection:
+    conn = RawConnection(server)
+    conn.send([0, 0, "auth", [KEY]])
+    assert conn.receive() == [1, 0, None, True]
+    return conn
+
+
+def stats(server) -> dict:
+    with client(server) as c:
+        return c.stats()
+
+
+# ------------------------------------------------------------------ bounds on legal requests
+
+@pytest.mark.parametrize("fields, named", [
+    ({"stop": ["x"] * 17}, "stop"),                           # more strings than max_stop_strings (16)
+    ({"stop": ["y" * 600, "z" * 600]}, "stop"),               # more characters than max_stop_chars (1024)
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),   # more than max_stop_token_ids (64)
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),   # 0 in float32: logits / 0
+    ({"repetition_penalty": 1e39}, "repetition_penalty"),     # inf in float32
+    ({"temperature": 1e-300}, "temperature"),                 # 0 in float32, not 0 in float64
+])
+def test_costly_or_degenerate_params_are_refused_naming_the_field(server, fields, named):
+    with client(server) as c:
+        with pytest.raises(RPCError) as info:
+            c.generate("Zoo", max_tokens=4, **fields)
+        assert info.value.code == INVALID_PARAMS and named in info.value.message
+        assert c.generate("Zoo", max_tokens=2, stop=["x"] * 16, stop_token_ids=list(range(600, 664))).completion_tokens
+
+
+def test_a_huge_prompt_is_refused_by_its_bytes_before_it_is_tokenized(server):
+    with client(server) as c:
+        with pytest.raises(RPCError) as info:
+            c.generate("Once upon a time " * 50_000, max_tokens=2)    # 850 KB
+        assert info.value.code == PROMPT_TOO_LONG and "bytes" in info.value.message
+
+
+def test_tokenize_and_detokenize_have_size_limits(server):
+    with client(server) as c:
+        with pytest.raises(RPCError) as info:
+            c.tokenize("a" * 300_001)
+        assert info.value.code == INVALID_PARAMS and "text" in info.value.message
+        with pytest.raises(RPCError) as info:
+            c.detokenize([5] * (ServerLimits().max_detokenize_tokens + 1))
+        assert info.value.code == INVALID_PARAMS and "token_ids" in info.value.message
+
+
+def test_big_tokenize_and_detokenize_run_off_the_event_loop(server):
+    """Sent first, a 270 KB tokenize and a 60k-id detokenize are answered after a health sent behind them:
+    the loop went on serving while a worker thread did the work."""
+    conn = authed_raw(server)
+    text = "Once upon a time there was a girl. " * 7700
+    conn.send([0, 1, "tokenize", [text]], [0, 2, "detokenize", [[400] * 60_000]], [0, 3, "health", []])
+    order = [conn.receive()[1] for _ in range(3)]
+    assert order[0] == 3, order
+    conn.close()
+
+
+def test_pipelined_cheap_calls_are_bounded_per_connection(server):
+    """A client pipelining thousands of stats calls holds at most max_pending_calls_per_connection (16) of them
+    in the server at once: it is read no faster than they are answered."""
+    n = 5000
+    conn = authed_raw(server)
+    flood = b"".join(msgpack.packb([0, i, "stats", []]) for i in range(1, n + 1))
+    threading.Thread(target=conn.sock.sendall, args=(flood,), daemon=True).start()
+    answered = []
+    reader = threading.Thread(target=lambda: answered.extend(conn.receive() for _ in range(n)), daemon=True)
+    reader.start()
+    seen = []
+    with client(server) as watcher:
+        while reader.is_alive():
+            seen.append(watcher.stats()["pending_calls"])
+    assert len(answered) == n and all(m[2] is None for m in answered)
+    assert max(seen) > 1, seen                                                   # the flood was under way
+    assert max(seen) <= ServerLimits().max_pending_calls_per_connection + 1, max(seen)   # +1: the watcher's own
+    conn.close()
+
+
+def test_one_connection_holds_no_more_requests_than_the_engine_runs(server):
+    """max_inflight_per_connection (256 by default) is capped at the engine's max_num_seqs (96 here)."""
+    conn = authed_raw(server)
+    conn.send(*[[0, i, "generate", [{"prompt": "Zoo", "max_tokens": 400, "ignore_eos": True}]]
+                for i in range(1, 98)])
+    errors = {}
+    while len(errors) < 1:
+        message = conn.receive()
+        if message[0] == 1 and message[2] is not None:
+            errors[message[1]] = message[2]
+    assert errors == {97: {"code": OVERLOADED, "message": "more than 96 requests in flight on this connection"}}
+    conn.close()
+    wait_until_idle(server, api_key=KEY)
+
+
+def test_streams_a_client_does_not_read_are_paused_not_generated_to_the_end(server):
+    """64 streams of 400 tokens (~1 MB of chunks) that the client never reads: once ~64 KiB wait unread
+    (the kernel's buffers bounded too), they are paused and generate nothing more, a bystander is served,
+    and closing the connection frees everything."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(msgpack.packb([0, 0, "auth", [KEY]]) + b"".join(
+        msgpack.packb([0, i, "generate", [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                                          "stream": True}]]) for i in range(1, 65)))
+    deadline = time.monotonic() + 60
+    while stats(server)["paused"] < 64:
+        assert time.monotonic() < deadline, stats(server)
+        time.sleep(0.05)
+    before = stats(server)
+    with client(server) as bystander:
+        assert bystander.generate("Zoo", max_tokens=16, ignore_eos=True).completion_tokens == 16
+    after = stats(server)
+    assert after["tokens_generated"] - before["tokens_generated"] == 16, (before, after)   # only the bystander's
+    assert after["pending_requests"] == 64 and after["running"] == 0
+    assert after["write_buffer_bytes"] < 200_000
+    assert after["tokens_generated"] < 64 * 400 // 4     # far from generated to the end
+    sock.close()
+    wait_until_idle(server, api_key=KEY)
+
+
+# ------------------------------------------------------------------ clients without the key
+
+def test_auth_is_checked_before_params(server):
+    conn = RawConnection(server)
+    conn.send([0, 1, "generate", [{"prompt": 5, "bogus": 1}]], [0, 2, "generate", 42])
+    assert [conn.receive()[2]["code"] for _ in range(2)] == [UNAUTHORIZED, UNAUTHORIZED]
+    conn.close()
+
+
+def test_unauthenticated_messages_are_small(server):
+    conn = RawConnection(server)
+    conn.sock.sendall(b"\x94\x00\x01\xa4auth\x91\xda\x40\x00" + b"k" * 9000)   # 9 KB of a 16 KiB key
+    kind, method, params = conn.receive()
+    assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE) and "size" in params[0]["message"]
+    assert conn.receive() is None
+
+
+def test_the_auth_deadline_is_not_extended_by_trickled_bytes(server):
+    """One byte every 0.1 s of a valid auth message: closed at --auth-timeout (1.5 s) after connecting."""
+    conn = RawConnection(server)
+    message = msgpack.packb([0, 1, "auth", ["x" * 200]])
+    start = time.monotonic()
+    closed = False
+    for byte in message:
+        try:
+            conn.sock.sendall(bytes([byte]))
+        except OSError:
+            closed = True
+            break
+        time.sleep(0.1)
+        if time.monotonic() - start > 10:
+            break
+    assert closed or conn.receive() is None
+    assert time.monotonic() - start < 10
+
+
+def test_a_message_must_arrive_whole_within_the_message_deadline(server):
+    conn = authed_raw(server)
+    message = msgpack.packb([0, 1, "tokenize", ["y" * 300]])
+    start = time.monotonic()
+    with pytest.raises(OSError):
+        for byte in message:
+            conn.sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+            assert time.monotonic() - start < 10
+        raise AssertionError("the whole message went through")
+    conn.close()
+
+
+def test_unauthenticated_connections_never_lock_out_a_key_holder(server):
+    """50 idle connections without the key (more than --max-connections 30): a key holder still gets in,
+    and the server keeps at most 8 unauthenticated connections from this address."""
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(50)]
+    with client(server) as c:
+        assert c.generate("Zoo", max_tokens=2).completion_tokens == 2
+        assert c.stats()["unauthenticated_connections"] <= 8
+    for sock in idle:
+        sock.close()
+
+
+def test_wrong_keys_are_throttled_and_not_logged_one_by_one(server):
+    conn = RawConnection(server)
+    log_before = open(server.log_path).read().count("wrong API key")
+    conn.send(*[[0, i, "auth", [f"guess-{i}"]] for i in range(200)])
+    answers = []
+    while (message := conn.receive()) is not None:
+        answers.append(message)
+    assert 1 <= len(answers) <= 16, len(answers)      # closed after 16 failures, each one slower
+    assert all(m[2]["code"] == UNAUTHORIZED for m in answers)
+    assert open(server.log_path).read().count("wrong API key") == log_before
+    assert stats(server)["auth_failures"] >= len(answers)
+
+
+def test_an_unpacker_reserves_little_memory():
+    """msgpack's Unpacker reserves min(max_buffer_size, 1 MiB) by default: 1000 idle connections held 1 GB."""
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    unpackers = [make_unpacker(1 << 20) for _ in range(100)]
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert held < 100 * (64 << 10), held
+    del unpackers
+
+
+# ------------------------------------------------------------------ smaller findings
+
+def test_model_info_names_the_model_without_its_path(server):
+    with client(server) as c:
+        info = c.model_info()
+    assert info["model"] == "stories260K"
+
+
+def test_errors_use_protocol_words_not_python_types(server):
+    with client(server) as c:
+        with pytest.raises(RPCError) as info:
+            c.call("generate", {"prompt": ["a"]})
+        assert "array" in info.value.message and "list" not in info.value.message
+        with pytest.raises(RPCError) as info:
+            c.call("tokenize", {"text": 5})
+        assert info.value.message == "text must be a string, got integer"
+
+
+def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minisarathi", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--host", ""], "--host"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0"),
+    (["--api-key-file", "/nonexistent/key.txt"], "--api-key-file /nonexistent/key.txt"),
+    (["--port", "70000"], "--port"),
+    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "--tls-cert"),
+    (["--max-stop-strings", "0"], "--max-stop-strings"),
+])
+def test_serve_refuses_bad_setups_naming_the_flag_without_a_traceback(args, named):
+    result = run_cli("serve", "--port", "0", *args) if "--port" not in args else run_cli("serve", *args)
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_serve_on_a_port_in_use_names_it_without_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--port", str(port))
+    assert result.returncode == 2 and f"--port {port}" in result.stderr and "Traceback" not in result.stderr, \
+        result.stderr
+
+
+@pytest.mark.parametrize("broken, named", [
+    ({"config.json": '{"vocab_size": '}, "config.json"),
+    ({"config.json": "[1, 2]"}, "config.json"),
+    ({"tokenizer.json": "{}"}, "tokenizer.json"),
+    ({"tokenizer_config.json": "["}, "tokenizer_config.json"),
+    ({"model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"w": {"x": 1}} '}, "model.safetensors"),
+])
+def test_broken_model_folders_are_named_without_a_traceback(tmp_path, broken, named):
+    import shutil
+    from minisarathi.paths import default_model_dir
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model)
+    for name, content in broken.items():
+        (model / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    result = run_cli("generate", "hi", "--model", str(model), "--max-tokens", "1")
+    assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert re.search(r"error: .*" + re.escape(named), result.stderr)
