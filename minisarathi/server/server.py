@@ -865,11 +865,14 @@ class Server:
         return result
 
     def _on_step_error(self, error: Exception):
-        # The engine's state is suspect after a failed step: fail everything it holds.
+        # The engine's state is suspect after a failed step: fail everything it holds. A failed model (its
+        # tensor-parallel ranks died) says so, in words written for clients; any other exception stays in the log.
+        failure = self.engine.model_failure
+        answer = _internal_error() if failure is None else RPCError(INTERNAL, f"engine step failed: {failure}")
         for pending in list(self._pending.values()):
-            self._fail(pending, _internal_error())
+            self._fail(pending, answer)
             self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
-        self._fail_door_requests(_internal_error())
+        self._fail_door_requests(answer)
 
     def _fail(self, pending: _Pending, error: RPCError):
         self._forget(pending)
