@@ -7,7 +7,6 @@ cut before the stop string completed first. It is streamed in pieces that never 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
