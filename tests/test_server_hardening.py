@@ -88,14 +88,15 @@ def test_tokenize_and_detokenize_have_size_limits(server):
 
 
 def test_big_tokenize_and_detokenize_run_off_the_event_loop(server):
-    """Sent first, four 270 KB tokenize calls and a 60k-id detokenize (about a second of tokenizer work) are
-    answered after a health sent behind them: the loop went on serving while a worker thread did the work."""
+    """Sent first, four 270 KB tokenize calls and a 60k-id detokenize queue on the tokenizer thread (about a
+    second of work); a health sent behind them is answered before the last of them: the loop went on serving
+    meanwhile. On the loop, each would be answered in turn, health last."""
     conn = authed_raw(server)
     text = "Once upon a time there was a girl. " * 7700
     conn.send(*[[0, i, "tokenize", [text]] for i in range(1, 5)], [0, 5, "detokenize", [[400] * 60_000]],
               [0, 6, "health", []])
     order = [conn.receive()[1] for _ in range(6)]
-    assert order[0] == 6, order
+    assert order.index(6) < order.index(5), order
     conn.close()
 
 
