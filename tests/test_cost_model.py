@@ -145,3 +145,20 @@ def test_stalled_steps_do_not_drag_the_fit():
     x, y = model._rows[:400], model._times[:400]
     plain = np.linalg.lstsq(x, y, rcond=None)[0]
     assert np.abs(plain / TRUE - 1).max() > 0.5
+
+
+def test_an_underdetermined_fit_is_not_used():
+    """Five coefficients need more than five rows of full rank, with a prefill and a decode step among them:
+    fewer (a time-limited profile) leave the model unfitted, so the scheduler keeps the fixed budget."""
+    rng = np.random.default_rng(6)
+    model = CostModel()
+    few = random_shapes(rng, 5)
+    model.add_profile(few, [true_time(s) for s in few])
+    assert not model.fitted
+    decodes = random_shapes(rng, 20, decode_only=True)
+    only_decodes = CostModel()
+    only_decodes.add_profile(decodes, [true_time(s) for s in decodes])
+    assert not only_decodes.fitted
+    more = random_shapes(rng, 7)
+    model.add_profile(more, [true_time(s) for s in more])
+    np.testing.assert_allclose(model.coefficients, TRUE, rtol=1e-6)

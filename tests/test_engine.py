@@ -571,6 +571,8 @@ def test_slo_mode_keeps_steps_within_the_target(fake_clock, requests, reference)
     assert max(r.num_prefill_tokens for r in records) < 120 and "budget" in {r.admission_stop for r in records}
     slo = engine.stats()["tbt_slo"]
     assert slo["overshoots"] == 0 and not slo["overloaded"] and slo["target_ms"] == 10
+
+
 @pytest.mark.parametrize("num_blocks", [1024 // 4, 40])   # plenty; too few (paused KV must give way)
 def test_paused_requests_get_no_tokens_keep_or_yield_their_kv_and_resume_exactly(requests, reference, num_blocks):
     """The server pauses the requests of a client that stopped reading: they get no tokens and no batch slot,
@@ -611,3 +613,21 @@ def test_paused_requests_get_no_tokens_keep_or_yield_their_kv_and_resume_exactly
         engine.resume_request(rid)
     finals = run(engine, [])
     assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == {rid: reference[rid] for rid in paused}
+
+
+def test_a_profile_cut_short_keeps_the_fixed_budget_until_the_fit_is_determined(fake_clock, monkeypatch,
+                                                                                   requests, reference):
+    """A profile limit that lets only the cheapest shapes run: the profile ends within it, its rows cannot
+    determine five coefficients, so the first steps use chunk_size (no time limit); the engine's own steps
+    then determine the fit and the SLO budget takes over. Tokens stay the reference ones."""
+    from minisarathi.engine import profile as profile_module
+    monkeypatch.setattr(profile_module, "PROFILE_SECONDS", 0.006)
+    began = fake_clock.now
+    engine = LLMEngine(chunk_size=32, block_size=16, num_kv_blocks=64, tbt_slo_ms=10)
+    assert fake_clock.now - began <= 0.006 + 0.003   # + the warm-up step, not counted
+    assert not engine.cost_model.fitted
+    finals = run(engine, requests)
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
+    records = list(engine.step_records)
+    assert records[0].time_limit is None and records[0].num_prefill_tokens == 32
+    assert engine.cost_model.fitted and records[-1].time_limit is not None

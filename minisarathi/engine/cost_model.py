@@ -119,7 +119,7 @@ class CostModel:
         x = np.vstack([self._rows[:n], self._anchor_rows])
         y = np.concatenate([self._times[:n], self._anchor_times])
         self._since_fit = 0
-        if len(y) < 2:
+        if not _determined(x):   # e.g. a time-limited profile without a decode shape: keep the fixed budget
             return
         keep = np.ones(len(y), dtype=bool)
         for _ in range(OUTLIER_PASSES):   # a fit dragged by stalls mislabels some rows: trim again from the better one
@@ -185,6 +185,15 @@ def _non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             break
         active = np.delete(active, np.argmin(solution))
     return coefficients
+
+
+def _determined(x: np.ndarray) -> bool:
+    """Whether the rows float64[rows, features] determine every coefficient: more rows than features and
+    full rank (which needs a prefill step and a decode step among them)."""
+    if len(x) <= x.shape[1]:
+        return False
+    scale = np.abs(x).max(axis=0)
+    return bool((scale > 0).all()) and np.linalg.matrix_rank(x / scale) == x.shape[1]
 
 
 def _features(shape: StepShape) -> tuple:

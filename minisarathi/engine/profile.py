@@ -1,7 +1,8 @@
 """tbt_slo_ms mode's start-up profile: a handful of synthetic steps of chosen shapes, timed on the engine's own
 model, KV cache and sampler before any request arrives, so that the cost model has a fit from the first step
-(CostModel.add_profile). It writes garbage K/V into the pool's blocks, which is harmless only while no
-sequence holds any: the engine runs it in its constructor.
+(CostModel.add_profile); a profile cut short by its time limit may not determine the fit, and then the steps
+keep the fixed chunk_size budget until the engine's own steps do. It writes garbage K/V into the pool's
+blocks, which is harmless only while no sequence holds any: the engine runs it in its constructor.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from minisarathi.batch import make_batch
 from minisarathi.engine.cost_model import StepShape
 from minisarathi.sampling_params import SamplingParams
 
-PROFILE_SECONDS = 3.0      # no further shape starts after this long (the costly ones come last)
+PROFILE_SECONDS = 3.0      # no shape starts that is expected to end past this (the costly ones come last)
 MAX_PROFILE_TOKENS = 512   # the largest prefill chunk profiled: the fit extrapolates beyond it
 MAX_PROFILE_SEQS = 32      # the largest decode batch profiled
 PROFILE_PASSES = 2         # each shape timed twice: one sample of a step is noisy on a shared machine
@@ -59,8 +60,11 @@ def run_profile(model, kv_cache, sampler, block_size: int, num_blocks: int, toke
     run(plan[1])   # first calls allocate and warm caches: not a step's cost
     shapes, seconds = [], []
     began = time.perf_counter()
-    for step in plan * PROFILE_PASSES:
-        if time.perf_counter() - began > PROFILE_SECONDS:
+    for i, step in enumerate(plan * PROFILE_PASSES):
+        # a shape is expected to take what it took in the first pass, or, in the first pass, at least what the
+        # previous (cheaper) one took: one long shape must not overrun the limit by seconds
+        expected = seconds[i - len(plan)] if i >= len(plan) else (seconds[-1] if seconds else 0.0)
+        if time.perf_counter() - began + expected > PROFILE_SECONDS:
             break
         shape = StepShape()
         for start, n in step:
