@@ -210,24 +210,6 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_http_doors(server, args: argparse.Namespace, model_dir: Path) -> None:
-    from minisarathi.server.chat_template import load_chat_template
-    from minisarathi.server.http import HttpDoor
-    from minisarathi.server.metrics import Metrics
-
-    name = args.served_model_name or model_dir.name
-    engine = server.engine
-    metrics = Metrics(name, engine.max_model_len, engine.config.chunk_size)
-    server.finish_listeners.append(metrics.request_finished)
-    metrics.watch_server(server)
-    host = args.http_host or args.host
-    if args.http_port is not None:
-        template = load_chat_template(model_dir, args.chat_template)
-        server.doors.append(HttpDoor(server, host, args.http_port, name, template, metrics))
-    if args.metrics_port is not None:
-        server.doors.append(HttpDoor(server, host, args.metrics_port, name, None, metrics, serve_api=False))
-
-
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     c = parser.add_argument_group("connection")
