@@ -24,3 +24,15 @@ def build_batch(chunks: list[ScheduledChunk], block_size: int) -> Batch:
         block_tables[s, :len(c.block_table)] = c.block_table
     return make_batch([t for c in chunks for t in c.token_ids], [c.start_pos for c in chunks],
                       [len(c.token_ids) for c in chunks], block_tables, [c.sample for c in chunks], block_size)
+
+
+def scattered_batch(rng: np.random.Generator, runs: list[tuple[int, int]], block_size: int) -> tuple[Batch, int]:
+    """A batch of runs (tokens already cached, new tokens) per sequence whose blocks are scattered over a shuffled
+    pool with a few spare blocks nobody uses; returns it and the pool's number of blocks."""
+    needs = [-(-(start + n) // block_size) for start, n in runs]
+    pool = rng.permutation(sum(needs) + 3)
+    chunks, used = [], 0
+    for (start, n), need in zip(runs, needs):
+        chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used:used + need]], True))
+        used += need
+    return build_batch(chunks, block_size), len(pool)

@@ -14,7 +14,7 @@ import pytest
 from minisarathi.backends import cuda_ops, decode_plan, emulator
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import scattered_batch
 
 emulated_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the values' scale
@@ -31,14 +31,8 @@ def as_float32(x):
 def decode_case(rng, dtype, Hq, Hk, D, block_size, runs, fused_qkv=False):
     """runs: (cached tokens, new tokens) per sequence; blocks scattered over a shuffled pool with spares.
     With fused_qkv, q is a row-strided view into a [T, (Hq + 2 Hk) D] array, as the model passes it."""
-    blocks_needed = [-(-(start + n) // block_size) for start, n in runs]
-    pool = rng.permutation(sum(blocks_needed) + 3)
-    chunks, used = [], 0
-    for (start, n), need in zip(runs, blocks_needed):
-        chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used:used + need]], True))
-        used += need
-    batch = build_batch(chunks, block_size)
-    shape = (len(pool), Hk, block_size, D)
+    batch, num_blocks = scattered_batch(rng, runs, block_size)
+    shape = (num_blocks, Hk, block_size, D)
     k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
     width = (Hq + 2 * Hk) * D if fused_qkv else Hq * D
     q = on_device(rng.standard_normal((batch.num_tokens, width)), dtype)[:, :Hq * D].reshape(-1, Hq, D)

@@ -16,7 +16,7 @@ from minisarathi.backends import cuda_ops, emulator
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.config import rope_cos_sin_table
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import scattered_batch
 from minisarathi.paths import cuda_dir
 
 CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
@@ -140,14 +140,8 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
 
 def attention_case(rng, dtype, Hq, Hk, D, block_size, runs):
     """runs: (already cached tokens, new tokens) per sequence; blocks scattered over a shuffled pool."""
-    blocks_needed = [-(-(start + n) // block_size) for start, n in runs]
-    pool = rng.permutation(sum(blocks_needed) + 3)   # a few blocks nobody uses
-    chunks, used = [], 0
-    for (start, n), need in zip(runs, blocks_needed):
-        chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used:used + need]], True))
-        used += need
-    batch = build_batch(chunks, block_size)
-    shape = (len(pool), Hk, block_size, D)
+    batch, num_blocks = scattered_batch(rng, runs, block_size)
+    shape = (num_blocks, Hk, block_size, D)
     k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
     q = on_device(rng.standard_normal((batch.num_tokens, Hq, D)), dtype)
     return batch, q, k_cache, v_cache

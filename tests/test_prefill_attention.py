@@ -14,7 +14,7 @@ import pytest
 from minisarathi.backends import cuda_ops, emulator
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import scattered_batch
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}   # relative to the output's scale; P is rounded to the type
@@ -37,14 +37,8 @@ def as_float32(x: np.ndarray) -> np.ndarray:
 def attention_case(seed: int, dtype: str, Hq: int, Hk: int, D: int, block_size: int, runs):
     """runs: (history, new tokens) per sequence; blocks scattered over a shuffled pool with spare blocks."""
     rng = np.random.default_rng(seed)
-    needs = [-(-(history + n) // block_size) for history, n in runs]
-    pool = rng.permutation(sum(needs) + 3)
-    chunks, used = [], 0
-    for (history, n), need in zip(runs, needs):
-        chunks.append(ScheduledChunk(list(range(n)), history, [int(b) for b in pool[used:used + need]], True))
-        used += need
-    batch = build_batch(chunks, block_size)
-    shape = (len(pool), Hk, block_size, D)
+    batch, num_blocks = scattered_batch(rng, runs, block_size)
+    shape = (num_blocks, Hk, block_size, D)
     k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
     q = on_device(rng.standard_normal((batch.num_tokens, Hq, D)), dtype)
     return batch, q, k_cache, v_cache
