@@ -277,6 +277,11 @@ def test_logprobs_match_llm_generate(server, model_with_template):
 def test_models_health_ready_metrics_and_request_id(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["stories260K"]
+    assert server.client.models.retrieve("stories260K").model_dump() == models.data[0].model_dump()
+    status, _, body = raw(server, "GET", "/v1/models/gpt-5")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, headers, body = raw(server, "GET", "/v1/completions")   # a POST-only path
+    assert status == 405 and headers["Allow"] == "POST" and body["error"]["type"] == "invalid_request_error"
     for path in ("/health", "/ready"):
         status, _, body = raw(server, "GET", path, headers={"Authorization": ""})
         assert status == 200 and body["status"] in ("ok", "ready")
@@ -323,6 +328,15 @@ def test_models_health_ready_metrics_and_request_id(server):
      400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
     ("/v1/nothing", {}, 404, None),
+    # the msgpack door's list bounds hold here too (ServerLimits: 16 stop strings, 1024 characters, 64 ids)
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 1025}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [5] * 65}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 17}, 400, "stop"),
+    # JSON that parses but is no text, or parses only with Python's recursion: a 400, not a 500
+    ("/v1/completions", b'{"prompt": "Once \\ud800 upon", "max_tokens": 2}', 400, None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
+    ("/v1/completions", b"[" * 30000 + b"]" * 30000, 400, None),
 ])
 def test_bad_input_gets_an_openai_error_naming_the_field(server, path, body, status, param):
     code, _, error = raw(server, "POST", path, body)

@@ -61,7 +61,8 @@ def str_as_bin(value):
 
 
 def test_bin_method_keys_and_values_are_read_as_text(server, zoo_reference):
-    request = [0, 1, "generate", [{**GREEDY_ZOO, "stop": ["zzz"]}]]
+    # logit_bias' keys too: a nested map's keys sent as bin (a zero bias leaves the tokens as they were)
+    request = [0, 1, "generate", [{**GREEDY_ZOO, "stop": ["zzz"], "logit_bias": {"407": 0.0}}]]
     binary = msgpack.packb(str_as_bin(request), use_bin_type=True)
     assert b"\xc4\x08generate" in binary and b"\xc4\x06prompt" in binary     # bin 8 = 0xc4
     kind, msgid, error, result = call_raw(server, binary)

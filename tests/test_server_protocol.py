@@ -78,6 +78,8 @@ def test_text_sent_as_bin_is_text():
     params = text_params([{b"prompt": b"hi", b"stop": [b"x", "y"], "prompt_token_ids": [1, 2]}, b"abc", 5])
     assert params == [{"prompt": "hi", "stop": ["x", "y"], "prompt_token_ids": [1, 2]}, "abc", 5]
     assert parse_generate(text_params([{b"prompt": b"hi"}]), LIMITS).prompt == "hi"
+    request = parse_generate(text_params([{"prompt": "hi", "logit_bias": {b"407": -100}}]), LIMITS)
+    assert request.params.logit_bias == {407: -100.0}
     with pytest.raises(RPCError, match="prompt"):
         text_params([{"prompt": b"\xff"}])
 

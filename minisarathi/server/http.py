@@ -15,6 +15,7 @@ import collections
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from minisarathi.server.auth import Key, Quota
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # a prefilter: most bodies have none
 log = logging.getLogger("minisarathi.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -110,7 +112,7 @@ class HttpDoor:
         self.metrics = metrics
         engine = server.engine
         self.limits = DoorLimits(min(server.limits.max_prompt_tokens, engine.max_model_len), server.limits.max_tokens,
-                                 server.limits.max_n, engine.tokenizer.vocab_size)
+                                 server.limits.max_n, engine.tokenizer.vocab_size, server.limits)
         self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -122,7 +124,7 @@ class HttpDoor:
             routes.append(web.get("/metrics", self._metrics))
         if serve_api:
             routes += [web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
-                       web.get("/v1/models", self._models)]
+                       web.get("/v1/models", self._models), web.get("/v1/models/{model}", self._model)]
         app.add_routes(routes)
         self.app = app
 
@@ -166,7 +168,10 @@ class HttpDoor:
             return _error_response(OpenAIError(413, f"the request body exceeds {self.server.limits.max_message_bytes} "
                                                     "bytes", code="request_too_large"))
         except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
-            return _error_response(OpenAIError(e.status, e.reason, code=None))
+            response = _error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
+            if "Allow" in e.headers:     # RFC 9110: a 405 says which methods the path takes
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
         except Exception:   # a bug: the client still gets OpenAI's error shape and the id to report; the log the rest
             request_id = request.get("request_id")
             log.exception("%s %s %s failed", request_id or "-", request.method, request.path)
@@ -180,9 +185,19 @@ class HttpDoor:
     async def _json(self, request: web.Request):
         raw = await request.read()
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
+        # JSON may escape a lone UTF-16 surrogate (\ud800), which is no text: refuse it here, not in the tokenizer.
+        if _SURROGATE_ESCAPE.search(raw):
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise OpenAIError(400, "the request body holds a lone UTF-16 surrogate escape, which is not text") \
+                    from None
+        return body
 
     def _request_id(self, request: web.Request, kind: str) -> str:
         given = request.headers.get(REQUEST_ID_HEADER)
@@ -206,9 +221,18 @@ class HttpDoor:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "minisarathi",
-             "max_model_len": self.server.engine.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request):
+        name = request.match_info["model"]
+        if name != self.model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "minisarathi",
+                "max_model_len": self.server.engine.max_model_len}
 
     async def _completions(self, request):
         request_id = self._request_id(request, "completion")

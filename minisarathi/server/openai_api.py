@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from minisarathi.outputs import CompletionOutput, Logprob
 from minisarathi.sampling_params import SamplingParams
+from minisarathi.server.protocol import ListBoundError, ServerLimits, check_list_bounds
 from minisarathi.validation import PRIORITY_RANGE
 
 # vLLM's floor for a logprob that is -inf (a masked token): JSON has no infinity.
@@ -31,7 +32,8 @@ class OpenAIError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "server_error"}
 
 
 def bad(param: str, message: str) -> OpenAIError:
@@ -45,6 +47,7 @@ class DoorLimits:
     max_tokens: int              # the largest max_tokens a request may ask for
     max_n: int                   # choices per prompt
     vocab_size: int
+    lists: ServerLimits = dataclasses.field(default_factory=ServerLimits)   # stop, stop_token_ids, logit_bias bounds
 
 
 @dataclass
@@ -196,6 +199,10 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     stop = sampling.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad("stop", "stop must be a string or an array of strings")
+    try:
+        check_list_bounds(sampling, limits.lists)
+    except ListBoundError as e:
+        raise bad(e.field, str(e)) from None
     try:   # the engine gives choice i the seed seed + i
         params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:

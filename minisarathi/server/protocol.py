@@ -150,11 +150,13 @@ def as_text(value, name: str):
 
 
 def text_params(params: list) -> list:
-    """as_text over every string a method takes: params items, map keys and values, and list items inside
-    those (generate's stop). Deeper values are never text, so the walk stops there."""
+    """as_text over every string a method takes: params items, map keys and values, list items and map keys
+    inside those (generate's stop, logit_bias). Deeper values are never text, so the walk stops there."""
     def items(value, name):
         if isinstance(value, list) and _holds(value, bytes):
             return [as_text(item, name) for item in value]
+        if isinstance(value, dict) and _holds(list(value), bytes):   # logit_bias' keys
+            return {as_text(key, f"{name} key"): v for key, v in value.items()}
         return as_text(value, name)
 
     def param(value, i):
@@ -225,7 +227,10 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     request_id = fields.get("request_id")
     if request_id is not None and not (isinstance(request_id, str) and valid_request_id(request_id)):
         raise RPCError(INVALID_PARAMS, f"request_id must be {REQUEST_ID_RULE}")
-    _check_list_bounds(fields, limits)
+    try:
+        check_list_bounds(fields, limits)
+    except ListBoundError as e:
+        raise RPCError(INVALID_PARAMS, str(e)) from None
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     try:
         sampling_params = SamplingParams(**sampling)
@@ -238,23 +243,29 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     return GenerateRequest(prompt, token_ids, sampling_params, stream, priority, request_id)
 
 
-def _check_list_bounds(fields: dict, limits: ServerLimits) -> None:
-    """The fields whose cost grows with their length, bounded before anything walks them."""
+class ListBoundError(ValueError):
+    """A request field longer than ServerLimits allow; `field` names it (both doors report it)."""
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_list_bounds(fields: dict, limits: ServerLimits) -> None:
+    """The fields whose cost grows with their length, bounded before anything walks them (both doors)."""
     stop = fields.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if isinstance(stop, list):
         if len(stop) > limits.max_stop_strings:
-            raise RPCError(INVALID_PARAMS, f"stop must hold at most {limits.max_stop_strings} strings, "
-                                           f"got {len(stop)}")
+            raise ListBoundError("stop", f"stop must hold at most {limits.max_stop_strings} strings, got {len(stop)}")
         total = sum(len(s) for s in stop if isinstance(s, str))
         if total > limits.max_stop_chars:
-            raise RPCError(INVALID_PARAMS, f"stop strings must total at most {limits.max_stop_chars} characters, "
-                                           f"got {total}")
+            raise ListBoundError("stop", f"stop strings must total at most {limits.max_stop_chars} characters, "
+                                         f"got {total}")
     for name, limit in (("stop_token_ids", limits.max_stop_token_ids), ("logit_bias", limits.max_logit_bias)):
         value = fields.get(name)
         if isinstance(value, (list, dict)) and len(value) > limit:
-            raise RPCError(INVALID_PARAMS, f"{name} must hold at most {limit} entries, got {len(value)}")
+            raise ListBoundError(name, f"{name} must hold at most {limit} entries, got {len(value)}")
 
 
 def _generate_fields(params: list) -> dict:
