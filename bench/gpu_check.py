@@ -173,7 +173,7 @@ def check_sampling(work: Path) -> None:
     logits = (rng.standard_normal((N, V)) * 2).astype(np.float32)
     logits[1, [10, 70000]] = 50.0                               # a tie: the lowest id wins
     device_logits = ops.launcher.to_device(logits)
-    ok = np.array_equal(ops.greedy(device_logits), logits.argmax(1))
+    ok = np.array_equal(ops.launcher.to_host(ops.greedy(device_logits)), logits.argmax(1))
     ROWS.append(("kernel greedy argmax", "ok" if ok else "MISMATCH", f"{N} x {V}, ties to the lowest id"))
 
     kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=1.0, top_p=0.9),

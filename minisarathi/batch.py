@@ -7,6 +7,7 @@ A negative slot in slot_mapping marks a padding token whose K/V is not stored (b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,11 @@ class Batch:
     logits_indices: np.ndarray  # int32[N]    rows of T whose logits are wanted, sorted
     max_query_len: int
     max_context_len: int
+    # Overlap (engine.py): decode tokens the previous step sampled on the device, not yet known on the host.
+    # Row previous_rows[i] of input_ids (0 on the host) takes previous_ids[previous_sources[i]] there.
+    previous_ids: Any = None                     # int32/int64[N] device array: the previous step's sampled ids
+    previous_rows: np.ndarray | None = None      # int32[P]
+    previous_sources: np.ndarray | None = None   # int32[P]
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         f"(default {d.priority_aging_s:g})")
     g.add_argument("--blas-threads", type=int, default=d.blas_threads,
                    help="BLAS threads (default: the CPUs idle at start-up, at least 1)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=d.overlap,
+                   help="run each step to the end before scheduling the next (default: the host schedules and "
+                        "finishes outputs while the GPU computes, on the CUDA backend on a GPU)")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:

@@ -65,6 +65,10 @@ class EngineConfig:
     # BLAS threads of the process (the NumPy backend's matmuls, the sampler). None: the CPUs other processes
     # leave idle at start-up, at least 1 (minisarathi/backends/cpu_setup.py).
     blas_threads: int | None = None
+    # Overlap the host with the device (docs/performance.md, "Overlap"): each step is scheduled and its forward
+    # issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend on a
+    # GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
+    overlap: bool | None = None
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        if self.overlap and self.tensor_parallel_size > 1:
+            raise ValueError("overlap needs tensor_parallel_size 1: the ranks take the input ids from the host")
         fair = ("max_partial_prefills", "long_prefill_threshold", "max_long_partial_prefills")
         optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "blas_threads", *fair)   # None: derived or off
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):

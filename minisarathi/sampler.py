@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any, Callable
 
 import numpy as np
 
@@ -82,6 +83,14 @@ class SamplerOutput:
     ranks: list[int | None]
 
 
+@dataclass
+class PendingSample:
+    """Sampling issued on the backend, not waited for: the engine's next forward reads `token_ids` where they
+    were computed (so the host need not know them to launch it), and result() waits for them on the host."""
+    token_ids: Any                          # int32 or int64[N], on the backend's device
+    result: Callable[[], SamplerOutput]     # waits for the ids (and logprobs) sampled, not for later work
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size
@@ -124,6 +133,13 @@ class Sampler:
             token_ids[rows] = self._sample_random(
                 x[rows], temperature[rows], [params[i] for i in rows], [generators[i] for i in rows])
         return self._with_logprobs(logits, params, token_ids)
+
+    def launch(self, logits: np.ndarray, params: list[SamplingParams],
+               generators: list[np.random.Generator | None],
+               prompt_ids: list[list[int]], output_ids: list[list[int]]) -> PendingSample:
+        """sample(), for the engine's step pipeline: on the host it is done when issued."""
+        out = self.sample(logits, params, generators, prompt_ids, output_ids)
+        return PendingSample(out.token_ids, lambda: out)
 
     def _mask_stop_tokens(self, logits, params, output_ids):
         masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)

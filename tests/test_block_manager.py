@@ -23,7 +23,7 @@ def admit(bm, seq, num_tokens=None):
 
 def compute_all(bm, seq):
     seq.num_computed_tokens = seq.num_tokens
-    bm.register_computed(seq)
+    bm.register_computed(seq, seq.num_computed_tokens)
 
 
 def test_lazy_growth_and_free():

@@ -143,15 +143,17 @@ def check_batch_shape(engine):
         assert record.num_prefill_tokens == 0 or record.num_decode_tokens == 0
 
 
-def test_sarathi_is_stall_free(requests):
-    """Every sequence decoding before a step is in that step's batch (no decode waits behind a prefill)."""
-    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4, num_kv_blocks=256)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sarathi_is_stall_free(requests, overlap):
+    """Every sequence decoding before a step is in that step's batch (no decode waits behind a prefill); with
+    overlap, all but those whose last token (by length) the step in flight samples."""
+    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4, num_kv_blocks=256, overlap=overlap)
     scheduler = engine.scheduler
     original = scheduler.schedule
     seen = []
 
     def schedule():
-        decoding = [s for s in scheduler.running if not s.in_prefill]
+        decoding = [s for s in scheduler.running if not s.in_prefill and not s.final_token_in_flight]
         out = original()
         has_prefill = any(s.in_prefill for s in out.scheduled)
         seen.append((decoding, dict(out.scheduled), has_prefill))

@@ -79,7 +79,7 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = step
             seq.num_computed_tokens += n
-            blocks.register_computed(seq)
+            blocks.register_computed(seq, seq.num_computed_tokens)
             if seq.num_computed_tokens == seq.num_tokens:
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = step

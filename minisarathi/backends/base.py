@@ -25,7 +25,8 @@ class Backend(Protocol):
         """A loader CheckpointTensor (or a float32 array) placed on the device in the activation dtype."""
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
     def upload_batch(self, batch: Batch) -> None:
-        """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it."""
+        """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it, and
+        fills the rows of input_ids that take the previous step's sampled ids there (batch.previous_ids)."""
     def constant(self, array: np.ndarray) -> Array:
         """A float32 table on the device, float32 whatever the activation dtype (config.rope_cos_sin())."""
     def to_numpy(self, x: Array) -> np.ndarray:

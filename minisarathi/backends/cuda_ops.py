@@ -93,6 +93,10 @@ class EmulatorLauncher:
     def to_host(self, array: np.ndarray) -> np.ndarray:
         return array
 
+    def to_host_async(self, arrays: list[np.ndarray]):
+        """CupyLauncher.to_host_async: here the kernels have run already, so the arrays are ready."""
+        return lambda: list(arrays)
+
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type."""
         kind = dtype_name(x)
@@ -137,6 +141,26 @@ class CupyLauncher:
 
     def to_host(self, array) -> np.ndarray:
         return self.xp.asnumpy(array)
+
+    def to_host_async(self, arrays: list):
+        """Starts copying `arrays` into pinned host memory behind the work queued so far; returns a function that
+        waits for that copy (an event, not the stream: work queued later, such as the next step's forward,
+        keeps running) and returns the host arrays. to_host() would wait for everything queued."""
+        cp = self.xp
+        copies = []
+        for array in arrays:
+            array = cp.ascontiguousarray(array)
+            pinned = cp.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+            host = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)   # keeps `pinned` alive
+            array.get(out=host, blocking=False)
+            copies.append(host)
+        copied = cp.cuda.Event(disable_timing=True)
+        copied.record()
+
+        def wait() -> list[np.ndarray]:
+            copied.synchronize()
+            return copies
+        return wait
 
     def matmul_t(self, x, w, bias):
         if dtype_name(x) != "bfloat16":
@@ -233,6 +257,8 @@ class CudaOps:
         the upload cache. Called once per step, before the layers."""
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
                   batch.block_tables, batch.logits_indices]
+        if batch.previous_ids is not None:
+            arrays += [batch.previous_rows, batch.previous_sources]
         if len(self._uploads) > 32 - len(arrays):   # room for all of them: none is evicted before it is read
             self._uploads.clear()
         starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in arrays])     # int32 elements, 16-byte aligned
@@ -240,8 +266,12 @@ class CudaOps:
         for array, start in zip(arrays, starts):
             packed[start:start + array.size] = array.ravel()
         device = self.launcher.to_device(packed)
-        for array, start in zip(arrays, starts):
-            self._upload_once(array, lambda: None, view=device[start:start + array.size].reshape(array.shape))
+        views = [device[start:start + array.size].reshape(array.shape) for array, start in zip(arrays, starts)]
+        for array, view in zip(arrays[:7], views):
+            self._upload_once(array, lambda: None, view=view)
+        if batch.previous_ids is not None:   # the tokens the host does not know yet, taken on the device
+            input_ids, rows, sources = views[0], views[7], views[8]
+            input_ids[rows] = batch.previous_ids[sources]
 
     def _upload_once(self, source: np.ndarray, make, what: str = "", view=None):
         """Device copy of make(), computed once per `source` array and `what` is derived from it. Batch
@@ -487,14 +517,14 @@ class CudaOps:
                     (len(sources),), (256,), (cache, pairs, np.int32(block_elems)))
 
     # ---- sampling on the device ----------------------------------------------------------------------
-    def greedy(self, logits) -> np.ndarray:
-        """int32[N]: argmax of each row of float32 logits[N, V] (lowest index on ties)."""
+    def greedy(self, logits):
+        """Device int32[N]: argmax of each row of float32 logits[N, V] (lowest index on ties)."""
         logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
         N, V = logits.shape
         ids = self.xp.empty((N,), dtype=np.int32)
         if N:
             self._plain_kernel("sampling.cu", "argmax_kernel")((N,), (_threads(V, 1024),), (logits, np.int32(V), ids))
-        return self.launcher.to_host(ids)
+        return ids
 
     def apply_penalties(self, logits, tokens: list[np.ndarray], output_counts: list[np.ndarray],
                         repetition: np.ndarray, frequency: np.ndarray, presence: np.ndarray) -> None:
@@ -512,8 +542,8 @@ class CudaOps:
                                to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
                                to(np.asarray(presence, np.float32))))
 
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> np.ndarray:
-        """int32[N] host ids, one per row of float32 logits[N, V] (already penalized), with per-row
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform):
+        """Device int32[N] ids, one per row of float32 logits[N, V] (already penalized), with per-row
         parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax)."""
         logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
         N, V = logits.shape
@@ -525,7 +555,7 @@ class CudaOps:
                 (logits, np.int32(V), to(np.asarray(temperature, np.float32)), to(np.asarray(top_k, np.int32)),
                  to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
                  to(np.asarray(uniform, np.float64)), ids))
-        return self.launcher.to_host(ids)
+        return ids
 
 
 def _grid_stride_blocks(elements: int) -> int:

@@ -9,6 +9,8 @@ Per row, in the same order as the NumPy Sampler:
    inverse CDF in token order with one uniform per row, drawn on the host from the same generators in the
    same order as the NumPy Sampler, so a seeded request picks what it would pick there.
 4. Logprobs of the raw logits (before penalties) by array reductions on the device for the rows that ask.
+5. The ids (and logprobs) start their copy to the host behind the sampling kernels; launch() returns without
+   waiting, so the engine can issue the next step's forward (which reads the ids on the device) first.
 
     sampler = ops.new_sampler(vocab_size, seed, eos_token_ids)       # ops: a cuda_ops.CudaOps
     out = sampler.sample(model.forward(batch, cache, device_logits=True), params, generators, prompts, outputs)
@@ -18,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from minisarathi.dtypes import convert, dtype_name
-from minisarathi.sampler import (SamplerOutput, draw_uniforms, is_penalized, logit_bias_entries, make_generator,
-                                 stop_tokens_to_mask)
+from minisarathi.sampler import (PendingSample, SamplerOutput, draw_uniforms, is_penalized, logit_bias_entries,
+                                 make_generator, stop_tokens_to_mask)
 from minisarathi.sampling_params import SamplingParams
 
 
@@ -34,6 +36,12 @@ class GpuSampler:
     def sample(self, logits, params: list[SamplingParams], generators: list[np.random.Generator | None],
                prompt_ids: list[list[int]], output_ids: list[list[int]]) -> SamplerOutput:
         """As Sampler.sample, with `logits` a device array [N, vocab] in float32 or the activation dtype."""
+        return self.launch(logits, params, generators, prompt_ids, output_ids).result()
+
+    def launch(self, logits, params: list[SamplingParams], generators: list[np.random.Generator | None],
+               prompt_ids: list[list[int]], output_ids: list[list[int]]) -> PendingSample:
+        """sample() without waiting: the kernels and the ids' copy to the host are queued; the ids stay on the
+        device for the next forward, and result() waits only for this sampling, not for work queued after it."""
         n = len(params)
         if logits.ndim != 2 or logits.shape != (n, self.vocab_size):
             raise ValueError(f"logits must have shape ({n}, {self.vocab_size}), got {logits.shape}")
@@ -53,12 +61,15 @@ class GpuSampler:
         temperature = np.array([p.temperature for p in params], np.float32)
         greedy = temperature == 0
         if greedy.all():
-            token_ids = self.ops.greedy(x)
+            token_ids = self.ops.greedy(x)                                    # device int32[N]
         else:
             token_ids = self.ops.sample(
                 x, temperature, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params],
                 self._uniforms(np.flatnonzero(~greedy), generators, n))
-        return self._with_logprobs(logits, params, token_ids.astype(np.int64))
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        k = min(max((params[i].logprobs for i in rows), default=0), self.vocab_size)
+        wait = self.ops.launcher.to_host_async([token_ids, *self._logprobs_on_device(logits, token_ids, rows, k)])
+        return PendingSample(token_ids, lambda: self._output(params, rows, wait()))
 
     def _mask_stop_tokens(self, x, params, output_ids) -> None:
         masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)
@@ -85,29 +96,36 @@ class GpuSampler:
         uniform[rows] = draw_uniforms(self._rng, [generators[i] for i in rows])
         return uniform
 
-    def _with_logprobs(self, logits, params, token_ids: np.ndarray) -> SamplerOutput:
-        n = len(params)
-        logprobs, ranks = [None] * n, [None] * n
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    def _logprobs_on_device(self, logits, token_ids, rows: list[int], k: int) -> list:
+        """Device arrays of the rows asking for logprobs: the log-sum-exp of the raw logits (float64[R]), the
+        sampled token's raw logit and rank, and the top k ids (int64[R, k]) with their raw logits."""
         if not rows:
-            return SamplerOutput(token_ids, logprobs, ranks)
-        xp, to_device, to_host = self.xp, self.ops.launcher.to_device, self.ops.launcher.to_host
-        raw = logits[to_device(np.array(rows, np.int64))]                     # float32[R, V]
+            return []
+        xp, to_device = self.xp, self.ops.launcher.to_device
+        rows_on_device = to_device(np.array(rows, np.int64))
+        raw = logits[rows_on_device]                                          # float32[R, V]
         top_raw = raw.max(axis=1)
         # log-softmax = raw - logsumexp(raw), the sum in float64 as the NumPy Sampler does it
         lse = top_raw + xp.log(xp.exp(raw - top_raw[:, None]).sum(axis=1, dtype=np.float64))   # float64[R]
-        sampled_raw = xp.take_along_axis(raw, to_device(token_ids[rows])[:, None], axis=1)[:, 0]
+        sampled_raw = xp.take_along_axis(raw, token_ids[rows_on_device].astype(np.int64)[:, None], axis=1)[:, 0]
         row_ranks = 1 + (raw > sampled_raw[:, None]).sum(axis=1)
-        k = min(max(params[i].logprobs for i in rows), self.vocab_size)
         # Rank order, equal logits by lowest id: a stable sort (CuPy's always is; older CuPy has no `kind`).
         order = np.argsort(-raw, axis=1, kind="stable") if xp is np else xp.argsort(-raw, axis=1)
         top = order[:, :k]                                                    # int64[R, k]
-        top_ids, top_raw_values = to_host(top), to_host(xp.take_along_axis(raw, top, axis=1))
-        lse, sampled_raw, row_ranks = to_host(lse), to_host(sampled_raw), to_host(row_ranks)
-        for j, i in enumerate(rows):
-            chosen = [(int(token_ids[i]), float(sampled_raw[j]))]
-            chosen += [(int(t), float(v)) for t, v in zip(top_ids[j, :params[i].logprobs],
-                                                           top_raw_values[j, :params[i].logprobs])]
-            logprobs[i] = [(t, v - float(lse[j])) for t, v in chosen]
-            ranks[i] = int(row_ranks[j])
+        return [lse, sampled_raw, row_ranks, top, xp.take_along_axis(raw, top, axis=1)]
+
+    @staticmethod
+    def _output(params, rows: list[int], host: list[np.ndarray]) -> SamplerOutput:
+        """The SamplerOutput from the host copies of launch()'s device arrays."""
+        token_ids = host[0].astype(np.int64)
+        n = len(params)
+        logprobs, ranks = [None] * n, [None] * n
+        if rows:
+            lse, sampled_raw, row_ranks, top_ids, top_raw_values = host[1:]
+            for j, i in enumerate(rows):
+                chosen = [(int(token_ids[i]), float(sampled_raw[j]))]
+                chosen += [(int(t), float(v)) for t, v in zip(top_ids[j, :params[i].logprobs],
+                                                               top_raw_values[j, :params[i].logprobs])]
+                logprobs[i] = [(t, v - float(lse[j])) for t, v in chosen]
+                ranks[i] = int(row_ranks[j])
         return SamplerOutput(token_ids, logprobs, ranks)

@@ -44,7 +44,10 @@ class NumpyOps:
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def upload_batch(self, batch: Batch) -> None:
-        """Nothing to do: the batch's arrays are already where this backend computes."""
+        """The batch's arrays are already where this backend computes: only the tokens the previous step
+        sampled (batch.previous_ids) go into their rows of input_ids."""
+        if batch.previous_ids is not None:
+            batch.input_ids[batch.previous_rows] = batch.previous_ids[batch.previous_sources]
 
     def constant(self, array: np.ndarray) -> np.ndarray:
         return np.asarray(array, dtype=np.float32)

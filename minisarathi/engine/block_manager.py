@@ -172,11 +172,13 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Offer seq's newly full, computed blocks to the prefix cache."""
+    def register_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer seq's newly full blocks among its first `num_tokens` (computed) tokens to the prefix cache.
+        The engine passes what the step being updated computed: with overlap, seq.num_computed_tokens already
+        counts the next step's chunk, whose last token may not be on the host yet."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         for i in range(seq.num_registered_blocks, num_full):
             block, h = seq.block_table[i], self._hash(seq, i)
             # a twin computed concurrently by another sequence keeps the entry; this block stays private

@@ -5,23 +5,27 @@ import dataclasses
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager
-from minisarathi.engine.cost_model import CostModel, step_shape
+from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.profile import run_profile
-from minisarathi.engine.scheduler import make_scheduler
+from minisarathi.engine.scheduler import SchedulerOutput, make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir
-from minisarathi.sampler import make_generator
+from minisarathi.sampler import PendingSample, make_generator
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import STREAM_CONTEXT, IncrementalDetokenizer, Tokenizer
 from minisarathi.validation import PRIORITY_RANGE, check_float, check_int
@@ -48,6 +52,35 @@ def load_engine_model(path: Path, config: EngineConfig):
     if config.tensor_parallel_size == 1:
         return load_model(path, device=config.device, dtype=config.dtype)
     return TensorParallelModel(path, config.device, config.dtype, config.tensor_parallel_size, config.rank_timeout_s)
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose forward (then sampling) is issued on the backend; its ids are not on the host yet."""
+    schedule: SchedulerOutput
+    starts: list[int]                 # each scheduled chunk's first position
+    samplers: list[Sequence]          # the sequences that sample: one per row of logits, then of the ids
+    logits: Any                       # float32 or activation dtype [len(samplers), vocab], on the device
+    shape: StepShape
+    predicted: float | None
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    schedule_time: float              # scheduling and batch building
+    execution_time: float             # issuing the forward and the sampling, plus the wait for the ids
+    sampled: PendingSample | None = None
+    rows: dict[Sequence, int] = field(default_factory=dict)   # each sampler's row of sampled.token_ids
+
+    @property
+    def scheduled(self) -> dict[Sequence, int]:
+        return self.schedule.scheduled
+
+
+def overlaps_by_default(config: EngineConfig, model) -> bool:
+    """Overlap where the forward runs asynchronously: the CUDA backend on a GPU. The NumPy backend and the
+    emulator compute on the host while the forward is issued, so there is nothing to overlap; tensor
+    parallelism's ranks take their input ids from the host."""
+    return config.tensor_parallel_size == 1 and model.ops.device == "cuda"
 
 
 class LLMEngine:
@@ -93,6 +126,8 @@ class LLMEngine:
         self.model_failure: TensorParallelError | None = None   # set once the model's ranks died or hung
         self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
+        self.overlap = overlaps_by_default(config, self.model) if config.overlap is None else config.overlap
+        self._in_flight: LaunchedStep | None = None   # overlap: the step launched, its ids not yet on the host
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
 
@@ -188,33 +223,57 @@ class LLMEngine:
             self.scheduler.resume(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._aborted)
+        return bool(self.requests or self._aborted or self._in_flight)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do: unfinished requests not all paused, or aborts to report."""
-        return bool(self._aborted or len(self.requests) > len(self.scheduler.paused))
+        """Whether step() has anything to do: unfinished requests not all paused, aborts to report, or (overlap)
+        a step in flight to complete."""
+        return bool(self._aborted or self._in_flight or len(self.requests) > len(self.scheduler.paused))
 
     # the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns a RequestOutput for every request that got a token (stream=False ones: only
-        when they finish), and for every request aborted since the last step."""
+        when they finish), and for every request aborted since the last step.
+
+        With overlap (docs/performance.md, "Overlap"), a call launches step N+1 and returns step N's outputs:
+        it schedules N+1 and issues its forward (whose decode inputs are step N's ids, read on the device),
+        then waits for step N's ids and updates N's sequences while the device runs N+1, and then issues N+1's
+        sampling, without the rows of sequences that N finished. Without it, a call runs one step to the end."""
         if self.model_failure is not None:
             raise self.model_failure
         start = time.monotonic()
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        launched = self._launch(start)
+        previous, self._in_flight = self._in_flight, None
+        ids_wait = 0.0
+        if previous is not None:
+            ids_wait, done = self._complete(previous)
+            outputs += done
+        if launched is None:
+            return outputs
+        self._sample(launched)
+        if self.overlap:
+            self._in_flight = launched
+        else:
+            ids_wait, done = self._complete(launched)
+            outputs += done
+        self._record(launched, start, ids_wait)
+        return outputs
+
+    def _launch(self, start: float) -> LaunchedStep | None:
+        """Schedule, advance, build the batch and issue its forward; None when nothing is scheduled."""
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             seq.metrics.preemption_times.append(start)
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
         if not schedule.scheduled:
-            return outputs
+            return None
         shape = step_shape(schedule.scheduled)   # before _advance counts the chunks as computed
         predicted = self.cost_model.predict(shape)
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
         copies = self.block_manager.take_copies()
-
         scheduled = time.monotonic()
         try:
             if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
@@ -223,23 +282,52 @@ class LLMEngine:
         except TensorParallelError as e:   # the ranks are gone for good: fail every later step the same way
             self.model_failure = e
             raise
+        return LaunchedStep(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
+                            batch.num_tokens - num_prefill, schedule_time=scheduled - start,
+                            execution_time=time.monotonic() - scheduled)
+
+    def _sample(self, step: LaunchedStep) -> None:
+        """Issue the step's sampling. A sequence finished since its batch was built (with overlap: by the step
+        before, or aborted) wastes its row: the row is not sampled, so it draws no random number and gets no
+        token. New n > 1 requests fork their choices here."""
+        began = time.monotonic()
+        logits, samplers = step.logits, step.samplers
+        if any(seq.is_finished for seq in samplers):
+            keep = [row for row, seq in enumerate(samplers) if not seq.is_finished]
+            logits, samplers = logits[keep], [samplers[row] for row in keep]
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
-        sampled = self.sampler.sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
-                                      [s.prompt_token_ids for s in samplers],
-                                      [s.output_token_ids for s in samplers])
-        executed = time.monotonic()
+        step.samplers, step.logits = samplers, None
+        step.sampled = self.sampler.launch(logits, [s.params for s in samplers], [s.generator for s in samplers],
+                                           [s.prompt_token_ids for s in samplers],
+                                           [s.output_token_ids for s in samplers])
+        step.rows = {seq: row for row, seq in enumerate(samplers)}
+        for seq in samplers:   # the token in flight is its last: no further step may be scheduled for it
+            seq.final_token_in_flight = seq.num_tokens + 1 > seq.max_kv_tokens
+        step.execution_time += time.monotonic() - began
 
-        outputs += self._update(schedule.scheduled, samplers, sampled, executed)
+    def _complete(self, step: LaunchedStep) -> tuple[float, list[RequestOutput]]:
+        """Wait for the step's sampled ids on the host (the only wait on the device), then update its
+        sequences; returns the seconds waited and the outputs."""
+        began = time.monotonic()
+        sampled = step.sampled.result()
+        now = time.monotonic()
+        step.execution_time += now - began
+        return now - began, self._update(step, sampled, now)
+
+    def _record(self, step: LaunchedStep, start: float, ids_wait: float) -> None:
+        """The call's StepRecord, and its time for the cost model (with overlap a call's time is the step's
+        period: its host work plus the wait for the previous step's ids)."""
         step_time = time.monotonic() - start
-        self.cost_model.add(shape, step_time, predicted)
+        self.cost_model.add(step.shape, step_time, step.predicted)
+        schedule = step.schedule
         if self.scheduler.slo is not None:
-            self.scheduler.slo.observe(predicted, step_time)
+            self.scheduler.slo.observe(step.predicted, step_time)
         self.step_records.append(StepRecord(
-            start, batch.num_seqs, num_prefill, batch.num_tokens - num_prefill, len(schedule.preempted),
-            scheduled - start, executed - scheduled, step_time, shape.prefill_attention, shape.decode_attention,
-            predicted, schedule.time_limit, schedule.admission_stop, schedule.overloaded))
-        return outputs
+            start, step.num_seqs, step.num_prefill_tokens, step.num_decode_tokens, len(schedule.preempted),
+            step.schedule_time, step.execution_time, step_time, step.shape.prefill_attention,
+            step.shape.decode_attention, step.predicted, schedule.time_limit, schedule.admission_stop,
+            schedule.overloaded, step_time - ids_wait, ids_wait))
 
     def _advance(self, scheduled: dict[Sequence, int], now: float) -> list[int]:
         """Counts each granted chunk as computed (this step's forward computes it) and stamps the request's
@@ -258,8 +346,11 @@ class LLMEngine:
 
     def _make_batch(self, scheduled: dict[Sequence, int], starts: list[int]) -> tuple[Batch, list[Sequence], int]:
         """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
-        A chunk samples when it reaches the sequence's end."""
+        A chunk samples when it reaches the sequence's end. A decode whose token the step in flight samples
+        takes it from that step's ids on the device."""
         token_ids, rows, sample, samplers = [], [], [], []
+        in_flight = self._in_flight.rows if self._in_flight is not None else {}
+        previous_rows, previous_sources = [], []
         num_prefill = max_end = 0
         for (seq, n), begin in zip(scheduled.items(), starts):
             end = begin + n
@@ -267,7 +358,11 @@ class LLMEngine:
                 max_end = end
             rows.append(seq.block_row)
             if begin >= seq.num_prefill_tokens:   # a decode: its one uncomputed token is the last sampled one
-                token_ids.append(seq.output_token_ids[-1])
+                source = in_flight.get(seq)
+                if source is not None:   # sampled by the step in flight: the forward takes it on the device
+                    previous_rows.append(len(token_ids))
+                    previous_sources.append(source)
+                token_ids.append(seq.output_token_ids[-1] if source is None else 0)
                 ends = True
             else:
                 num_prefill += n
@@ -280,6 +375,10 @@ class LLMEngine:
         width = max(self.block_manager.blocks_for(max_end), 1)
         tables = self.block_manager.tables[rows, :width]      # int32[S, width]
         batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
+        if previous_rows:
+            batch.previous_ids = self._in_flight.sampled.token_ids
+            batch.previous_rows = np.array(previous_rows, np.int32)
+            batch.previous_sources = np.array(previous_sources, np.int32)
         return batch, samplers, num_prefill
 
     def _fork(self, logits, samplers: list[Sequence]):
@@ -313,24 +412,29 @@ class LLMEngine:
             seq_id=next(self._arrivals), output_token_ids=[], logprobs=None if params.logprobs is None else [],
             block_table=[], block_row=-1, block_hashes=[], index=index)
 
-    def _update(self, scheduled: dict[Sequence, int], samplers: list[Sequence], sampled, now: float
-                ) -> list[RequestOutput]:
+    def _update(self, step: LaunchedStep, sampled, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
         if self.block_manager.enable_prefix_caching:
-            for seq in scheduled:
-                self.block_manager.register_computed(seq)
+            for (seq, n), begin in zip(step.scheduled.items(), step.starts):
+                if seq.block_row >= 0:   # (with overlap it may have been preempted since)
+                    self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = [], [], {}
-        for row, (seq, token) in enumerate(zip(samplers, sampled.token_ids.tolist())):
+        for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
+            if seq.is_finished:   # aborted while its token was in flight: the token is dropped
+                continue
+            queued = seq.status is not SequenceStatus.RUNNING   # overlap: preempted or paused since
             done = self._append_token(seq, token, sampled, row, now)
-            if done:
+            if done and queued:
+                self.scheduler.remove_queued(seq)
+            elif done:
                 finished.append(seq)
+            self.num_generated_tokens += 1
             if seq.choices is not None:   # n > 1: one output per request, with every choice, after the loop
                 groups[id(seq.choices[0])] = seq.choices[0]
             elif done or seq.stream:
                 outputs.append(self._output(seq))
         outputs += [self._output(head) for head in groups.values()
                     if head.stream or head.request_id not in self.requests]
-        self.num_generated_tokens += len(samplers)
         self.scheduler.remove_finished(finished)
         return outputs
 

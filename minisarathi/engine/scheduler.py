@@ -142,6 +142,15 @@ class Scheduler:
             for seq in finished:
                 self.blocks.free(seq)
 
+    def remove_queued(self, seq: Sequence) -> None:
+        """Drop a finished sequence that was waiting or paused, and free its blocks: with the engine's overlap,
+        one preempted or paused while its last token was in flight finishes there."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.paused:
+            self.paused.remove(seq)
+        self.blocks.free(seq)
+
     def schedule(self) -> SchedulerOutput:
         self._decoding, self._prefilling = [], []
         for seq in self.running:
@@ -181,8 +190,8 @@ class Scheduler:
         scheduled = out.scheduled
         running = SequenceStatus.RUNNING   # one enum lookup, not one per sequence (slow in Python 3.11)
         for seq in self._decoding:
-            if seq.status is not running:
-                continue   # preempted earlier in this pass
+            if seq.status is not running or seq.final_token_in_flight:
+                continue   # preempted earlier in this pass, or finishing with the step in flight
             # most decodes write into the free slots of their last block and need no allocation
             if (seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.fork_tail) \
                     or self._fit(seq, 1, out):

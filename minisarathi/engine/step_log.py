@@ -12,14 +12,19 @@ class StepRecord:
     num_decode_tokens: int
     num_preempted: int
     schedule_time: float       # scheduling and batch building
-    execution_time: float      # model forward + sampling
-    step_time: float           # the whole step, bookkeeping and outputs included
+    execution_time: float      # model forward + sampling: issuing them, and the wait for the sampled ids
+    step_time: float           # the whole step() call, bookkeeping and outputs included
     prefill_attention: int     # the cost model's attention features (cost_model.StepShape)
     decode_attention: int
     predicted_time: float | None   # the cost model's prediction of step_time (None before its first fit)
     time_limit: float | None       # tbt_slo_ms mode: what the predicted time could reach (target - margin)
     admission_stop: str | None     # why no further waiting request was admitted (scheduler.ADMISSION_STOPS)
     overloaded: bool               # tbt_slo_ms mode: the decodes alone were predicted over the target
+    # Host against device: host_time + ids_wait_time = step_time. ids_wait_time is the step() call's wait for
+    # sampled ids on the host (with overlap the previous step's, while this step's forward runs on the device);
+    # on a synchronous backend (NumPy, the emulator) the compute is host time and the wait is about 0.
+    host_time: float
+    ids_wait_time: float
 
 
 class StepLog:
