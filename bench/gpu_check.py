@@ -270,6 +270,37 @@ def check_models(work: Path) -> None:
     for label, make_path, prompt in [("stories260K", default_model_dir, [1, 403, 407, 261, 378]),
                                      ("random 4-layer GQA", random_model_dir, rng.integers(3, 2048, 300).tolist())]:
         guarded(f"model {label}", check_model, label, make_path(), prompt)
+    guarded("engine overlap", check_engine_overlap)
+
+
+def check_engine_overlap() -> None:
+    """The engine on the GPU (stories260K, 8 requests decoding together) with overlap off and on: the same
+    tokens and logprobs (greedy, seeded, stopped by a token while the next step was in flight), and each decode
+    step's host time against its wait for the sampled ids (docs/performance.md, "Overlap")."""
+    from minisarathi.engine.engine import LLMEngine
+    kinds = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=24, logprobs=2),
+             SamplingParams(temperature=1.0, seed=5, max_tokens=24, stop_token_ids=list(range(300, 360)))]
+    results, rows = {}, []
+    for overlap in (False, True):
+        engine = LLMEngine(device="cuda", overlap=overlap, num_kv_blocks=256)
+        for i in range(8):
+            engine.add_request(str(i), [1, 403 + i, 407, 261, 378], kinds[i % 3])
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+        results[overlap] = {rid: (c.token_ids, c.finish_reason, [sorted(lp) for lp in c.logprobs or []])
+                            for rid, c in finals.items()}
+        decode = [r for r in engine.step_records if r.num_prefill_tokens == 0]
+        host, wait, step = (1e3 * float(np.mean([getattr(r, f) for r in decode]))
+                            for f in ("host_time", "ids_wait_time", "step_time"))
+        rows.append((f"  host / ids wait per step, engine bs=8 overlap {'on' if overlap else 'off'}",
+                     f"{host:.2f} ms", f"+ {wait:.2f} ms waiting for ids = {step:.2f} ms per decode step"))
+    stops = sum(reason == "stop" for _, reason, _ in results[True].values())
+    same = results[False] == results[True]
+    ROWS.append(("engine overlap on == off", "ok" if same else "MISMATCH",
+                 f"tokens, logprob ids, finish reasons of 8 requests ({stops} stopped by a token)"))
+    ROWS.extend(rows)
 
 
 def check_model(label: str, path: Path, prompt: list[int]) -> None:
