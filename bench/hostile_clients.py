@@ -11,7 +11,8 @@ A server with an API key runs the bundled model. A bystander (with the key) time
   tokenize                4 connections calling maximal tokenize (256 KiB) and detokenize (65536 ids)
   unread_streams          256 streamed 500-token generates whose client never reads
   unauthenticated_flood   1000 connections without the key, each trickling an auth message at 1 byte/s;
-                          meanwhile fresh key holders connect (they must all get in)
+                          while they are open, 20 fresh key holders connect one after another (they must
+                          all get in)
   connection_bursts       10 bursts of 1000 connections (auth, health, close): server RSS after each
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
@@ -125,26 +126,11 @@ async def unauthenticated_flood(port, stop: threading.Event, report: dict):
                 await asyncio.sleep(1.0)
     tasks = [asyncio.ensure_future(trickler()) for _ in range(1000)]
 
-    def key_holders():   # fresh connections with the key, while the flood goes on
-        ok = tried = 0
-        time.sleep(3)
-        while not stop.is_set() and tried < 20:
-            tried += 1
-            try:
-                with Client("127.0.0.1", port, api_key=KEY, timeout=30) as c:
-                    ok += c.health()["status"] == "ok"
-            except (OSError, ConnectionError):
-                pass
-            time.sleep(0.5)
-        report.update(key_holder_connects=f"{ok}/{tried}")
-    checker = threading.Thread(target=key_holders, daemon=True)
-    checker.start()
     while not stop.is_set():
         await asyncio.sleep(0.2)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    checker.join()
     report.update(flood_connections_closed_by_server=closed)
 
 
@@ -166,6 +152,22 @@ async def connection_bursts(port, bursts: int, per_burst: int, rss) -> list[floa
     return levels
 
 
+def key_holder_connects(port: int, attempts: int) -> dict:
+    """Fresh connections with the key, one after another, while the flood holds its connections open: each
+    must authenticate and be served; the unauthenticated connections the server held at each is recorded."""
+    ok, held = 0, []
+    for _ in range(attempts):
+        try:
+            with Client("127.0.0.1", port, api_key=KEY, timeout=30) as c:
+                stats = c.stats()
+                ok += c.health()["status"] == "ok"
+                held.append(stats["unauthenticated_connections"])
+        except (OSError, ConnectionError):
+            pass
+    return {"key_holder_connects": f"{ok}/{attempts}",
+            "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
+
+
 def run_attack(attack, port, report) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
     args = (port, stop, report) if attack is unauthenticated_flood else (port, stop)
@@ -178,7 +180,8 @@ def settle(port: int) -> dict:
     with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
         for _ in range(600):
             stats = c.stats()
-            if stats["pending_requests"] == 0 and stats["running"] == 0 and stats["waiting"] == 0:
+            if (stats["pending_requests"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+                    and stats["pending_calls"] <= 1):   # the stats call itself
                 break
             time.sleep(0.1)
     return stats
@@ -217,6 +220,8 @@ def main(argv=None) -> int:
                     stop, thread = run_attack(globals()[name], server.port, report)
                     time.sleep(2.0)   # the attack under way
                     latencies = bystander(server.port, args.samples)
+                    if name == "unauthenticated_flood":   # while the flood's connections are still open
+                        report.update(key_holder_connects(server.port, 20))
                     held = settle_stats = None
                     with Client("127.0.0.1", server.port, api_key=KEY) as c:
                         held = c.stats()
