@@ -2,6 +2,10 @@
 cost the others. Each test failed on the server before the fix (see docs/reliability.md for how that was
 checked); none of them measures time, they check bounds, orders and states.
 """
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
 import os
 import re
 import socket
@@ -309,3 +313,141 @@ def test_broken_model_folders_are_named_without_a_traceback(tmp_path, broken, na
     result = run_cli("generate", "hi", "--model", str(model), "--max-tokens", "1")
     assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert re.search(r"error: .*" + re.escape(named), result.stderr)
+
+
+# ------------------------------------------------------------------ work that must not grow with a greedy request
+
+def _ran_beside(work) -> bool:
+    """Whether this thread ran while `work` was running on another thread. With a switch interval longer
+    than any test, a thread holding the GIL keeps it until it blocks or releases it: so this thread runs
+    before `work` returns only if `work` released the GIL."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    entered, returned = threading.Event(), []
+    try:
+        worker = threading.Thread(target=lambda: (entered.set(), work(), returned.append(True)))
+        worker.start()
+        entered.wait()
+        ran_beside = not returned
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return ran_beside
+
+
+def test_big_tokenizer_calls_leave_the_gil_to_the_loop_and_the_engine():
+    """On the tokenizer thread, a 256 KiB tokenize held the GIL for its whole ~150 ms (tokenizers' encode and
+    decode do; their batch forms do not), so the event loop and the engine thread stopped as if it ran on
+    the loop: a bystander's generate was 12x slower while such calls ran."""
+    from minisarathi.paths import default_model_dir
+    from minisarathi.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+    text = "Once upon a time there was a big red ball. " * 6000
+    ids = [400] * ServerLimits().max_detokenize_tokens
+    assert _ran_beside(lambda: tokenizer.encode(text))
+    assert _ran_beside(lambda: tokenizer.encode(text, add_special_tokens=False))
+    assert _ran_beside(lambda: tokenizer.decode(ids))
+
+
+def test_stop_strings_are_searched_only_where_they_can_start():
+    """Maximal stop lists (16 strings) were searched one by one at every token of every request: 15% of a
+    33-request step. Now a token's search looks only at the stops whose first character is in the text where
+    one could start: none here, so no str.find or startswith runs, however many stops there are."""
+    from minisarathi.paths import default_model_dir
+    from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+    stops = ["".join(chr(0x4e00 + 64 * i + j) for j in range(64)) for i in range(16)]   # never generated
+    prompt = tokenizer.encode("Once upon a time")
+    output = tokenizer.encode(" there was a little girl named Lily. She loved to play", add_special_tokens=False)
+    calls = collections.Counter()
+
+    def count(frame, event, arg):
+        if event == "c_call":
+            calls[arg.__name__] += 1
+    plain = IncrementalDetokenizer(tokenizer, prompt)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, stops)
+    sys.setprofile(count)
+    try:
+        pieces = [detokenizer.add(token)[0] for token in output]
+    finally:
+        sys.setprofile(None)
+    assert "".join(pieces) + detokenizer.flush() == "".join(plain.add(t)[0] for t in output) + plain.flush()
+    assert calls["find"] == calls["startswith"] == 0, calls
+
+
+@contextlib.contextmanager
+def in_process_server(engine, **doors):
+    """A Server on its own event loop thread in this process (so a test can watch its engine); yields
+    (server, port, loop)."""
+    from minisarathi.server.server import Server
+    server = Server(engine)
+    loop = asyncio.new_event_loop()
+    started = concurrent.futures.Future()
+
+    async def serve():
+        addresses = await server.start("127.0.0.1", 0)
+        started.set_result(int(addresses[0].rpartition(":")[2]))
+        while not server_stop.is_set():
+            await asyncio.sleep(0.02)
+        await server.shutdown()
+    server_stop = threading.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield server, started.result(timeout=60), loop
+    finally:
+        server_stop.set()
+        thread.join(timeout=60)
+        loop.close()
+
+
+def test_unstreamed_requests_cost_no_output_per_step():
+    """32 unstreamed requests (maximal stop lists or not) made the engine build, and the loop take, one output
+    per request per step: a copy of each request's tokens on the engine thread and a delivery on the loop at
+    every step, which every other request waited for. Each now gets one output, at its end."""
+    from minisarathi.engine.engine import LLMEngine
+    engine = LLMEngine()
+    outputs = collections.Counter()
+    step = engine.step
+
+    def counted_step():
+        result = step()
+        outputs.update(output.request_id for output in result)
+        return result
+    engine.step = counted_step
+    with in_process_server(engine) as (_, port, _loop):
+        with Client("127.0.0.1", port, timeout=60) as c:
+            unstreamed = c.generate("Once upon a time", max_tokens=16, ignore_eos=True, request_id="whole")
+            streamed = list(c.generate_stream("Once upon a time", max_tokens=16, ignore_eos=True, request_id="streamed"))
+    assert unstreamed.completion_tokens == 16 and sum(len(chunk.token_ids) for chunk in streamed) == 16
+    assert outputs["msgpack:whole"] == 1, outputs
+    assert outputs["msgpack:streamed"] == 16, outputs
+
+
+def test_a_closed_connections_queued_tokenizer_work_is_dropped():
+    """A client that queues big tokenize calls and goes away left them all to run (~150 ms each, one after
+    another): the next clients' big calls waited behind a connection that no longer existed."""
+    from minisarathi.engine.engine import LLMEngine
+    engine = LLMEngine()
+    encode, running, release, big_calls = engine.tokenizer.encode, threading.Event(), threading.Event(), []
+
+    def blocking_encode(text, *args, **kwargs):
+        if len(text) > 10_000:
+            big_calls.append(len(text))
+            running.set()
+            release.wait(60)
+        return encode(text, *args, **kwargs)
+    engine.tokenizer.encode = blocking_encode
+    with in_process_server(engine) as (server, port, _loop):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"".join(msgpack.packb([0, i, "tokenize", ["Once upon a time. " * 1000]]) for i in range(8)))
+        assert running.wait(60)
+        sock.close()
+        with Client("127.0.0.1", port, timeout=60) as c:
+            deadline = time.monotonic() + 30
+            while c.stats()["connections"] > 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            release.set()
+            assert c.tokenize("Once upon a time. " * 1000)   # one tokenizer thread: after anything still queued
+    assert big_calls == [18_000, 18_000], big_calls

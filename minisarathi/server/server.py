@@ -28,8 +28,8 @@ from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
 from minisarathi.server.protocol import (
     ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INTERNAL, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
     OVERLOADED, PROMPT_TOO_LONG, RATE_LIMITED, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
-    UNPACKER_READ_SIZE, ServerLimits, as_int, as_text, make_unpacker, pack, parse_generate, short, single_param,
-    text_params)
+    UNPACKER_READ_SIZE, ServerLimits, as_text, make_unpacker, pack, parse_generate, short, single_param,
+    text_params, token_id_list)
 from minisarathi.server.request_log import FinishedRequest, log_finished
 
 log = logging.getLogger("minisarathi.server")
@@ -155,6 +155,8 @@ class _Connection:
         self.default_priority = 0             # of its requests that give none: its API key's
         self.pending_calls = 0                # other calls being answered (tokenize, stats, ...)
         self.call_done = asyncio.Event()      # set when pending_calls drops
+        self.tasks: set[asyncio.Task] = set()  # its calls being answered and prompts being tokenized: cancelled
+                                               # when it closes, so its queued tokenizer work goes with it
         self.auth_failures = 0
         self.auth_delay = 0.0                 # seconds to wait before reading on, after a failed auth
         self.stalled = False                  # its output waits unread: its requests are paused
@@ -250,7 +252,7 @@ class Server:
         self._unix_socket: str | None = None
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None   # set whenever no request is pending
-        self._tasks: set[asyncio.Task] = set()       # running async handlers (the loop keeps weak refs only)
+        self._tasks: set[asyncio.Task] = set()       # running stall watchers (the loop keeps weak refs only)
         self._door_requests: dict[str, Callable] = {}   # engine request id -> on_output, for the other doors
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
         # other doors (the HTTP door): `await start()` -> addresses, `await stop_accepting()`, `await stop()`
@@ -519,6 +521,8 @@ class Server:
         self._connections.discard(conn)
         self._unauthenticated.pop(conn, None)
         conn.call_done.set()
+        for task in list(conn.tasks):   # its tokenize calls still queued for the tokenizer thread, say
+            task.cancel()
         for request_id in list(conn.inflight.values()):
             pending = self._pending.get(request_id)
             if pending is not None:
@@ -558,9 +562,7 @@ class Server:
         else:
             if asyncio.iscoroutine(result):
                 conn.pending_calls += 1
-                task = asyncio.ensure_future(self._respond_later(conn, msgid, method, result))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._start_task(conn, self._respond_later(conn, msgid, method, result))
             elif method != "generate":   # generate answers when the engine finishes it
                 conn.respond(msgid, None, result)
 
@@ -576,6 +578,11 @@ class Server:
         except RPCError as e:
             if e.code != UNAUTHORIZED:
                 log.info("conn=%d notification %s failed: %s", conn.id, method, e)
+
+    def _start_task(self, conn: _Connection, coroutine):
+        task = asyncio.ensure_future(coroutine)
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
 
     async def _respond_later(self, conn, msgid, method, coroutine):
         try:
@@ -632,9 +639,7 @@ class Server:
             token_ids = request.prompt_token_ids or self.engine.tokenizer.encode(request.prompt)
             self._submit(pending, request, token_ids)
             return
-        task = asyncio.ensure_future(self._tokenize_then_submit(pending, request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._start_task(conn, self._tokenize_then_submit(pending, request))
 
     async def _tokenize_then_submit(self, pending: _Pending, request):
         token_ids = await asyncio.get_running_loop().run_in_executor(
@@ -673,8 +678,10 @@ class Server:
         paused = conn.stalled   # its client is not reading: it starts paused
 
         def add():
+            # stream=False: a request answered once, at its end, costs no output per step (on this thread and
+            # on the loop); 32 such requests with maximal stop lists made a bystander's every step 4x slower.
             self.engine.add_request(request_id, token_ids, request.params, arrival_time=pending.received,
-                                    priority=priority)
+                                    priority=priority, stream=request.stream)
             if paused:
                 self.engine.pause_request(request_id)
         added = self._worker.call(add)
@@ -724,10 +731,7 @@ class Server:
         if len(token_ids) > self.limits.max_detokenize_tokens:
             raise RPCError(INVALID_PARAMS, f"token_ids must hold at most {self.limits.max_detokenize_tokens} "
                                            f"ids, got {len(token_ids)}")
-        token_ids = [as_int(t) for t in token_ids]
-        vocab_size = self.engine.tokenizer.vocab_size
-        if not all(type(t) is int and 0 <= t < vocab_size for t in token_ids):
-            raise RPCError(INVALID_PARAMS, f"token_ids must be integers in [0, {vocab_size})")
+        token_ids = token_id_list(token_ids, "token_ids", self.engine.tokenizer.vocab_size)
         if len(token_ids) <= _INLINE_DETOKENIZE_TOKENS:
             return self.engine.tokenizer.decode(token_ids)
         return self._off_loop(self.engine.tokenizer.decode, token_ids)
@@ -824,8 +828,8 @@ class Server:
             piece = completion.text[sent_chars:]
             new_ids = list(completion.token_ids[sent_tokens:])
             if new_ids:
-                if pending.first_token_time is None:
-                    pending.first_token_time = now
+                if pending.first_token_time is None:   # unstreamed: reported once, at its end
+                    pending.first_token_time = now if pending.stream else output.metrics.first_token_time
                 self._delivered.append((now, len(new_ids)))
             if pending.stream and (piece or new_ids):
                 chunk = {"text": piece, "token_ids": new_ids}
