@@ -7,7 +7,8 @@ A server with an API key runs the bundled model. A bystander (with the key) time
 24-token generates: first alone (idle), then while each attacker runs:
 
   stop_lists              4 connections x 8 generates in flight with maximal legal stop lists (16 strings,
-                          1024 characters) and 64 stop token ids
+                          1024 characters) and 64 stop token ids, 100 min_tokens (stop ids masked) of 128
+  same_load_without_stops the same 32 generates without stop lists: what the load alone costs the bystander
   tokenize                4 connections calling maximal tokenize (256 KiB) and detokenize (65536 ids)
   unread_streams          256 streamed 500-token generates whose client never reads
   unauthenticated_flood   1000 connections without the key, each trickling an auth message at 1 byte/s;
@@ -16,13 +17,15 @@ A server with an API key runs the bundled model. A bystander (with the key) time
   connection_bursts       10 bursts of 1000 connections (auth, health, close): server RSS after each
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
-scenario: bystander p50/p99 (ms) and p99 over the idle p50, plus what the scenario checks.
+scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
+shared: its load drifts), plus what the scenario checks. Each attack runs in a process of its own.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -37,7 +40,7 @@ from minisarathi.client import Client
 from bench.server_process import serving
 
 KEY = "bench-hostile-clients-key"
-SCENARIOS = ("stop_lists", "tokenize", "unread_streams", "unauthenticated_flood", "connection_bursts")
+SCENARIOS = ("stop_lists", "same_load_without_stops", "tokenize", "unread_streams", "unauthenticated_flood", "connection_bursts")
 
 
 def bystander(port: int, samples: int) -> list[float]:
@@ -58,38 +61,54 @@ async def _connect(port: int, key: bool = True):
     return reader, writer
 
 
-async def _pump(reader, writer, requests, in_flight: int, stop: threading.Event):
-    """Keep `in_flight` of the requests (msgpack-packed) outstanding, reading every answer."""
+async def _pump(reader, writer, calls: list[tuple[str, list]], in_flight: int, stop) -> tuple[int, int]:
+    """Keep `in_flight` of the calls (method, params; in turn) outstanding, each with its own msgid, reading
+    every answer. Returns (answered, of them errors)."""
     unpacker = msgpack.Unpacker()
-    sent = answered = 0
+    sent = answered = errors = 0
     while not stop.is_set():
         while sent - answered < in_flight:
-            writer.write(requests[sent % len(requests)])
-            sent += 1
+            method, params = calls[sent % len(calls)]
+            sent += 1   # msgid 0 is the auth's
+            writer.write(msgpack.packb([0, sent, method, params]))
         data = await reader.read(1 << 16)
         if not data:
-            return
+            break
         unpacker.feed(data)
-        answered += sum(1 for m in unpacker if m[0] == 1 and m[1] != 0)
+        for message in unpacker:
+            if message[0] == 1 and message[1] != 0:
+                answered += 1
+                errors += message[2] is not None
+    return answered, errors
 
 
-async def stop_lists(port, stop: threading.Event):
+async def _pumps(port: int, calls, connections: int, in_flight: int, stop) -> dict:
+    conns = [await _connect(port) for _ in range(connections)]
+    counts = await asyncio.gather(*(_pump(r, w, calls, in_flight, stop) for r, w in conns))
+    return {"attack_calls_answered": sum(a for a, _ in counts), "attack_errors": sum(e for _, e in counts)}
+
+
+def _greedy_generate(stop_lists: bool) -> dict:
     rng = np.random.default_rng(0)
     stops = ["".join(chr(c) for c in rng.integers(0x4e00, 0x9fff, 64)) for _ in range(16)]
-    request = msgpack.packb([0, 1, "generate", [{"prompt": "Once upon a time", "max_tokens": 128, "stop": stops,
-                                                 "stop_token_ids": list(range(400, 464)), "min_tokens": 100}]])
-    conns = [await _connect(port) for _ in range(4)]
-    await asyncio.gather(*(_pump(r, w, [request], 8, stop) for r, w in conns))
+    params = {"prompt": "Once upon a time", "max_tokens": 128, "min_tokens": 100}
+    return {**params, "stop": stops, "stop_token_ids": list(range(400, 464))} if stop_lists else params
 
 
-async def tokenize(port, stop: threading.Event):
+async def stop_lists(port, stop) -> dict:
+    return await _pumps(port, [("generate", [_greedy_generate(True)])], 4, 8, stop)
+
+
+async def same_load_without_stops(port, stop) -> dict:
+    return await _pumps(port, [("generate", [_greedy_generate(False)])], 4, 8, stop)
+
+
+async def tokenize(port, stop) -> dict:
     text = ("Once upon a time there was a big red ball. " * 6000)[:256 << 10]
-    requests = [msgpack.packb([0, 1, "tokenize", [text]]), msgpack.packb([0, 2, "detokenize", [[400] * 65536]])]
-    conns = [await _connect(port) for _ in range(4)]
-    await asyncio.gather(*(_pump(r, w, requests, 2, stop) for r, w in conns))
+    return await _pumps(port, [("tokenize", [text]), ("detokenize", [[400] * 65536])], 4, 2, stop)
 
 
-async def unread_streams(port, stop: threading.Event):
+async def unread_streams(port, stop):
     socks = []
     for c in range(2):
         sock = socket.socket()
@@ -105,7 +124,7 @@ async def unread_streams(port, stop: threading.Event):
         sock.close()
 
 
-async def unauthenticated_flood(port, stop: threading.Event, report: dict):
+async def unauthenticated_flood(port, stop) -> dict:
     message = msgpack.packb([0, 1, "auth", ["x" * 64]])
     closed = 0
 
@@ -131,7 +150,7 @@ async def unauthenticated_flood(port, stop: threading.Event, report: dict):
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    report.update(flood_connections_closed_by_server=closed)
+    return {"flood_connections_closed_by_server": closed}
 
 
 async def connection_bursts(port, bursts: int, per_burst: int, rss) -> list[float]:
@@ -168,12 +187,20 @@ def key_holder_connects(port: int, attempts: int) -> dict:
             "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
 
 
-def run_attack(attack, port, report) -> tuple[threading.Event, threading.Thread]:
-    stop = threading.Event()
-    args = (port, stop, report) if attack is unauthenticated_flood else (port, stop)
-    thread = threading.Thread(target=lambda: asyncio.run(attack(*args)), daemon=True)
-    thread.start()
-    return stop, thread
+def _attack(name: str, port: int, started, stop, results) -> None:
+    started.set()
+    results.put(asyncio.run(globals()[name](port, stop)) or {})
+
+
+def run_attack(name: str, port: int):
+    """The attack in a process of its own: in the bystander's, its work would share the bystander's GIL and
+    be counted as the server's latency. Returns (stop event, process, queue of its report)."""
+    context = multiprocessing.get_context("spawn")
+    started, stop, results = context.Event(), context.Event(), context.Queue()
+    process = context.Process(target=_attack, args=(name, port, started, stop, results), daemon=True)
+    process.start()
+    started.wait(120)   # its imports done
+    return stop, process, results
 
 
 def settle(port: int) -> dict:
@@ -196,7 +223,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hostile_clients", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--samples", type=int, default=40, help="bystander generates per scenario")
+    parser.add_argument("--samples", type=int, default=100, help="bystander generates per scenario (and idle "
+                                                                  "before each)")
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--burst-connections", type=int, default=1000)
     args = parser.parse_args(argv)
@@ -217,7 +245,9 @@ def main(argv=None) -> int:
                     report.update(rss_mb_after_each_burst=levels,
                                   rss_growth_mb_burst3_to_8=round(levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1))
                 else:
-                    stop, thread = run_attack(globals()[name], server.port, report)
+                    # The idle latency again, just before: the machine is shared, its load drifts over a run.
+                    idle_now = percentiles(bystander(server.port, args.samples))
+                    stop, process, results = run_attack(name, server.port)
                     time.sleep(2.0)   # the attack under way
                     latencies = bystander(server.port, args.samples)
                     if name == "unauthenticated_flood":   # while the flood's connections are still open
@@ -226,9 +256,10 @@ def main(argv=None) -> int:
                     with Client("127.0.0.1", server.port, api_key=KEY) as c:
                         held = c.stats()
                     stop.set()
-                    thread.join(timeout=120)
-                    report.update(percentiles(latencies),
-                                  p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle["p50_ms"], 2),
+                    report.update(results.get(timeout=120))
+                    process.join(timeout=120)
+                    report.update(percentiles(latencies), idle_before=idle_now,
+                                  p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
                                   during={k: held[k] for k in ("paused", "write_buffer_bytes", "pending_calls",
                                                                "unauthenticated_connections", "connections")})
                 settle_stats = settle(server.port)
