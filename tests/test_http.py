@@ -314,6 +314,7 @@ def test_models_health_ready_metrics_and_request_id(server):
     ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}, "stream": True}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
     ("/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),
@@ -332,6 +333,7 @@ def test_models_health_ready_metrics_and_request_id(server):
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * 1025}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [5] * 65}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 17}, 400, "stop"),
     # JSON that parses but is no text, or parses only with Python's recursion: a 400, not a 500
     ("/v1/completions", b'{"prompt": "Once \\ud800 upon", "max_tokens": 2}', 400, None),

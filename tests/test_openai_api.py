@@ -11,7 +11,7 @@ USER = {"role": "user", "content": "Hi"}
 def chat(**body):
     rendered = []
     request = parse_chat({"messages": [USER], **body}, "m", LIMITS,
-                         lambda messages, add: rendered.append(messages) or "x", lambda text: [1, 2])
+                         lambda messages, add: rendered.append(messages) or "x")
     return request, rendered[0]
 
 

@@ -62,6 +62,7 @@ def stats(server) -> dict:
     ({"stop": ["x"] * 17}, "stop"),                           # more strings than max_stop_strings (16)
     ({"stop": ["y" * 600, "z" * 600]}, "stop"),               # more characters than max_stop_chars (1024)
     ({"stop_token_ids": list(range(65))}, "stop_token_ids"),   # more than max_stop_token_ids (64)
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),   # more than max_logit_bias (1024)
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),   # 0 in float32: logits / 0
     ({"repetition_penalty": 1e39}, "repetition_penalty"),     # inf in float32
     ({"temperature": 1e-300}, "temperature"),                 # 0 in float32, not 0 in float64
@@ -376,17 +377,20 @@ def test_stop_strings_are_searched_only_where_they_can_start():
 
 
 @contextlib.contextmanager
-def in_process_server(engine, **doors):
+def in_process_server(engine, http: bool = False):
     """A Server on its own event loop thread in this process (so a test can watch its engine); yields
-    (server, port, loop)."""
+    (server, msgpack port, loop), and with http the HTTP door's port after them."""
     from minisarathi.server.server import Server
     server = Server(engine)
+    if http:
+        from minisarathi.server.http import HttpDoor
+        server.doors.append(HttpDoor(server, "127.0.0.1", 0, "stories260K", None, None))
     loop = asyncio.new_event_loop()
     started = concurrent.futures.Future()
 
     async def serve():
         addresses = await server.start("127.0.0.1", 0)
-        started.set_result(int(addresses[0].rpartition(":")[2]))
+        started.set_result([int(address.rpartition(":")[2]) for address in addresses])
         while not server_stop.is_set():
             await asyncio.sleep(0.02)
         await server.shutdown()
@@ -394,7 +398,7 @@ def in_process_server(engine, **doors):
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     try:
-        yield server, started.result(timeout=60), loop
+        yield (server, *started.result(timeout=60)[:1 + http], loop)
     finally:
         server_stop.set()
         thread.join(timeout=60)
@@ -451,3 +455,50 @@ def test_a_closed_connections_queued_tokenizer_work_is_dropped():
             release.set()
             assert c.tokenize("Once upon a time. " * 1000)   # one tokenizer thread: after anything still queued
     assert big_calls == [18_000, 18_000], big_calls
+
+
+def _blocking_big_encodes(engine):
+    """engine.tokenizer.encode made to wait, on texts over 4096 characters, until `release` is set; returns
+    (running: set when one waits, release, the lengths of the big texts it was given)."""
+    encode, running, release, big_calls = engine.tokenizer.encode, threading.Event(), threading.Event(), []
+
+    def blocking_encode(text, *args, **kwargs):
+        if len(text) > 4096:
+            big_calls.append(len(text))
+            running.set()
+            release.wait(60)
+        return encode(text, *args, **kwargs)
+    engine.tokenizer.encode = blocking_encode
+    return running, release, big_calls
+
+
+def test_the_http_door_tokenizes_big_prompts_off_the_event_loop_after_a_bytes_check():
+    """The HTTP door tokenized every prompt on the event loop, in full before refusing a long one: while a big
+    prompt is tokenized, the loop now answers others (here the tokenizer waits until /health was answered),
+    and a prompt of more bytes than max_prompt_tokens can hold is refused without being tokenized."""
+    pytest.importorskip("aiohttp")
+    import http.client
+    import json
+    from minisarathi.engine.engine import LLMEngine
+    engine = LLMEngine()
+    running, release, big_calls = _blocking_big_encodes(engine)
+
+    def post(port, prompt) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    with in_process_server(engine, http=True) as (server, _, http_port, _loop):
+        big = "Once upon a time. " * 300                      # 5400 characters, ~1500 tokens
+        answer = concurrent.futures.ThreadPoolExecutor(1).submit(post, http_port, big)
+        assert running.wait(60)
+        health = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        health.request("GET", "/health")
+        assert health.getresponse().status == 200        # answered while the prompt is being tokenized
+        release.set()
+        status, body = answer.result(60)
+        assert status == 400 and body["error"]["param"] == "prompt" and "tokens" in body["error"]["message"]
+        status, body = post(http_port, "Once upon a time. " * 20_000)   # 360 KB
+        assert status == 400 and body["error"]["param"] == "prompt" and "bytes" in body["error"]["message"]
+    assert big_calls == [len(big)], big_calls

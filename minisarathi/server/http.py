@@ -25,8 +25,9 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
-from minisarathi.server.openai_api import (DoorLimits, GenerationRequest, OpenAIError, chat_logprobs,
-                                           completion_logprobs, finish_reason, parse_chat, parse_completion, usage)
+from minisarathi.server.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, DoorLimits, GenerationRequest,
+                                           OpenAIError, chat_logprobs, check_prompt_length, completion_logprobs,
+                                           finish_reason, parse_chat, parse_completion, usage)
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
@@ -36,6 +37,7 @@ log = logging.getLogger("minisarathi.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
+REQUEST_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS
 
 
 @dataclass
@@ -99,6 +101,7 @@ class _Call:
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[_Choice] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    added: list[asyncio.Future] = field(default_factory=list)   # per prompt: done once the engine took or refused it
 
 
 class HttpDoor:
@@ -111,8 +114,8 @@ class HttpDoor:
         self.chat_template = chat_template
         self.metrics = metrics
         engine = server.engine
-        self.limits = DoorLimits(min(server.limits.max_prompt_tokens, engine.max_model_len), server.limits.max_tokens,
-                                 server.limits.max_n, engine.tokenizer.vocab_size, server.limits)
+        self.limits = DoorLimits(server.max_prompt_tokens, server.limits.max_tokens, server.limits.max_n,
+                                 engine.tokenizer.vocab_size, server.limits)
         self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -237,8 +240,8 @@ class HttpDoor:
     async def _completions(self, request):
         request_id = self._request_id(request, "completion")
         received = time.monotonic()
-        parsed = parse_completion(await self._json(request), self.model_name, self.limits,
-                                  self.server.engine.tokenizer.encode)
+        parsed = parse_completion(await self._json(request), self.model_name, self.limits)
+        await self._encode_prompts(parsed, "prompt", add_special_tokens=True)
         return await self._generate(request, _Call(request_id, "completion", parsed, request.remote or "", received,
                                                    request.get("key")))
 
@@ -250,23 +253,40 @@ class HttpDoor:
             raise OpenAIError(400, "this model has no chat template (chat_template in tokenizer_config.json or "
                                    "chat_template.jinja); use /v1/completions or start the server with "
                                    "--chat-template FILE", param="messages", code="no_chat_template")
-        tokenizer = self.server.engine.tokenizer
 
         def render(messages, add_generation_prompt):
             try:
                 return self.chat_template.render(messages, add_generation_prompt)
             except ChatTemplateError as e:
                 raise OpenAIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        parsed = parse_chat(body, self.model_name, self.limits, render,
-                            lambda text: tokenizer.encode(text, add_special_tokens=False))
+        parsed = parse_chat(body, self.model_name, self.limits, render)
+        await self._encode_prompts(parsed, "messages", add_special_tokens=False)
         return await self._generate(request, _Call(request_id, "chat", parsed, request.remote or "", received,
                                                    request.get("key")))
+
+    async def _encode_prompts(self, parsed: GenerationRequest, param: str, add_special_tokens: bool) -> None:
+        """The text prompts as token ids, each refused by its bytes before it is tokenized and by its tokens
+        after; a big one is tokenized off the event loop (Server.encode_prompt, as the msgpack door does)."""
+        for i, text in enumerate(parsed.prompt_texts):
+            if text is None:
+                continue
+            try:
+                parsed.prompts[i] = await self.server.encode_prompt(text, param, add_special_tokens)
+            except RPCError as e:
+                raise OpenAIError(400, e.message, param=param) from None
+            check_prompt_length(parsed.prompts[i], self.limits, param)
 
     # ------------------------------------------------------------------------------------------ generation
 
     async def _generate(self, request: web.Request, call: _Call):
         self._submit(call)
         try:
+            # The engine's checks (e.g. logit_bias ids within the vocabulary) answer before a stream starts: a
+            # refused request is a 400, not an error event in a 200 stream.
+            await asyncio.wait(call.added)
+            error = next((c.error for c in call.choices if c.error is not None), None)
+            if error is not None:
+                raise _from_rpc(error)
             if call.request.stream:
                 return await self._stream(request, call)
             while not all(c.done for c in call.choices):
@@ -317,7 +337,8 @@ class HttpDoor:
                 priority = call.request.priority
                 if priority is None and call.key is not None:   # the key's, as a msgpack connection's default
                     priority = call.key.priority
-                self.server.submit(engine_id, prompt, params, on_output, call.received, priority)
+                call.added.append(self.server.submit(engine_id, prompt, params, on_output, call.received, priority,
+                                                     stream=call.request.stream))
             except RPCError as e:
                 for earlier in _first_of_each_prompt(call):
                     self.server.cancel(earlier.engine_id)
@@ -458,8 +479,9 @@ def _error_response(error: OpenAIError) -> web.Response:
 
 def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
     """The shared engine bridge's errors as HTTP statuses."""
-    if error.code == INVALID_PARAMS:
-        return OpenAIError(400, error.message)
+    if error.code == INVALID_PARAMS:   # the engine's messages start with the field they are about
+        field_name = error.message.split(" ", 1)[0]
+        return OpenAIError(400, error.message, param=field_name if field_name in REQUEST_FIELDS else None)
     if error.code == OVERLOADED:
         return (OpenAIError(429, error.message, code="overloaded") if accepting
                 else OpenAIError(503, error.message, code="draining"))

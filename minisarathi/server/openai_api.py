@@ -43,7 +43,7 @@ def bad(param: str, message: str) -> OpenAIError:
 @dataclass
 class DoorLimits:
     """The server-wide limits as the HTTP door applies them."""
-    max_prompt_tokens: int       # min(ServerLimits.max_prompt_tokens, the engine's max_model_len)
+    max_prompt_tokens: int       # Server.max_prompt_tokens: min(ServerLimits.max_prompt_tokens, max_model_len)
     max_tokens: int              # the largest max_tokens a request may ask for
     max_n: int                   # choices per prompt
     vocab_size: int
@@ -53,7 +53,7 @@ class DoorLimits:
 @dataclass
 class GenerationRequest:
     """What both endpoints turn into: prompts (token ids), one SamplingParams per choice of a prompt."""
-    prompts: list[list[int]]
+    prompts: list[list[int] | None]       # None: a text prompt, until the door tokenizes it (off the event loop)
     prompt_texts: list[str | None]
     params: SamplingParams                # of every prompt; its n choices are choice indexes p * n .. p * n + n - 1
     stream: bool
@@ -106,12 +106,13 @@ def _is_noop(name: str, value, body: dict) -> bool:
     return name == "tool_choice" and value == "none"
 
 
-def parse_completion(body, model: str, limits: DoorLimits, encode) -> GenerationRequest:
-    """A /v1/completions body; encode(text) -> token ids (with the model's BOS)."""
+def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
+    """A /v1/completions body. Its text prompts are left for the door to tokenize (with the model's BOS) and
+    check with check_prompt_length."""
     body = _check_body(body, COMPLETION_FIELDS, model)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "prompt is required")
-    texts, prompts = _prompts(body["prompt"], encode, limits)
+    texts, prompts = _prompts(body["prompt"], limits)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
         raise bad("logprobs", f"logprobs must be an integer in [0, 20] or null, got {_show(logprobs)}")
@@ -120,17 +121,16 @@ def parse_completion(body, model: str, limits: DoorLimits, encode) -> Generation
                     logprobs)
 
 
-def parse_chat(body, model: str, limits: DoorLimits, render, encode_rendered) -> GenerationRequest:
+def parse_chat(body, model: str, limits: DoorLimits, render) -> GenerationRequest:
     """A /v1/chat/completions body; render(messages, add_generation_prompt) -> text (raises ValueError naming
-    the rule), encode_rendered(text) -> token ids without added special tokens."""
+    the rule). The rendered text is left for the door to tokenize, without added special tokens (the template
+    writes its own), and check with check_prompt_length."""
     body = _check_body(body, CHAT_FIELDS, model)
     messages = _messages(body.get("messages"))
     add_generation_prompt = body.get("add_generation_prompt", True)
     if not isinstance(add_generation_prompt, bool):
         raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
     text = render(messages, add_generation_prompt)
-    prompt = encode_rendered(text)
-    _check_prompt_length(prompt, limits, "messages")
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad("logprobs", f"logprobs must be a boolean, got {_show(logprobs)}")
@@ -144,7 +144,7 @@ def parse_chat(body, model: str, limits: DoorLimits, render, encode_rendered) ->
         max_tokens, name = body.get("max_tokens"), "max_tokens"
     # Without a limit the answer may run to the end of the context, as in OpenAI, within the server's cap.
     max_tokens = limits.max_tokens if max_tokens is None else max_tokens
-    return _request(body, model, limits, [text], [prompt], max_tokens, name, wanted)
+    return _request(body, model, limits, [text], [None], max_tokens, name, wanted)
 
 
 def _check_body(body, fields: set[str], model: str) -> dict:
@@ -207,8 +207,6 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
         params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:
         raise _sampling_error(str(e), max_tokens_name) from None
-    if params.logit_bias and max(params.logit_bias) >= limits.vocab_size:
-        raise bad("logit_bias", f"logit_bias token ids must be in [0, {limits.vocab_size})")
     return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model, priority)
 
 
@@ -221,7 +219,7 @@ def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:
     return bad(field if field in names else None, message)
 
 
-def _prompts(prompt, encode, limits: DoorLimits) -> tuple[list[str | None], list[list[int]]]:
+def _prompts(prompt, limits: DoorLimits) -> tuple[list[str | None], list[list[int] | None]]:
     usage = "prompt must be a string, an array of strings, an array of token ids, or an array of token-id arrays"
     if isinstance(prompt, str):
         texts = [prompt]
@@ -235,17 +233,15 @@ def _prompts(prompt, encode, limits: DoorLimits) -> tuple[list[str | None], list
     else:
         raise bad("prompt", usage)
     if texts[0] is not None:
-        prompts = [encode(text) for text in texts]
-    elif not all(0 <= t < limits.vocab_size for ids in prompt for t in ids):
+        return texts, [None] * len(texts)
+    if not all(0 <= t < limits.vocab_size for ids in prompt for t in ids):
         raise bad("prompt", f"prompt token ids must be in [0, {limits.vocab_size})")
-    else:
-        prompts = prompt
-    for ids in prompts:
-        _check_prompt_length(ids, limits, "prompt")
-    return texts, prompts
+    for ids in prompt:
+        check_prompt_length(ids, limits, "prompt")
+    return texts, prompt
 
 
-def _check_prompt_length(ids: list[int], limits: DoorLimits, param: str) -> None:
+def check_prompt_length(ids: list[int], limits: DoorLimits, param: str) -> None:
     if not ids:
         raise bad(param, f"{param} is empty")
     if len(ids) > limits.max_prompt_tokens:

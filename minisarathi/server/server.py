@@ -264,8 +264,8 @@ class Server:
         self._counters = collections.Counter()       # paused, unread_aborts, connections_evicted, ...
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text:
         # rejected before it is tokenized (see _longest_token_bytes).
-        self._max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
-        self._max_prompt_bytes = self._max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)   # both doors'
+        self._max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
         self._max_inflight = min(self.limits.max_inflight_per_connection, engine.config.max_num_seqs)
 
     # ---------------------------------------------------------------- lifecycle
@@ -618,11 +618,8 @@ class Server:
             raise RPCError(OVERLOADED, f"more than {self._max_inflight} requests in flight on this connection")
         if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
             raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
-        if request.prompt is not None and len(request.prompt) > self._max_prompt_bytes // 4:
-            num_bytes = len(request.prompt.encode("utf-8", "surrogatepass"))
-            if num_bytes > self._max_prompt_bytes:
-                raise RPCError(PROMPT_TOO_LONG, f"prompt has {num_bytes} bytes, more than the "
-                                                f"{self._max_prompt_tokens} tokens allowed can hold")
+        if request.prompt is not None:
+            self.check_prompt_bytes(request.prompt, "prompt")
         if request.request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         else:   # the door's prefix keeps the client's ids apart from the generated ones and the HTTP door's
@@ -642,8 +639,7 @@ class Server:
         self._start_task(conn, self._tokenize_then_submit(pending, request))
 
     async def _tokenize_then_submit(self, pending: _Pending, request):
-        token_ids = await asyncio.get_running_loop().run_in_executor(
-            self._text_pool, self.engine.tokenizer.encode, request.prompt)
+        token_ids = await self._off_loop(self.engine.tokenizer.encode, request.prompt)
         if pending.request_id in self._pending:   # not aborted meanwhile
             self._submit(pending, request, token_ids)
 
@@ -653,9 +649,9 @@ class Server:
             if request.prompt is None and max(token_ids) >= self.engine.tokenizer.vocab_size:
                 raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size "
                                                f"({self.engine.tokenizer.vocab_size})")
-            if len(token_ids) > self._max_prompt_tokens:
+            if len(token_ids) > self.max_prompt_tokens:
                 raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is "
-                                                f"{self._max_prompt_tokens}")
+                                                f"{self.max_prompt_tokens}")
             if pending.conn.key is not None:
                 quota = self.keys.quota(pending.conn.key)
                 charge = len(token_ids) + request.params.n * request.params.max_tokens
@@ -736,8 +732,25 @@ class Server:
             return self.engine.tokenizer.decode(token_ids)
         return self._off_loop(self.engine.tokenizer.decode, token_ids)
 
-    async def _off_loop(self, fn, arg):
-        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, arg)
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
+
+    def check_prompt_bytes(self, text: str, name: str) -> None:
+        """RPCError(PROMPT_TOO_LONG) for a text prompt of more bytes than max_prompt_tokens tokens can hold:
+        refused before it is tokenized (a 900 KB prompt took 0.55 s to tokenize, only to be refused)."""
+        if len(text) > self._max_prompt_bytes // 4:   # a character is at most 4 bytes
+            num_bytes = len(text.encode("utf-8", "surrogatepass"))
+            if num_bytes > self._max_prompt_bytes:
+                raise RPCError(PROMPT_TOO_LONG, f"{name} has {num_bytes} bytes, more than the "
+                                                f"{self.max_prompt_tokens} tokens allowed can hold")
+
+    async def encode_prompt(self, text: str, name: str, add_special_tokens: bool = True) -> list[int]:
+        """Another door's prompt text as token ids: its bytes checked first, a big one tokenized on the tokenizer
+        thread (the msgpack door's generate does the same)."""
+        self.check_prompt_bytes(text, name)
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.engine.tokenizer.encode(text, add_special_tokens)
+        return await self._off_loop(self.engine.tokenizer.encode, text, add_special_tokens)
 
     def _model_info(self, conn, msgid, params) -> dict:
         config = self.engine.config
@@ -747,7 +760,7 @@ class Server:
                 "max_num_seqs": config.max_num_seqs, "device": config.device,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "tensor_parallel_size": config.tensor_parallel_size,
-                "max_prompt_tokens": self._max_prompt_tokens, "max_tokens": self.limits.max_tokens}
+                "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.limits.max_tokens}
 
     def _health(self, conn, msgid, params) -> dict:
         """"failed" (with the error) once the model cannot run any more (its tensor-parallel ranks died), so a
@@ -948,10 +961,11 @@ class Server:
         return self._worker.call(fn)
 
     def submit(self, request_id: str, token_ids: list[int], params, on_output, arrival_time: float,
-               priority: int | None = None) -> None:
+               priority: int | None = None, stream: bool = True) -> asyncio.Future:
         """Queue a request of another door under the same limits as `generate`. on_output is called on the loop
-        with each of its RequestOutputs (the last one finished), or once with an RPCError if it fails.
-        priority: lower runs first; None: 0."""
+        with each of its RequestOutputs (the last one finished; stream=False: only that one), or once with an
+        RPCError if it fails. priority: lower runs first; None: 0. Returns a future done once the engine took
+        or refused it (refused: on_output already has the error)."""
         if self._shutting_down:
             raise RPCError(OVERLOADED, "server is shutting down")
         if len(self._pending) + len(self._door_requests) >= self.limits.max_queued_requests:
@@ -962,8 +976,10 @@ class Server:
         self._drained.clear()
         priority = 0 if priority is None else priority
         added = self._worker.call(lambda: self.engine.add_request(request_id, token_ids, params,
-                                                                  arrival_time=arrival_time, priority=priority))
+                                                                  arrival_time=arrival_time, priority=priority,
+                                                                  stream=stream))
         added.add_done_callback(lambda future: self._on_door_added(request_id, future))
+        return added
 
     def cancel(self, request_id: str) -> None:
         """Abort a door's request (its client went away); its outputs are no longer delivered."""
