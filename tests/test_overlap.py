@@ -166,6 +166,31 @@ def test_abort_and_pause_mid_stream(prompts, greedy_tokens, num_kv_blocks):
     assert_same_outputs(*results)
 
 
+@pytest.mark.parametrize("num_kv_blocks", [256, 22])
+def test_a_request_paused_while_its_last_token_is_in_flight_finishes(prompts, greedy_tokens, num_kv_blocks):
+    """r3 (7 tokens) paused once the client saw 6: with overlap its 7th, its last, is in flight then, and it
+    finishes paused (it leaves the paused queue and frees its blocks); without, it finishes once resumed."""
+    requests = mixed_requests(prompts, greedy_tokens)
+    results = []
+    for overlap in (False, True):
+        engine = LLMEngine(overlap=overlap, num_kv_blocks=num_kv_blocks, **HYBRID)
+        finals, _ = drive(engine, requests, pause=("r3", 6))
+        assert finals["r3"].outputs[0].finish_reason == "length" and not engine.scheduler.paused
+        results.append(finals)
+    assert_same_outputs(*results)
+
+
+def test_a_request_preempted_while_its_last_token_is_in_flight_finishes():
+    """A 4-block pool: when "a" needs a block, "b" (the latest) is preempted by the scheduling of the step
+    after the one sampling b's last token; with overlap that token arrives after the preemption, and b
+    finishes in the waiting queue (it leaves it, holding no block)."""
+    requests = [("a", [1, 5, 6, 7], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+                ("b", [1, 8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+    _, on, engines = both_ways(requests, num_kv_blocks=4, **HYBRID)
+    assert on["b"].outputs[0].finish_reason == "length" and on["b"].metrics.preemption_times
+    assert not engines[1].scheduler.waiting
+
+
 def test_emulated_cuda_kernels_give_the_same_outputs(prompts, greedy_tokens):
     """The CUDA backend's path (the next forward takes the ids on the device, the sampler's ids and logprobs
     come back after) on the emulator: few, short requests."""
