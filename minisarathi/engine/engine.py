@@ -67,7 +67,7 @@ class LaunchedStep:
     num_prefill_tokens: int
     num_decode_tokens: int
     schedule_time: float              # scheduling and batch building
-    execution_time: float             # issuing the forward and the sampling, plus the wait for the ids
+    issue_time: float                 # issuing the forward, then the sampling
     sampled: PendingSample | None = None
     rows: dict[Sequence, int] = field(default_factory=dict)   # each sampler's row of sampled.token_ids
 
@@ -236,7 +236,7 @@ class LLMEngine:
         """One iteration. Returns a RequestOutput for every request that got a token (stream=False ones: only
         when they finish), and for every request aborted since the last step.
 
-        With overlap (docs/performance.md, "Overlap"), a call launches step N+1 and returns step N's outputs:
+        With overlap (docs/performance.md, "Overlap of the host with the device"), a call launches step N+1 and returns step N's outputs:
         it schedules N+1 and issues its forward (whose decode inputs are step N's ids, read on the device),
         then waits for step N's ids and updates N's sequences while the device runs N+1, and then issues N+1's
         sampling, without the rows of sequences that N finished. Without it, a call runs one step to the end."""
@@ -263,7 +263,7 @@ class LLMEngine:
         return outputs
 
     def _launch(self, start: float) -> LaunchedStep | None:
-        """Schedule, advance, build the batch and issue its forward; None when nothing is scheduled."""
+        """Schedule, advance, build the batch, issue its forward; None when nothing is scheduled."""
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
             seq.metrics.preemption_times.append(start)
@@ -273,18 +273,22 @@ class LLMEngine:
         predicted = self.cost_model.predict(shape)
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
-        copies = self.block_manager.take_copies()
         scheduled = time.monotonic()
+        logits = self._forward(batch)
+        return LaunchedStep(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
+                            batch.num_tokens - num_prefill, schedule_time=scheduled - start,
+                            issue_time=time.monotonic() - scheduled)
+
+    def _forward(self, batch: Batch):
+        """Issue the step's block copies and forward; the logits of its sampling rows, on the device."""
+        copies = self.block_manager.take_copies()
         try:
             if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
                 self.model.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
-            logits = self.model.forward(batch, self.kv_cache, device_logits=True)
+            return self.model.forward(batch, self.kv_cache, device_logits=True)
         except TensorParallelError as e:   # the ranks are gone for good: fail every later step the same way
             self.model_failure = e
             raise
-        return LaunchedStep(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
-                            batch.num_tokens - num_prefill, schedule_time=scheduled - start,
-                            execution_time=time.monotonic() - scheduled)
 
     def _sample(self, step: LaunchedStep) -> None:
         """Issue the step's sampling. A sequence finished since its batch was built (with overlap: by the step
@@ -304,7 +308,7 @@ class LLMEngine:
         step.rows = {seq: row for row, seq in enumerate(samplers)}
         for seq in samplers:   # the token in flight is its last: no further step may be scheduled for it
             seq.final_token_in_flight = seq.num_tokens + 1 > seq.max_kv_tokens
-        step.execution_time += time.monotonic() - began
+        step.issue_time += time.monotonic() - began
 
     def _complete(self, step: LaunchedStep) -> tuple[float, list[RequestOutput]]:
         """Wait for the step's sampled ids on the host (the only wait on the device), then update its
@@ -312,7 +316,6 @@ class LLMEngine:
         began = time.monotonic()
         sampled = step.sampled.result()
         now = time.monotonic()
-        step.execution_time += now - began
         return now - began, self._update(step, sampled, now)
 
     def _record(self, step: LaunchedStep, start: float, ids_wait: float) -> None:
@@ -325,7 +328,7 @@ class LLMEngine:
             self.scheduler.slo.observe(step.predicted, step_time)
         self.step_records.append(StepRecord(
             start, step.num_seqs, step.num_prefill_tokens, step.num_decode_tokens, len(schedule.preempted),
-            step.schedule_time, step.execution_time, step_time, step.shape.prefill_attention,
+            step.schedule_time, step.issue_time + ids_wait, step_time, step.shape.prefill_attention,
             step.shape.decode_attention, step.predicted, schedule.time_limit, schedule.admission_stop,
             schedule.overloaded, step_time - ids_wait, ids_wait))
 

@@ -12,7 +12,7 @@ class StepRecord:
     num_decode_tokens: int
     num_preempted: int
     schedule_time: float       # scheduling and batch building
-    execution_time: float      # model forward + sampling: issuing them, and the wait for the sampled ids
+    execution_time: float      # model forward + sampling: issuing them, plus ids_wait_time
     step_time: float           # the whole step() call, bookkeeping and outputs included
     prefill_attention: int     # the cost model's attention features (cost_model.StepShape)
     decode_attention: int
