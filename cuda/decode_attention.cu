@@ -3,9 +3,15 @@
 //
 // Work: grid = (work items, KV heads x head chunks). A work item is one split of one decode row: keys
 // key_begin .. key_end - 1 of its sequence. The host picks the split length from the whole batch before
-// the launch so that the grid fills the GPU (cuda_ops.decode_split_keys). A row with one split writes
+// the launch so that the grid fills the GPU (backends/decode_plan.py). A row with one split writes
 // its output directly; a row with several writes (unnormalized accumulator, max, sum) per split into
 // partial slots that only split rows own, and decode_attention_reduce_kernel merges them.
+//
+// Each row's context length is read here, on the device, and ends its last split: a CUDA graph's plan is
+// made once per batch-size bucket for the longest context the block tables allow (docs/performance.md), so
+// a split may lie wholly past its row's end. Such a CTA exits at once, marking its partial slot empty (max
+// -inf, sum 0), and the reduce kernel merges only the splits that hold keys. For a plan made from the
+// step's own lengths the clamp changes nothing.
 //
 // A CTA serves up to GROUP_TILE query heads that share one KV head (GQA), so each K and V byte is
 // loaded once for all of them. Inside the CTA:
@@ -91,6 +97,7 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     const T* __restrict__ v_cache,         // same layout
     const int* __restrict__ items,         // int32[W, 5]: token, sequence, key_begin, key_end, partial slot (-1: whole row)
     const int* __restrict__ block_tables,  // int32[num_seqs, max_blocks_per_seq]
+    const int* __restrict__ context_lens,  // int32[num_seqs]: keys of each sequence (ends its last split)
     T* __restrict__ out,                   // [num_tokens, num_q_heads, head_dim]
     float* __restrict__ partial_out,       // [slots, num_q_heads, head_dim]
     float* __restrict__ partial_max,       // [slots, num_q_heads]
@@ -108,12 +115,21 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     int* table_s = reinterpret_cast<int*>(row_sum_s + GROUP_TILE);           // [table_capacity]
 
     const int* item = items + 5 * blockIdx.x;
-    const int token = item[0], seq = item[1], key_begin = item[2], key_end = item[3], slot = item[4];
+    const int token = item[0], seq = item[1], key_begin = item[2], slot = item[4];
+    const int key_end = min(item[3], context_lens[seq]);
     const int group = num_q_heads / num_kv_heads;
     const int head_chunks = (group + GROUP_TILE - 1) / GROUP_TILE;
     const int kv_head = blockIdx.y / head_chunks;
     const int first_head = kv_head * group + (blockIdx.y % head_chunks) * GROUP_TILE;
     const int heads = min(GROUP_TILE, kv_head * group + group - first_head);
+    if (key_begin >= key_end) {   // a split past the row's end (whole CTA alike, before any barrier)
+        if (slot >= 0)
+            for (int h = threadIdx.x; h < heads; h += DA_THREADS) {
+                partial_max[(long long)slot * num_q_heads + first_head + h] = negative_infinity();
+                partial_sum[(long long)slot * num_q_heads + first_head + h] = 0.0f;
+            }
+        return;
+    }
     const int block_size = 1 << log2_block_size;
 
     const int chunks = head_dim / VEC;                  // 16-byte chunks per key row
@@ -325,7 +341,8 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     }
 }
 
-// Merges the splits of one decode row and query head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// Merges the splits of one decode row and query head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,
+// over the splits that hold keys (an empty one's max is -inf and its accumulator was never written).
 template <typename T>
 __global__ void decode_attention_reduce_kernel(const float* __restrict__ partial_out,   // [slots, Hq, D]
                                                const float* __restrict__ partial_max,   // [slots, Hq]
@@ -346,7 +363,7 @@ __global__ void decode_attention_reduce_kernel(const float* __restrict__ partial
         float numerator = 0.0f;
         for (int s = 0; s < splits; ++s) {
             const long long i = (long long)(first + s) * num_q_heads + head;
-            numerator += expf(partial_max[i] - global_max) * partial_out[i * head_dim + d];
+            if (partial_max[i] != negative_infinity()) numerator += expf(partial_max[i] - global_max) * partial_out[i * head_dim + d];
         }
         out[((long long)token * num_q_heads + head) * head_dim + d] = from_float<T>(numerator / denominator);
     }

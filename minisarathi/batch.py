@@ -28,6 +28,10 @@ class Batch:
     previous_ids: Any = None                     # int32/int64[N] device array: the previous step's sampled ids
     previous_rows: np.ndarray | None = None      # int32[P]
     previous_sources: np.ndarray | None = None   # int32[P]
+    # Set on a CUDA graph bucket's decode batch (minisarathi/model/decode_graphs.py): decode attention is planned
+    # once for this many keys in every row (the block tables' capacity) and reads each row's length on the
+    # device. None: planned from context_lens, step by step.
+    plan_context_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

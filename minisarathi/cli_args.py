@@ -59,6 +59,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     g.add_argument("--no-overlap", dest="overlap", action="store_false", default=d.overlap,
                    help="run each step to the end before scheduling the next (default: the host schedules and "
                         "finishes outputs while the GPU computes, on the CUDA backend on a GPU)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=d.cuda_graphs,
+                   help="run every step eagerly (default on the CUDA backends: decode steps as CUDA graphs)")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict:

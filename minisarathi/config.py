@@ -69,6 +69,11 @@ class EngineConfig:
     # issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend on a
     # GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
     overlap: bool | None = None
+    # Decode-only steps padded to batch-size buckets and replayed as one CUDA graph per bucket, captured at
+    # the bucket's first use (minisarathi/model/decode_graphs.py). None: on for the CUDA backends ("cuda",
+    # "cuda-emulated"), off on "cpu"; True on "cpu" runs the padded buckets without graphs (NumPy has none);
+    # False: every step eager. Tensor-parallel ranks run eagerly.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -85,6 +90,8 @@ class EngineConfig:
             if getattr(self, name) is not None or name not in optional:
                 check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0)
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be True, False or None (on for the CUDA backends), got {self.cuda_graphs!r}")
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         for name in ("tbt_slo_ms", "priority_aging_s", "rank_timeout_s"):
             value = getattr(self, name)

@@ -147,3 +147,38 @@ def test_plan_fills_the_gpu():
     assert (short_one.items[:, 3] - short_one.items[:, 2] == 64).all()          # no split under 64 keys
     assert plan_for([100] * 4, Hq=32, Hk=2).group_tile == 8 and plan_for([100], Hq=8, Hk=8).group_tile == 4
     assert plan_for([100], Hq=32, Hk=2).head_chunks == 2
+
+
+# ---- a graph bucket's plan: made for the block tables' capacity, ended by each row's length on the device ----
+
+def bucket_case(dtype, contexts, capacity, block_size=16, seed=0):
+    """A decode batch whose block tables are widened to `capacity` keys (zeros past each row's blocks) and
+    whose attention is planned for `capacity` keys in every row, as decode_graphs.pad_to_bucket makes it."""
+    rng = np.random.default_rng(seed)
+    batch, q, k_cache, v_cache = decode_case(rng, dtype, 8, 2, 64, block_size, [(c - 1, 1) for c in contexts])
+    tables = np.zeros((len(contexts), capacity // block_size), np.int32)
+    tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+    batch.block_tables, batch.plan_context_len = tables, capacity
+    return batch, q, k_cache, v_cache
+
+
+@emulated_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bucket_plan_skips_the_splits_past_each_row(order, dtype):
+    """Rows of 1 to 300 keys under a plan for 1024: most splits lie past their row's end; their CTAs exit
+    and the reduce merges only the others. Negative control: the same launch told every row is 1024 keys long
+    attends to the zero table entries' keys and differs."""
+    batch, q, k_cache, v_cache = bucket_case(dtype, [1, 17, 64, 65, 300], 1024)
+    ops = cuda_ops.emulated(dtype)
+    plan = plan_for([1024] * batch.num_seqs, Hq=8, Hk=2, D=64, dtype=dtype)   # what the bucket's launch runs
+    assert len(plan.items) >= 4 * batch.num_seqs
+    with emulator.schedule(order):
+        out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
+
+    batch.context_lens = np.full(batch.num_seqs, 1024, np.int32)
+    with emulator.schedule(order):
+        wrong = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    assert np.abs(as_float32(wrong) - expected).max() > 10 * TOLERANCE[dtype] * scale

@@ -88,7 +88,12 @@ class EmulatorLauncher:
         return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
+        _refuse_copy_while_capturing()
         return np.array(array, order="C")   # a copy, as an upload is: device arrays never alias host ones
+
+    def copy_to_device(self, device: np.ndarray, array: np.ndarray) -> None:
+        _refuse_copy_while_capturing()
+        device[...] = array
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
         return array
@@ -98,12 +103,15 @@ class EmulatorLauncher:
         return lambda: list(arrays)
 
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type."""
-        kind = dtype_name(x)
-        out = to_float32(x, kind) @ to_float32(w, kind).T
-        if bias is not None:
-            out += to_float32(bias, kind)
-        return convert(out, "float32", kind)
+        """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type. Written into an
+        array allocated here, as cuBLAS writes, so that a graph can record it (emulator.submit)."""
+        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+        emulator.submit(lambda: _matmul_t_into(x, w, bias, out))
+        return out
+
+    def capture(self, fn):
+        """(graph, fn()): fn's launches recorded as a graph (emulator.capture); graph.launch() replays them."""
+        return emulator.capture(fn)
 
 
 class CupyLauncher:
@@ -120,6 +128,7 @@ class CupyLauncher:
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._modules: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
+        self._graph_pool = self._capture_stream = None   # made at the first capture
 
     def kernel(self, file: str, name: str):
         kernel = self._kernels.get((file, name))
@@ -138,6 +147,28 @@ class CupyLauncher:
         out = self.xp.empty(array.shape, dtype=array.dtype)
         out.set(array)   # straight from pageable (e.g. memory-mapped) memory; cupy.asarray stages it in pinned memory
         return out
+
+    def copy_to_device(self, device, array: np.ndarray) -> None:
+        device.set(np.ascontiguousarray(array))   # on the current stream, ordered before the launches after it
+
+    def capture(self, fn):
+        """(graph, fn()): fn's launches captured as a CUDA graph; graph.launch() replays them on the current
+        stream. The capture runs on a side stream (the legacy default stream cannot be captured), and what fn
+        allocates comes from a memory pool only graphs use: CuPy's pool would otherwise hand the memory of
+        fn's intermediates, freed when fn returns, to other code, which each replay would then overwrite.
+        Graphs share that pool: they replay one at a time on one stream, and fn's result (the graph's output,
+        kept by the caller) stays allocated."""
+        cupy = self.xp
+        if self._graph_pool is None:
+            self._graph_pool, self._capture_stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        stream = self._capture_stream
+        with cupy.cuda.using_allocator(self._graph_pool.malloc), stream:
+            stream.begin_capture()
+            try:
+                result = fn()
+            finally:
+                graph = stream.end_capture()
+        return graph, result
 
     def to_host(self, array) -> np.ndarray:
         return self.xp.asnumpy(array)
@@ -205,7 +236,8 @@ class CudaOps:
         self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
         self._uploads: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
         self._checked_positions: np.ndarray | None = None   # the positions array rope_store_kv last checked
-        self._decode_plans: dict[tuple, tuple[np.ndarray, decode_plan.DecodePlan]] = {}
+        # (context_lens, plan, items and rows on the device) by batch, or by graph bucket (kept: graphs read them)
+        self._decode_plans: dict[tuple, tuple] = {}
         self._shared_mem_opt_in: dict[int, int] = {}   # id(kernel) -> dynamic shared memory allowed
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
         # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
@@ -251,13 +283,18 @@ class CudaOps:
             return array   # already on the device
         return self._upload_once(array, lambda: np.asarray(array, dtype=dtype))
 
-    def upload_batch(self, batch: Batch) -> None:
+    def upload_batch(self, batch: Batch, into=None):
         """A step's int32 metadata in one host-to-device copy instead of one per array: the batch's arrays are
         packed (each at a 16-byte boundary) into one buffer, and each op then finds its array's device view in
-        the upload cache. Called once per step, before the layers."""
+        the upload cache. Called once per step, before the layers. Returns the device buffer.
+        into: a buffer an earlier call returned for a batch of the same shapes (a CUDA graph bucket's static
+        buffer, which the captured kernels read): the copy goes there instead of into a new one.
+        Overlap: the rows of input_ids that take the previous step's sampled ids (batch.previous_ids) get them
+        on the device, after the copy. previous_rows and previous_sources travel in the copy whenever set
+        (a graph bucket's batch always sets them, so that its packed size does not change)."""
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
                   batch.block_tables, batch.logits_indices]
-        if batch.previous_ids is not None:
+        if batch.previous_rows is not None:
             arrays += [batch.previous_rows, batch.previous_sources]
         if len(self._uploads) > 32 - len(arrays):   # room for all of them: none is evicted before it is read
             self._uploads.clear()
@@ -265,13 +302,20 @@ class CudaOps:
         packed = np.zeros(int(starts[-1]), np.int32)                        # int32[sum of padded sizes]
         for array, start in zip(arrays, starts):
             packed[start:start + array.size] = array.ravel()
-        device = self.launcher.to_device(packed)
+        if into is None:
+            device = self.launcher.to_device(packed)
+        else:
+            if into.shape != packed.shape:
+                raise ValueError(f"into: a buffer of {packed.size} int32 is needed for this batch, got {into.shape}")
+            device = into
+            self.launcher.copy_to_device(device, packed)
         views = [device[start:start + array.size].reshape(array.shape) for array, start in zip(arrays, starts)]
         for array, view in zip(arrays[:7], views):
             self._upload_once(array, lambda: None, view=view)
         if batch.previous_ids is not None:   # the tokens the host does not know yet, taken on the device
             input_ids, rows, sources = views[0], views[7], views[8]
             input_ids[rows] = batch.previous_ids[sources]
+        return device
 
     def _upload_once(self, source: np.ndarray, make, what: str = "", view=None):
         """Device copy of make(), computed once per `source` array and `what` is derived from it. Batch
@@ -406,16 +450,7 @@ class CudaOps:
         """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
-        plan_key = (id(batch.context_lens), Hq, Hk, D, q.dtype.itemsize, block_size)
-        cached = self._decode_plans.get(plan_key)
-        if cached is None or cached[0] is not batch.context_lens:   # one plan per batch, shared by every layer
-            seqs = np.flatnonzero(decodes)
-            plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], Hq, Hk, D, self.dtype,
-                                    q.dtype.itemsize, block_size, self.launcher.multiprocessors)
-            if len(self._decode_plans) >= 8:
-                self._decode_plans.clear()
-            cached = self._decode_plans[plan_key] = (batch.context_lens, plan)
-        plan = cached[1]
+        plan, items, rows = self._decode_plan(batch, decodes, Hq, Hk, D, q.dtype.itemsize, block_size)
         xp = self.xp
         slots = max(1, plan.num_slots)
         partial_out = xp.empty((slots, Hq, D), dtype=np.float32)
@@ -426,8 +461,8 @@ class CudaOps:
                                       f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}, {plan.lanes}>")
         self._allow_shared_mem(kernel, plan.shared_mem)
         kernel((len(plan.items), Hk * plan.head_chunks), (decode_plan.THREADS,),
-               (q, k_cache, v_cache, self._upload_once(plan.items, lambda: plan.items),
-                self._metadata(batch.block_tables), out, partial_out, partial_max, partial_sum,
+               (q, k_cache, v_cache, items, self._metadata(batch.block_tables), self._metadata(batch.context_lens),
+                out, partial_out, partial_max, partial_sum,
                 np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(block_size.bit_length() - 1),
                 np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")), np.float32(scale),
                 np.int32(plan.table_capacity)),
@@ -435,8 +470,27 @@ class CudaOps:
         if len(plan.rows):
             self._kernel("decode_attention.cu", "decode_attention_reduce_kernel", q)(
                 (len(plan.rows), Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, self._upload_once(plan.rows, lambda: plan.rows), out,
-                 np.int32(Hq), np.int32(D)))
+                (partial_out, partial_max, partial_sum, rows, out, np.int32(Hq), np.int32(D)))
+
+    def _decode_plan(self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int,
+                     block_size: int):
+        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared by
+        every layer; a graph bucket's batch (batch.plan_context_len set) has one plan for the bucket's life,
+        made for that many keys in every row, whose device arrays stay here because its graph reads them."""
+        bucket = batch.plan_context_len is not None
+        key = (("bucket", batch.num_seqs, batch.plan_context_len) if bucket else (id(batch.context_lens),)) + (
+            Hq, Hk, D, itemsize, block_size)
+        cached = self._decode_plans.get(key)
+        if cached is None or not (bucket or cached[0] is batch.context_lens):
+            seqs = np.flatnonzero(decodes)
+            lens = np.full(len(seqs), batch.plan_context_len) if bucket else batch.context_lens[seqs]
+            plan = decode_plan.plan(batch.query_start[seqs], seqs, lens, Hq, Hk, D, self.dtype, itemsize, block_size,
+                                    self.launcher.multiprocessors)
+            if not bucket and len(self._decode_plans) >= 8:
+                self._decode_plans = {k: v for k, v in self._decode_plans.items() if k[0] == "bucket"}
+            to = self.launcher.to_device
+            cached = self._decode_plans[key] = (batch.context_lens, plan, to(plan.items), to(plan.rows))
+        return cached[1:]
 
     def _chunk_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray) -> None:
         """paged_attention.cu for the query runs of the sequences where bool[S] `selected` holds (any run
@@ -556,6 +610,19 @@ class CudaOps:
                  to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
                  to(np.asarray(uniform, np.float64)), ids))
         return ids
+
+
+def _refuse_copy_while_capturing() -> None:
+    if emulator.capturing():
+        raise RuntimeError("a host-to-device copy during a graph capture: CUDA forbids it (upload before capturing)")
+
+
+def _matmul_t_into(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> None:
+    kind = dtype_name(x)
+    product = to_float32(x, kind) @ to_float32(w, kind).T
+    if bias is not None:
+        product += to_float32(bias, kind)
+    out[...] = convert(product, "float32", kind)
 
 
 def _grid_stride_blocks(elements: int) -> int:

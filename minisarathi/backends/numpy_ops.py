@@ -43,7 +43,7 @@ class NumpyOps:
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
 
-    def upload_batch(self, batch: Batch) -> None:
+    def upload_batch(self, batch: Batch, into: None = None) -> None:
         """The batch's arrays are already where this backend computes: only the tokens the previous step
         sampled (batch.previous_ids) go into their rows of input_ids."""
         if batch.previous_ids is not None:

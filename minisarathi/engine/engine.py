@@ -122,6 +122,8 @@ class LLMEngine:
             self.cost_model.add_profile(*run_profile(
                 self.model, self.kv_cache, self.sampler, config.block_size, num_blocks, config.chunk_size,
                 self.max_model_len, config.max_num_seqs))
+        if config.tensor_parallel_size == 1:   # after the profile, whose steps would capture graphs
+            self._use_decode_buckets(config)
         self.requests: dict[str, Sequence] = {}     # unfinished requests by id
         self.model_failure: TensorParallelError | None = None   # set once the model's ranks died or hung
         self.step_records = StepLog(STEP_RECORDS_KEPT)
@@ -130,6 +132,14 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None   # overlap: the step launched, its ids not yet on the host
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
+
+    def _use_decode_buckets(self, config: EngineConfig) -> None:
+        capture = self.model.ops.device != "cpu"
+        if config.cuda_graphs if config.cuda_graphs is not None else capture:
+            buckets = self.model.use_decode_buckets(config.max_num_seqs, self.max_model_len, config.block_size,
+                                                    capture)
+            log.info("decode steps padded to batch-size buckets %s%s", buckets,
+                     ", CUDA graphs on (each bucket captured at its first use)" if capture else " (no graphs on cpu)")
 
     # requests ---------------------------------------------------------------------------------------------
 

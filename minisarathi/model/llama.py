@@ -17,6 +17,7 @@ from minisarathi.backends.base import Backend
 from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
+from minisarathi.model.decode_graphs import DecodeGraphs
 from minisarathi.model.loader import load_weights
 from minisarathi.parallel.communicator import Communicator
 from minisarathi.validation import check_int
@@ -53,6 +54,7 @@ class LlamaModel:
         # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
         self.rope_cos_sin = ops.constant(config.rope_cos_sin())  # float32[max_position_embeddings, D]
         self.scale = config.head_dim ** -0.5
+        self.decode_graphs: DecodeGraphs | None = None   # use_decode_buckets() sets it
 
     def _place(self, array: Any | None) -> Any:
         return None if array is None else self.ops.weight(array)  # absent: a bias the model has not
@@ -84,13 +86,29 @@ class LlamaModel:
         """The backend's sampler for forward(..., device_logits=True)'s logits."""
         return self.ops.new_sampler(self.config.vocab_size, seed, eos_token_ids)
 
+    def use_decode_buckets(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> list[int]:
+        """From now on, forward() pads decode-only batches to batch-size buckets and, with `capture` (CUDA
+        backends), replays each bucket's CUDA graph (minisarathi/model/decode_graphs.py). Returns the buckets."""
+        self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len, block_size, capture)
+        return self.decode_graphs.sizes
+
     def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]], device_logits: bool = False) -> Any:
         """float32[N, vocab] NumPy logits of the rows batch.logits_indices, after writing the batch's K/V.
         device_logits: leave them where the backend computed them, in its dtype, for new_sampler()'s sampler."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(batch):
+            logits = self.decode_graphs.forward(batch, kv_cache)
+        else:
+            self.ops.upload_batch(batch)   # one host-to-device copy of the step's metadata, read by every layer
+            logits = self.run(batch, kv_cache)
+        return logits if device_logits else self.ops.to_numpy(logits)
+
+    def run(self, batch: Batch, kv_cache: list[tuple[Any, Any]]) -> Any:
+        """The launches of a forward pass over a batch already uploaded (ops.upload_batch): no host-to-device
+        copy and, for a graph bucket's batch, no decision that depends on the step's values, so that a CUDA
+        graph can capture it. Logits [N, vocab] on the device, in the backend's dtype."""
         ops, c = self.ops, self.config
         T, D = batch.num_tokens, c.head_dim
         q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
-        ops.upload_batch(batch)   # one host-to-device copy of the step's metadata, read by every layer
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)  # [T, H]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
@@ -112,11 +130,13 @@ class LlamaModel:
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
             if self.comm is not None:
                 hidden = self.comm.all_reduce(hidden)
-        # Only the sampled rows go through the final norm and the (large) vocabulary projection.
+        # Only the sampled rows go through the final norm and the (large) vocabulary projection; when every row
+        # is sampled (decodes) no gather is needed (a graph could not capture a host-side one on the emulator).
         rows = batch.logits_indices
-        x, _ = ops.add_rms_norm(hidden[rows], residual[rows], self.norm, c.rms_norm_eps)
-        logits = ops.linear(x, self.lm_head)  # [N, vocab]
-        return logits if device_logits else ops.to_numpy(logits)
+        if len(rows) < T:
+            hidden, residual = hidden[rows], residual[rows]
+        x, _ = ops.add_rms_norm(hidden, residual, self.norm, c.rms_norm_eps)
+        return ops.linear(x, self.lm_head)  # [N, vocab]
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: str = "auto") -> LlamaModel:

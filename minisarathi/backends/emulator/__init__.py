@@ -6,7 +6,8 @@
 See docs/cuda.md.
 """
 from minisarathi.backends.emulator.builder import build, cache_dir
-from minisarathi.backends.emulator.launcher import ORDERS, EmulatedKernel, EmulatedModule, load_module, schedule
+from minisarathi.backends.emulator.launcher import (ORDERS, EmulatedKernel, EmulatedModule, Graph, capture, capturing,
+                                                   load_module, schedule, submit)
 
-__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "build", "cache_dir",
-           "load_module", "schedule"]
+__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "Graph", "build", "cache_dir", "capture", "capturing",
+           "load_module", "schedule", "submit"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from pathlib import Path
@@ -35,6 +36,46 @@ class _LaunchArgs(ctypes.Structure):   # mirrors emu::LaunchArgs
 
 
 _schedule = threading.local()
+_capture = threading.local()   # .launches: the list a capture records into; absent or None when not capturing
+
+
+class Graph:
+    """The emulator's CUDA graph: the launches recorded by capture(), run again in order with the arguments
+    they were recorded with. Like a real graph's kernels, a replayed launch reads whatever its arrays hold
+    now: an input the step did not write into one of them is read stale, as it would be on a GPU."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def launch(self) -> None:
+        for run in self.launches:
+            run()
+
+
+def capture(fn):
+    """(Graph, fn()): fn's launches recorded, not run, as CUDA stream capture records them. What fn returns
+    is computed only by a replay. Host-to-device copies are refused meanwhile (capturing(); CUDA forbids
+    synchronous copies during a capture)."""
+    if capturing():
+        raise RuntimeError("capture: already capturing")
+    _capture.launches = []
+    try:
+        result = fn()
+        return Graph(_capture.launches), result
+    finally:
+        _capture.launches = None
+
+
+def capturing() -> bool:
+    return getattr(_capture, "launches", None) is not None
+
+
+def submit(run) -> None:
+    """Runs a launch now, or records it while capturing."""
+    if capturing():
+        _capture.launches.append(run)
+    else:
+        run()
 
 
 def _env_schedule() -> tuple[str, int]:
@@ -118,10 +159,13 @@ class EmulatedKernel:
         if len(args) != len(self.param_types):
             raise TypeError(f"{self.name} takes {len(self.param_types)} arguments "
                             f"({', '.join(self.param_types)}), got {len(args)}")
-        keep: list = []
+        keep: list = []   # the arguments' buffers: alive as long as the launch, or the graph that records it
         addresses = (ctypes.c_void_p * max(1, len(args)))(
             *[_convert(i, p, a, keep) for i, (p, a) in enumerate(zip(self.param_types, args))])
-        order, seed = getattr(_schedule, "value", None) or _env_schedule()
+        submit(functools.partial(self._run, grid, block, shared_mem, addresses, keep))
+
+    def _run(self, grid, block, shared_mem: int, addresses, keep: list) -> None:
+        order, seed = getattr(_schedule, "value", None) or _env_schedule()   # the order when it runs
         config = _LaunchArgs((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                              ORDERS.index(order), int(os.environ.get("MINISARATHI_EMU_THREADS", os.cpu_count() or 1)),
                              seed)

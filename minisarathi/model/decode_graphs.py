@@ -1,0 +1,99 @@
+"""Decode-only steps padded to batch-size buckets, and on the CUDA backends replayed as CUDA graphs.
+
+A decode step's launches are the same from step to step except for the batch's metadata (token ids,
+positions, slots, context lengths, block tables), once each step is padded to a bucket: padding rows
+decode token 0 at position 0 with context length 1 over block 0 and store nothing (slot -1), and the
+block tables are as wide as max_model_len allows. Decode attention is planned once per bucket for that
+capacity and reads each row's length on the device (cuda/decode_attention.cu). So one bucket's run can be
+captured once and replayed: the step copies its metadata into the bucket's static device buffer (one
+upload) and launches the graph. Logits come back for every bucket row; the real rows are the first ones.
+
+Capture is lazy: a bucket's first step runs eagerly (compiling kernels, planning, growing memory pools,
+and producing that step's logits), then its run is captured; every later step of that bucket replays.
+Steps with prefill tokens run eagerly: their token count and attention plan change with every chunk.
+On the NumPy backend (no graphs) the padded path runs eagerly; tests hold it to the unpadded one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minisarathi.batch import Batch
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16)
+BUCKET_STEP = 32   # then multiples of 32 up to max_num_seqs
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 64, ... and max_num_seqs itself as the last (a running batch never exceeds it)."""
+    return [b for b in SMALL_BUCKETS if b < max_num_seqs] + list(range(BUCKET_STEP, max_num_seqs, BUCKET_STEP)) + [
+        max_num_seqs]
+
+
+def pad_to_bucket(batch: Batch, size: int, table_width: int, plan_context_len: int) -> Batch:
+    """A decode-only batch as `size` rows over block tables `table_width` wide (see the module's docstring).
+    With overlap, the rows that take the previous step's ids on the device keep them; their index arrays are
+    padded to `size` entries by repeating the first (the same id written twice), or are zeros when there are
+    none, so that the bucket's packed metadata keeps one size (CudaOps.upload_batch)."""
+    pad = size - batch.num_seqs
+
+    def padded(array: np.ndarray, fill: int, length: int = size) -> np.ndarray:   # int32[length]
+        return np.concatenate([array, np.full(length - len(array), fill, np.int32)])
+
+    tables = np.zeros((size, table_width), np.int32)                   # int32[size, table_width]
+    tables[:batch.num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
+    rows = np.arange(size + 1, dtype=np.int32)                         # one token per row
+    if batch.previous_ids is None:
+        previous_rows = previous_sources = np.zeros(size, np.int32)
+    else:
+        previous_rows = padded(batch.previous_rows, batch.previous_rows[0])
+        previous_sources = padded(batch.previous_sources, batch.previous_sources[0])
+    return Batch(padded(batch.input_ids, 0), padded(batch.positions, 0), padded(batch.slot_mapping, -1), rows,
+                 padded(batch.context_lens, 1), tables, rows[:-1], max_query_len=1,
+                 max_context_len=batch.max_context_len, previous_ids=batch.previous_ids,
+                 previous_rows=previous_rows, previous_sources=previous_sources, plan_context_len=plan_context_len)
+
+
+@dataclass
+class CapturedBucket:
+    metadata: Any   # the static int32 device buffer the graph's kernels read (CudaOps.upload_batch)
+    graph: Any      # launch() replays the bucket's run
+    logits: Any     # [bucket, vocab] on the device: the graph writes them here at every replay
+
+
+class DecodeGraphs:
+    """Runs a model's decode-only steps padded to buckets; with `capture`, as one CUDA graph per bucket."""
+
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool):
+        self.model = model   # a LlamaModel: ops, run()
+        self.sizes = bucket_sizes(max_num_seqs)
+        self.table_width = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.capture = capture
+        self.buckets: dict[int, CapturedBucket] = {}
+
+    def takes(self, batch: Batch) -> bool:
+        """Decode-only (one token per sequence, every row sampled) and no larger than the largest bucket."""
+        return (batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs == len(batch.logits_indices)
+                and batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.table_width)
+
+    def forward(self, batch: Batch, kv_cache: list) -> Any:
+        """Logits [num_seqs, vocab] on the device, in the backend's dtype, as LlamaModel.run returns them."""
+        size = next(s for s in self.sizes if s >= batch.num_seqs)
+        padded = pad_to_bucket(batch, size, self.table_width, self.max_model_len)
+        ops, bucket = self.model.ops, self.buckets.get(size)
+        if not self.capture:
+            ops.upload_batch(padded)
+            logits = self.model.run(padded, kv_cache)
+        elif bucket is None:   # first use: eager (its uploads, compiles and plans cannot happen in a capture)
+            metadata = ops.upload_batch(padded)
+            logits = self.model.run(padded, kv_cache)
+            graph, graph_logits = ops.launcher.capture(lambda: self.model.run(padded, kv_cache))
+            self.buckets[size] = CapturedBucket(metadata, graph, graph_logits)
+        else:
+            ops.upload_batch(padded, into=bucket.metadata)
+            bucket.graph.launch()
+            logits = bucket.logits
+        return logits[:batch.num_seqs]
