@@ -11,6 +11,10 @@ last column extrapolates to a 32-layer (Llama-3-8B-shaped) model.
 Host time: the same wrappers over a launcher that launches nothing (kernels are no-ops, matmuls return empty
 arrays), so what is timed is the Python that issues a step: argument checks, metadata caching, array
 allocation. CuPy's own cost per launch (argument packing, the driver call) comes on top on a GPU.
+
+The "graph" rows run the decode steps as the engine does with CUDA graphs on (minisarathi/model/decode_graphs.py):
+a first step captures the bucket's graph, and the step measured replays it: one graph launch, the one copy
+of the step's metadata into the bucket's static buffer, and the sampler's launches and uploads.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from minisarathi.sampling_params import SamplingParams
 from minisarathi.testing import ScheduledChunk, build_batch
 
 BLOCK_SIZE = 16
+MAX_MODEL_LEN = 128   # of the graph rows' buckets: the cases' contexts (100) fit
 
 
 class NullLauncher(cuda_ops.EmulatorLauncher):
@@ -47,32 +52,66 @@ def cases() -> dict[str, list[ScheduledChunk]]:
             + [decode(s, 100) for s in range(7)]}
 
 
-def count(model: LlamaModel, chunks: list[ScheduledChunk], layers: int) -> int:
-    """Launches of one forward with the model cut to its first `layers` layers, plus the sampler's."""
-    full = model.layers
+def use_graphs(model: LlamaModel, graphs: bool) -> None:
+    """Decode steps as the engine runs them with CUDA graphs on (a fresh capture per call), or eagerly."""
+    model.decode_graphs = None
+    if graphs:
+        model.use_decode_buckets(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, capture=True)
+
+
+def count(model: LlamaModel, chunks: list[ScheduledChunk], layers: int, graphs: bool = False) -> tuple[int, int]:
+    """(launches, host-to-device copies) of one forward with the model cut to its first `layers` layers, plus
+    the sampler's. With graphs, of a step that replays its bucket's graph (a graph launch counts as one)."""
+    full, launcher = model.layers, model.ops.launcher
     model.layers = full[:layers]
+    use_graphs(model, graphs)
+    cache = model.new_kv_cache(72, BLOCK_SIZE)
+    if graphs:
+        model.forward(build_batch(chunks, BLOCK_SIZE), cache, device_logits=True)   # eager, then the capture
+        for bucket in model.decode_graphs.buckets.values():
+            bucket.graph = CountedGraph(bucket.graph, model.ops)
+    copies = []
+    launcher.to_device = lambda array: copies.append(1) or type(launcher).to_device(launcher, array)
+    launcher.copy_to_device = lambda device, array: copies.append(1) or type(launcher).copy_to_device(
+        launcher, device, array)
     try:
-        cache = model.new_kv_cache(72, BLOCK_SIZE)
         model.ops.launches = 0   # counted by CudaOps._kernel and _plain_kernel, one per launch, and linear
         logits = model.forward(build_batch(chunks, BLOCK_SIZE), cache, device_logits=True)
         sampler = model.new_sampler()
         n = len(chunks)
         sampler.sample(logits, [SamplingParams(temperature=0.8, top_k=40, top_p=0.9)] * n, [None] * n,
                        [[1]] * n, [[]] * n)
-        return model.ops.launches
+        return model.ops.launches, len(copies)
     finally:
         model.layers = full
+        del launcher.to_device, launcher.copy_to_device
+        use_graphs(model, False)
 
 
-def host_seconds(model: LlamaModel, chunks: list[ScheduledChunk], repeat: int = 200) -> float:
-    """Median seconds of one forward on the null launcher (a fresh batch each time, as a step has)."""
+class CountedGraph:
+    """A graph whose launches count in CudaOps.launches, as one launch each."""
+
+    def __init__(self, graph, ops):
+        self.graph, self.ops = graph, ops
+
+    def launch(self) -> None:
+        self.ops.launches += 1
+        self.graph.launch()
+
+
+def host_seconds(model: LlamaModel, chunks: list[ScheduledChunk], graphs: bool = False, repeat: int = 200) -> float:
+    """Median seconds of one forward on the null launcher (a fresh batch each time, as a step has); with graphs,
+    of the replays that follow the bucket's capture."""
+    use_graphs(model, graphs)
     cache = model.new_kv_cache(72, BLOCK_SIZE)
+    model.forward(build_batch(chunks, BLOCK_SIZE), cache, device_logits=True)
     times = []
     for _ in range(repeat):
         batch = build_batch(chunks, BLOCK_SIZE)
         start = time.perf_counter()
         model.forward(batch, cache, device_logits=True)
         times.append(time.perf_counter() - start)
+    use_graphs(model, False)
     return float(np.median(times))
 
 
@@ -103,22 +142,23 @@ def main() -> None:
     null = small_llama(cuda_ops.CudaOps(NullLauncher(), "bfloat16"))
     L = emulated.config.num_hidden_layers
     rows = []
-    for name, chunks in cases().items():
-        one, all_layers = count(emulated, chunks, 1), count(emulated, chunks, L)
+    steps = [(name, chunks, False) for name, chunks in cases().items()]
+    steps += [(f"{name} graph", chunks, True) for name, chunks in cases().items() if name.startswith("decode")]
+    for name, chunks, graphs in steps:
+        (one, _), (all_layers, copies) = count(emulated, chunks, 1, graphs), count(emulated, chunks, L, graphs)
         per_layer = (all_layers - one) / (L - 1)
         fixed = all_layers - L * per_layer
-        host = host_seconds(null, chunks)
+        host = host_seconds(null, chunks, graphs)
         row = {"step": name, "launches": all_layers, "per_layer": per_layer, "fixed": fixed,
-               "launches_32_layers": fixed + 32 * per_layer, "host_us": host * 1e6,
+               "launches_32_layers": fixed + 32 * per_layer, "uploads": copies, "host_us": host * 1e6,
                "host_us_per_layer": host * 1e6 / L}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'step':24s} {'launches':>8s} {'per layer':>9s} {'fixed':>5s} {'at 32 layers':>12s} "
+    print(f"\n{'step':24s} {'launches':>8s} {'per layer':>9s} {'fixed':>5s} {'at 32 layers':>12s} {'uploads':>7s} "
           f"{'host us':>8s} {'host us/layer':>13s}")
     for r in rows:
         print(f"{r['step']:24s} {r['launches']:8d} {r['per_layer']:9.1f} {r['fixed']:5.0f} {r['launches_32_layers']:12.0f} "
-              f"{r['host_us']:8.0f} {r['host_us_per_layer']:13.1f}")
-
+              f"{r['uploads']:7d} {r['host_us']:8.0f} {r['host_us_per_layer']:13.1f}")
 
 if __name__ == "__main__":
     main()
