@@ -47,6 +47,7 @@ def test_padded_buckets_give_the_eager_tokens_on_numpy(monkeypatch):
     assert {size for _, size in sizes} == {1, 2, 4, 8}                 # every bucket used
     assert any(n < size for n, size in sizes)                          # with padding rows
     assert llm.engine.model.decode_graphs.buckets == {}                # NumPy: no graph
+    assert generate("cpu", True, overlap=True)[0] == eager             # previous ids filled into padded rows
 
 
 def test_padding_rows_store_nothing_and_attend_to_one_key():
@@ -77,6 +78,11 @@ def test_graphs_give_the_eager_tokens_on_the_emulator(monkeypatch):
     assert graphs == eager
     assert sorted(llm.engine.model.decode_graphs.buckets) == [1, 2, 4, 8]
     assert len(replays) > 20 and min(replays) > 10                     # whole forwards replayed, step after step
+    # With overlap, a replayed step's input ids are the previous step's, written into the static buffer on
+    # the device after the upload.
+    replays.clear()
+    overlapped, llm = generate("cuda-emulated", True, overlap=True)
+    assert overlapped == eager and len(replays) > 20
 
 
 @emulator_only
