@@ -50,6 +50,21 @@ def test_padded_buckets_give_the_eager_tokens_on_numpy(monkeypatch):
     assert generate("cpu", True, overlap=True)[0] == eager             # previous ids filled into padded rows
 
 
+def test_padded_buckets_past_32_give_the_eager_tokens_on_numpy(monkeypatch):
+    """40 requests over max_num_seqs 48: the buckets 32 and 48 (the last one is max_num_seqs itself)."""
+    sizes = set()
+    pad = decode_graphs.pad_to_bucket
+    monkeypatch.setattr(decode_graphs, "pad_to_bucket", lambda batch, size, *rest: sizes.add(size) or pad(batch, size, *rest))
+    prompts = [[1] + [100 + i] * (1 + i % 5) for i in range(40)]
+    params = [SamplingParams(max_tokens=4 + i % 9, temperature=0, ignore_eos=True) for i in range(40)]
+    tokens = {}
+    for cuda_graphs in (False, True):
+        llm = LLM(device="cpu", cuda_graphs=cuda_graphs, max_num_seqs=48, max_model_len=64, block_size=8, chunk_size=64)
+        tokens[cuda_graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens[True] == tokens[False]
+    assert {32, 48} <= sizes
+
+
 def test_padding_rows_store_nothing_and_attend_to_one_key():
     from minisarathi.batch import make_batch
     tables = np.array([[3, 4], [5, 0]], np.int32)
