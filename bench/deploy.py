@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -90,21 +91,23 @@ def main() -> int:
     parser.add_argument("--settle-s", type=float, default=2.0, help="load before the first restart and after the last")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
-    report = {"machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} cores",
+    report = {"machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "balancers": {}}
     for kind in args.balancers.split(","):
         executable = find_balancer(kind)
         if executable is None:
             print(f"{kind}: not installed, skipped", flush=True)
             continue
-        print(f"{kind} ({executable})", flush=True)
+        print(f"{kind} ({executable}), load average {os.getloadavg()[0]:.1f}", flush=True)
+        load_average = {"start": os.getloadavg()}   # 1, 5, 15 minutes: the machine is shared
         cluster = Cluster(kind, extra_args=(*([args.model] if args.model else []), "--shutdown-grace", "30"))
         try:
             cluster.start(executable)
             config = MultiTurnConfig(num_sessions=args.sessions, num_turns=args.turns, answer_tokens=args.answer_tokens,
                                      first_message_words=args.first_message_words)
             report["balancers"][kind] = {"affinity": affinity_runs(cluster, executable, config, args.repeats),
-                                         "rolling_restart": rolling_restart(cluster, args.settle_s, args.model)}
+                                         "rolling_restart": rolling_restart(cluster, args.settle_s, args.model),
+                                         "load_average": {**load_average, "end": os.getloadavg()}}
         finally:
             cluster.close()
     if args.out:

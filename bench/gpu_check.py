@@ -38,7 +38,7 @@ from minisarathi.paths import cuda_dir, default_model_dir  # noqa: E402
 from minisarathi.sampler import Sampler, make_generator  # noqa: E402
 from minisarathi.sampling_params import SamplingParams  # noqa: E402
 
-TOTAL_BUDGET_S = 380     # all sections; gpu_check.sh kills the run at 395 s: with start-up, under 7 minutes
+TOTAL_BUDGET_S = 392     # all sections; gpu_check.sh kills the run at 395 s: with start-up, under 7 minutes
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 3e-2}
 FAILURES = ("ERROR", "MISMATCH", "FAILED", "SKIPPED", "MISSING")
 INSTALL_HINT = ("pip install cupy-cuda13x 'cuda-toolkit[nvrtc,cudart,cublas]==13.0.*' (CUDA 13 driver) or "
@@ -586,6 +586,51 @@ def small_forward() -> None:
     print("small forward:", ids, drawn.tolist(), flush=True)
 
 
+# ---- (h) tensor parallelism over NCCL: two GPUs against one (docs/deploy.md) ---------------------------------
+
+def check_nccl(work: Path) -> None:
+    """The bundled model split over two GPUs (a rank process per GPU, all-reduces through NCCL) against the same
+    model on one: greedy tokens identical, logits within float32 tolerance, and a decode step's time. With one
+    GPU it says so and passes: the communicator itself is then covered by a one-rank test where NCCL exists."""
+    import cupy
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 2:
+        ROWS.append(("nccl TP=2", "skipped: one GPU", f"{count} GPU visible; TP over NCCL needs two"))
+        return
+    from cupy.cuda import nccl
+    from minisarathi.parallel.group import TensorParallelModel, find_mpiexec
+    if not nccl.available:
+        ROWS.append(("nccl TP=2", "MISSING", "NCCL is not loadable by CuPy: pip install 'nvidia-nccl-cu13' (or -cu12)"))
+        return
+    try:
+        find_mpiexec()
+    except ValueError as exc:
+        ROWS.append(("nccl TP=2", "MISSING", str(exc)))
+        return
+    path, prompt, new_tokens = default_model_dir(), [1, 403, 407, 261, 378], 24
+    one = build_model(path, cuda_ops.gpu("float32"))
+    want_ids, want_logits = generate(one, prompt, new_tokens)
+    one_s = seconds_per_token(one, prompt, new_tokens)
+    two = TensorParallelModel(path, "cuda", "float32", 2, rank_timeout_s=15)
+    try:
+        ids, logits = generate(two, prompt, new_tokens)
+        two_s = seconds_per_token(two, prompt, new_tokens)
+    finally:
+        two.close()
+    error = float(np.abs(logits - want_logits).max() / np.abs(want_logits).max())
+    ok = ids == want_ids and error <= TOLERANCE["float32"]
+    ROWS.append(("nccl TP=2 vs TP=1 stories260K fp32", "ok" if ok else "MISMATCH",
+                 f"greedy tokens {'identical' if ids == want_ids else 'differ'}, logits rel err {error:.1e}"))
+    ROWS.append(("speed nccl TP=2 token", f"{two_s * 1e3:.2f} ms", f"TP=1 {one_s * 1e3:.2f} ms; host loop, {new_tokens} tokens"))
+
+
+def seconds_per_token(model, prompt: list[int], new_tokens: int) -> float:
+    """Wall time of generate() per token, prefill included (the first run compiled and warmed up)."""
+    start = time.perf_counter()
+    generate(model, prompt, new_tokens)
+    return (time.perf_counter() - start) / new_tokens
+
+
 def run_pytest(work: Path) -> None:
     gpu_tests = ["test_bundled_model_on_gpu", "test_bf16_checkpoint_reaches_the_backend_as_its_own_bits[gpu]",
                  "test_gpu_sampler_matches_the_numpy_sampler[gpu-bfloat16]"]
@@ -599,11 +644,11 @@ def run_pytest(work: Path) -> None:
 
 
 # name -> (check, seconds it may take), in the order they run: correctness first, speed second, the optional
-# sanitizer pass last but one. The limits add up to less than TOTAL_BUDGET_S (tests/test_gpu_check.py).
+# sanitizer pass, pytest, then NCCL last (its rank processes are the likeliest to outlive a killed section). The limits add up to less than TOTAL_BUDGET_S (tests/test_gpu_check.py).
 SECTIONS = {"kernels": (check_kernels, 45), "sampling": (check_sampling, 30), "models": (check_models, 45),
             "ceilings": (measure_ceilings, 20), "kernel-speed": (time_kernels, 30),
             "attention": (time_attention, 45), "model-8b": (time_model_8b, 75),
-            "sanitizer": (run_sanitizer, 45), "pytest": (run_pytest, 35)}
+            "sanitizer": (run_sanitizer, 45), "pytest": (run_pytest, 35), "nccl": (check_nccl, 20)}
 
 
 def run_section(name: str, out: Path, work: Path) -> None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, NOTIFICATION, REQUEST,
-                                         RESPONSE, RPCError, make_unpacker, pack)
+from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, NOTIFICATION, OVERLOADED,
+                                         REQUEST, RESPONSE, RPCError, make_unpacker, pack)
 
 DEFAULT_PORT = 7000
 _READ_SIZE = 1 << 16
@@ -59,9 +59,10 @@ class Client:
     the next call.
 
     A call whose connection fails or closes before any of its answer arrived (a replica behind a load balancer
-    draining for a restart closes its idle connections; docs/deploy.md) is sent again on a new connection, up
-    to `retries` times: the server had not accepted it, or is gone. A stream that already delivered a chunk,
-    or a timeout, is never retried: they raise."""
+    draining for a restart closes its idle connections; docs/deploy.md), or that the server refuses because it
+    is shutting down, is sent again on a new connection, up to `retries` times: the server had not accepted
+    it, or is gone. A stream that already delivered a chunk, a timeout or any other error is never retried:
+    they raise."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
                  api_key: str | None = None, timeout: float | None = None, retries: int = 3,
@@ -105,17 +106,19 @@ class Client:
                 raise
 
     def _retrying(self, attempt):
-        """attempt() on a connected socket; on a connection failure, reconnect and try again."""
+        """attempt() on a connected socket; when the server did not take it, reconnect and try again."""
         for retry in range(self.retries + 1):
             try:
                 if self._sock is None:
                     self._connect()
                 return attempt()
-            except ConnectionError:   # refused, reset, or closed before the answer began
+            except (ConnectionError, RPCError) as e:
+                if not _not_taken(e):
+                    raise            # the server's answer: the connection stays as it is
                 self.close()
                 if retry == self.retries:
                     raise
-                time.sleep(0.05 * 2 ** retry)
+                time.sleep(_backoff_s(retry))
 
     def __enter__(self):
         return self
@@ -223,11 +226,14 @@ class Stream:
                             done = True
                             self.result = GenerateResult.from_wire(_result(message))
                             return
-                except ConnectionError:
-                    client.close()
-                    if started or retry == client.retries:
+                except (ConnectionError, RPCError) as e:
+                    if isinstance(e, ConnectionError):
+                        client.close()
+                    if started or not _not_taken(e) or retry == client.retries:
                         raise
-                    time.sleep(0.05 * 2 ** retry)
+                    client.close()   # refused as the server shuts down: the next connection goes elsewhere
+                    time.sleep(_backoff_s(retry))
+                    done = False
                     self.msgid = client._retrying(lambda: client._send("generate", self._params))
         except RPCError:
             done = True   # an `error` notification: the server is closing the connection, nothing to abort
@@ -260,29 +266,26 @@ class AsyncClient:
 
         async with AsyncClient("127.0.0.1", 7000) as c:
             result = await c.generate("Once upon a time", max_tokens=32, temperature=0)
-    """
+
+    Retries as Client does: a call or a stream the server did not take (its connection failed or closed before
+    any of its answer arrived, or the server answered that it is shutting down) is sent again on a new
+    connection, up to `retries` times; the requests still running on the old connection finish there. A stream
+    that delivered a chunk, or any other error, raises."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
-                 api_key: str | None = None, tls: ssl.SSLContext | None = None):
-        self._address = (host, port, unix_socket)
+                 api_key: str | None = None, tls: ssl.SSLContext | None = None, retries: int = 3,
+                 source_address: tuple[str, int] | None = None):
+        self._address = (host, port, unix_socket, source_address)
         self._api_key = api_key
         self._tls = tls
-        self._msgids = itertools.count()
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._streams: dict[int, asyncio.Queue] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
+        self.retries = retries
+        self._msgids = itertools.count()   # unique over all of this client's connections
+        self._current: _AsyncConnection | None = None   # where new requests go
+        self._connections: set[_AsyncConnection] = set()   # the current one and draining ones still answering
+        self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> AsyncClient:
-        host, port, unix_socket = self._address
-        if unix_socket is not None:
-            reader, self._writer = await asyncio.open_unix_connection(
-                unix_socket, ssl=self._tls, server_hostname=None if self._tls is None else "")
-        else:
-            reader, self._writer = await asyncio.open_connection(host, port, ssl=self._tls)
-        self._reader_task = asyncio.ensure_future(self._read_loop(reader))
-        if self._api_key is not None:
-            await self.auth(self._api_key)
+        await self._retrying(_connected)
         return self
 
     async def __aenter__(self):
@@ -292,18 +295,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self):
-        if self._writer is not None:
-            self._writer.close()
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except (asyncio.CancelledError, ConnectionError):
-                pass
-            self._writer = None
+        for conn in list(self._connections):
+            await conn.close()
+        self._current = None
 
     async def call(self, method: str, *params):
-        _, response = self._send(method, list(params))
-        return await response
+        return await self._retrying(lambda conn: conn.request(method, list(params)))
 
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         return GenerateResult.from_wire(await self.call("generate", *_generate_params(prompt, False, sampling)))
@@ -312,7 +309,9 @@ class AsyncClient:
         return AsyncStream(self, _generate_params(prompt, True, sampling))
 
     async def abort(self, msgid: int) -> bool:
-        return await self.call("abort", msgid)
+        """Abort a request in flight; False if none of this client's connections holds it."""
+        conn = next((c for c in self._connections if msgid in c.waiters), None)
+        return False if conn is None else await conn.request("abort", [msgid])
 
     async def tokenize(self, text: str) -> list[int]:
         return await self.call("tokenize", text)
@@ -332,16 +331,84 @@ class AsyncClient:
     async def auth(self, api_key: str) -> bool:
         return await self.call("auth", api_key)
 
-    def _send(self, method: str, params: list, chunks: asyncio.Queue | None = None) -> tuple[int, asyncio.Future]:
-        if self._writer is None:
-            raise ConnectionError("not connected: use `async with AsyncClient(...)` or await connect()")
-        if self._reader_task.done():
+    async def _connection(self) -> _AsyncConnection:
+        """The connection new requests go on, opened (and authenticated) when there is none that takes them."""
+        async with self._connect_lock:
+            if self._current is None or not self._current.takes_requests:
+                self._current = await self._open()
+            return self._current
+
+    async def _open(self) -> _AsyncConnection:
+        host, port, unix_socket, source_address = self._address
+        if unix_socket is not None:
+            reader, writer = await asyncio.open_unix_connection(
+                unix_socket, ssl=self._tls, server_hostname=None if self._tls is None else "")
+        else:
+            reader, writer = await asyncio.open_connection(host, port, ssl=self._tls, local_addr=source_address)
+        conn = _AsyncConnection(reader, writer, self._msgids)
+        self._connections.add(conn)
+        conn.reader_task.add_done_callback(lambda _: self._connections.discard(conn))
+        if self._api_key is not None:
+            try:
+                await conn.request("auth", [self._api_key])
+            except Exception:
+                await conn.close()
+                raise
+        return conn
+
+    async def _retrying(self, attempt):
+        """await attempt(connection); when the server did not take it, again on a new connection."""
+        for retry in range(self.retries + 1):
+            conn = None
+            try:
+                conn = await self._connection()
+                return await attempt(conn)
+            except (ConnectionError, RPCError) as e:
+                if not _not_taken(e) or retry == self.retries:
+                    raise
+                if conn is not None:
+                    conn.draining = True
+                await asyncio.sleep(_backoff_s(retry))
+
+
+async def _connected(conn: _AsyncConnection) -> None:
+    """AsyncClient.connect's attempt: opening the connection was all of it."""
+
+
+class _AsyncConnection:
+    """One connection of an AsyncClient: its reader and the requests in flight on it."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msgids: itertools.count):
+        self._writer = writer
+        self._msgids = msgids
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.streams: dict[int, asyncio.Queue] = {}
+        self.draining = False   # the server said it is shutting down: no new request goes here
+        self.reader_task = asyncio.ensure_future(self._read_loop(reader))
+
+    @property
+    def takes_requests(self) -> bool:
+        return not self.draining and not self.reader_task.done()
+
+    async def close(self):
+        self._writer.close()
+        self.reader_task.cancel()
+        try:
+            await self.reader_task
+        except (asyncio.CancelledError, ConnectionError):
+            pass
+
+    async def request(self, method: str, params: list):
+        return await self.send(method, params)[1]
+
+    def send(self, method: str, params: list, chunks: asyncio.Queue | None = None) -> tuple[int, asyncio.Future]:
+        if self.reader_task.done():
             raise ConnectionError("the server closed the connection")
         msgid = next(self._msgids) % 2**32
         future = asyncio.get_running_loop().create_future()
-        self._waiters[msgid] = future
+        self.waiters[msgid] = future
         if chunks is not None:
-            self._streams[msgid] = chunks
+            self.streams[msgid] = chunks
         self._writer.write(pack([REQUEST, msgid, method, params]))
         return msgid, future
 
@@ -353,17 +420,17 @@ class AsyncClient:
                 unpacker.feed(data)
                 for message in unpacker:
                     if message[0] == RESPONSE:
-                        chunks = self._streams.pop(message[1], None)
+                        chunks = self.streams.pop(message[1], None)
                         if chunks is not None:
                             chunks.put_nowait(None)   # the stream ends; its chunks all came before
-                        future = self._waiters.pop(message[1], None)
+                        future = self.waiters.pop(message[1], None)
                         if future is not None and not future.done():
                             try:
                                 future.set_result(_result(message))
                             except RPCError as e:
                                 future.set_exception(e)
                     elif message[0] == NOTIFICATION and message[1] == CHUNK_NOTIFICATION:
-                        chunks = self._streams.get(message[2][0])
+                        chunks = self.streams.get(message[2][0])
                         if chunks is not None:
                             chunks.put_nowait(StreamChunk(**message[2][1]))
                     elif message[0] == NOTIFICATION and message[1] == ERROR_NOTIFICATION:
@@ -371,13 +438,14 @@ class AsyncClient:
         except ConnectionError as e:
             error = e
         finally:
-            for chunks in self._streams.values():
+            for chunks in self.streams.values():
                 chunks.put_nowait(None)
-            for future in self._waiters.values():
+            for future in self.waiters.values():
                 if not future.done():
                     future.set_exception(error)
-            self._streams.clear()
-            self._waiters.clear()
+            self.streams.clear()
+            self.waiters.clear()
+            self._writer.close()
 
 
 class AsyncStream:
@@ -398,17 +466,47 @@ class AsyncStream:
         await self._iterator.aclose()
 
     async def _chunks(self):
-        chunks: asyncio.Queue = asyncio.Queue()   # StreamChunk..., then None
-        self.msgid, response = self._client._send("generate", self._params, chunks)
-        try:
-            while (chunk := await chunks.get()) is not None:
-                yield chunk
-            self.result = GenerateResult.from_wire(await response)
-        finally:
-            if not response.done():
-                await self._client.abort(self.msgid)
+        client = self._client
+        for retry in range(client.retries + 1):
+            started = False   # a chunk arrived: sending the request again would repeat its text
+            conn = None
+            try:
+                conn = await client._connection()
+                chunks: asyncio.Queue = asyncio.Queue()   # StreamChunk..., then None
+                self.msgid, response = conn.send("generate", self._params, chunks)
                 try:
-                    await response
-                except RPCError as e:
-                    if e.code != ABORTED:
-                        raise
+                    while (chunk := await chunks.get()) is not None:
+                        started = True
+                        yield chunk
+                    self.result = GenerateResult.from_wire(await response)
+                    return
+                finally:
+                    if not response.done():   # left early: abort it on the server
+                        await conn.request("abort", [self.msgid])
+                        try:
+                            await response
+                        except RPCError as e:
+                            if e.code != ABORTED:
+                                raise
+            except (ConnectionError, RPCError) as e:
+                if started or not _not_taken(e) or retry == client.retries:
+                    raise
+                if conn is not None:
+                    conn.draining = True
+                await asyncio.sleep(_backoff_s(retry))
+
+
+# The server's answer to a request that arrives while it drains (server.py): it did not take the request.
+_SHUTTING_DOWN = "server is shutting down"
+
+
+def _not_taken(error: Exception) -> bool:
+    """The server did not take the request: its connection failed or closed before any of the answer arrived
+    (refused, reset, closed by a draining server), or it answered that it is shutting down."""
+    if isinstance(error, RPCError):
+        return error.code == OVERLOADED and error.message == _SHUTTING_DOWN
+    return isinstance(error, ConnectionError)
+
+
+def _backoff_s(retry: int) -> float:
+    return min(1.0, 0.05 * 2 ** retry)

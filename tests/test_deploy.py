@@ -3,18 +3,24 @@
 - a rolling restart under continuous load (each replica SIGTERMed and started again in turn) loses no request
   and changes no answer, on the msgpack door (the client reconnects) and the HTTP door (the balancer retries);
 - session affinity raises the prefix-cache hit rate of a multi-turn workload over round robin;
+- a replica that is killed (no drain) costs only the streams that had started: calls in flight on it, from
+  Client and AsyncClient, are sent again and answered by the other replica;
 - a balancer that dies gives its clients a clear error at once, never a hang.
 
 The balancers come from the distribution (Debian: apt-get install nginx libnginx-mod-stream haproxy); without
 them these tests skip and say so.
 """
+import asyncio
+import threading
 import time
 
 import pytest
 
 from minisarathi.bench.cluster import Cluster, ContinuousLoad, find_balancer
 from minisarathi.bench.multiturn import MultiTurnConfig, run_multiturn, summarize_turns
-from minisarathi.client import Client
+from minisarathi.client import AsyncClient, Client
+from minisarathi.llm import LLM
+from minisarathi.sampling_params import SamplingParams
 from test_server import offline_greedy
 
 pytest.importorskip("aiohttp", reason="the replicas' HTTP door needs aiohttp (pip install 'minisarathi[http]')")
@@ -49,7 +55,7 @@ def test_rolling_restart_under_load_loses_no_request(cluster):
             assert replica.stop() == 0                  # drained: exit status 0
             replica.start()
             replica.wait_until_served()                 # back in the balancer's rotation before the next goes
-            assert load.done["msgpack"] > before["msgpack"] and load.done["http"] > before["http"], load.done
+            assert all(load.done[door] > before[door] for door in load.done), load.done   # every kind of client
     if load.failures:   # the balancers' own account, shown with the failure
         print(*(f"--- {d}\n{b.log()[-4000:]}" for d, b in cluster.balancers.items()), sep="\n")
     assert load.failures == [], load.failures[:3]
@@ -89,3 +95,46 @@ def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
         with pytest.raises(ConnectionRefusedError):    # then every retry is refused
             client.health()
         assert time.monotonic() - started < 10
+
+
+def test_a_killed_replica_costs_only_the_streams_that_had_started(cluster):
+    """SIGKILL, no drain. Three requests from one address (so the balancer sends them to one replica): a stream
+    that has delivered text, and a plain call each from a Client and an AsyncClient. The replica dies with all
+    three running: the stream raises (sending it again would repeat its text), the calls had received nothing
+    and are sent again, through the balancer to the other replica, and answer as offline greedy decoding does."""
+    prompt, n = "Once upon a time", 400
+    greedy = dict(max_tokens=n, ignore_eos=True, temperature=0)
+    want = LLM().generate([prompt], SamplingParams(**greedy))[0].outputs[0].token_ids
+    source = ("127.0.0.30", 0)
+    answers = {}
+
+    def sync_call():
+        with Client("127.0.0.1", cluster.msgpack_port, source_address=source) as client:
+            answers["Client"] = client.generate(prompt, **greedy).token_ids
+
+    async def async_call():
+        async with AsyncClient("127.0.0.1", cluster.msgpack_port, source_address=source) as client:
+            answers["AsyncClient"] = (await client.generate(prompt, **greedy)).token_ids
+
+    with Client("127.0.0.1", cluster.msgpack_port, source_address=source, retries=3) as streamer:
+        stream = iter(streamer.generate_stream(prompt, **greedy))
+        next(stream)
+        victim = next(r for r in cluster.replicas if running(r) == 1)
+        calls = [threading.Thread(target=sync_call), threading.Thread(target=lambda: asyncio.run(async_call()))]
+        for thread in calls:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while running(victim) < 3:
+            assert time.monotonic() < deadline, "the calls did not reach the stream's replica"
+            time.sleep(0.01)
+        victim.kill()
+        with pytest.raises(ConnectionError):
+            list(stream)
+        for thread in calls:
+            thread.join(timeout=120)
+    assert answers == {"Client": want, "AsyncClient": want}
+
+
+def running(replica) -> int:
+    with Client("127.0.0.1", replica.msgpack_port, retries=0) as client:
+        return client.stats()["running"]

@@ -1,9 +1,13 @@
-"""Draining on SIGTERM as a load balancer needs it, and the client's reconnect-and-retry.
+"""Draining on SIGTERM as a load balancer needs it, and the clients' reconnect-and-retry.
 
 The listener closes first (a balancer's next connection or TCP check fails over), idle connections close at
-once, in-flight streams finish within the grace period; a Client whose connection closed before an answer
-began reconnects and sends the request again, and one whose stream had started raises.
+once, in-flight streams finish within the grace period; a Client or AsyncClient whose connection closed before
+an answer began, or whose request the draining server refused, reconnects and sends the request again, and one
+whose stream had started raises. The restart tests start the second server on the first one's port, as a
+replica restarted in place (or another replica behind a balancer) takes the traffic.
 """
+import asyncio
+import contextlib
 import http.client
 import json
 import signal
@@ -13,9 +17,11 @@ import time
 
 import pytest
 
-from minisarathi.client import Client, RPCError
+from minisarathi.client import AsyncClient, Client, RPCError
 from minisarathi.server.protocol import ABORTED
-from test_server import launch_server
+from test_server import launch_server, offline_greedy
+
+RESTART_RETRIES = 40   # ~37 s of backoff (capped at 1 s a try): a second server starts well within it
 
 
 def _connect_fails(port: int) -> bool:
@@ -37,10 +43,7 @@ def test_sigterm_closes_listener_and_idle_connections_first_and_lets_streams_fin
         chunks = iter(stream)
         next(chunks)
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while not _connect_fails(server.port):          # the listener goes first ...
-            assert time.monotonic() < deadline, "the listener stayed open while draining"
-            time.sleep(0.02)
+        _wait_until_refused(server.port)                # the listener goes first ...
         assert server.proc.poll() is None               # ... while the stream is still being served
         with pytest.raises(ConnectionError):            # the idle connection was closed, and no retry is allowed
             idle.health()
@@ -85,6 +88,13 @@ def test_a_stream_that_started_is_not_retried():
         assert info.value.code == ABORTED
 
 
+def _wait_until_refused(port: int) -> None:
+    deadline = time.monotonic() + 10
+    while not _connect_fails(port):
+        assert time.monotonic() < deadline, "the listener stayed open while draining"
+        time.sleep(0.02)
+
+
 def _pump(source: socket.socket, sink: socket.socket):
     try:
         while data := source.recv(65536):
@@ -107,13 +117,86 @@ def test_sigterm_closes_the_http_listener_while_its_stream_finishes_and_ready_tu
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data:")
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while not _connect_fails(server.http_port):
-            assert time.monotonic() < deadline, "the HTTP listener stayed open while draining"
-            time.sleep(0.02)
+        _wait_until_refused(server.http_port)
         probe = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
         probe.request("GET", "/ready")
         assert probe.getresponse().status == 503
         body = response.read()
         assert body.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in body.replace(b" ", b"")
         assert server.proc.wait(timeout=30) == 0
+
+
+def test_clients_resend_what_a_draining_server_refused_to_the_server_that_replaces_it():
+    """A stream keeps the AsyncClient's connection busy, so the draining server answers the call pipelined
+    beside it with `overloaded` ("shutting down") instead of closing; the Client's idle connection is closed.
+    Both requests go again on new connections, are refused while nothing listens, and are answered by the
+    server started on the same port; the stream finishes on the draining server."""
+    want = offline_greedy(["Tom had a red"], [8])[0].token_ids
+    with contextlib.ExitStack() as servers:
+        first = servers.enter_context(launch_server("--shutdown-grace", "30"))
+        sync_client = servers.enter_context(Client("127.0.0.1", first.port, retries=RESTART_RETRIES))
+        assert sync_client.health()["status"] == "ok"
+
+        async def run():
+            async with AsyncClient("127.0.0.1", first.port, retries=RESTART_RETRIES) as client:
+                stream = client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0)
+                chunks = stream.__aiter__()
+                await chunks.__anext__()
+                first.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(_wait_until_refused, first.port)
+                call = asyncio.ensure_future(client.generate("Tom had a red", max_tokens=8, temperature=0))
+                sync_call = asyncio.ensure_future(asyncio.to_thread(
+                    sync_client.generate, "Tom had a red", max_tokens=8, temperature=0))
+                await asyncio.sleep(0.2)
+                assert not call.done() and not sync_call.done()     # waiting for a server, not failed
+                await asyncio.to_thread(servers.enter_context, launch_server("--port", str(first.port)))
+                results = await asyncio.gather(call, sync_call)
+                async for _ in chunks:
+                    pass
+                return stream.result, results
+
+        stream_result, results = asyncio.run(run())
+        assert [r.token_ids for r in results] == [want, want]
+        assert stream_result.completion_tokens == 400          # the stream finished where it began
+        assert first.proc.wait(timeout=30) == 0
+
+
+def test_calls_a_killed_server_never_answered_are_resent_and_started_streams_raise():
+    """SIGKILL, no drain. The server is stopped (SIGSTOP) once a Client's and an AsyncClient's streams have
+    delivered a chunk, so nothing ends by itself; a call from each client is sent (the kernel takes the bytes,
+    no answer comes); then the server is killed. The streams raise (sending them again would repeat their
+    text); the calls had received nothing and are answered by the server started on the same port."""
+    prompt, greedy = "Once upon a time", dict(max_tokens=400, ignore_eos=True, temperature=0)
+    want = offline_greedy([prompt], [8])[0].token_ids
+    with contextlib.ExitStack() as servers:
+        first = servers.enter_context(launch_server())
+        streamer = servers.enter_context(Client("127.0.0.1", first.port, retries=RESTART_RETRIES))
+        sync_stream = iter(streamer.generate_stream(prompt, **greedy))
+        next(sync_stream)
+
+        def sync_call():
+            with Client("127.0.0.1", first.port, retries=RESTART_RETRIES) as client:
+                return client.generate(prompt, max_tokens=8, temperature=0)
+
+        async def run():
+            async with AsyncClient("127.0.0.1", first.port, retries=RESTART_RETRIES) as client:
+                stream = client.generate_stream(prompt, **greedy)
+                chunks = stream.__aiter__()
+                await chunks.__anext__()
+                first.proc.send_signal(signal.SIGSTOP)
+                calls = [asyncio.ensure_future(client.generate(prompt, max_tokens=8, temperature=0)),
+                         asyncio.ensure_future(asyncio.to_thread(sync_call))]
+                await asyncio.sleep(0.5)
+                first.proc.kill()
+                first.proc.wait()
+                with pytest.raises(ConnectionError):
+                    async for _ in chunks:
+                        pass
+                with pytest.raises(ConnectionError):
+                    list(sync_stream)
+                await asyncio.to_thread(servers.enter_context, launch_server("--port", str(first.port)))
+                return await asyncio.gather(*calls)
+
+        results = asyncio.run(run())
+        assert [r.token_ids for r in results] == [want, want]
+        first.proc.returncode = 0   # killed on purpose; launch_server's exit-status check is about draining

@@ -60,3 +60,27 @@ def test_without_cupy_the_summary_says_what_to_install(tmp_path):
     assert "CuPy is not importable" in summary and "pip install cupy-cuda13x" in summary
     assert "CuPy not importable" in (out / "environment.txt").read_text()
     assert len(files_under(out)) <= 8
+
+
+def nccl_rows(monkeypatch, tmp_path: Path, devices: int) -> list:
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: devices)
+    monkeypatch.setattr(gpu_check, "ROWS", [])
+    gpu_check.check_nccl(tmp_path)
+    return gpu_check.ROWS
+
+
+def test_the_nccl_section_with_one_gpu_says_skipped_and_fails_nothing(monkeypatch, tmp_path):
+    rows = nccl_rows(monkeypatch, tmp_path, devices=1)
+    assert [(name, result) for name, result, _ in rows] == [("nccl TP=2", "skipped: one GPU")]
+    assert not any(result in gpu_check.FAILURES for _, result, _ in rows)
+    assert "nccl" in gpu_check.SECTIONS and list(gpu_check.SECTIONS)[-1] == "nccl"
+
+
+def test_the_nccl_section_with_two_gpus_and_no_nccl_names_the_install(monkeypatch, tmp_path):
+    from cupy.cuda import nccl
+    if nccl.available:
+        pytest.skip("NCCL is installed here: the section would run tensor parallelism on the (faked) second GPU")
+    rows = nccl_rows(monkeypatch, tmp_path, devices=2)
+    assert rows == [("nccl TP=2", "MISSING", "NCCL is not loadable by CuPy: pip install 'nvidia-nccl-cu13' (or -cu12)")]
+    assert "MISSING" in gpu_check.FAILURES

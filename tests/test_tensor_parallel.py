@@ -2,11 +2,13 @@
 logits within 1e-5 relative) for the bundled model and every golden model whose head counts allow the split;
 a rank that dies or hangs fails the step with a clear error instead of hanging; wrong sizes and a missing MPI
 are refused with errors that name the rule and the install command."""
+import inspect
 import os
 import re
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,3 +165,79 @@ def test_the_nccl_communicator_imports_and_without_nccl_names_the_install():
         pytest.skip("NCCL is installed: a communicator needs more than one GPU, run by hand (docs/deploy.md)")
     with pytest.raises(RuntimeError, match="needs NCCL: pip install 'nvidia-nccl-cu13'"):
         NcclCommunicator(comm=None)
+
+
+class OneRank:
+    """Stands in for an mpi4py communicator of one process (rank 0 of 1), or of rank `rank` of `size`, where only
+    the calls a communicator makes at construction are needed; records them."""
+
+    def __init__(self, rank: int = 0, size: int = 1):
+        self.rank, self.size, self.calls = rank, size, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def bcast(self, value, root):
+        self.calls.append(("bcast", value, root))
+        return value if self.rank == root else "unique id from rank 0"
+
+    def Allreduce(self, send, receive, op):
+        self.calls.append(("Allreduce", send, receive, op))
+
+
+def test_the_nccl_and_mpi_communicators_have_the_interface_the_model_calls(monkeypatch):
+    """On the CPU, with NCCL's module and the MPI communicator stood in for: both classes are built the same way
+    (from the ranks' mpi4py communicator), expose what the model calls (Communicator's members, all_reduce(x)),
+    and the NCCL one takes its unique id from rank 0, makes its communicator from (size, id, rank), and has an
+    NCCL type for every activation dtype the CUDA backend stores (bfloat16 as uint16 bits)."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    import cupy.cuda
+    import mpi4py
+    from minisarathi.dtypes import STORAGE_DTYPES
+    from minisarathi.parallel.communicator import Communicator, MpiCommunicator, NcclCommunicator
+    monkeypatch.setattr(mpi4py.rc, "initialize", False)   # MPI's constants without starting MPI in this process
+    made = []
+    fake_nccl = SimpleNamespace(
+        available=True, get_unique_id=lambda: "unique id", NCCL_SUM="sum", NCCL_FLOAT32="f32", NCCL_FLOAT16="f16",
+        NCCL_BFLOAT16="bf16", NcclCommunicator=lambda *args: made.append(args) or SimpleNamespace())
+    monkeypatch.setattr(cupy.cuda, "nccl", fake_nccl)
+    members = [*Communicator.__annotations__, *(n for n in vars(Communicator) if not n.startswith("_"))]
+    assert sorted(members) == ["all_reduce", "rank", "world_size"]
+    for cls in (MpiCommunicator, NcclCommunicator):
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "comm"]
+        assert list(inspect.signature(cls.all_reduce).parameters) == ["self", "x"]
+    for rank in (0, 1):
+        comm = OneRank(rank, 2)
+        mpi, nccl = MpiCommunicator(comm), NcclCommunicator(comm)
+        for communicator in (mpi, nccl):
+            assert all(hasattr(communicator, name) for name in members)
+            assert (communicator.rank, communicator.world_size) == (rank, 2)
+        assert comm.calls == [("bcast", "unique id" if rank == 0 else None, 0)]
+        assert made[-1] == (2, "unique id" if rank == 0 else "unique id from rank 0", rank)
+    assert set(STORAGE_DTYPES.values()) <= set(nccl.nccl_types)
+    assert [nccl.nccl_types[STORAGE_DTYPES[d]] for d in ("float32", "float16", "bfloat16")] == ["f32", "f16", "bf16"]
+
+
+def test_a_one_rank_nccl_all_reduce_on_the_gpu_returns_its_input_in_place():
+    """Real NCCL on one GPU: a communicator of one rank, so the sum is the input; every activation dtype."""
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="CuPy is not installed")
+    if not nccl.available:
+        pytest.skip("cupy.cuda.nccl is unavailable: NCCL is not installed (pip install 'nvidia-nccl-cu13')")
+    import cupy
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no GPU")
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        pytest.skip(f"no GPU: {e}")
+    from minisarathi.dtypes import STORAGE_DTYPES
+    from minisarathi.parallel.communicator import NcclCommunicator
+    communicator = NcclCommunicator(OneRank())
+    for dtype in STORAGE_DTYPES.values():
+        x = cupy.arange(1000).astype(dtype).reshape(10, 100)
+        want = x.get()
+        out = communicator.all_reduce(x)
+        cupy.cuda.get_current_stream().synchronize()
+        assert out.data.ptr == x.data.ptr and np.array_equal(out.get(), want)

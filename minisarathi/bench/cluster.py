@@ -6,6 +6,7 @@ replaced by free ports, and its affinity line optionally removed (round robin).
 """
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minisarathi.bench.multiturn import served_model
-from minisarathi.client import Client
+from minisarathi.client import AsyncClient, Client
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 # the affinity line of each recipe, deleted for round robin
@@ -223,10 +224,12 @@ class ContinuousLoad:
     """Clients that send requests through a Cluster's balancers until stopped, and check every answer against
     the expected greedy outputs (`expected`: one CompletionOutput per PROMPTS entry, from offline decoding).
 
-    msgpack: four clients, two keeping one connection for all their requests (a draining replica closes it
+    msgpack: four Clients, two keeping one connection for all their requests (a draining replica closes it
     between two) and two opening one per request, streams and plain calls alternating, each from its own
-    address (the address hash spreads them over the replicas). http: two clients, a new session key each
-    request."""
+    address (the address hash spreads them over the replicas). msgpack_async: one AsyncClient keeping one
+    connection with a stream and a call in flight at a time (while its replica drains, one may still finish
+    there while the other is refused and sent again on a new connection). http: two clients, a new session
+    key each request."""
 
     PROMPTS = ("Once upon a time", "Tom had a red", "Lily and Tom went to the park.", "The cat")
     MAX_TOKENS = 12
@@ -236,10 +239,11 @@ class ContinuousLoad:
         self.expected = {p: out.token_ids for p, out in zip(self.PROMPTS, expected)}
         self.expected_text = {p: out.text for p, out in zip(self.PROMPTS, expected)}
         self.stop = threading.Event()
-        self.done = {"msgpack": 0, "http": 0}
+        self.done = {"msgpack": 0, "msgpack_async": 0, "http": 0}
         self.failures: list[str] = []
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._msgpack, args=(i, i % 2 == 0)) for i in range(4)]
+        self._threads += [threading.Thread(target=lambda: asyncio.run(self._msgpack_async(4)))]
         self._threads += [threading.Thread(target=self._http, args=(i,)) for i in range(2)]
 
     def __enter__(self):
@@ -283,6 +287,32 @@ class ContinuousLoad:
                 self._record("msgpack", f"{type(e).__name__}: {e}")
         if client is not None:
             client.close()
+
+    async def _msgpack_async(self, i: int):
+        try:
+            async with AsyncClient("127.0.0.1", self.cluster.msgpack_port, source_address=(f"127.0.0.{20 + i}", 0),
+                                   retries=5) as client:
+                await asyncio.gather(self._async_requests(client, stream=True), self._async_requests(client, stream=False))
+        except Exception as e:   # counted, as above
+            self._record("msgpack_async", f"{type(e).__name__}: {e}")
+
+    async def _async_requests(self, client: AsyncClient, stream: bool):
+        n = 0
+        while not self.stop.is_set():
+            prompt = self.PROMPTS[n % len(self.PROMPTS)]
+            n += 1
+            try:
+                if stream:
+                    request = client.generate_stream(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
+                    async for _ in request:
+                        pass
+                    result = request.result
+                else:
+                    result = await client.generate(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
+                ok = result.token_ids == self.expected[prompt]
+                self._record("msgpack_async", None if ok else f"{prompt!r} gave {result.token_ids}")
+            except Exception as e:   # counted, as above
+                self._record("msgpack_async", f"{type(e).__name__}: {e}")
 
     def _http(self, i: int):
         model = served_model("127.0.0.1", self.cluster.http_port)

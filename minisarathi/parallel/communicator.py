@@ -35,7 +35,9 @@ class MpiCommunicator:
 
 
 class NcclCommunicator:
-    """Not yet run on GPUs (this project's GPU machine has one); it compiles and imports in the tests."""
+    """Not yet run over two GPUs (this project's GPU machine has one): bench/gpu_check.py's nccl section runs
+    tensor parallelism over it where two are present; the tests check it on one GPU (a one-rank all-reduce)
+    where NCCL is installed, and its interface against MpiCommunicator's everywhere."""
 
     def __init__(self, comm):
         from cupy.cuda import nccl
@@ -47,12 +49,12 @@ class NcclCommunicator:
         unique_id = comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         self._comm = nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
         # activation dtype -> NCCL type; bfloat16 activations are held as uint16 bits
-        self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
+        self.nccl_types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
                        np.dtype(np.uint16): nccl.NCCL_BFLOAT16}
 
     def all_reduce(self, x):
         import cupy
         x = cupy.ascontiguousarray(x)
-        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, self._types[x.dtype], self._nccl.NCCL_SUM,
+        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, self.nccl_types[x.dtype], self._nccl.NCCL_SUM,
                              cupy.cuda.get_current_stream().ptr)
         return x
