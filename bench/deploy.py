@@ -63,15 +63,8 @@ def rolling_restart(cluster: Cluster, settle_s: float, model: str | None) -> dic
     restarts = []
     with ContinuousLoad(cluster, expected) as load:
         time.sleep(settle_s)
-        for replica in cluster.replicas:
-            t = time.monotonic()
-            status = replica.stop()
-            stopped = time.monotonic()
-            replica.start()
-            listening = time.monotonic()
-            replica.wait_until_served()      # back in the balancer's rotation before the next one goes
-            restarts.append({"exit_status": status, "drain_s": stopped - t, "start_s": listening - stopped,
-                             "back_in_rotation_s": time.monotonic() - listening})
+        for index in range(len(cluster.replicas)):
+            restarts.append(cluster.restart(index))   # back in the balancers' rotation before the next one goes
         time.sleep(settle_s)
     result = {"requests_ok": load.done, "failed": len(load.failures), "failures": load.failures[:20],
               "restarts": restarts, "duration_s": time.monotonic() - started}

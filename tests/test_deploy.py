@@ -50,11 +50,9 @@ def test_rolling_restart_under_load_loses_no_request(cluster):
     with ContinuousLoad(cluster, offline_greedy(ContinuousLoad.PROMPTS, [ContinuousLoad.MAX_TOKENS] * 4)) as load:
         for replica in cluster.replicas:
             replica.wait_until_served()                 # both take a share of the load
-        for replica in cluster.replicas:
+        for index in range(len(cluster.replicas)):
             before = dict(load.done)
-            assert replica.stop() == 0                  # drained: exit status 0
-            replica.start()
-            replica.wait_until_served()                 # back in the balancer's rotation before the next goes
+            assert cluster.restart(index)["exit_status"] == 0   # drained; back in rotation before the next goes
             assert all(load.done[door] > before[door] for door in load.done), load.done   # every kind of client
     if load.failures:   # the balancers' own account, shown with the failure
         print(*(f"--- {d}\n{b.log()[-4000:]}" for d, b in cluster.balancers.items()), sep="\n")
@@ -85,16 +83,46 @@ def test_session_affinity_raises_the_prefix_cache_hit_rate(cluster):
 
 
 def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
+    """SIGKILL to the msgpack balancer with a stream running through it from each client."""
+    async def async_client_sees(killed: threading.Event):
+        async with AsyncClient("127.0.0.1", cluster.msgpack_port, retries=2) as client:
+            stream = client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True)
+            chunks = stream.__aiter__()
+            await chunks.__anext__()
+            started.set()
+            await asyncio.to_thread(killed.wait)
+            with pytest.raises(ConnectionError):       # mid-stream: not retried, the stream ends with an error
+                async for _ in chunks:
+                    pass
+            with pytest.raises(ConnectionRefusedError):   # then every retry is refused
+                await client.health()
+
+    started, killed = threading.Event(), threading.Event()
+    errors = []
+    async_thread = threading.Thread(target=lambda: errors.append(_exception_of(asyncio.run, async_client_sees(killed))))
+    async_thread.start()
     with Client("127.0.0.1", cluster.msgpack_port, retries=2) as client:
         stream = iter(client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True))
         next(stream)
+        assert started.wait(60)
         cluster.balancers["msgpack"].kill()
-        started = time.monotonic()
+        killed.set()
+        t = time.monotonic()
         with pytest.raises(ConnectionError):           # mid-stream: not retried, the stream ends with an error
             list(stream)
         with pytest.raises(ConnectionRefusedError):    # then every retry is refused
             client.health()
-        assert time.monotonic() - started < 10
+        async_thread.join(timeout=30)
+        assert time.monotonic() - t < 10
+    assert errors == [None]
+
+
+def _exception_of(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as e:   # handed to the test's thread, which asserts there was none
+        return e
+    return None
 
 
 def test_a_killed_replica_costs_only_the_streams_that_had_started(cluster):

@@ -33,6 +33,7 @@ ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
 FAIL_TIMEOUT_S = 2.0   # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")   # Debian's libnginx-mod-stream
+ACCESS_LOG = "access.log"   # under the nginx HTTP balancer's prefix: which replica answered each request
 
 
 def free_port() -> int:
@@ -141,6 +142,9 @@ class Balancer:
             text = text.replace(f"load_module {STREAM_MODULE};", "")   # as the recipe's comment says
         for example, port in zip(EXAMPLE_PORTS[self.door], self.ports):
             text = text.replace(f"127.0.0.1:{example}", f"127.0.0.1:{port}")
+        if self.kind == "nginx" and self.door == "http":   # which replica answered each request: see answered_by
+            text = text.replace("access_log off;", f"log_format upstreams '$upstream_addr|$upstream_status';\n"
+                                                   f"    access_log {ACCESS_LOG} upstreams;")
         if not self.affinity:
             text = text.replace(AFFINITY[self.recipe], ROUND_ROBIN[self.kind])
             if self.kind == "haproxy":
@@ -169,6 +173,18 @@ class Balancer:
 
     def log(self) -> str:
         return (self.work_dir / f"{self.recipe}.d" / "balancer.log").read_text(errors="replace")
+
+    def times_up(self, server: str) -> int:
+        """How often HAProxy has logged the recipe's `server` (r1, r2) coming UP (after its checks passed)."""
+        return len(re.findall(rf"Server \S+/{server} is UP", self.log()))
+
+    def answered_by(self, port: int) -> int:
+        """nginx's HTTP door: how many requests the replica on `port` answered with 200, from the access log
+        (`$upstream_addr|$upstream_status`, one entry per upstream tried: the last one answered)."""
+        path = self.work_dir / f"{self.recipe}.d" / ACCESS_LOG
+        lines = path.read_text().splitlines() if path.exists() else []
+        last = [(a.split(", ")[-1], s.split(", ")[-1]) for a, _, s in (line.partition("|") for line in lines)]
+        return last.count((f"127.0.0.1:{port}", "200"))
 
     def kill(self) -> None:
         """SIGKILL to the balancer's every process (a crash, not a graceful stop)."""
@@ -207,6 +223,36 @@ class Cluster:
             replica.start()
         for balancer in self.balancers.values():
             balancer.start(executable)
+
+    def restart(self, index: int, timeout: float = 60.0) -> dict:
+        """Replica `index` drained (SIGTERM), started again, and back in the balancers' rotation before this
+        returns: it served again (wait_until_served), each HAProxy logged it UP again (a server HAProxy does
+        not count UP takes no redispatched retry), and nginx's HTTP door had it answer a request (nginx lets
+        one request probe a replica it marked down; until that one is answered, it counts the replica down,
+        and with the other replica draining it would answer 502 "no live upstreams"). The msgpack door's
+        clients retry for longer than nginx's fail_timeout instead. Returns its exit status and the seconds of
+        each phase."""
+        replica, server = self.replicas[index], f"r{index + 1}"
+
+        def signs(balancer: Balancer) -> int:   # a count that grows once the balancer sends it requests again
+            return balancer.times_up(server) if balancer.kind == "haproxy" else balancer.answered_by(replica.http_port)
+
+        watched = {door: b for door, b in self.balancers.items() if (b.kind, door) != ("nginx", "msgpack")}
+        before = {door: signs(b) for door, b in watched.items()}
+        started = time.monotonic()
+        status = replica.stop()
+        stopped = time.monotonic()
+        replica.start()
+        listening = time.monotonic()
+        replica.wait_until_served(timeout)
+        deadline = time.monotonic() + timeout
+        while lagging := [door for door, b in watched.items() if signs(b) <= before[door]]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {self.kind} balancer of the {lagging} door did not take replica {server} "
+                                   f"back in {timeout:.0f}s")
+            time.sleep(0.1)
+        return {"exit_status": status, "drain_s": stopped - started, "start_s": listening - stopped,
+                "back_in_rotation_s": time.monotonic() - listening}
 
     def close(self) -> None:
         for balancer in self.balancers.values():
@@ -266,13 +312,13 @@ class ContinuousLoad:
     def _msgpack(self, i: int, persistent: bool):
         address = ("127.0.0.1", self.cluster.msgpack_port)
         source = (f"127.0.0.{20 + i}", 0)
-        client = Client(*address, source_address=source, retries=5) if persistent else None
+        client = Client(*address, source_address=source, retries=6) if persistent else None
         n = 0
         while not self.stop.is_set():
             prompt = self.PROMPTS[n % len(self.PROMPTS)]
             n += 1
             try:
-                c = client or Client(*address, source_address=source, retries=5)
+                c = client or Client(*address, source_address=source, retries=6)
                 if n % 2:
                     stream = c.generate_stream(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
                     list(stream)
@@ -291,7 +337,7 @@ class ContinuousLoad:
     async def _msgpack_async(self, i: int):
         try:
             async with AsyncClient("127.0.0.1", self.cluster.msgpack_port, source_address=(f"127.0.0.{20 + i}", 0),
-                                   retries=5) as client:
+                                   retries=6) as client:
                 await asyncio.gather(self._async_requests(client, stream=True), self._async_requests(client, stream=False))
         except Exception as e:   # counted, as above
             self._record("msgpack_async", f"{type(e).__name__}: {e}")
