@@ -74,8 +74,9 @@ def test_session_affinity_raises_the_prefix_cache_hit_rate(cluster):
             balancer.affinity = affinity
             balancer.start(cluster.executable)
             config.seed += 1
-            summary = summarize_turns(run_multiturn(config, door, balancer.ports[0]))
-            assert summary["failed"] == 0, summary
+            records = run_multiturn(config, door, balancer.ports[0])
+            summary = summarize_turns(records)
+            assert summary["failed"] == 0, (door, affinity, [r.error for r in records if r.error][:3])
             rates[door, affinity] = summary["hit_rate_later_turns"]
     for door in ("msgpack", "http"):
         assert rates[door, True] > 0.6, rates            # most of each later prompt was cached
