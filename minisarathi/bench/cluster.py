@@ -64,6 +64,8 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            if proc is not None and proc.poll() is not None:   # someone else's listener: the port was taken
+                raise RuntimeError(f"the process for port {port} exited with status {proc.returncode}")
             return
         except OSError:
             if proc is not None and proc.poll() is not None:
