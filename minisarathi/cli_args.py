@@ -19,6 +19,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
         parser.add_argument("model", nargs="?", default=None, help=model_help)
     else:
         parser.add_argument("--model", default=None, help=model_help)
+    parser.set_defaults(model_arg="model" if positional_model else "--model")   # its name in errors
     d = EngineConfig()   # the defaults live in one place
     g = parser.add_argument_group("engine")
     g.add_argument("--device", choices=DEVICES, default=d.device)
@@ -66,7 +67,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
 def engine_options_from_args(args: argparse.Namespace) -> dict:
     """LLMEngine's keyword arguments: every EngineConfig field that has a flag of the same name."""
     options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if args.model is not None and not Path(args.model).is_dir():
+        why = "is not a folder" if Path(args.model).exists() else "does not exist"
+        raise ValueError(f"{args.model_arg} {args.model}: {why} (give a Hugging Face model folder)")
     if args.kv_cache_mb is not None:
+        if args.kv_cache_mb < 1:
+            raise ValueError(f"--kv-cache-mb must be a positive number of MiB, got {args.kv_cache_mb}")
         options["kv_cache_bytes"] = args.kv_cache_mb << 20
     return dict(model=args.model, **options)
 

@@ -36,6 +36,24 @@ def test_keys_add_stores_only_the_hash_and_the_key_authenticates(tmp_path):
         add_key(path, "no spaces")
 
 
+@pytest.mark.parametrize("limits, rule", [({"rpm": -1}, "rpm must be a positive integer, got -1"),
+                                          ({"tpm": 0}, "tpm must be a positive integer"),
+                                          ({"max_tokens": 1.5}, "max_tokens must be a positive integer"),
+                                          ({"priority": 2**31}, "priority must be an integer in [-2147483648, "),
+                                          ({"colour": 1}, "unknown key field 'colour'")])
+def test_keys_add_checks_the_key_before_touching_the_file(tmp_path, limits, rule):
+    path = tmp_path / "keys.toml"
+    add_key(path, "alice", priority=-3)
+    before = path.read_bytes()
+    with pytest.raises(ValueError) as info:
+        add_key(path, "bob", **limits)
+    assert rule in str(info.value) and path.read_bytes() == before
+    assert KeyStore.from_file(path).quotas["alice"].key.priority == -3
+    with pytest.raises(ValueError):
+        add_key(tmp_path / "new.toml", "bob", **limits)
+    assert not (tmp_path / "new.toml").exists()
+
+
 @pytest.mark.parametrize("content, rule", [
     ('[[keys]]\nname = "a"\n', "sha256"),
     ('[[keys]]\nname = "a b"\nsha256 = "' + "0" * 64 + '"\n', "name"),

@@ -137,7 +137,7 @@ def test_remote_api_key_from_file_or_environment(tmp_path, monkeypatch):
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    args = parser.parse_args(["run", "--target", "openai"])
+    args = parser.parse_args(["run", "--target", "openai", "--max-model-len", "512"])   # no /v1/models to ask
     assert args.port == DEFAULT_PORT
     monkeypatch.setenv("MINISARATHI_API_KEY", "from-env")
     assert _Session(args, tmp_path).target()[0].api_key == "from-env"

@@ -14,6 +14,7 @@ from minisarathi.bench.capacity import Slo
 from minisarathi.bench.metrics import compute_metrics
 from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
 from minisarathi.bench.workloads import WorkloadConfig, make_workload
+from minisarathi.config import SCHEDULERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,14 +67,32 @@ def test_engine_target_time_limit_aborts_and_leaves_the_engine_clean(engine):
 
 
 def test_measure_decode_step_counts_only_full_decode_batches(engine):
-    # Chunk 32 against 4 prompts of 20: prefills end in different steps, so smaller decode batches come first.
+    # Chunk 32 against 4 prompts of 20: prefills end in different steps; the first ones wait for the last.
     first = len(engine.step_records)
     step, counted = measure_decode_step(engine, batch_size=4, prompt_len=20, num_steps=5)
     assert len(counted) == 5
     assert all(r.num_seqs == r.num_decode_tokens == 4 and r.num_prefill_tokens == 0 for r in counted)
     assert step == np.median([r.step_time for r in counted])
-    assert any(r.num_decode_tokens not in (0, 4) for r in engine.step_records[first:])   # excluded steps existed
+    records = engine.step_records[first:]
+    last_prefill = max(i for i, r in enumerate(records) if r.num_prefill_tokens)
+    assert last_prefill > 0 and all(r.num_decode_tokens == 0 for r in records[:last_prefill])
+    assert records[last_prefill + 1:last_prefill + 6] == counted
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_measure_decode_step_when_the_prefills_outlast_the_longest_output(scheduler):
+    """README's `bench compare --chunk-sizes 64 --capacity` in small: 8 x 40 prompt tokens take more steps at
+    chunk 16 than the 24 tokens max_model_len 64 leaves each one to produce, so had the first requests kept
+    decoding they would have finished before the last one's prefill ended."""
+    from minisarathi.engine.engine import LLMEngine
+
+    engine = LLMEngine(scheduler=scheduler, chunk_size=16, max_model_len=64, num_kv_blocks=64)
+    step, counted = measure_decode_step(engine, batch_size=8, prompt_len=40, num_steps=5)
+    assert len(counted) == 5 and all(r.num_decode_tokens == 8 == r.num_seqs for r in counted)
+    assert step > 0 and not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
+    with pytest.raises(ValueError, match=r"prompt_len must be in \[1, max_model_len - 7\] \(57\), got 58"):
+        measure_decode_step(engine, batch_size=8, prompt_len=58, num_steps=5)
 
 
 def test_measure_decode_step_without_a_full_decode_batch_is_an_error():
@@ -116,6 +135,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams one SSE event per token over chunked encoding; a character straddles two chunks."""
     protocol_version = "HTTP/1.1"
     bodies = []
+    max_model_len = 512
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -138,6 +158,15 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         closing = json.dumps({"choices": [{"text": "", "index": 0, "finish_reason": "length"}]})
         done = f"data: {closing}\n\ndata: [DONE]\n\n".encode()
         self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+
+    def do_GET(self):   # /v1/models, as vLLM answers it
+        body = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model",
+                                                       "max_model_len": FakeOpenAI.max_model_len}]}).encode()
+        self.send_response(200 if self.path.endswith("/v1/models") else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -230,6 +259,65 @@ def test_bench_run_cli_against_remote_targets(kind, server, openai_server, tmp_p
     assert main(args) == 0
     assert "4/4" in capsys.readouterr().out
     assert (tmp_path / f"{kind}.json").exists()
+
+
+def test_bench_run_cli_fits_the_workload_to_the_openai_endpoints_max_model_len(openai_server, tmp_path, capsys,
+                                                                               monkeypatch):
+    from minisarathi.bench.metrics import load_run
+    from minisarathi.cli import main
+
+    monkeypatch.setattr(FakeOpenAI, "max_model_len", 64)   # what GET /v1/models says
+    args = ["bench", "run", "--target", "openai", "--url", openai_server, "--num-requests", "6", "--qps", "50",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "6/6" in capsys.readouterr().out
+    info, _, _ = load_run(tmp_path / "openai.json")
+    assert info["workload"]["max_model_len"] == 64
+    assert all(len(b["prompt"]) + b["max_tokens"] <= 64 and b["model"] == "fake" for _, b in FakeOpenAI.bodies)
+
+
+@pytest.mark.parametrize("kind", ["engine", "openai"])
+def test_bench_run_cli_failed_requests_are_summarized_and_exit_1(kind, openai_server, tmp_path, capsys):
+    from minisarathi.cli import main
+
+    # openai: the fake answers max_tokens 13 with HTTP 500; engine: 40 tokens need more than 2 KV blocks of 16.
+    where = ["--url", openai_server] if kind == "openai" else ["--num-kv-blocks", "2"]
+    args = ["bench", "run", "--target", kind, *where, "--num-requests", "3", "--lengths", "fixed", "--prompt-len",
+            "40", "--decode-len", "13", "--arrivals", "static", "--out", str(tmp_path)]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert "0/3" in out and f"results in {tmp_path}" in out
+    assert "3 of 3 requests did not complete" in err
+    assert ("3 x RuntimeError: HTTP 500" if kind == "openai" else "3 x rejected: prompt (40 tokens)") in err
+
+
+@pytest.fixture(scope="module")
+def http_door():
+    """minisarathi's own HTTP door (no msgpack door): its /v1/models gives max_model_len 512."""
+    pytest.importorskip("aiohttp")
+    proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", "--no-msgpack", "--http-port", "0",
+                             "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on http://" in line, line
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_bench_run_cli_against_minisarathis_own_http_door(http_door, tmp_path, capsys):
+    """The reviewer's command: with max_model_len 2048 assumed, 5 of 8 ShareGPT prompts were refused (HTTP 400)."""
+    from minisarathi.bench.metrics import load_run
+    from minisarathi.cli import main
+
+    args = ["bench", "run", "--target", "openai", "--url", http_door, "--num-requests", "8", "--qps", "50",
+            "--out", str(tmp_path)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "8/8" in capsys.readouterr().out
+    info, requests, _ = load_run(tmp_path / "openai.json")
+    assert info["workload"]["max_model_len"] == 512
+    assert all(r.completed for r in requests) and max(r.prompt_len + r.output_len for r in requests) > 256
 
 
 def test_bench_run_cli_takes_the_servers_max_model_len(server, tmp_path, capsys):

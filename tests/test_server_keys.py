@@ -37,11 +37,13 @@ def keyed(tmp_path_factory):
 HTTP_ARGS = ("--http-port", "0") if importlib.util.find_spec("aiohttp") else ()
 
 
-def http_port(server) -> int | None:
-    """The HTTP door's port: the line after launch_server's two (TCP, then Unix socket)."""
+def http_port(server, scheme: str = "http") -> int | None:
+    """The HTTP door's port: the line after launch_server's two (TCP, then Unix socket), which names its scheme."""
     if not HTTP_ARGS:
         return None
-    return int(re.match(r"minisarathi serving on https?://[\d.]+:(\d+)", server.proc.stdout.readline()).group(1))
+    line = server.proc.stdout.readline()
+    assert line.startswith(f"minisarathi serving on {scheme}://"), line
+    return int(re.match(r"minisarathi serving on https?://[\d.]+:(\d+)", line).group(1))
 
 
 def post(port: int, path: str, body: dict, key: str | None, context: ssl.SSLContext | None = None):
@@ -192,7 +194,7 @@ def test_tls_door_with_our_clients_and_the_cli(tls_files):
         with Client("127.0.0.1", server.port, tls=context) as c:
             expected = c.generate("Once upon a time", max_tokens=8, temperature=0)
         if HTTP_ARGS:   # the HTTP door speaks TLS too
-            status, _, result = post(http_port(server), "/v1/completions",
+            status, _, result = post(http_port(server, "https"), "/v1/completions",
                                      {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8,
                                       "temperature": 0}, None, context)
             assert status == 200 and result["choices"][0]["text"] == expected.text

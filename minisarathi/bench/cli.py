@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -20,12 +21,14 @@ from minisarathi.client import DEFAULT_PORT
 from minisarathi.bench.capacity import Slo, find_capacity, judge
 from minisarathi.bench.compare import capacity_table, policy_variants, tbt_ratio
 from minisarathi.bench.metrics import compute_metrics, format_table, load_run, metrics_by_group, save_run
-from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, measure_decode_step
+from minisarathi.bench.targets import (DECODE_PROBE_STEPS, EngineTarget, OpenAITarget, ServerTarget,
+                                      measure_decode_step)
 from minisarathi.bench.workloads import ARRIVALS, LENGTHS, WorkloadConfig, make_workload
 
 PROMPT_VOCAB = 512          # synthetic prompt ids stay below this: valid for every Llama-family vocabulary
-OPENAI_MAX_MODEL_LEN = 2048  # an OpenAI endpoint does not say its context length: --max-model-len overrides
+OPENAI_MAX_MODEL_LEN = 2048  # for an OpenAI endpoint whose /v1/models has no max_model_len (--max-model-len overrides)
 MIN_TRIAL_REQUESTS = 4
+MAX_ERRORS_SHOWN = 5         # distinct errors of a run's failed requests printed
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,14 +129,26 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds, got {args.time_limit}")
     out_dir = args.out or Path("bench/out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.bench_command}"
+    _check_out_dir(out_dir)   # before a run of minutes, not when its results are saved
     session = _Session(args, out_dir)
     try:
-        {"run": session.run, "capacity": session.capacity, "compare": session.compare}[args.bench_command]()
+        status = {"run": session.run, "capacity": session.capacity, "compare": session.compare}[args.bench_command]()
     except KeyboardInterrupt:
         print(f"\ninterrupted: partial results saved in {out_dir}", file=sys.stderr)
         return 130
     print(f"results in {out_dir}")
-    return 0
+    return status or 0
+
+
+def _check_out_dir(path: Path) -> None:
+    """ValueError naming --out unless `path` is a folder or one can be made there."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: cannot write in {existing}")
 
 
 class _Session:
@@ -161,7 +176,8 @@ class _Session:
             return self.engine()
         api_key = read_api_key(args.api_key_file)
         if args.target == "openai":
-            return OpenAITarget(args.url, args.openai_model, api_key), args.max_model_len or OPENAI_MAX_MODEL_LEN
+            target = OpenAITarget(args.url, args.openai_model, api_key)
+            return target, args.max_model_len or _openai_max_model_len(target)
         target = ServerTarget(args.host, args.port, api_key)
         return target, args.max_model_len or _server_max_model_len(args.host, args.port, api_key)
 
@@ -214,11 +230,19 @@ class _Session:
 
     # Commands
 
-    def run(self):
+    def run(self) -> int:
+        """Exit status 1 when a request did not complete (its error summarized), else 0."""
         target, max_model_len = self.target()
         label = self.args.label or (self.args.scheduler if self.args.target == "engine" else self.args.target)
-        _, metrics = self.timed_run(target, self.workload(max_model_len), label, self.args.time_limit or 600.0)
+        result, metrics = self.timed_run(target, self.workload(max_model_len), label, self.args.time_limit or 600.0)
         print(format_table({label: metrics} | {f"{label}:{g}": m for g, m in metrics["groups"].items()}))
+        failed = [r for r in result.requests if not r.completed]
+        if not failed:
+            return 0
+        print(f"[{label}] {len(failed)} of {len(result.requests)} requests did not complete:", file=sys.stderr)
+        for error, count in collections.Counter(r.error or "unfinished" for r in failed).most_common(MAX_ERRORS_SHOWN):
+            print(f"  {count} x {error}", file=sys.stderr)
+        return 1
 
     def slo(self, target, max_model_len: int) -> Slo:
         args = self.args
@@ -227,6 +251,7 @@ class _Session:
                 raise ValueError("slo_tbt must be given (seconds) for a remote target")
             # Decodes over contexts as long as the workload's typical prompt.
             context = int(np.median([len(s.prompt_token_ids) for s in self.workload(max_model_len)[1]]))
+            context = min(context, target.engine.max_model_len - DECODE_PROBE_STEPS - 2)   # the probe's longest
             step, _ = measure_decode_step(target.engine, batch_size=32, prompt_len=context)
             args.slo_tbt = args.slo_scale * step
             self.info["decode_step_s"] = step
@@ -320,11 +345,25 @@ class _Session:
 
 def _server_max_model_len(host: str, port: int, api_key: str | None) -> int:
     """The longest request (prompt + output tokens) a minisarathi server accepts, from its model_info."""
-    from minisarathi.client import Client
+    from minisarathi.client import Client, RPCError
 
-    with Client(host, port, api_key=api_key, timeout=30) as client:
-        info = client.model_info()
+    try:
+        with Client(host, port, api_key=api_key, timeout=30) as client:
+            info = client.model_info()
+    except (OSError, RPCError) as e:
+        raise ValueError(f"--host {host} --port {port}: no answer to model_info "
+                         f"({getattr(e, 'strerror', None) or e})") from None
     return min(info["max_model_len"], info["max_prompt_tokens"], info["max_tokens"])
+
+
+def _openai_max_model_len(target: OpenAITarget) -> int:
+    """The endpoint's context length from GET /v1/models (vLLM and minisarathi give it), else the default."""
+    card = target.model_card()
+    if isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 1:
+        return card["max_model_len"]
+    print(f"{target.url}/v1/models gives no max_model_len: requests are cut to {OPENAI_MAX_MODEL_LEN} tokens "
+          "(--max-model-len sets another length)", file=sys.stderr)
+    return OPENAI_MAX_MODEL_LEN
 
 
 def _plot(runs, capacities, out_dir: Path, qps: float, copy_to: Path | None) -> None:
@@ -357,7 +396,10 @@ def _ms(seconds) -> str:
 def _run_random_model(args) -> int:
     from minisarathi.bench.random_model import write_random_model
 
-    path = write_random_model(args.path, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
-                              args.intermediate_size, args.max_position_embeddings, args.seed)
+    try:
+        path = write_random_model(args.path, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
+                                  args.intermediate_size, args.max_position_embeddings, args.seed)
+    except OSError as e:
+        raise ValueError(f"path {args.path}: cannot be written ({e.strerror or e})") from None
     print(f"wrote {path} ({(path / 'model.safetensors').stat().st_size / 2**20:.1f} MiB of float32 weights)")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import http.client
 import json
 import time
 from collections import deque
@@ -23,6 +24,8 @@ from minisarathi.bench.capacity import Slo, SloWatch
 from minisarathi.bench.metrics import BatchRecord, RequestRecord
 from minisarathi.bench.progress import Progress
 from minisarathi.bench.workloads import FIRST_PROMPT_TOKEN, RequestSpec
+
+DECODE_PROBE_STEPS = 16   # full decode steps measure_decode_step takes the median of
 
 
 @dataclass
@@ -158,35 +161,46 @@ def _fill_from_engine(record: RequestRecord, out, start: float) -> None:
         record.error = "aborted"
 
 
-def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num_steps: int = 16):
+def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num_steps: int = DECODE_PROBE_STEPS):
     """(median time of a step in which `batch_size` sequences all decode and nothing else runs, seconds;
     the StepRecords it is the median of). It is the decode iteration time a TBT SLO is derived from, as
-    users see it: the whole step, scheduling and sampling included. The requests decode until `num_steps`
-    such steps have run, then are aborted; prefills (chunked or not) finishing at different times and
-    requests finishing early would otherwise mix smaller batches into the measure."""
+    users see it: the whole step, scheduling and sampling included, at contexts of about `prompt_len`.
+
+    Each request is paused as soon as its prefill ends (its first token is out) and all are resumed once the
+    last prefill has ended, so they decode together whatever the policy and chunk size: left running, the
+    first ones would decode through all the others' prefills (32 x 417 tokens take ~209 steps at chunk 64)
+    and reach max_model_len before the last one starts. They are aborted after `num_steps` such steps."""
     if engine.config.max_num_seqs < batch_size:
         raise ValueError(f"batch_size must be at most the engine's max_num_seqs ({engine.config.max_num_seqs}), "
                          f"got {batch_size}")
-    # Every step before all prompts are in computes at least one prompt token, so no request can finish
-    # before the window with this many tokens to produce.
-    max_tokens = min(engine.max_model_len - prompt_len, batch_size * prompt_len + num_steps)
-    if max_tokens < 1:
-        raise ValueError(f"prompt_len must be below max_model_len ({engine.max_model_len}), got {prompt_len}")
+    # The first token, num_steps decodes and, with overlap, one decode issued before a pause takes effect.
+    max_tokens = num_steps + 2
+    if not 1 <= prompt_len <= engine.max_model_len - max_tokens:
+        raise ValueError(f"prompt_len must be in [1, max_model_len - {max_tokens}] "
+                         f"({engine.max_model_len - max_tokens}), got {prompt_len}")
     rng = np.random.default_rng(0)
     ids = [f"decode-step-{i}" for i in range(batch_size)]
     for request_id in ids:
         engine.add_request(request_id, rng.integers(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size,
                                                     prompt_len).tolist(),
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    first_step = len(engine.step_records)
+    first_step, first_preemptions = len(engine.step_records), engine.scheduler.num_preemptions
+    prefilled: set[str] = set()
     steps, preempted = [], False
     while engine.has_unfinished_requests() and len(steps) < num_steps and not preempted:
         seen = len(engine.step_records)
-        engine.step()
-        for r in engine.step_records[seen:]:
-            preempted = r.num_preempted > 0   # the KV cache cannot hold the batch: it would never settle
-            if r.num_seqs == r.num_decode_tokens == batch_size and r.num_prefill_tokens == 0:
-                steps.append(r)
+        for out in engine.step():
+            if out.request_id not in prefilled:
+                prefilled.add(out.request_id)
+                if len(prefilled) < batch_size:
+                    engine.pause_request(out.request_id)
+                else:
+                    for request_id in ids:
+                        engine.resume_request(request_id)
+        # a preemption means the KV cache cannot hold the batch: it would never settle
+        preempted = engine.scheduler.num_preemptions > first_preemptions
+        steps += [r for r in engine.step_records[seen:]
+                  if r.num_seqs == r.num_decode_tokens == batch_size and r.num_prefill_tokens == 0]
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
@@ -282,9 +296,37 @@ class OpenAITarget(_RemoteTarget):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"url must be http://host[:port][/prefix], got {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 80
+        self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
         self.path = parts.path.rstrip("/") + "/v1/completions"
         self.model, self.api_key = model, api_key
+
+    def model_card(self) -> dict:
+        """The served model's entry in GET /v1/models (`model`'s, else the first; `model` becomes its id), for
+        its max_model_len. ValueError naming the URL when the endpoint does not answer it."""
+        models_url = self.url + "/v1/models"
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            connection.request("GET", self.path.removesuffix("/completions") + "/models",
+                               headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            response = connection.getresponse()
+            body = response.read()
+        except OSError as e:
+            raise ValueError(f"url {models_url}: no answer ({e.strerror or e})") from None
+        finally:
+            connection.close()
+        if response.status != 200:
+            detail = body.decode("utf-8", "replace").strip()[:200]
+            raise ValueError(f"url {models_url}: HTTP {response.status} {response.reason}: {detail}")
+        try:
+            cards = json.loads(body)["data"]
+            card = next(c for c in cards if self.model in (None, c["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"url {models_url}: not an OpenAI model list") from None
+        except StopIteration:
+            raise ValueError(f"url {models_url}: no model {self.model!r} (it serves "
+                             f"{', '.join(repr(c.get('id')) for c in cards)})") from None
+        self.model = card["id"]
+        return card
 
     async def stream(self, spec, record, start) -> None:
         body = {"prompt": spec.prompt_token_ids, "max_tokens": spec.max_tokens, "temperature": 0.0,

@@ -158,7 +158,7 @@ def fit_to_max_len(prompt: np.ndarray, decode: np.ndarray, max_len: int) -> tupl
 
 
 def read_trace_lengths(path) -> tuple[np.ndarray, np.ndarray]:
-    columns = _read_csv_columns(path, ("num_prefill_tokens", "num_decode_tokens"))
+    columns = _read_csv_columns(path, ("num_prefill_tokens", "num_decode_tokens"), "trace")
     prompt, decode = (np.asarray(c, dtype=np.float64) for c in columns)
     if len(prompt) == 0 or (prompt < 1).any() or (decode < 1).any():
         raise ValueError(f"trace {path}: needs rows with num_prefill_tokens and num_decode_tokens >= 1")
@@ -177,7 +177,7 @@ def arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
         shape = 1.0 / cfg.cv ** 2
         gaps = rng.gamma(shape, mean / shape, n - 1)
     else:
-        (times,) = _read_csv_columns(cfg.arrival_trace, ("arrived_at",))
+        (times,) = _read_csv_columns(cfg.arrival_trace, ("arrived_at",), "arrival_trace")
         times = np.asarray(times, dtype=np.float64)
         if len(times) < n:
             raise ValueError(f"arrival_trace {cfg.arrival_trace}: {len(times)} rows, {n} requests asked for")
@@ -186,14 +186,25 @@ def arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
-def _read_csv_columns(path, names: tuple[str, ...]) -> list[list[float]]:
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [n for n in names if n not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"trace {path}: missing column(s) {', '.join(missing)}")
-        columns = [[] for _ in names]
-        for row in reader:
-            for column, name in zip(columns, names):
-                column.append(float(row[name]))
+def _read_csv_columns(path, names: tuple[str, ...], field: str) -> list[list[float]]:
+    """The named columns of the CSV file at `path`; ValueError naming `field` (the config field that gave the
+    path), the file and the rule."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [n for n in names if n not in (reader.fieldnames or [])]
+            if missing:
+                raise ValueError(f"{field} {path}: missing column(s) {', '.join(missing)}")
+            columns = [[] for _ in names]
+            for row in reader:
+                for column, name in zip(columns, names):
+                    try:
+                        column.append(float(row[name]))
+                    except (TypeError, ValueError):
+                        raise ValueError(f"{field} {path}, line {reader.line_num}: {name} must be a number, "
+                                         f"got {row[name]!r}") from None
+    except OSError as e:
+        raise ValueError(f"{field} {path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{field} {path}: not a UTF-8 CSV file") from None
     return columns

@@ -12,7 +12,7 @@ keys add NAME --file keys.toml` makes one:
                                  #           what was not generated refunded at finish)
     concurrent = 8               # optional: requests in flight at once
     max_tokens = 1024            # optional: cap on a request's max_tokens
-    priority = 0                 # optional: scheduling priority, passed on where the engine has priorities
+    priority = 0                 # optional: default priority of its requests (lower runs first)
 
 Quotas are token buckets (capacity one minute's worth, refilled continuously) checked before a request
 reaches the engine. A reload (SIGHUP) keeps each name's bucket levels and in-flight counts.
@@ -27,6 +27,8 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from minisarathi.validation import PRIORITY_RANGE
 
 log = logging.getLogger("minisarathi.server")
 
@@ -210,29 +212,47 @@ def read_keys_file(path: Path) -> list[Key]:
         if name in names or digest in hashes:
             raise ValueError(f"{where} ({name}): name and sha256 must be unique in the file")
         for limit in (*_LIMIT_FIELDS, "priority"):
-            value = entry.get(limit)
-            if value is not None and (type(value) is not int or (limit != "priority" and value < 1)):
-                rule = "an integer" if limit == "priority" else "a positive integer"
-                raise ValueError(f"{where} ({name}): {limit} must be {rule}, got {value!r}")
+            rule = limit_rule_broken(limit, entry.get(limit))
+            if rule:
+                raise ValueError(f"{where} ({name}): {limit} {rule}, got {entry[limit]!r}")
         names.add(name)
         hashes.add(digest)
         keys.append(Key(**{k: v for k, v in entry.items()}))
     return keys
 
 
+def limit_rule_broken(field: str, value) -> str | None:
+    """The rule a key's quota field or priority breaks with `value` ("must be ..."), None if it keeps it."""
+    if value is None:
+        return None
+    if field == "priority":
+        low, high = PRIORITY_RANGE   # the engine's: a key outside it would fail every request it sends
+        return None if type(value) is int and low <= value <= high else f"must be an integer in [{low}, {high}]"
+    return None if type(value) is int and value >= 1 else "must be a positive integer"
+
+
 def add_key(path: Path, name: str, **limits: int | None) -> str:
-    """Append a new key to the keys file (created if missing); returns its secret, which is stored nowhere."""
+    """Append a new key to the keys file (created if missing); returns its secret, which is stored nowhere.
+    Everything is checked before the file is touched: a refused key leaves it as it was."""
     if not NAME_RULE.fullmatch(name):
         raise ValueError(f"NAME must be 1-64 of A-Z a-z 0-9 _ . -, got {name!r}")
+    for field_name, value in limits.items():
+        if field_name not in (*_LIMIT_FIELDS, "priority"):
+            raise ValueError(f"unknown key field {field_name!r}")
+        rule = limit_rule_broken(field_name, value)
+        if rule:
+            raise ValueError(f"{field_name} {rule}, got {value!r}")
     existing = read_keys_file(path) if path.exists() else []
     if any(k.name == name for k in existing):
         raise ValueError(f"keys file {str(path)!r} already has a key named {name!r}")
     secret = new_secret()
     lines = ["", "[[keys]]", f'name = "{name}"', f'sha256 = "{hash_secret(secret)}"']
     lines += [f"{k} = {v}" for k, v in limits.items() if v is not None]
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    read_keys_file(path)   # what was written must read back
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    except OSError as e:
+        raise ValueError(f"keys file {str(path)!r}: cannot be written ({e.strerror})") from None
     return secret
 
 

@@ -73,13 +73,18 @@ class ChatTemplate:
 
 
 def load_chat_template(model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
-    """The template of `override` (a file), else the folder's chat_template.jinja, else tokenizer_config.json's
-    `chat_template` (a string, or a list of named templates: the one named "default"); None if it has none."""
+    """The template of `override` (a file: serve's --chat-template), else the folder's chat_template.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one named "default");
+    None if it has none."""
     model_dir = Path(model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     if override is not None:
-        source = Path(override).read_text(encoding="utf-8")
+        try:
+            source = Path(override).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {override}: cannot be read "
+                             f"({getattr(e, 'strerror', None) or e})") from None
     elif (model_dir / "chat_template.jinja").is_file():
         source = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
     else:

@@ -13,7 +13,7 @@ from pathlib import Path
 from minisarathi.cli_args import (API_KEY_ENV, add_engine_arguments, add_sampling_arguments, engine_options_from_args,
                                   port_number, read_api_key, sampling_options_from_args)
 from minisarathi.client import DEFAULT_PORT, Client
-from minisarathi.server.auth import KeyStore, add_key
+from minisarathi.server.auth import KeyStore, add_key, limit_rule_broken
 from minisarathi.server.protocol import RPCError, ServerLimits
 from minisarathi.server.request_log import configure_logging
 
@@ -75,7 +75,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def run_serve(args: argparse.Namespace) -> int:
     from minisarathi.engine.engine import LLMEngine
     from minisarathi.paths import default_model_dir
-    from minisarathi.server.server import Server
+    from minisarathi.server.server import ListenError, Server
 
     configure_logging(args.log_level, args.log_format)
     if args.no_msgpack and args.unix_socket is None and args.http_port is None:
@@ -95,26 +95,39 @@ def run_serve(args: argparse.Namespace) -> int:
         flag = next(_limit_flag(f) for f in dataclasses.fields(ServerLimits) if f.name == field)
         raise ValueError(f"{flag}: {e}") from None
     keys = _key_store(args)
-    for host in {args.host, args.http_host or args.host}:
-        _check_exposure(host, keys, args.insecure_no_auth)
+    _check_exposure("--host", args.host, keys, args.insecure_no_auth)
+    if args.http_host is not None:
+        _check_exposure("--http-host", args.http_host, keys, args.insecure_no_auth)
     tls = server_tls_context(args.tls_cert, args.tls_key, args.tls_client_ca)
-    engine = LLMEngine(**engine_options_from_args(args))
+    options = engine_options_from_args(args)
     model_dir = Path(args.model or default_model_dir())
+    template = None
+    if args.http_port is not None:   # read before the model loads: a wrong path fails in a second, not minutes
+        from minisarathi.server.chat_template import load_chat_template
+
+        template = load_chat_template(model_dir, args.chat_template)
+    engine = LLMEngine(**options)
     server = Server(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls)
     if args.http_port is not None or args.metrics_port is not None:
-        _add_http_doors(server, args, model_dir)
+        _add_http_doors(server, args, model_dir, template)
     try:
         asyncio.run(server.run(None if args.no_msgpack else args.host, args.port, args.unix_socket))
-    except OSError as e:
-        where = f"--unix-socket {args.unix_socket}" if e.filename else f"--host {args.host} --port {args.port}"
-        if args.http_port is not None or args.metrics_port is not None:
-            where += " (or --http-port / --metrics-port)"
-        raise ValueError(f"{where}: cannot listen ({e.strerror or e})") from None
+    except ListenError as e:
+        raise ValueError(f"{_listener_flags(e.listener, args)}: cannot listen ({e.strerror})") from None
     return 0
 
 
-def _add_http_doors(server, args: argparse.Namespace, model_dir: Path) -> None:
-    from minisarathi.server.chat_template import load_chat_template
+def _listener_flags(listener, args: argparse.Namespace) -> str:
+    """The flags that chose the address of a listener that could not be opened (Server.start's ListenError)."""
+    if listener == "tcp":
+        return f"--host {args.host} --port {args.port}"
+    if listener == "unix":
+        return f"--unix-socket {args.unix_socket}"
+    host = f"--http-host {listener.host}" if args.http_host is not None else f"--host {listener.host}"
+    return f"{host} {'--http-port' if listener.serve_api else '--metrics-port'} {listener.port}"
+
+
+def _add_http_doors(server, args: argparse.Namespace, model_dir: Path, template) -> None:
     from minisarathi.server.http import HttpDoor
     from minisarathi.server.metrics import Metrics
 
@@ -125,7 +138,6 @@ def _add_http_doors(server, args: argparse.Namespace, model_dir: Path) -> None:
     metrics.watch_server(server)
     host = args.http_host or args.host
     if args.http_port is not None:
-        template = load_chat_template(model_dir, args.chat_template)
         server.doors.append(HttpDoor(server, host, args.http_port, name, template, metrics))
     if args.metrics_port is not None:
         server.doors.append(HttpDoor(server, host, args.metrics_port, name, None, metrics, serve_api=False))
@@ -140,10 +152,10 @@ def _key_store(args) -> KeyStore | None:
     return None if secret is None else KeyStore.single(secret)
 
 
-def _check_exposure(host: str, keys: KeyStore | None, insecure: bool) -> None:
+def _check_exposure(flag: str, host: str, keys: KeyStore | None, insecure: bool) -> None:
     """Refuse to serve every interface, or any non-loopback one, without a key (unless told to)."""
     if not host:
-        raise ValueError("--host: an empty host would listen on every interface; give an address "
+        raise ValueError(f"{flag}: an empty host would listen on every interface; give an address "
                          "(0.0.0.0 for all, with a key)")
     if keys is not None or insecure:
         return
@@ -152,7 +164,7 @@ def _check_exposure(host: str, keys: KeyStore | None, insecure: bool) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"--host {host}: listening beyond loopback without a key would let anyone who can reach "
+        raise ValueError(f"{flag} {host}: listening beyond loopback without a key would let anyone who can reach "
                          f"it use the server; give --keys-file or --api-key-file (or --insecure-no-auth)")
 
 
@@ -167,27 +179,45 @@ def server_tls_context(cert: str | None, key: str | None, client_ca: str | None)
     try:
         context.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({_ssl_reason(e)})") from None
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({_ssl_reason(e, _PEM_PAIR)})") \
+            from None
     if client_ca is not None:
         try:
             context.load_verify_locations(client_ca)
         except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"--tls-client-ca {client_ca}: cannot be loaded ({_ssl_reason(e)})") from None
+            raise ValueError(f"--tls-client-ca {client_ca}: cannot be loaded ({_ssl_reason(e, _PEM_BUNDLE)})") \
+                from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
 def client_tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if ca is None and cert is None:
+        if key is not None:
+            raise ValueError("--tls-key needs --tls-cert")
         return None
-    context = ssl.create_default_context(cafile=ca)
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--tls-ca {ca}: cannot be loaded ({_ssl_reason(e, _PEM_BUNDLE)})") from None
     if cert is not None:
-        context.load_cert_chain(cert, key)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            flags = f"--tls-cert {cert}" + ("" if key is None else f" / --tls-key {key}")
+            raise ValueError(f"{flags}: cannot be loaded ({_ssl_reason(e, _PEM_PAIR)})") from None
     return context
 
 
-def _ssl_reason(error: Exception) -> str:
-    return getattr(error, "strerror", None) or getattr(error, "reason", None) or str(error)
+_PEM_BUNDLE = "a PEM CA bundle"
+_PEM_PAIR = "a PEM certificate chain and its private key"
+
+
+def _ssl_reason(error: OSError, expected: str) -> str:
+    """Why a TLS file was refused, in words: OpenSSL's own text is "[SSL] PEM lib (_ssl.c:3905)"."""
+    if isinstance(error, ssl.SSLError):
+        return f"not {expected}: {error.reason or error.library or 'OpenSSL refused it'}"
+    return error.strerror or str(error)
 
 
 def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,8 +232,13 @@ def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    secret = add_key(Path(args.file), args.name, rpm=args.rpm, tpm=args.tpm, concurrent=args.concurrent,
-                     max_tokens=args.max_tokens, priority=args.priority)
+    limits = dict(rpm=args.rpm, tpm=args.tpm, concurrent=args.concurrent, max_tokens=args.max_tokens,
+                  priority=args.priority)
+    for field, value in limits.items():
+        rule = limit_rule_broken(field, value)
+        if rule:
+            raise ValueError(f"--{field.replace('_', '-')} {value}: {rule}")
+    secret = add_key(Path(args.file), args.name, **limits)
     print(secret)
     print(f"key {args.name!r} added to {args.file}; the secret above is shown only now (the file keeps its "
           "SHA-256). A running server takes it on SIGHUP.", file=sys.stderr)

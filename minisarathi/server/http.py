@@ -137,7 +137,8 @@ class HttpDoor:
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.server.tls)
         await self._site.start()
-        return [f"http://{address[0]}:{address[1]}" for address in self._runner.addresses]
+        scheme = "http" if self.server.tls is None else "https"
+        return [f"{scheme}://{address[0]}:{address[1]}" for address in self._runner.addresses]
 
     async def stop_accepting(self) -> None:
         """Draining: the API door closes its listener, so a load balancer's next connection to it is refused and

@@ -224,6 +224,14 @@ class _Pending:
     charged_tokens: int = 0
 
 
+class ListenError(OSError):
+    """A listener could not be opened; `listener` says which: "tcp", "unix", or the door (in Server.doors)."""
+
+    def __init__(self, listener, error: OSError):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.listener = listener
+
+
 class _BadMessage(Exception):
     """A message of the wrong shape: answered (when its msgid is known), then the connection closes."""
 
@@ -272,7 +280,8 @@ class Server:
 
     async def start(self, host: str | None = "127.0.0.1", port: int = 7000,
                     unix_socket: str | None = None) -> list[str]:
-        """Start the engine thread and listen; returns the addresses ("HOST:PORT", "unix:PATH")."""
+        """Start the engine thread and listen; returns the addresses ("HOST:PORT", "unix:PATH"). A listener
+        that cannot be opened raises ListenError, which says which one."""
         loop = asyncio.get_running_loop()
         self._drained = asyncio.Event()
         self._drained.set()
@@ -280,17 +289,24 @@ class Server:
         self._worker.start()
         tls = {} if self._tls is None else {"ssl": self._tls, "ssl_handshake_timeout": self.limits.auth_timeout_s}
         addresses = []
-        if host is not None:
-            server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE, **tls)
-            self._servers.append(server)
-            addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
-        if unix_socket is not None:
-            server = await asyncio.start_unix_server(self._serve_connection, unix_socket, limit=_READ_SIZE, **tls)
-            self._servers.append(server)
-            self._unix_socket = unix_socket
-            addresses.append(f"unix:{unix_socket}")
-        for door in self.doors:
-            addresses += await door.start()
+        listener = "tcp"   # the one being opened, named by ListenError
+        try:
+            if host is not None:
+                server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE, **tls)
+                self._servers.append(server)
+                addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
+            listener = "unix"
+            if unix_socket is not None:
+                server = await asyncio.start_unix_server(self._serve_connection, unix_socket, limit=_READ_SIZE,
+                                                         **tls)
+                self._servers.append(server)
+                self._unix_socket = unix_socket
+                addresses.append(f"unix:{unix_socket}")
+            for door in self.doors:
+                listener = door
+                addresses += await door.start()
+        except OSError as e:
+            raise ListenError(listener, e) from None
         return addresses
 
     async def shutdown(self):
