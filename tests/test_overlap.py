@@ -34,18 +34,19 @@ def greedy_tokens(prompts):
 
 
 def mixed_requests(prompts, greedy_tokens):
-    """Stops of every kind firing mid-stream (so overlap wastes rows), seeded sampling with penalties and
-    logit_bias, n > 1, logprobs, min_tokens, and plain greedy requests of different lengths."""
+    """Stops of every kind firing mid-stream (so overlap wastes rows: greedy and seeded, a stop id, a stop
+    string, a stop id held back by min_tokens), seeded sampling with penalties and logit_bias, n > 1 whose
+    choices end differently, logprobs, and greedy requests ending by length."""
     g = greedy_tokens
     seeded = dict(temperature=0.9, top_k=40, top_p=0.9, seed=7)
     params = [
         SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[g[0].token_ids[6]]),
         SamplingParams(temperature=0, max_tokens=20, stop=[g[1].text[8:12]], logprobs=3),
-        SamplingParams(max_tokens=12, n=3, **seeded),
+        SamplingParams(max_tokens=12, n=3, stop_token_ids=list(range(300, 330)), **seeded),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
         SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={5: 3.0},
-                       logprobs=2, stop_token_ids=[g[4].token_ids[9]], **seeded),
-        SamplingParams(temperature=0, max_tokens=16, min_tokens=8, stop_token_ids=[g[5].token_ids[3]]),
+                       logprobs=2, stop_token_ids=list(range(250, 270)), **seeded),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=4, stop_token_ids=[g[5].token_ids[2]]),
     ]
     return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
@@ -120,11 +121,23 @@ def test_every_stop_kind_sampling_option_and_fork_gives_the_same_outputs(prompts
     requests = mixed_requests(prompts, greedy_tokens)
     off, on, engines = both_ways(requests, num_kv_blocks=256, **HYBRID)
     reasons = {rid: [c.finish_reason for c in out.outputs] for rid, out in off.items()}
-    assert reasons["r0"] == ["stop"] and reasons["r1"] == ["stop"] and reasons["r3"] == ["length"]
-    assert len(off["r2"].outputs) == 3
-    assert len(off["r5"].outputs[0].token_ids) >= 8     # min_tokens held the stop id back
+    assert reasons["r0"] == reasons["r1"] == reasons["r4"] == reasons["r5"] == ["stop"]
+    assert reasons["r3"] == ["length"] and sorted(set(reasons["r2"])) == ["length", "stop"]   # n = 3
+    r5 = off["r5"].outputs[0].token_ids
+    assert len(r5) > 4 and greedy_tokens[5].token_ids[2] not in r5[:4]   # min_tokens held the stop id back
     decodes = [sum(r.num_decode_tokens for r in e.step_records) for e in engines]
     assert decodes[1] > decodes[0], "no request stopped by a token while the next step was in flight"
+
+
+def test_a_wasted_row_draws_no_random_number(prompts):
+    """Unseeded requests draw from the engine's one generator, in row order: a row wasted on a request that
+    stopped would shift every later draw. All admitted in the first step and nothing else binding, the
+    batches are the same both ways, so the draws, and the tokens, must be too."""
+    unseeded = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    requests = [("early", prompts[3], SamplingParams(stop_token_ids=list(range(320, 340)), **unseeded)),
+                ("a", prompts[2], SamplingParams(**unseeded)), ("b", prompts[5], SamplingParams(**unseeded))]
+    off, _, _ = both_ways(requests, num_kv_blocks=256, chunk_size=512, block_size=4)
+    assert off["early"].outputs[0].finish_reason == "stop" and 1 < len(off["early"].outputs[0].token_ids) < 11
 
 
 def test_preemption_in_a_tiny_pool_gives_the_same_outputs(prompts, greedy_tokens):
