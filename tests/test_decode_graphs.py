@@ -114,6 +114,42 @@ def test_a_graph_input_outside_the_static_buffer_is_read_stale(monkeypatch):
 
 
 @emulator_only
+def test_graphs_plan_paged_attention_partitions_for_the_bucket_not_the_capture_step(monkeypatch):
+    """The bundled model's decodes go through paged_attention.cu (head_dim 8 is not one decode_attention.cu
+    takes). Its partition count was fixed by the contexts of the step a bucket was captured on, so contexts that
+    later grew past one partition lost their later keys. Partitions of 16 keys make that happen here."""
+    monkeypatch.setattr(cuda_ops, "PA_PARTITION_SIZE", 16)
+    eager, _ = generate("cuda-emulated", False)
+    graphs, _ = generate("cuda-emulated", True)
+    assert graphs == eager
+
+
+@emulator_only
+def test_graphs_own_what_they_read(monkeypatch):
+    """A captured graph holds only addresses. On a GPU, an array that only the upload cache held is freed when
+    the cache drops it, and its memory goes to the next allocation while replays keep reading it. Here every
+    array the cache drops is overwritten as such reuse would; the graphs' tokens must not change."""
+    monkeypatch.setattr(cuda_ops, "PA_PARTITION_SIZE", 16)   # the reduce's token list is read as well
+    eager, _ = generate("cuda-emulated", False)
+
+    class ReusedOnDrop(dict):
+        def clear(self):
+            for _, device in self.values():
+                if isinstance(device, np.ndarray) and device.base is None:   # its own memory, not a view
+                    device.fill(0)
+            super().clear()
+
+    make = cuda_ops.CudaOps.__init__
+
+    def init(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        self._uploads = ReusedOnDrop()
+    monkeypatch.setattr(cuda_ops.CudaOps, "__init__", init)
+    graphs, _ = generate("cuda-emulated", True)
+    assert graphs == eager
+
+
+@emulator_only
 def test_capture_records_without_running_and_refuses_uploads():
     ops = cuda_ops.emulated()
     x = ops.launcher.to_device(np.ones((2, 8), np.float32))

@@ -238,6 +238,9 @@ class CudaOps:
         self._checked_positions: np.ndarray | None = None   # the positions array rope_store_kv last checked
         # (context_lens, plan, items and rows on the device) by batch, or by graph bucket (kept: graphs read them)
         self._decode_plans: dict[tuple, tuple] = {}
+        # paged_attention's work items and reduce tokens per graph bucket, kept for the same reason: a captured
+        # graph holds only their addresses, and the upload cache drops what it holds every few steps
+        self._bucket_chunk_arrays: dict[tuple, tuple] = {}
         self._shared_mem_opt_in: dict[int, int] = {}   # id(kernel) -> dynamic shared memory allowed
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
         # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
@@ -499,9 +502,22 @@ class CudaOps:
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         xp = self.xp
         tile_tokens = max(1, PA["PA_MAX_ROWS"] // (Hq // Hk))
-        items = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens, selected),
-                                  "paged_attention work")
-        partitions = max(1, math.ceil(int(batch.context_lens[selected].max()) / PA_PARTITION_SIZE))
+        bucket = batch.plan_context_len is not None
+        if bucket:   # a graph bucket's run: fixed work, and partitions for the longest context the bucket allows
+            key = (batch.num_seqs, tile_tokens)
+            if key not in self._bucket_chunk_arrays:
+                tokens = np.flatnonzero(np.repeat(selected, np.diff(batch.query_start))).astype(np.int32)
+                self._bucket_chunk_arrays[key] = (
+                    self.launcher.to_device(_work_items(batch.query_start, tile_tokens, selected)),
+                    self.launcher.to_device(tokens))
+            items, tokens = self._bucket_chunk_arrays[key]
+            longest = batch.plan_context_len
+        else:
+            items = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens,
+                                                                             selected), "paged_attention work")
+            longest = int(batch.context_lens[selected].max())
+        # Partitions past a row's last key write nothing the reduce reads (it merges those its position spans).
+        partitions = max(1, math.ceil(longest / PA_PARTITION_SIZE))
         key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
         if partitions > 1:
             partial_out = xp.empty((partitions, T, Hq, D), dtype=np.float32)
@@ -518,8 +534,9 @@ class CudaOps:
              np.float32(scale), np.int32(PA_PARTITION_SIZE), np.int32(key_tile)),
             shared_mem=smem)
         if partitions > 1:
-            tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
-                np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "paged_attention tokens")
+            if not bucket:
+                tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
+                    np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "paged_attention tokens")
             self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
                 (len(tokens), Hq), (_threads(D, 128),),
                 (partial_out, partial_max, partial_sum, positions, tokens,
