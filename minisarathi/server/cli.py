@@ -216,7 +216,7 @@ _PEM_PAIR = "a PEM certificate chain and its private key"
 def _ssl_reason(error: OSError, expected: str) -> str:
     """Why a TLS file was refused, in words: OpenSSL's own text is "[SSL] PEM lib (_ssl.c:3905)"."""
     if isinstance(error, ssl.SSLError):
-        return f"not {expected}: {error.reason or error.library or 'OpenSSL refused it'}"
+        return f"not {expected}" + (f": {error.reason}" if error.reason else "")
     return error.strerror or str(error)
 
 
