@@ -88,6 +88,18 @@ def test_a_stream_that_started_is_not_retried():
         assert info.value.code == ABORTED
 
 
+def test_repeated_sigterms_while_shutting_down_still_exit_cleanly():
+    """A supervisor may signal again while the server drains (or as the test harness does, on its way out):
+    the loop's close used to restore the default action, and a late SIGTERM then killed the exiting process."""
+    with launch_server() as server:
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.001)
+        assert server.proc.wait(timeout=1) == 0
+
+
 def _wait_until_refused(port: int) -> None:
     deadline = time.monotonic() + 10
     while not _connect_fails(port):

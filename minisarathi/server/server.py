@@ -349,17 +349,22 @@ class Server:
     async def run(self, host: str | None, port: int, unix_socket: str | None = None):
         """Serve until SIGINT or SIGTERM, then shut down; prints one 'serving on' line per address.
         SIGHUP reloads the keys file."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):   # before the addresses are printed: a supervisor may signal then
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         addresses = await self.start(host, port, unix_socket)
         for address in addresses:
             print(f"minisarathi serving on {address}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         await stop.wait()
         log.info("signal received")
         await self.shutdown()
+        # Closing the loop would put back the default action (death by signal) while the process still exits:
+        # a repeated SIGTERM from a supervisor would then turn a clean drain into exit status -15.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
     def reload_keys(self):
         """Re-read the keys file; connections stay, each keeping its key if the file still has it."""
