@@ -68,6 +68,13 @@ def tune_allocator() -> bool:
                 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+def release_free_memory() -> None:
+    """Give the memory glibc keeps free (up to TRIM_THRESHOLD_BYTES, for the next step's temporaries) back to
+    the system: for a server that has gone idle, so its RSS is what it holds, not its highest peak so far."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def configure_cpu(blas_threads: int | None) -> CpuSetup:
     """Apply EngineConfig.blas_threads (None: auto) and the allocator thresholds to this process."""
     threads, how = (blas_threads, "set") if blas_threads is not None else auto_blas_threads()
