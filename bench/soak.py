@@ -6,7 +6,8 @@
 Each round opens --connections connections and runs --streams streamed greedy requests spread over them, all
 at once. Outputs are checked token for token against offline LLM.generate of the same (prompt, max_tokens);
 the streamed pieces must concatenate to the final text. After every round the server must hold no request
-and no KV block, and its RSS and open-fd count are recorded. One JSON line per round, then a summary line.
+and no KV block, and its RSS (once it has been idle long enough to give back the memory it keeps free for
+steps) and open-fd count are recorded. One JSON line per round, then a summary line.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import time
 
 from minisarathi.client import AsyncClient, Client
+from minisarathi.server.server import IDLE_RELEASE_S
 
 from bench.server_process import serving
 
@@ -75,7 +77,9 @@ def main(argv=None) -> int:
                     if stats["pending_requests"] == 0 and stats["running"] == 0:
                         break
                     time.sleep(0.05)
-            row = {"round": round_index + 1, "seconds": round(time.monotonic() - start, 2),
+            seconds = time.monotonic() - start
+            time.sleep(IDLE_RELEASE_S + 0.5)   # idle: the server gives back the memory it kept free for steps
+            row = {"round": round_index + 1, "seconds": round(seconds, 2),
                    "kv_blocks_used": stats["kv_blocks_used"], "pending": stats["pending_requests"],
                    "rss_mb": round(server.rss_mb(), 1), "open_fds": server.open_fds(),
                    "lost": lost, "corrupted": corrupted}
