@@ -153,22 +153,28 @@ async def unauthenticated_flood(port, stop) -> dict:
     return {"flood_connections_closed_by_server": closed}
 
 
-async def connection_bursts(port, bursts: int, per_burst: int, rss) -> list[float]:
-    levels = []
+async def connection_bursts(port, bursts: int, per_burst: int, rss) -> tuple[list[float], list[int]]:
+    """RSS after each burst, and per burst the connections that were not served (reset or closed early)."""
+    levels, unserved = [], []
     for _ in range(bursts):
-        async def one():
-            reader, writer = await _connect(port)
-            writer.write(msgpack.packb([0, 1, "health", []]))
-            unpacker = msgpack.Unpacker()
-            answered = 0
-            while answered < 2 and (data := await reader.read(1 << 16)):
-                unpacker.feed(data)
-                answered += sum(1 for _ in unpacker)
-            writer.close()
-        await asyncio.gather(*(one() for _ in range(per_burst)))
+        async def one() -> bool:
+            try:
+                reader, writer = await _connect(port)
+                writer.write(msgpack.packb([0, 1, "health", []]))
+                unpacker = msgpack.Unpacker()
+                answered = 0
+                while answered < 2 and (data := await reader.read(1 << 16)):
+                    unpacker.feed(data)
+                    answered += sum(1 for _ in unpacker)
+                writer.close()
+                return answered == 2
+            except (ConnectionError, OSError):
+                return False
+        served = await asyncio.gather(*(one() for _ in range(per_burst)))
+        unserved.append(served.count(False))
         await asyncio.sleep(0.5)
         levels.append(round(rss(), 1))
-    return levels
+    return levels, unserved
 
 
 def key_holder_connects(port: int, attempts: int) -> dict:
@@ -208,7 +214,7 @@ def settle(port: int) -> dict:
         for _ in range(600):
             stats = c.stats()
             if (stats["pending_requests"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-                    and stats["pending_calls"] <= 1):   # the stats call itself
+                    and stats["pending_calls"] <= 1 and stats["connections"] <= 1):   # the stats call itself
                 break
             time.sleep(0.1)
     return stats
@@ -240,9 +246,9 @@ def main(argv=None) -> int:
             for name in args.scenarios.split(","):
                 report = {"scenario": name}
                 if name == "connection_bursts":
-                    levels = asyncio.run(connection_bursts(server.port, args.bursts, args.burst_connections,
-                                                           server.rss_mb))
-                    report.update(rss_mb_after_each_burst=levels,
+                    levels, unserved = asyncio.run(connection_bursts(server.port, args.bursts, args.burst_connections,
+                                                                     server.rss_mb))
+                    report.update(rss_mb_after_each_burst=levels, unserved_per_burst=unserved,
                                   rss_growth_mb_burst3_to_8=round(levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1))
                 else:
                     # The idle latency again, just before: the machine is shared, its load drifts over a run.

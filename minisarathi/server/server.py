@@ -305,7 +305,10 @@ class Server:
         listener = "tcp"   # the one being opened, named by ListenError
         try:
             if host is not None:
-                server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE, **tls)
+                # The listen backlog holds a burst of connections as large as the server takes (asyncio's default,
+                # 100, reset some of a 1000-connection burst's while the loop was busy accepting).
+                server = await asyncio.start_server(self._serve_connection, host, port, limit=_READ_SIZE,
+                                                    backlog=min(self.limits.max_connections, socket.SOMAXCONN), **tls)
                 self._servers.append(server)
                 addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
             listener = "unix"
