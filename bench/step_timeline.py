@@ -7,7 +7,7 @@ The engine runs the bundled stories260K, B requests decoding together (short pro
 off so that any ids will do), and each decode-only step's StepRecord gives its host time and its wait for
 ids (host_time + ids_wait_time = step_time). Three backends:
   - numpy: the reference, synchronous: the compute is host time, the wait is about 0.
-  - null: the CUDA backend's wrappers over a launcher whose kernels and matmuls cost nothing (SimulatedStream
+  - null: the CUDA backend's wrappers (eager: no CUDA graphs) over a launcher whose kernels and matmuls cost nothing (SimulatedStream
     below with free launches), so the step is only the host's work: scheduling, batch building, issuing the forward and the
     sampling (the Python of every launch), outputs. This is what overlap must hide under the GPU's time.
   - simulated: the same, over a model of one CUDA stream: every kernel or matmul the host issues takes
@@ -67,7 +67,9 @@ def engine_for(backend: str, overlap: bool, launch_us: float) -> tuple[LLMEngine
     """numpy: the NumPy backend; null and simulated: the CUDA backend's wrappers over a SimulatedStream whose
     launches take 0 or launch_us."""
     device = "cpu" if backend == "numpy" else "cuda-emulated"
-    engine = LLMEngine(device=device, overlap=overlap, num_kv_blocks=1024, block_size=16, max_num_seqs=256)
+    # Eager: the stream model times each launch the host issues, and a replayed CUDA graph issues none.
+    engine = LLMEngine(device=device, overlap=overlap, num_kv_blocks=1024, block_size=16, max_num_seqs=256,
+                       cuda_graphs=False)
     stream = None
     if backend != "numpy":   # the wrappers, the sampler and the batch path stay; only the launches change
         stream = SimulatedStream(launch_us * 1e-6 if backend == "simulated" else 0.0)
