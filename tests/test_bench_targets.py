@@ -132,7 +132,8 @@ def test_server_target_unreachable_is_an_error_per_request():
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
-    """Streams one SSE event per token over chunked encoding; a character straddles two chunks."""
+    """Streams one SSE event per token over chunked encoding; a character straddles two chunks. With
+    max_tokens 6, streams three events of two tokens each with vLLM's continuous usage, then a usage-only event."""
     protocol_version = "HTTP/1.1"
     bodies = []
     max_model_len = 512
@@ -150,6 +151,16 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        if body["max_tokens"] == 6:
+            for done in (2, 4, 6):
+                event = {"choices": [{"text": "ab", "index": 0, "finish_reason": "length" if done == 6 else None}],
+                         "usage": {"prompt_tokens": 4, "completion_tokens": done}}
+                payload = f"data: {json.dumps(event)}\n\n".encode()
+                self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+            closing = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}})
+            done = f"data: {closing}\n\ndata: [DONE]\n\n".encode()
+            self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+            return
         for i in range(body["max_tokens"]):
             event = f"data: {json.dumps({'choices': [{'text': 'ö', 'index': 0}]}, ensure_ascii=False)}\n\n".encode()
             cut = event.index("ö".encode()) + 1     # inside the two UTF-8 bytes of ö
@@ -191,6 +202,16 @@ def test_openai_target_streams_token_ids_and_times(openai_server):
     assert sent == {tuple(s.prompt_token_ids) for s in specs}
     assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0.0
     assert body["model"] == "m"
+
+
+def test_openai_target_counts_tokens_by_the_usage_of_each_event(openai_server):
+    specs = make_workload(WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=6,
+                                         arrivals="static"))
+    result = OpenAITarget(openai_server).run(specs, time_limit=30)
+    check_complete(result.requests, specs)
+    for r in result.requests:   # three events of two tokens: each pair shares its arrival time
+        assert len(r.token_times) == 6 and r.token_times[0::2] == r.token_times[1::2]
+    assert FakeOpenAI.bodies[0][1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 def test_openai_target_http_error_is_recorded(openai_server):

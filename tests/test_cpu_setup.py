@@ -1,7 +1,11 @@
-"""The BLAS thread count the engine chooses (EngineConfig.blas_threads) is the one in force afterwards."""
+"""The BLAS thread count the engine chooses (EngineConfig.blas_threads) is the one in force afterwards; the
+OpenBLAS kernels in force are logged with where they come from."""
 import logging
+import os
 import platform
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from threadpoolctl import ThreadpoolController
@@ -59,3 +63,50 @@ def test_without_threadpoolctl(monkeypatch):
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_allocator_thresholds_are_accepted_by_glibc():
     assert cpu_setup.tune_allocator()
+
+
+ZEN4_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512ifma avx512cd avx512bw avx512vl avx512_bf16
+processor\t: 1
+flags\t\t: fpu sse2
+"""
+
+
+def test_cpu_flags_are_the_first_processors():
+    assert cpu_setup.AVX512_FLAGS <= cpu_setup.cpu_flags(ZEN4_CPUINFO)
+    assert cpu_setup.cpu_flags("processor: 0\n") == frozenset()
+
+
+def kernels_in_a_fresh_process(coretype: str | None, cpuinfo: Path) -> str:
+    """The engine's log text for the OpenBLAS kernels, in a process whose OpenBLAS loaded under `coretype`."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    if coretype is not None:
+        env["OPENBLAS_CORETYPE"] = coretype
+    code = ("import numpy\nfrom minisarathi.backends.cpu_setup import blas_kernels\n"
+            f"print(blas_kernels({str(cpuinfo)!r}))")
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="OpenBLAS core names are x86-64's")
+def test_the_openblas_core_in_force_is_logged_with_where_it_comes_from(tmp_path):
+    zen4 = tmp_path / "cpuinfo"
+    zen4.write_text(ZEN4_CPUINFO)
+    # a forced older core on an AVX-512 CPU: named, with the hint
+    assert kernels_in_a_fresh_process("Haswell", zen4) == (
+        "Haswell (OPENBLAS_CORETYPE=Haswell in the environment; this CPU has AVX-512: unset it for OpenBLAS's "
+        "own choice, faster matmuls)")
+    # on a CPU without AVX-512, no hint
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor: 0\nflags: fpu avx avx2 fma\n")
+    assert kernels_in_a_fresh_process("Haswell", avx2) == "Haswell (OPENBLAS_CORETYPE=Haswell in the environment)"
+    assert kernels_in_a_fresh_process(None, avx2).endswith("(OpenBLAS's choice for this CPU)")
+
+
+def test_the_engine_logs_the_kernels(caplog):
+    with caplog.at_level(logging.INFO, logger="minisarathi.engine"):
+        engine = LLMEngine(blas_threads=1)
+    assert f"BLAS kernels: {engine.cpu_setup.blas_kernels};" in caplog.text
+    assert engine.cpu_setup.blas_kernels.split()[0] in {i["architecture"] for i in ThreadpoolController().info()
+                                                        if i["internal_api"] == "openblas"}

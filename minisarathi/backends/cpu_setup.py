@@ -7,6 +7,12 @@ slower with two threads than with one; 1.4x faster while it was quiet: docs/perf
 minus the 1-minute load average, at least one. blas_threads=N sets N. Choosing needs threadpoolctl (the
 `cpu` extra); without it the BLAS library keeps its own default and the log says so.
 
+BLAS kernels: OpenBLAS picks its kernels for the CPU when it loads, unless OPENBLAS_CORETYPE names a core. An
+environment that names an older core than the CPU's slows every matmul (our VMs set Haswell, AVX2, on an
+AVX-512 CPU: 1.3-1.4x longer bursts on the tiny and small models, docs/performance.md, "OpenBLAS kernels").
+The library is loaded by then, so the engine only reads back the core in force and logs it, with a hint when
+the environment held back an AVX-512 CPU; it never overrides a user's setting.
+
 Allocator: glibc serves every allocation above 128 KiB with a fresh mmap and gives freed memory back at once,
 so each step's large temporaries (a layer's activations, the gathered K/V) are page-faulted in again, step
 after step: that was more than half of a decode step of the bundled model (4.9 ms of CPU time, 1.9 ms
@@ -21,6 +27,9 @@ import platform
 from dataclasses import dataclass
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # glibc's mallopt parameters (malloc.h)
+# what OpenBLAS's AVX-512 ("SkylakeX") kernels need, as its own CPU check (driver/others/dynamic.c) reads them
+AVX512_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+AVX512_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})   # OpenBLAS's cores that use them
 MMAP_THRESHOLD_BYTES = 32 << 20                   # the largest glibc accepts on 64-bit
 TRIM_THRESHOLD_BYTES = 256 << 20
 
@@ -30,10 +39,11 @@ class CpuSetup:
     blas_threads: int | None      # the BLAS thread count in force; None where no BLAS library could be set
     how: str                      # why that count, for the startup log
     allocator_tuned: bool
+    blas_kernels: str = "unknown"  # OpenBLAS's core (its kernels) and where it comes from, for the log
 
     def describe(self) -> str:
         threads = "library default" if self.blas_threads is None else str(self.blas_threads)
-        return (f"BLAS threads: {threads} ({self.how}); "
+        return (f"BLAS threads: {threads} ({self.how}); BLAS kernels: {self.blas_kernels}; "
                 f"allocator: {'glibc thresholds raised' if self.allocator_tuned else 'unchanged'}")
 
 
@@ -59,6 +69,38 @@ def set_blas_threads(threads: int) -> bool:
     return True
 
 
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The first processor's feature flags in a /proc/cpuinfo text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def blas_kernels(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The OpenBLAS core in force (threadpoolctl) and where it comes from; a hint when OPENBLAS_CORETYPE keeps
+    an AVX-512 CPU on older kernels."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl is not installed)"
+    cores = [i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"]
+    if not cores:
+        return "not OpenBLAS"
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    if not forced:
+        return f"{cores[0]} (OpenBLAS's choice for this CPU)"
+    try:
+        with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
+            flags = cpu_flags(f.read(1 << 16))     # the first processor's entry is near the top
+    except OSError:
+        flags = frozenset()
+    hint = ("; this CPU has AVX-512: unset it for OpenBLAS's own choice, faster matmuls"
+            if cores[0] not in AVX512_CORES and AVX512_FLAGS <= flags else "")
+    return f"{cores[0]} (OPENBLAS_CORETYPE={forced} in the environment{hint})"
+
+
 def tune_allocator() -> bool:
     """Raise glibc's mmap and trim thresholds (see the module docstring); False on other C libraries."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -82,4 +124,4 @@ def configure_cpu(blas_threads: int | None) -> CpuSetup:
         threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
         if blas_threads is not None:
             raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: pip install 'minisarathi[cpu]'")
-    return CpuSetup(threads, how, tune_allocator())
+    return CpuSetup(threads, how, tune_allocator(), blas_kernels())

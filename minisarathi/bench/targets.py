@@ -288,8 +288,9 @@ class ServerTarget(_RemoteTarget):
 
 class OpenAITarget(_RemoteTarget):
     """An OpenAI-compatible server's POST /v1/completions with stream: true (server-sent events), over
-    plain asyncio streams. Prompts go as token-id lists; one event counts as one token (vLLM and the
-    llama.cpp server send one event per token); `ignore_eos` is the vLLM / llama.cpp extension."""
+    plain asyncio streams. Prompts go as token-id lists; `ignore_eos` is the vLLM / llama.cpp extension.
+    Tokens are counted by the usage in each event where the server sends it (vLLM's
+    `continuous_usage_stats`: a busy vLLM puts several tokens in one event), else one per event (llama.cpp)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", model: str | None = None, api_key: str | None = None):
         super().__init__()
@@ -330,7 +331,8 @@ class OpenAITarget(_RemoteTarget):
 
     async def stream(self, spec, record, start) -> None:
         body = {"prompt": spec.prompt_token_ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
-                "stream": True, "ignore_eos": True}
+                "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         if self.model:
             body["model"] = self.model
         if spec.priority:   # vLLM's extension (its --scheduling-policy priority)
@@ -351,10 +353,15 @@ class OpenAITarget(_RemoteTarget):
                 data = json.loads(event)
                 if "error" in data:
                     raise RuntimeError(f"server error: {data['error']}")
-                # A closing event with no text only carries the finish reason (llama.cpp sends one).
                 choice = (data.get("choices") or [None])[0]
-                if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
-                    record.token_times.append(time.monotonic() - start)
+                if choice is None:      # the closing usage-only event
+                    continue
+                usage = data.get("usage") or {}
+                if "completion_tokens" in usage:
+                    tokens = usage["completion_tokens"] - len(record.token_times)
+                else:   # one token, unless it is a closing event with no text, only the finish reason
+                    tokens = int(bool(choice.get("text")) or choice.get("finish_reason") is None)
+                record.token_times.extend([time.monotonic() - start] * tokens)
         finally:
             writer.close()
 
