@@ -53,7 +53,7 @@ def instrument(llm: LLM, spent: Counter) -> None:
     for name in PHASES:
         setattr(engine, name, timed(f"engine.{name}", getattr(engine, name)))
     engine.scheduler.schedule = timed("scheduler.schedule", engine.scheduler.schedule)
-    engine.sampler.sample = timed("sampler.sample", engine.sampler.sample)
+    engine.sampler.launch = timed("sampler.launch", engine.sampler.launch)
 
 
 def main():
