@@ -6,6 +6,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -207,11 +208,24 @@ def test_openai_target_streams_token_ids_and_times(openai_server):
 def test_openai_target_counts_tokens_by_the_usage_of_each_event(openai_server):
     specs = make_workload(WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=6,
                                          arrivals="static"))
-    result = OpenAITarget(openai_server).run(specs, time_limit=30)
+    target = OpenAITarget(openai_server)
+    target.continuous_usage = True      # as model_card() sets it for a vLLM server
+    result = target.run(specs, time_limit=30)
     check_complete(result.requests, specs)
     for r in result.requests:   # three events of two tokens: each pair shares its arrival time
         assert len(r.token_times) == 6 and r.token_times[0::2] == r.token_times[1::2]
     assert FakeOpenAI.bodies[0][1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_openai_target_asks_vllm_only_for_usage_in_every_event():
+    target = OpenAITarget()
+    for owner, asks in (("vllm", True), ("minisarathi", False), ("llamacpp", False)):
+        cards = {"data": [{"id": "m", "object": "model", "owned_by": owner}]}
+        with patch("http.client.HTTPConnection") as connection:
+            connection.return_value.getresponse.return_value.status = 200
+            connection.return_value.getresponse.return_value.read.return_value = json.dumps(cards).encode()
+            target.model_card()
+        assert target.continuous_usage is asks
 
 
 def test_openai_target_http_error_is_recorded(openai_server):

@@ -289,8 +289,10 @@ class ServerTarget(_RemoteTarget):
 class OpenAITarget(_RemoteTarget):
     """An OpenAI-compatible server's POST /v1/completions with stream: true (server-sent events), over
     plain asyncio streams. Prompts go as token-id lists; `ignore_eos` is the vLLM / llama.cpp extension.
-    Tokens are counted by the usage in each event where the server sends it (vLLM's
-    `continuous_usage_stats`: a busy vLLM puts several tokens in one event), else one per event (llama.cpp)."""
+    Tokens are counted by the usage in each event where the server sends it, else one per event (llama.cpp,
+    minisarathi). A busy vLLM puts several tokens in one event, so a target whose model card (model_card(),
+    which `bench run` reads for the context length) says vLLM asks for its `continuous_usage_stats`; other
+    servers may reject that option (minisarathi's HTTP door does)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", model: str | None = None, api_key: str | None = None):
         super().__init__()
@@ -300,6 +302,7 @@ class OpenAITarget(_RemoteTarget):
         self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
         self.path = parts.path.rstrip("/") + "/v1/completions"
         self.model, self.api_key = model, api_key
+        self.continuous_usage = False    # ask for usage in every event: set by model_card() for vLLM
 
     def model_card(self) -> dict:
         """The served model's entry in GET /v1/models (`model`'s, else the first; `model` becomes its id), for
@@ -327,12 +330,14 @@ class OpenAITarget(_RemoteTarget):
             raise ValueError(f"url {models_url}: no model {self.model!r} (it serves "
                              f"{', '.join(repr(c.get('id')) for c in cards)})") from None
         self.model = card["id"]
+        self.continuous_usage = card.get("owned_by") == "vllm"
         return card
 
     async def stream(self, spec, record, start) -> None:
         body = {"prompt": spec.prompt_token_ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
-                "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                "stream": True, "ignore_eos": True}
+        if self.continuous_usage:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if self.model:
             body["model"] = self.model
         if spec.priority:   # vLLM's extension (its --scheduling-policy priority)
