@@ -176,9 +176,9 @@ class Balancer:
     def log(self) -> str:
         return (self.work_dir / f"{self.recipe}.d" / "balancer.log").read_text(errors="replace")
 
-    def times_up(self, server: str) -> int:
-        """How often HAProxy has logged the recipe's `server` (r1, r2) coming UP (after its checks passed)."""
-        return len(re.findall(rf"Server \S+/{server} is UP", self.log()))
+    def times_marked(self, server: str, state: str) -> int:
+        """How often HAProxy has logged the recipe's `server` (r1, r2) going `state` (UP or DOWN)."""
+        return len(re.findall(rf"Server \S+/{server} is {state}\b", self.log()))
 
     def answered_by(self, port: int) -> int:
         """nginx's HTTP door: how many requests the replica on `port` answered with 200, from the access log
@@ -228,8 +228,8 @@ class Cluster:
 
     def restart(self, index: int, timeout: float = 60.0) -> dict:
         """Replica `index` drained (SIGTERM), started again, and back in the balancers' rotation before this
-        returns: it served again (wait_until_served), each HAProxy logged it UP again (a server HAProxy does
-        not count UP takes no redispatched retry), and nginx's HTTP door had it answer a request (nginx lets
+        returns: it served again (wait_until_served), each HAProxy that logged it DOWN logged it UP again (a
+        server HAProxy does not count UP takes no redispatched retry), and nginx's HTTP door had it answer a request (nginx lets
         one request probe a replica it marked down; until that one is answered, it counts the replica down,
         and with the other replica draining it would answer 502 "no live upstreams"). The msgpack door's
         clients retry for longer than nginx's fail_timeout instead. Returns its exit status and the seconds of
@@ -237,10 +237,16 @@ class Cluster:
         replica, server = self.replicas[index], f"r{index + 1}"
 
         def signs(balancer: Balancer) -> int:   # a count that grows once the balancer sends it requests again
-            return balancer.times_up(server) if balancer.kind == "haproxy" else balancer.answered_by(replica.http_port)
+            return balancer.times_marked(server, "UP") if balancer.kind == "haproxy" else \
+                balancer.answered_by(replica.http_port)
+
+        def taken_out(door: str) -> bool:   # nginx counts a replica down at its first failed request
+            b = self.balancers[door]
+            return b.kind == "nginx" or b.times_marked(server, "DOWN") > downs_before[door]
 
         watched = {door: b for door, b in self.balancers.items() if (b.kind, door) != ("nginx", "msgpack")}
         before = {door: signs(b) for door, b in watched.items()}
+        downs_before = {door: b.times_marked(server, "DOWN") for door, b in watched.items()}
         started = time.monotonic()
         status = replica.stop()
         stopped = time.monotonic()
@@ -248,10 +254,13 @@ class Cluster:
         listening = time.monotonic()
         replica.wait_until_served(timeout)
         deadline = time.monotonic() + timeout
-        while lagging := [door for door, b in watched.items() if signs(b) <= before[door]]:
+        # HAProxy (fall 2) takes a replica out only after two failed checks 0.5 s apart: one restarted faster
+        # was never out, and no UP follows.
+        while lagging := [door for door, b in watched.items() if taken_out(door) and signs(b) <= before[door]]:
             if time.monotonic() > deadline:
+                logs = "\n".join(f"{door}: {self.balancers[door].log()[-2000:]}" for door in lagging)
                 raise TimeoutError(f"the {self.kind} balancer of the {lagging} door did not take replica {server} "
-                                   f"back in {timeout:.0f}s")
+                                   f"back in {timeout:.0f}s; its log ends:\n{logs}")
             time.sleep(0.1)
         return {"exit_status": status, "drain_s": stopped - started, "start_s": listening - stopped,
                 "back_in_rotation_s": time.monotonic() - listening}
