@@ -100,6 +100,28 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 #endif
 
+// ---- CTAs that wait for each other -------------------------------------------------------------------
+// A barrier among a group of CTAs through a global counter: each CTA's thread 0 arrives once per barrier
+// (after a fence, so the CTA's global writes, ordered before it by __syncthreads, are visible first), then
+// waits until the whole group has. Sound only when every CTA of the group is resident at once: the host
+// launches at most one CTA per SM. The CPU emulator starts a blocked launch's remaining blocks on more
+// threads, as a GPU with enough SMs runs them (minisarathi_emu.h: blocks_wait).
+#ifdef __CUDACC__
+__device__ __forceinline__ void blocks_arrive(unsigned long long* counter) {
+    __threadfence();
+    atomicAdd(counter, 1ull);
+}
+__device__ __forceinline__ void blocks_wait(const unsigned long long* counter, unsigned long long target) {
+    while (*reinterpret_cast<const volatile unsigned long long*>(counter) < target) __nanosleep(64);
+    __threadfence();
+}
+#else
+__device__ __forceinline__ void blocks_arrive(unsigned long long* counter) { emu::blocks_arrive(counter); }
+__device__ __forceinline__ void blocks_wait(const unsigned long long* counter, unsigned long long target) {
+    emu::blocks_wait(counter, target);
+}
+#endif
+
 // ---- tensor cores (sm_80 and later) ------------------------------------------------------------------
 // Warp-collective: all 32 lanes of the warp call these together. Fragment layouts are the PTX ISA's
 // ("Matrix Fragments for mma.m16n8k16", "ldmatrix"); each unsigned register holds two 16-bit elements,

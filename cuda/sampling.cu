@@ -1,22 +1,22 @@
 // Sampling on the GPU, so that only the sampled ids (and their logprobs) cross to the host.
 //
-// Every kernel runs one block per row of float32 logits [num_rows, vocab]; blockDim.x is a multiple
-// of 32. Randomness comes from the host as one uniform number in [0, 1) per row: seeded, reproducible,
-// and identical to what the CPU sampler would draw. The logprobs of the raw logits are reductions done
-// by minisarathi/backends/gpu_sampling.py with array operations, not here.
+// Rows are float32 logits [num_rows, vocab]; blockDim.x is a multiple of 32. Randomness comes from the
+// host as one uniform number in [0, 1) per row: seeded, reproducible, and identical to what the CPU
+// sampler would draw. The logprobs of the raw logits are reductions done by
+// minisarathi/backends/gpu_sampling.py with array operations, not here.
 #include "common.cuh"
 
-// Block-wide (value, index) argmax; ties go to the lowest index, as numpy.argmax does. NaN never wins.
+// (value, index) argmax step; ties go to the lowest index, as numpy.argmax does. NaN never wins.
 __device__ __forceinline__ void better(float& value, int& index, float other_value, int other_index) {
     if (other_value > value || (other_value == value && other_index < index)) {
         value = other_value;
         index = other_index;
     }
 }
-__device__ int block_argmax(const float* row, int vocab, float* value_scratch, int* index_scratch) {
-    float value = negative_infinity();
-    int index = vocab;   // "none yet": loses every tie against a real index
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(value, index, row[i], i);
+
+// Block-wide argmax of every thread's (value, index); `none` (an index above every real one) when all
+// values are NaN. Every thread gets the result.
+__device__ void block_best(float& value, int& index, int none, float* value_scratch, int* index_scratch) {
     for (int offset = 16; offset > 0; offset >>= 1)
         better(value, index, __shfl_xor_sync(FULL_WARP, value, offset), __shfl_xor_sync(FULL_WARP, index, offset));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -24,17 +24,20 @@ __device__ int block_argmax(const float* row, int vocab, float* value_scratch, i
     if (lane == 0) { value_scratch[warp] = value; index_scratch[warp] = index; }
     __syncthreads();
     value = lane < (int)blockDim.x / 32 ? value_scratch[lane] : negative_infinity();
-    index = lane < (int)blockDim.x / 32 ? index_scratch[lane] : vocab;
+    index = lane < (int)blockDim.x / 32 ? index_scratch[lane] : none;
     for (int offset = 16; offset > 0; offset >>= 1)
         better(value, index, __shfl_xor_sync(FULL_WARP, value, offset), __shfl_xor_sync(FULL_WARP, index, offset));
-    return index < vocab ? index : 0;   // an all-NaN row falls back to token 0
 }
 
 extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int vocab, int* __restrict__ out_ids) {
     __shared__ float value_scratch[32];
     __shared__ int index_scratch[32];
-    const int id = block_argmax(logits + (long long)blockIdx.x * vocab, vocab, value_scratch, index_scratch);
-    if (threadIdx.x == 0) out_ids[blockIdx.x] = id;
+    const float* row = logits + (long long)blockIdx.x * vocab;
+    float value = negative_infinity();
+    int index = vocab;   // "none yet": loses every tie against a real index
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(value, index, row[i], i);
+    block_best(value, index, vocab, value_scratch, index_scratch);
+    if (threadIdx.x == 0) out_ids[blockIdx.x] = index < vocab ? index : 0;   // an all-NaN row falls back to token 0
 }
 
 // Repetition, frequency and presence penalties, in place. Row r lists its distinct tokens (prompt and
@@ -58,6 +61,35 @@ extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, in
     }
 }
 
+
+// ---- sample_kernel: temperature, min-p, top-k, top-p and the draw, each row split over several CTAs ----
+//
+// A row of a 128k vocabulary is 512 KB of logits: one CTA per row would leave half of an H200's SMs idle
+// at batch 64 and make each CTA pass over its row a dozen times. Here each row is cut into `ctas_per_row`
+// contiguous chunks of `chunk` tokens; a CTA copies its chunk into shared memory once (cp.async), and
+// every later pass (the max, the weights, the radix digits, the draw) reads shared memory only. What
+// the row's CTAs must agree on (its max, each digit's histogram, the masses before the draw) each CTA
+// publishes in global memory, then they meet at a row barrier: an arrival counter per group of CTAs.
+// Groups loop over rows (row = group, group + groups, ...). The grid (groups x ctas_per_row) is at most
+// one CTA per SM, so every CTA of a group is resident and a barrier cannot wait for a CTA that has no
+// SM (the host plans it: minisarathi/backends/gpu_sampling.py). With ctas_per_row 1 there is no
+// barrier and no global traffic besides the row itself: the one-block-per-row path of small vocabularies.
+//
+// The rule is minisarathi/sampler.py's, as the one-block kernel had it: weights w = exp((x - max) / t) in
+// float32, the largest being 1 (so min-p compares directly); then top-k and top-p (within the top-k mass)
+// keep the weights at or above thresholds that are order statistics of the weights, found by radix
+// select over their bits (weights lie in [0, 1], where float order is bit order; bits 29..0 vary, so three
+// 10-bit digits). Counts and masses are integers (mass in 2^-40 units): exact, so the thresholds, and the
+// token, do not depend on the order in which threads or CTAs add. The draw is an inverse CDF in token
+// order with the row's uniform number from the host, summed in double as the NumPy sampler's CDF is.
+
+constexpr int SAMPLE_THREADS = 1024;      // most threads per CTA; __launch_bounds__ keeps one CTA per SM possible
+constexpr int SAMPLE_MAX_CHUNK = 38912;   // tokens per CTA in shared memory: 152 KiB + 9 KiB static, under an A100's 163 KiB
+constexpr int SAMPLE_PARAMS = 5;          // rows of the parameter array: temperature, top_k, top_p, min_p, uniform
+constexpr int RADIX_BITS = 10;
+constexpr int RADIX_BINS = 1024;          // 2^RADIX_BITS: 32 bins for each lane of one warp
+static_assert(RADIX_BINS == 1 << RADIX_BITS && RADIX_BINS == 32 * 32, "a warp scans the histogram, 32 bins a lane");
+
 // The unnormalized probability of a logit, exactly as minisarathi/sampler.py computes it in float32:
 // exp((x - max) / t) lies in [0, 1] and is 1 for the most likely token.
 __device__ __forceinline__ float weight_of(float x, float row_max, float temperature) {
@@ -67,131 +99,285 @@ __device__ __forceinline__ float weight_of(float x, float row_max, float tempera
 // Whether a token survives the filters: weights at or above the threshold, never a zero weight.
 __device__ __forceinline__ bool kept(float w, float threshold) { return w >= threshold && w > 0.0f; }
 
-// The cut-offs are order statistics of the weights, found by radix select: weights lie in [0, 1] and
-// positive floats order like their bit patterns, so the threshold is fixed 8 bits at a time from the top,
-// each digit by one histogram pass over the row (4 passes instead of a 31-step binary search).
-// Counts and masses are summed as integers (mass in 2^-40 units): exact, so the result does not depend on
-// the order in which threads add, and the same seed gives the same token on every run.
-constexpr int RADIX_BINS = 256;
 __device__ __forceinline__ unsigned long long fixed_mass(float w) {
     return (unsigned long long)(w * 1099511627776.0f);   // w * 2^40: exact scaling, truncated
 }
 
-struct RadixScratch {
-    unsigned long long histogram[RADIX_BINS];
-    unsigned long long above;   // count (or mass) of kept weights above the bins of the current digit
-    unsigned int digit;
-};
-
-// Count (or fixed-point mass) over the block of the kept weights (w >= threshold, w > 0).
-__device__ unsigned long long kept_total(const float* row, int vocab, float row_max, float temperature,
-                                         float threshold, bool by_mass, RadixScratch& s) {
-    unsigned long long total = 0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float w = weight_of(row[i], row_max, temperature);
-        if (kept(w, threshold)) total += by_mass ? fixed_mass(w) : 1ull;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) s.above = 0;
-    __syncthreads();
-    atomicAdd(&s.above, total);
-    __syncthreads();
-    return s.above;
+// Lanes of warp 0 for which `predicate` holds (every lane gets the count).
+__device__ __forceinline__ int warp_count(bool predicate) {
+    int count = predicate;
+    for (int offset = 16; offset > 0; offset >>= 1) count += __shfl_xor_sync(FULL_WARP, count, offset);
+    return count;
 }
 
-// Largest threshold tau >= low with (count or mass of kept weights w >= tau) >= target; low when even
-// all the kept weights fall short.
-__device__ float radix_threshold(const float* row, int vocab, float row_max, float temperature, float low,
-                                 unsigned long long target, bool by_mass, RadixScratch& s) {
+struct SampleScratch {
+    unsigned long long histogram[RADIX_BINS];   // one digit's counts or masses; the draw's per-thread masses
+    float best_value[32];
+    int best_index[32];
+    unsigned long long above, target;           // radix select: what lies above the digit's bins; the goal
+    unsigned digit;
+    double lane_mass[32];                       // the draw: masses of 32 runs each
+    double base;                                // the draw: mass of the row before this CTA's chunk
+    int owner;                                  // the draw: the CTA whose chunk holds the token (-1: none kept)
+};
+
+// A CTA's chunk and scratch fit the opt-in shared memory of every target (A100: 163 KiB; H100/H200: 227 KiB).
+static_assert(SAMPLE_MAX_CHUNK % 4 == 0 && SAMPLE_MAX_CHUNK * 4 + sizeof(SampleScratch) <= 163 * 1024,
+              "a chunk of float32 logits and the scratch fit in 163 KiB of shared memory");
+
+// The CTAs that share a row, and how many row barriers they have passed.
+struct RowGroup {
+    unsigned long long* arrivals;   // this group's barrier counter (zero at launch)
+    unsigned long long* exchange;   // [2][ctas][RADIX_BINS]: what each CTA publishes, double-buffered
+    int ctas, cta, barriers;
+};
+
+// This CTA's slot for what it publishes before the next barrier. Two slots suffice: a CTA writes slot
+// b % 2 only after barrier b - 1, which every CTA passes only once it has read slot b % 2 (b - 2's).
+__device__ __forceinline__ unsigned long long* outbox(const RowGroup& g) {
+    return g.exchange + ((long long)(g.barriers & 1) * g.ctas + g.cta) * RADIX_BINS;
+}
+// What CTA `cta` published before the last barrier (read through L2: another SM wrote it).
+__device__ __forceinline__ const unsigned long long* inbox(const RowGroup& g, int cta) {
+    return g.exchange + ((long long)((g.barriers - 1) & 1) * g.ctas + cta) * RADIX_BINS;
+}
+
+// Every CTA of the row has published; afterwards each may read every inbox.
+__device__ void row_barrier(RowGroup& g) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        blocks_arrive(g.arrivals);
+        blocks_wait(g.arrivals, (unsigned long long)(g.barriers + 1) * g.ctas);
+    }
+    ++g.barriers;
+    __syncthreads();
+}
+
+// The histogram of this CTA's chunk becomes the row's: every CTA's, summed (integers: any order).
+__device__ void merge_histogram(unsigned long long* histogram, RowGroup& g) {
+    if (g.ctas == 1) return;
+    unsigned long long* out = outbox(g);
+    for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) out[b] = histogram[b];
+    row_barrier(g);
+    for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) {
+        unsigned long long sum = 0;
+        for (int c = 0; c < g.ctas; ++c) sum += __ldcg(inbox(g, c) + b);
+        histogram[b] = sum;
+    }
+    __syncthreads();
+}
+
+// One digit of a radix select, by warp 0 over the merged histogram: from the top bin down, the first
+// bin whose inclusion brings what lies above it to the target; bin 0 when none does. A by-mass select
+// (fraction >= 0) first sets the target from the histogram's total: its first digit covers every kept
+// weight, so the total is the kept mass.
+__device__ void cut_digit(SampleScratch& s, double fraction) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        unsigned long long mine = 0;   // lane l holds bins 32 l .. 32 l + 31
+        for (int j = 0; j < 32; ++j) mine += s.histogram[32 * lane + j];
+        unsigned long long suffix = mine;   // becomes the sum over lanes l..31
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const unsigned long long v = __shfl_down_sync(FULL_WARP, suffix, offset);
+            if (lane + offset < 32) suffix += v;
+        }
+        const unsigned long long total = __shfl_sync(FULL_WARP, suffix, 0);
+        const unsigned long long target =
+            fraction >= 0.0 ? (unsigned long long)fmax(1.0, ceil(fraction * (double)total)) : s.target;
+        const unsigned long long above = s.above;
+        // The lanes whose bins and those above reach the target are a prefix 0..L of the warp.
+        const int reaching = warp_count(above + suffix >= target);
+        if (lane == max(reaching - 1, 0)) {
+            unsigned long long run = above + (suffix - mine);
+            int bin = 32 * lane + 31;
+            for (; bin > 32 * lane && run + s.histogram[bin] < target; --bin) run += s.histogram[bin];
+            s.digit = bin;
+            s.above = run;
+            s.target = target;
+        }
+    }
+    __syncthreads();
+}
+
+// Largest threshold tau >= low with (count, or mass, of the row's kept weights >= tau) >= target; low when
+// even all the kept weights fall short. The target is `count`, or max(1, ceil(fraction * kept mass)).
+__device__ float radix_threshold(const float* w, int n, float low, unsigned long long count, double fraction,
+                                 RowGroup& g, SampleScratch& s) {
+    const bool by_mass = fraction >= 0.0;
     unsigned prefix = 0, prefix_mask = 0;   // the bits fixed so far
-    unsigned long long above = 0;           // what the weights above the prefix's range hold
-    for (int shift = 24; shift >= 0; shift -= 8) {
+    if (threadIdx.x == 0) { s.above = 0; s.target = count; }
+    for (int shift = 2 * RADIX_BITS; shift >= 0; shift -= RADIX_BITS) {
         __syncthreads();   // everyone has read the previous digit before the histogram is cleared
         for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) s.histogram[b] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float w = weight_of(row[i], row_max, temperature);
-            const unsigned bits = __float_as_uint(w);
-            if (kept(w, low) && (bits & prefix_mask) == prefix)
-                atomicAdd(&s.histogram[(bits >> shift) & (RADIX_BINS - 1)], by_mass ? fixed_mass(w) : 1ull);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const unsigned bits = __float_as_uint(w[i]);
+            if (kept(w[i], low) && (bits & prefix_mask) == prefix)
+                atomicAdd(&s.histogram[(bits >> shift) & (RADIX_BINS - 1)], by_mass ? fixed_mass(w[i]) : 1ull);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {   // from the top bin down: the first whose inclusion reaches the target
-            int bin = RADIX_BINS - 1;
-            for (; bin > 0 && above + s.histogram[bin] < target; --bin) above += s.histogram[bin];
-            s.digit = bin;
-            s.above = above;
-        }
-        __syncthreads();
+        merge_histogram(s.histogram, g);
+        cut_digit(s, by_mass && shift == 2 * RADIX_BITS ? fraction : -1.0);
         prefix |= s.digit << shift;
         prefix_mask |= (unsigned)(RADIX_BINS - 1) << shift;
-        above = s.above;
     }
     return fmaxf(__uint_as_float(prefix), low);
 }
 
-// One token per row of (already penalized) logits, in minisarathi/sampler.py's order: temperature 0 is
-// greedy; otherwise min-p, top-k, then top-p (within the top-k mass) on the weights, and one draw by
-// inverse CDF over the kept tokens in index order with the row's uniform number from the host.
-// top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable their filters.
-extern "C" __global__ void sample_kernel(const float* __restrict__ logits, int vocab,
-                                         const float* __restrict__ temperature, const int* __restrict__ top_k,
-                                         const float* __restrict__ top_p, const float* __restrict__ min_p,
-                                         const double* __restrict__ uniform, int* __restrict__ out_ids) {
-    __shared__ float scratch[32];
-    __shared__ int index_scratch[32];
-    __shared__ float chunk_mass[1024];
-    __shared__ RadixScratch radix;
-    const int r = blockIdx.x;
-    const float* row = logits + (long long)r * vocab;
-    const float t = temperature[r];
-    if (t <= 0.0f) {
-        const int id = block_argmax(row, vocab, scratch, index_scratch);
-        if (threadIdx.x == 0) out_ids[r] = id;
-        return;
-    }
-    float local_max = negative_infinity();
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) local_max = fmaxf(local_max, row[i]);
-    const float row_max = block_max(local_max, scratch);
-
-    // Each filter keeps the weights above a threshold that only rises.
-    float threshold = fmaxf(min_p[r], 0.0f);   // the largest weight is 1, so min-p compares directly
-    if (top_k[r] > 0 && top_k[r] < vocab)
-        threshold = radix_threshold(row, vocab, row_max, t, threshold, (unsigned long long)top_k[r], false, radix);
-    if (top_p[r] < 1.0f) {
-        const double mass = (double)kept_total(row, vocab, row_max, t, threshold, true, radix);
-        threshold = radix_threshold(row, vocab, row_max, t, threshold,
-                                    fmax(1.0, ceil((double)top_p[r] * mass)), true, radix);
-    }
-
-    // Inverse CDF: each thread owns a contiguous chunk; thread 0 walks the chunk sums, then one chunk.
-    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-    const int begin = min(vocab, (int)threadIdx.x * chunk), end = min(vocab, begin + chunk);
-    float mass = 0.0f;
-    for (int i = begin; i < end; ++i) {
-        const float w = weight_of(row[i], row_max, t);
-        if (kept(w, threshold)) mass += w;
-    }
-    chunk_mass[threadIdx.x] = mass;
+// The draw: the first kept token (in token order) whose running mass passes u times the row's kept mass.
+// Each thread sums a contiguous run of its CTA's chunk in double; the CTAs publish their masses; the CTA
+// whose chunk holds the target finds the lane (warp 0: 32 runs each), the run, then the token. Sums are
+// compared as the same additions at every level, so a target that passes a part passes one of its
+// pieces; only when rounding leaves it a hair beyond a part's own sum does the part's last kept token win.
+__device__ void draw(const float* w, int n, int first, float threshold, double u, int* out_id,
+                     RowGroup& g, SampleScratch& s) {
+    double* run_mass = reinterpret_cast<double*>(s.histogram);   // free again: the digits are cut
+    const int per_thread = (n + blockDim.x - 1) / blockDim.x;
+    const int begin = min(n, (int)threadIdx.x * per_thread), end = min(n, begin + per_thread);
+    double mass = 0.0;
+    for (int i = begin; i < end; ++i)
+        if (kept(w[i], threshold)) mass += w[i];
+    __syncthreads();   // cut_digit's readers are done with the histogram
+    run_mass[threadIdx.x] = mass;
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    double total = 0.0;
-    int last_nonempty = 0;
-    for (int c = 0; c < (int)blockDim.x; ++c) {
-        total += chunk_mass[c];
-        if (chunk_mass[c] > 0.0f) last_nonempty = c;
+
+    // Warp 0: lane l owns the runs of threads 32 l .. 32 l + 31. The running sums over lanes are sequential
+    // additions of non-negative terms, so they never decrease: the lanes passing a target are a suffix.
+    const int lane = threadIdx.x;
+    double lane_mass = 0.0, inclusive = 0.0, exclusive = 0.0, chunk_mass = 0.0;
+    if (threadIdx.x < 32) {
+        for (int j = 32 * lane; j < min(32 * lane + 32, (int)blockDim.x); ++j) lane_mass += run_mass[j];
+        s.lane_mass[lane] = lane_mass;
+        __syncwarp();
+        for (int l = 0; l < 32; ++l) {
+            if (l == lane) exclusive = inclusive;
+            inclusive += s.lane_mass[l];
+            if (l == lane) break;
+        }
+        for (int l = 0; l < 32; ++l) chunk_mass += s.lane_mass[l];
     }
-    // The first token whose running mass passes u * total (double: u keeps all its bits, as on the host).
-    double target = uniform[r] * total;
-    int c = 0;
-    while (c < last_nonempty && target >= chunk_mass[c]) target -= chunk_mass[c++];
+
+    // The row: the CTAs' masses in CTA order; the owner is the first whose running end passes the target.
+    if (g.ctas > 1) {
+        if (threadIdx.x == 0) reinterpret_cast<double*>(outbox(g))[0] = chunk_mass;
+        row_barrier(g);
+    }
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int c = 0; c < g.ctas; ++c)
+            total += g.ctas == 1 ? chunk_mass : __ldcg(reinterpret_cast<const double*>(inbox(g, c)));
+        const double target = u * total;
+        double before = 0.0;
+        int owner = -1;
+        for (int c = 0; c < g.ctas && !(owner >= 0 && before > target); ++c) {
+            const double m = g.ctas == 1 ? chunk_mass : __ldcg(reinterpret_cast<const double*>(inbox(g, c)));
+            if (m > 0.0) { owner = c; s.base = before; }   // the last CTA keeping anything, until one passes
+            before += m;
+        }
+        s.owner = owner;
+        s.target = __double_as_longlong(target);
+    }
+    __syncthreads();
+    const int owner = s.owner;
+    if (owner < 0 && g.cta == 0 && threadIdx.x == 0) *out_id = 0;   // nothing kept: an all -inf or NaN row
+    if (owner != g.cta || threadIdx.x >= 32) return;
+    const double target = __longlong_as_double((long long)s.target), base = s.base;
+
+    // The first lane whose end passes the target (it keeps something, as base <= target); if rounding
+    // left none, the last lane that keeps anything.
+    const int passing = warp_count(base + inclusive > target);
+    int chosen = passing > 0 ? 32 - passing : (lane_mass > 0.0 ? lane : -1);
+    if (passing == 0)
+        for (int offset = 16; offset > 0; offset >>= 1) chosen = max(chosen, __shfl_xor_sync(FULL_WARP, chosen, offset));
+    if (lane != chosen) return;
+
+    // One thread's walk: the lane's runs, then the tokens of one run.
+    double running = base + exclusive, run_start = running;
+    int thread = -1;
+    for (int j = 32 * lane; j < min(32 * lane + 32, (int)blockDim.x); ++j) {
+        if (run_mass[j] <= 0.0) continue;
+        thread = j;
+        run_start = running;
+        if (running + run_mass[j] > target) break;
+        running += run_mass[j];
+    }
+    running = run_start;
     int id = 0;
-    for (int i = c * chunk; i < min(vocab, (c + 1) * chunk); ++i) {
-        const float w = weight_of(row[i], row_max, t);
-        if (!kept(w, threshold)) continue;
-        id = i;   // rounding can leave target a hair above the chunk's mass: then the last kept token wins
-        if (target < w) break;
-        target -= w;
+    for (int i = min(n, thread * per_thread); i < min(n, thread * per_thread + per_thread); ++i) {
+        if (!kept(w[i], threshold)) continue;
+        id = i;
+        if (running + w[i] > target) break;
+        running += w[i];
     }
-    out_ids[r] = id;
+    *out_id = first + id;
+}
+
+// One token per row of (already penalized) logits, in minisarathi/sampler.py's order: temperature 0 is
+// greedy (argmax, ties to the lowest id); otherwise min-p, top-k, then top-p (within the top-k mass) on
+// the weights, then the draw. params[SAMPLE_PARAMS][num_rows], in double (each value exact): temperature,
+// top_k, top_p, min_p, uniform; top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable their filters.
+// workspace: groups arrival counters (zeroed by the host), then [groups][2][ctas_per_row][RADIX_BINS].
+// Dynamic shared memory: chunk floats.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_kernel(const float* __restrict__ logits, int num_rows, int vocab, const double* __restrict__ params,
+              int ctas_per_row, int chunk, unsigned long long* __restrict__ workspace, int* __restrict__ out_ids) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* w = reinterpret_cast<float*>(smem);   // this CTA's chunk: logits, then weights
+    __shared__ SampleScratch s;
+    const int groups = gridDim.x / ctas_per_row;
+    RowGroup g{workspace + blockIdx.x / ctas_per_row,
+               workspace + groups + (long long)(blockIdx.x / ctas_per_row) * 2 * ctas_per_row * RADIX_BINS,
+               ctas_per_row, (int)blockIdx.x % ctas_per_row, 0};
+    const int first = g.cta * chunk, n = max(0, min(vocab - first, chunk));
+    // 16-byte copies when every chunk starts 16-byte aligned (chunk is a multiple of 4 tokens).
+    const bool vector = vocab % 4 == 0 && reinterpret_cast<unsigned long long>(logits) % 16 == 0;
+
+    for (int row = blockIdx.x / ctas_per_row; row < num_rows; row += groups) {
+        static_assert(SAMPLE_PARAMS == 5, "temperature, top_k, top_p, min_p, uniform");
+        const float t = (float)params[row];
+        const int top_k = (int)params[num_rows + row];
+        const float top_p = (float)params[2 * num_rows + row], min_p = (float)params[3 * num_rows + row];
+        const double u = params[4 * num_rows + row];
+
+        __syncthreads();   // the previous row's draw has read the chunk
+        const float* source = logits + (long long)row * vocab + first;
+        if (vector)
+            for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x) cp_async_16(w + i, source + i);
+        else
+            for (int i = threadIdx.x; i < n; i += blockDim.x) cp_async_ca<4>(w + i, source + i);
+        cp_async_wait_all();
+        __syncthreads();
+
+        // The row's max and argmax (the greedy token): the CTAs' in CTA order, ties to the lowest id.
+        float best = negative_infinity();
+        int best_id = vocab;   // "none yet"
+        for (int i = threadIdx.x; i < n; i += blockDim.x) better(best, best_id, w[i], first + i);
+        block_best(best, best_id, vocab, s.best_value, s.best_index);
+        if (g.ctas > 1) {
+            if (threadIdx.x == 0) {
+                unsigned long long* out = outbox(g);
+                out[0] = __float_as_uint(best);
+                out[1] = (unsigned)best_id;
+            }
+            row_barrier(g);
+            best = negative_infinity();
+            best_id = vocab;
+            for (int c = 0; c < g.ctas; ++c)
+                better(best, best_id, __uint_as_float((unsigned)__ldcg(inbox(g, c))), (int)__ldcg(inbox(g, c) + 1));
+        }
+        if (t <= 0.0f) {
+            if (g.cta == 0 && threadIdx.x == 0) out_ids[row] = best_id < vocab ? best_id : 0;   // all NaN: token 0
+            continue;
+        }
+
+        for (int i = threadIdx.x; i < n; i += blockDim.x) w[i] = weight_of(w[i], best, t);
+        __syncthreads();
+        // Each filter keeps the weights above a threshold that only rises.
+        float threshold = fmaxf(min_p, 0.0f);   // the largest weight is 1, so min-p compares directly
+        if (top_k > 0 && top_k < vocab)
+            threshold = radix_threshold(w, n, threshold, (unsigned long long)top_k, -1.0, g, s);
+        if (top_p < 1.0f)
+            threshold = radix_threshold(w, n, threshold, 0, (double)top_p, g, s);
+        draw(w, n, first, threshold, u, out_ids + row, g, s);
+    }
 }

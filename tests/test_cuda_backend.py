@@ -272,10 +272,12 @@ BACKENDS = [pytest.param(cuda_ops.emulated, "float32", marks=emulator_only),
             pytest.param(cuda_ops.gpu, "bfloat16", marks=ON_GPU, id="gpu-bfloat16")]
 
 
+@pytest.mark.parametrize("ctas_per_row", [None, 3], ids=["one-cta-per-row", "rows-split-over-3-ctas"])
 @pytest.mark.parametrize("make_ops, dtype", BACKENDS)
-def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype):
+def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype, ctas_per_row):
     """Same ids (greedy always; sampled ones given the same uniforms, drawn from the same generators),
-    logprobs and ranks as minisarathi.sampler.Sampler, over several steps of both samplers' generators."""
+    logprobs and ranks as minisarathi.sampler.Sampler, over several steps of both samplers' generators;
+    with each row in one CTA (sample_plan's choice at this vocabulary) and split over three."""
     from minisarathi.backends.gpu_sampling import GpuSampler
     from minisarathi.sampler import Sampler
     vocab, eos = 384, (2,)
@@ -284,7 +286,7 @@ def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype):
     logits, params, make_generators, prompts, outputs = sampling_case(rng, vocab)
     device_logits = ops.weight(logits)        # what forward(device_logits=True) leaves on the device
     host_logits = ops.to_numpy(device_logits)  # what the NumPy sampler gets
-    reference, on_device = Sampler(vocab, 5, eos), GpuSampler(ops, vocab, 5, eos)
+    reference, on_device = Sampler(vocab, 5, eos), GpuSampler(ops, vocab, 5, eos, ctas_per_row)
     ref_generators, generators = make_generators(), make_generators()
     for _ in range(4):
         want = reference.sample(host_logits, params, ref_generators, prompts, outputs)

@@ -1,7 +1,8 @@
 """Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit.
 
-The tests that go through `sample` run twice: on the NumPy Sampler and on the CUDA backend's GpuSampler with
-the kernels of cuda/sampling.cu on the CPU emulator (same rule, same draws)."""
+The tests that go through `sample` run three times: on the NumPy Sampler, and on the CUDA backend's GpuSampler
+with the kernels of cuda/sampling.cu on the CPU emulator (same rule, same draws), once with one CTA per row and
+once with every row split over three CTAs (the path of large vocabularies, forced on these small ones)."""
 import platform
 
 import numpy as np
@@ -22,8 +23,18 @@ def gpu_sampler_on_the_emulator(vocab_size, seed=0, eos_token_ids=()):
     return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids)
 
 
-@pytest.fixture(params=[Sampler, pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=pytest.mark.skipif(
-    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"))], ids=lambda p: getattr(p, "__name__", p))
+def gpu_sampler_with_split_rows(vocab_size, seed=0, eos_token_ids=()):
+    from minisarathi.backends import cuda_ops
+    from minisarathi.backends.gpu_sampling import GpuSampler
+    return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids, ctas_per_row=3)
+
+
+X86_ONLY = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+
+
+@pytest.fixture(params=[Sampler, pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=X86_ONLY),
+                        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=X86_ONLY)],
+                ids=lambda p: getattr(p, "__name__", p))
 def make_sampler(request):
     """Sampler(vocab_size, seed=0, eos_token_ids=()) or the GpuSampler on emulated kernels."""
     return request.param

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from minisarathi.backends import decode_plan, emulator
-from minisarathi.backends.gpu_sampling import GpuSampler
+from minisarathi.backends.gpu_sampling import GpuSampler, sample_rows
 from minisarathi.backends.kernel_source import kernel_constants
 from minisarathi.batch import Batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, convert, dtype_name, to_float32
@@ -613,20 +613,12 @@ class CudaOps:
                                to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
                                to(np.asarray(presence, np.float32))))
 
-    def sample(self, logits, temperature, top_k, top_p, min_p, uniform):
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform, ctas_per_row: int | None = None):
         """Device int32[N] ids, one per row of float32 logits[N, V] (already penalized), with per-row
-        parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax)."""
-        logits = self.xp.ascontiguousarray(logits, dtype=np.float32)
-        N, V = logits.shape
-        ids = self.xp.empty((N,), dtype=np.int32)
-        if N:
-            to = self.launcher.to_device
-            self._plain_kernel("sampling.cu", "sample_kernel")(
-                (N,), (_threads(V, 1024),),
-                (logits, np.int32(V), to(np.asarray(temperature, np.float32)), to(np.asarray(top_k, np.int32)),
-                 to(np.asarray(top_p, np.float32)), to(np.asarray(min_p, np.float32)),
-                 to(np.asarray(uniform, np.float64)), ids))
-        return ids
+        parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax). Rows may be
+        split over several CTAs (gpu_sampling.sample_plan; ctas_per_row forces a split)."""
+        kernel = self._plain_kernel("sampling.cu", "sample_kernel") if len(logits) else None
+        return sample_rows(kernel, self.launcher, logits, temperature, top_k, top_p, min_p, uniform, ctas_per_row)
 
 
 def _refuse_copy_while_capturing() -> None:

@@ -7,7 +7,8 @@ Per row, in the same order as the NumPy Sampler:
    which knows them anyway); repetition, then frequency and presence, rounded as NumPy rounds them.
 3. sample_kernel: argmax for temperature 0 (ties to the lowest id); otherwise min-p, top-k, top-p and an
    inverse CDF in token order with one uniform per row, drawn on the host from the same generators in the
-   same order as the NumPy Sampler, so a seeded request picks what it would pick there.
+   same order as the NumPy Sampler, so a seeded request picks what it would pick there. Large rows are
+   split over several CTAs (`sample_plan`; docs/cuda.md, "Sampling").
 4. Logprobs of the raw logits (before penalties) by array reductions on the device for the rows that ask.
 5. The ids (and logprobs) start their copy to the host behind the sampling kernels; launch() returns without
    waiting, so the engine can issue the next step's forward (which reads the ids on the device) first.
@@ -17,17 +18,95 @@ Per row, in the same order as the NumPy Sampler:
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
+from minisarathi.backends.kernel_source import kernel_constants
 from minisarathi.dtypes import convert, dtype_name
 from minisarathi.sampler import (PendingSample, SamplerOutput, draw_uniforms, is_penalized, logit_bias_entries,
                                  make_generator, stop_tokens_to_mask)
 from minisarathi.sampling_params import SamplingParams
 
+SAMPLING = kernel_constants("sampling.cu")   # SAMPLE_THREADS, SAMPLE_MAX_CHUNK, SAMPLE_PARAMS, RADIX_BINS
+MAX_CTAS_PER_ROW = 8        # every CTA of a row reads every other's histogram per digit (8 KiB each)
+# A split row costs up to 8 row barriers, about 1.5 us each on an H100-class GPU: about what one 1024-thread
+# CTA spends on this many tokens over its ~9 passes (docs/performance.md; estimates until a GPU run). With
+# at most 8 CTAs a row, rows of up to 8/7 of this (37449 tokens) stay whole.
+SPLIT_COST_TOKENS = 32768
+SHARED_MEMORY_WITHOUT_OPT_IN = 48 * 1024
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """How sample_kernel covers a batch: groups of `ctas_per_row` CTAs, group g taking rows g, g + groups, ...;
+    each CTA `chunk` tokens of its row (a multiple of 4, so 16-byte copies stay aligned)."""
+    ctas_per_row: int
+    groups: int
+    chunk: int
+    threads: int
+    shared_bytes: int          # dynamic shared memory per CTA: its chunk of float32 logits
+    workspace_words: int       # uint64: an arrival counter per group, then the exchange of split rows
+
+    @property
+    def grid(self) -> int:
+        return self.groups * self.ctas_per_row
+
+
+def sample_plan(rows: int, vocab: int, multiprocessors: int, ctas_per_row: int | None = None) -> SamplePlan:
+    """The split with the least work on the slowest CTA: row iterations times (chunk + barrier cost), at most
+    one CTA per SM so that the CTAs of a row are all resident when they wait for each other. A chunk must fit
+    in shared memory (SAMPLE_MAX_CHUNK tokens); `ctas_per_row` forces a split (tests force small ones)."""
+    fewest = math.ceil(vocab / SAMPLING["SAMPLE_MAX_CHUNK"])
+    if fewest > multiprocessors:
+        raise ValueError(f"vocab: {vocab} tokens need {fewest} CTAs per row, more than the {multiprocessors} SMs")
+    if ctas_per_row is not None and not fewest <= ctas_per_row <= multiprocessors:
+        raise ValueError(f"ctas_per_row must be between {fewest} and {multiprocessors} for a {vocab}-token "
+                         f"vocabulary, got {ctas_per_row}")
+
+    def cost(c: int) -> int:
+        iterations = math.ceil(rows / min(rows, multiprocessors // c))
+        return iterations * (math.ceil(vocab / c) + (SPLIT_COST_TOKENS if c > 1 else 0))
+
+    candidates = range(fewest, max(fewest, min(MAX_CTAS_PER_ROW, multiprocessors)) + 1)
+    c = ctas_per_row or min(candidates, key=cost)   # min() keeps the first, smallest split among equals
+    chunk = 4 * math.ceil(vocab / c / 4)
+    groups = min(rows, multiprocessors // c)
+    threads = max(32, min(SAMPLING["SAMPLE_THREADS"], 32 * math.ceil(chunk / 4 / 32)))
+    exchange = 2 * c * SAMPLING["RADIX_BINS"] if c > 1 else 0
+    return SamplePlan(c, groups, chunk, threads, 4 * chunk, groups * (1 + exchange))
+
+
+def sample_rows(kernel, launcher, logits, temperature, top_k, top_p, min_p, uniform,
+                ctas_per_row: int | None = None):
+    """Device int32[N] ids from sample_kernel (`kernel`, through `launcher`) over float32 logits[N, V] with
+    per-row parameters and uniform[N] in [0, 1) drawn on the host: one upload of the parameters, one launch."""
+    xp = launcher.xp
+    logits = xp.ascontiguousarray(logits, dtype=np.float32)
+    rows, vocab = logits.shape
+    ids = xp.empty((rows,), dtype=np.int32)
+    if not rows:
+        return ids
+    plan = sample_plan(rows, vocab, launcher.multiprocessors, ctas_per_row)
+    # float64[SAMPLE_PARAMS, N]: every value exact in double (float32 parameters, integer top_k)
+    params = np.stack([np.asarray(temperature, np.float32), np.clip(np.asarray(top_k), -1, vocab),
+                       np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
+                       np.asarray(uniform, np.float64)]).astype(np.float64)
+    if plan.shared_bytes > SHARED_MEMORY_WITHOUT_OPT_IN:
+        kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
+    kernel((plan.grid,), (plan.threads,),
+           (logits, np.int32(rows), np.int32(vocab), launcher.to_device(params), np.int32(plan.ctas_per_row),
+            np.int32(plan.chunk), xp.zeros(plan.workspace_words, dtype=np.uint64), ids),
+           shared_mem=plan.shared_bytes)
+    return ids
+
 
 class GpuSampler:
-    def __init__(self, ops, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, ops, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 ctas_per_row: int | None = None):
         self.ops = ops
+        self.ctas_per_row = ctas_per_row             # None: sample_plan's choice; tests force splits
         self.xp = ops.xp
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
@@ -65,7 +144,7 @@ class GpuSampler:
         else:
             token_ids = self.ops.sample(
                 x, temperature, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params],
-                self._uniforms(np.flatnonzero(~greedy), generators, n))
+                self._uniforms(np.flatnonzero(~greedy), generators, n), self.ctas_per_row)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         k = min(max((params[i].logprobs for i in rows), default=0), self.vocab_size)
         wait = self.ops.launcher.to_host_async([token_ids, *self._logprobs_on_device(logits, token_ids, rows, k)])

@@ -9,6 +9,8 @@
 // denormals flushed to zero as under -ftz=true, not bit-exact with the GPU. cp.async copies are deferred: they land in shared memory when the issuing thread's
 // wait releases their group, never earlier (see "asynchronous copies" below). Tensor-core mma.sync and
 // ldmatrix are warp-collective operations (minisarathi_emu_mma.h).
+// Blocks that wait for each other through a global counter (cuda/common.cuh: blocks_wait) run side by side,
+// as on a GPU whose grid fits in its SMs (see "blocks that wait for each other" below).
 // Not emulated: other inline PTX, wgmma, TMA, CUB, cooperative groups.
 #pragma once
 #ifndef MINISARATHI_EMU_H
@@ -22,7 +24,9 @@
 #define _GNU_SOURCE
 #endif
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -101,6 +105,15 @@ struct Launch {                   // shared by all OS threads of one launch
     std::atomic<bool> failed{false};
     std::mutex error_lock;
     std::string error;
+    // Blocks that wait for each other (blocks_wait): an arrival wakes the waiters of its counter's bucket
+    // only (counters of different groups are different words); extra OS threads run the blocks a waiting
+    // one needs.
+    struct WaitBucket {
+        std::mutex lock;
+        std::condition_variable arrived;
+    } wait_buckets[64];
+    std::mutex workers_lock;
+    std::vector<std::thread> extra_workers;
     void fail(const std::string& message) {
         std::lock_guard<std::mutex> guard(error_lock);
         if (!failed.exchange(true)) error = message;
@@ -414,6 +427,52 @@ inline void worker(Launch* launch) {
     munmap(stacks, slot * n);
 }
 
+// ---- blocks that wait for each other (cuda/common.cuh: blocks_arrive, blocks_wait) ------------------------
+// On a GPU a CTA spinning on a global counter waits for CTAs resident on other SMs. Here blocks run to
+// completion on a few OS threads, so a block that has to wait while blocks of its launch have not started
+// starts one more OS thread to run them, as a GPU whose grid fits in its SMs runs them all at once. A grid
+// larger than that could deadlock on the GPU: refused. Arrivals wake the waiters (no spinning on the CPU).
+constexpr long long kResidentBlocks = 132;   // one CTA per SM of an H100/H200
+constexpr int kBlocksWaitSeconds = 300;      // then the launch fails as a deadlock
+
+inline Launch::WaitBucket& wait_bucket(Launch* launch, const unsigned long long* counter) {
+    return launch->wait_buckets[((uintptr_t)counter / sizeof(*counter)) % 64];
+}
+
+inline void blocks_arrive(unsigned long long* counter) {
+    Launch::WaitBucket& bucket = wait_bucket(tls_block->launch, counter);
+    {
+        std::lock_guard<std::mutex> guard(bucket.lock);
+        __atomic_fetch_add(counter, 1ull, __ATOMIC_SEQ_CST);
+    }
+    bucket.arrived.notify_all();
+}
+
+inline void blocks_wait(const unsigned long long* counter, unsigned long long target) {
+    Launch* launch = tls_block->launch;
+    const long long num_blocks = (long long)launch->grid.x * launch->grid.y * launch->grid.z;
+    if (num_blocks > kResidentBlocks)
+        fiber_fail("waits for other blocks, but a grid of " + std::to_string(num_blocks) + " blocks is more than " +
+                   std::to_string(kResidentBlocks) + " SMs hold at once (one CTA each): it may deadlock on a GPU");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kBlocksWaitSeconds);
+    Launch::WaitBucket& bucket = wait_bucket(launch, counter);
+    std::unique_lock<std::mutex> lock(bucket.lock);
+    while (__atomic_load_n(counter, __ATOMIC_SEQ_CST) < target) {
+        const char* problem = launch->failed.load() ? "another block of the launch failed while this one waited for it"
+                              : std::chrono::steady_clock::now() > deadline ? "deadlock: waited for other blocks too long"
+                                                                             : nullptr;
+        if (problem) {
+            lock.unlock();
+            fiber_fail(problem);
+        }
+        if (launch->next_block.load() < num_blocks) {
+            std::lock_guard<std::mutex> guard(launch->workers_lock);
+            launch->extra_workers.emplace_back(worker, launch);
+        }
+        bucket.arrived.wait_for(lock, std::chrono::milliseconds(20));
+    }
+}
+
 struct LaunchArgs {               // filled by the Python launcher (ctypes mirror in launcher.py)
     unsigned grid[3], block[3];
     unsigned long long dynamic_smem;
@@ -438,6 +497,15 @@ inline int run(const LaunchArgs* args, void (*entry)(void*), void* ctx, char* er
         for (int i = 1; i < threads; ++i) pool.emplace_back(worker, &launch);
         worker(&launch);
         for (std::thread& t : pool) t.join();
+        for (;;) {   // the threads blocks_wait started, which may have started more
+            std::vector<std::thread> extra;
+            {
+                std::lock_guard<std::mutex> guard(launch.workers_lock);
+                extra.swap(launch.extra_workers);
+            }
+            if (extra.empty()) break;
+            for (std::thread& t : extra) t.join();
+        }
     }
     if (!launch.failed.load()) return 0;
     std::snprintf(error, (size_t)error_len, "%s", launch.error.c_str());
@@ -546,6 +614,10 @@ inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask,
 
 // Bit casts and fast-math intrinsics (glibc declares __expf & co. itself, hence macros after <cmath>).
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
+inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+// Loads that bypass L1 (data other blocks wrote): every load reads memory here.
+template <typename T> inline T __ldcg(const T* p) { return *(const volatile T*)p; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
