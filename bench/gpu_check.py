@@ -201,6 +201,44 @@ def check_sampling(work: Path) -> None:
     unseeded = [SamplingParams(**{k: v for k, v in kinds[i % len(kinds)].items() if k != "seed"}) for i in range(N)]
     seconds = timed(lambda: sampler.sample(device_logits, unseeded, [None] * N, prompts, outputs), repeat=5)
     ROWS.append((f"speed GpuSampler {N}x{V}", f"{seconds * 1e6:.0f} us", "penalties, filters, logprobs; ids to host"))
+    guarded("sampling top-k 50 top-p 0.9", time_top_k_top_p, ops, logits, device_logits)
+
+
+class FixedDraw:
+    """A request's generator that always draws u: the NumPy Sampler then uses the uniforms given to the kernel."""
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def time_top_k_top_p(ops, logits: np.ndarray, device_logits) -> None:
+    """Issue 11's target shape: temperature 1, top-k 50 and top-p 0.9 over every row of 64 x 128k, rows split
+    over several CTAs (gpu_sampling.sample_plan). Same ids as the NumPy Sampler given the same uniforms (a
+    float64 CDF straddling a uniform may rarely differ), then the kernel alone (parameters already on the
+    device) and the whole op (upload, launch, ids to the host)."""
+    import cupy
+    from minisarathi.backends.gpu_sampling import launch_sample, sample_parameters, sample_plan
+    N, V = logits.shape
+    u = np.random.default_rng(3).uniform(size=N)
+    columns = (np.ones(N), np.full(N, 50), np.full(N, 0.9), np.zeros(N), u)
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * N
+    want = Sampler(V).sample(logits, params, [FixedDraw(x) for x in u], [[1]] * N, [[]] * N).token_ids
+    got = ops.launcher.to_host(ops.sample(device_logits, *columns))
+    plan = sample_plan(N, V, ops.launcher.multiprocessors)
+    same = int((got == want).sum())
+    ROWS.append((f"sample top-k 50 top-p 0.9 {N}x{V}", "ok" if same >= N - 2 else "MISMATCH",
+                 f"{same}/{N} same ids as Sampler; {plan.ctas_per_row} CTAs/row, {plan.groups} groups"))
+    kernel, device_params = ops.launcher.kernel("sampling.cu", "sample_kernel"), ops.launcher.to_device(
+        sample_parameters(*columns, V))
+    ids = cupy.empty(N, dtype=np.int32)
+    kernel_seconds = timed(lambda: launch_sample(kernel, ops.launcher, device_logits, device_params, plan, ids))
+    op_seconds = timed(lambda: ops.launcher.to_host(ops.sample(device_logits, *columns)))
+    ROWS.append((f"speed sample_kernel top-k 50 top-p 0.9 {N}x{V}", f"{kernel_seconds * 1e6:.0f} us",
+                 "kernel + workspace memset; target <= 100 us"))
+    ROWS.append((f"speed ops.sample top-k 50 top-p 0.9 {N}x{V}", f"{op_seconds * 1e6:.0f} us",
+                 "parameter upload, launch, ids to the host"))
 
 
 # ---- (b) models end to end -------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, in
 // order with the row's uniform number from the host, summed in double as the NumPy sampler's CDF is.
 
 constexpr int SAMPLE_THREADS = 1024;      // most threads per CTA; __launch_bounds__ keeps one CTA per SM possible
-constexpr int SAMPLE_MAX_CHUNK = 38912;   // tokens per CTA in shared memory: 152 KiB + 9 KiB static, under an A100's 163 KiB
+constexpr int SAMPLE_MAX_CHUNK = 36864;   // tokens per CTA in shared memory: 144 KiB + 17 KiB static, under an A100's 163 KiB
 constexpr int SAMPLE_PARAMS = 5;          // rows of the parameter array: temperature, top_k, top_p, min_p, uniform
 constexpr int RADIX_BITS = 10;
 constexpr int RADIX_BINS = 1024;          // 2^RADIX_BITS: 32 bins for each lane of one warp
@@ -111,7 +111,10 @@ __device__ __forceinline__ int warp_count(bool predicate) {
 }
 
 struct SampleScratch {
-    unsigned long long histogram[RADIX_BINS];   // one digit's counts or masses; the draw's per-thread masses
+    // A digit's counts or masses are added as two 32-bit words (low, and high with the low word's carries):
+    // shared-memory atomics are native at 32 bits, a compare-and-swap loop at 64.
+    unsigned low[RADIX_BINS], high[RADIX_BINS];
+    unsigned long long histogram[RADIX_BINS];   // the digit's row histogram; then the draw's per-thread masses
     float best_value[32];
     int best_index[32];
     unsigned long long above, target;           // radix select: what lies above the digit's bins; the goal
@@ -132,8 +135,9 @@ struct RowGroup {
     int ctas, cta, barriers;
 };
 
-// This CTA's slot for what it publishes before the next barrier. Two slots suffice: a CTA writes slot
-// b % 2 only after barrier b - 1, which every CTA passes only once it has read slot b % 2 (b - 2's).
+// This CTA's slot for what it publishes before the next barrier. Two slots suffice: what is published
+// for barrier b goes to slot b % 2 and is read before barrier b + 1; the slot's next write, for barrier
+// b + 2, comes after barrier b + 1, which no CTA passes before every CTA has finished reading.
 __device__ __forceinline__ unsigned long long* outbox(const RowGroup& g) {
     return g.exchange + ((long long)(g.barriers & 1) * g.ctas + g.cta) * RADIX_BINS;
 }
@@ -143,7 +147,7 @@ __device__ __forceinline__ const unsigned long long* inbox(const RowGroup& g, in
 }
 
 // Every CTA of the row has published; afterwards each may read every inbox.
-__device__ void row_barrier(RowGroup& g) {
+__device__ __forceinline__ void row_barrier(RowGroup& g) {
     __syncthreads();
     if (threadIdx.x == 0) {
         blocks_arrive(g.arrivals);
@@ -154,7 +158,7 @@ __device__ void row_barrier(RowGroup& g) {
 }
 
 // The histogram of this CTA's chunk becomes the row's: every CTA's, summed (integers: any order).
-__device__ void merge_histogram(unsigned long long* histogram, RowGroup& g) {
+__device__ __forceinline__ void merge_histogram(unsigned long long* histogram, RowGroup& g) {
     if (g.ctas == 1) return;
     unsigned long long* out = outbox(g);
     for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) out[b] = histogram[b];
@@ -171,7 +175,7 @@ __device__ void merge_histogram(unsigned long long* histogram, RowGroup& g) {
 // bin whose inclusion brings what lies above it to the target; bin 0 when none does. A by-mass select
 // (fraction >= 0) first sets the target from the histogram's total: its first digit covers every kept
 // weight, so the total is the kept mass.
-__device__ void cut_digit(SampleScratch& s, double fraction) {
+__device__ __forceinline__ void cut_digit(SampleScratch& s, double fraction) {
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         unsigned long long mine = 0;   // lane l holds bins 32 l .. 32 l + 31
@@ -201,20 +205,28 @@ __device__ void cut_digit(SampleScratch& s, double fraction) {
 
 // Largest threshold tau >= low with (count, or mass, of the row's kept weights >= tau) >= target; low when
 // even all the kept weights fall short. The target is `count`, or max(1, ceil(fraction * kept mass)).
-__device__ float radix_threshold(const float* w, int n, float low, unsigned long long count, double fraction,
-                                 RowGroup& g, SampleScratch& s) {
+__device__ __forceinline__ float radix_threshold(const float* w, int n, float low, unsigned long long count,
+                                                 double fraction, RowGroup& g, SampleScratch& s) {
     const bool by_mass = fraction >= 0.0;
     unsigned prefix = 0, prefix_mask = 0;   // the bits fixed so far
     if (threadIdx.x == 0) { s.above = 0; s.target = count; }
     for (int shift = 2 * RADIX_BITS; shift >= 0; shift -= RADIX_BITS) {
         __syncthreads();   // everyone has read the previous digit before the histogram is cleared
-        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) s.histogram[b] = 0;
+        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) s.low[b] = s.high[b] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const unsigned bits = __float_as_uint(w[i]);
-            if (kept(w[i], low) && (bits & prefix_mask) == prefix)
-                atomicAdd(&s.histogram[(bits >> shift) & (RADIX_BINS - 1)], by_mass ? fixed_mass(w[i]) : 1ull);
+            if (kept(w[i], low) && (bits & prefix_mask) == prefix) {
+                const int bin = (bits >> shift) & (RADIX_BINS - 1);
+                const unsigned long long add = by_mass ? fixed_mass(w[i]) : 1ull;
+                const unsigned before = atomicAdd(&s.low[bin], (unsigned)add);
+                const unsigned carry = before + (unsigned)add < before;
+                if ((add >> 32) + carry) atomicAdd(&s.high[bin], (unsigned)(add >> 32) + carry);
+            }
         }
+        __syncthreads();
+        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x)
+            s.histogram[b] = (unsigned long long)s.high[b] << 32 | s.low[b];
         __syncthreads();
         merge_histogram(s.histogram, g);
         cut_digit(s, by_mass && shift == 2 * RADIX_BITS ? fraction : -1.0);
@@ -229,7 +241,7 @@ __device__ float radix_threshold(const float* w, int n, float low, unsigned long
 // whose chunk holds the target finds the lane (warp 0: 32 runs each), the run, then the token. Sums are
 // compared as the same additions at every level, so a target that passes a part passes one of its
 // pieces; only when rounding leaves it a hair beyond a part's own sum does the part's last kept token win.
-__device__ void draw(const float* w, int n, int first, float threshold, double u, int* out_id,
+__device__ __forceinline__ void draw(const float* w, int n, int first, float threshold, double u, int* out_id,
                      RowGroup& g, SampleScratch& s) {
     double* run_mass = reinterpret_cast<double*>(s.histogram);   // free again: the digits are cut
     const int per_thread = (n + blockDim.x - 1) / blockDim.x;
@@ -318,7 +330,7 @@ __device__ void draw(const float* w, int n, int first, float threshold, double u
 // top_k, top_p, min_p, uniform; top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 disable their filters.
 // workspace: groups arrival counters (zeroed by the host), then [groups][2][ctas_per_row][RADIX_BINS].
 // Dynamic shared memory: chunk floats.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 sample_kernel(const float* __restrict__ logits, int num_rows, int vocab, const double* __restrict__ params,
               int ctas_per_row, int chunk, unsigned long long* __restrict__ workspace, int* __restrict__ out_ids) {
     extern __shared__ __align__(16) unsigned char smem[];

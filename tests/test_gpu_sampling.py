@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import cuda_ops, emulator
-from minisarathi.backends.gpu_sampling import MAX_CTAS_PER_ROW, SAMPLING, SPLIT_COST_TOKENS, sample_plan
+from minisarathi.backends.gpu_sampling import (MAX_CTAS_PER_ROW, SAMPLING, SPLIT_COST_TOKENS, sample_parameters,
+                                                sample_plan)
 from minisarathi.paths import cuda_dir
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
@@ -48,14 +49,15 @@ def reference_sample(logits, temperature, top_k, top_p, min_p, u) -> int:
 # ---- the plan ------------------------------------------------------------------------------------------
 
 def test_plan_keeps_short_rows_whole_and_splits_long_ones():
-    """A split costs SPLIT_COST_TOKENS of work on top of the chunk; with at most MAX_CTAS_PER_ROW CTAs, rows up
-    to SPLIT_COST_TOKENS * 8 / 7 tokens (37449) stay in one CTA, longer ones split when that adds no row
-    iterations; a full batch keeps one CTA per row while the vocabulary fits in shared memory."""
-    longest_whole = SPLIT_COST_TOKENS * MAX_CTAS_PER_ROW // (MAX_CTAS_PER_ROW - 1)
-    assert longest_whole == 37449
-    assert sample_plan(1, longest_whole, 132).ctas_per_row == 1
-    assert sample_plan(1, 37452, 132).ctas_per_row == MAX_CTAS_PER_ROW
-    assert sample_plan(132, 37452, 132).ctas_per_row == 1      # splitting would multiply the row iterations
+    """A split costs SPLIT_COST_TOKENS of work on top of the chunk, more than 7/8 of any row that fits one CTA:
+    so a row stays in one CTA exactly when it fits in its shared memory (SAMPLE_MAX_CHUNK, 36864 tokens),
+    and longer rows split as the cost model says; a full batch keeps rows as whole as shared memory allows."""
+    longest_whole = SAMPLING["SAMPLE_MAX_CHUNK"]
+    assert longest_whole == 36864 and longest_whole * (MAX_CTAS_PER_ROW - 1) / MAX_CTAS_PER_ROW < SPLIT_COST_TOKENS
+    for rows in (1, 64, 132, 1000):
+        assert sample_plan(rows, longest_whole, 132).ctas_per_row == 1
+    assert sample_plan(1, longest_whole + 4, 132).ctas_per_row == MAX_CTAS_PER_ROW
+    assert sample_plan(132, longest_whole + 4, 132).ctas_per_row == 2     # the fewest that fit: one more iteration
     assert sample_plan(11, 384, 132).ctas_per_row == 1
     # The target shape: batch 64 x 128k on 132 SMs: 4 CTAs per row (the fewest that fit in shared memory),
     # 33 groups in two iterations, one CTA per SM.
@@ -143,9 +145,7 @@ def test_negative_control_a_merge_without_its_barrier_is_caught(monkeypatch):
     plan = sample_plan(rows, vocab, ops.launcher.multiprocessors, ctas)
     workspace = np.zeros(plan.workspace_words, np.uint64)
     workspace[:plan.groups] = 1 << 40                          # every barrier already passed
-    columns = [np.asarray(c, np.float64) for c in zip(*params)]
-    columns[1] = np.minimum(columns[1], vocab)
-    packed = np.stack([*columns, u])
+    packed = sample_parameters(*zip(*params), u, vocab)
     ids = np.full(rows, -1, np.int32)
     monkeypatch.setenv("MINISARATHI_EMU_THREADS", "1")
     kernel = ops.launcher.kernel("sampling.cu", "sample_kernel")

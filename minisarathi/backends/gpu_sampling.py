@@ -32,8 +32,8 @@ from minisarathi.sampling_params import SamplingParams
 SAMPLING = kernel_constants("sampling.cu")   # SAMPLE_THREADS, SAMPLE_MAX_CHUNK, SAMPLE_PARAMS, RADIX_BINS
 MAX_CTAS_PER_ROW = 8        # every CTA of a row reads every other's histogram per digit (8 KiB each)
 # A split row costs up to 8 row barriers, about 1.5 us each on an H100-class GPU: about what one 1024-thread
-# CTA spends on this many tokens over its ~9 passes (docs/performance.md; estimates until a GPU run). With
-# at most 8 CTAs a row, rows of up to 8/7 of this (37449 tokens) stay whole.
+# CTA spends on this many tokens over its ~9 passes (docs/performance.md; estimates until a GPU run). It is
+# more than 7/8 of SAMPLE_MAX_CHUNK, so a row that fits in one CTA stays in one CTA.
 SPLIT_COST_TOKENS = 32768
 SHARED_MEMORY_WITHOUT_OPT_IN = 48 * 1024
 
@@ -78,6 +78,26 @@ def sample_plan(rows: int, vocab: int, multiprocessors: int, ctas_per_row: int |
     return SamplePlan(c, groups, chunk, threads, 4 * chunk, groups * (1 + exchange))
 
 
+def sample_parameters(temperature, top_k, top_p, min_p, uniform, vocab: int) -> np.ndarray:
+    """float64[SAMPLE_PARAMS, N], sample_kernel's parameter rows: every value exact in double (float32
+    parameters, integer top_k clipped to [-1, vocab])."""
+    return np.stack([np.asarray(temperature, np.float32), np.clip(np.asarray(top_k), -1, vocab),
+                     np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
+                     np.asarray(uniform, np.float64)]).astype(np.float64)
+
+
+def launch_sample(kernel, launcher, logits, params, plan: SamplePlan, ids) -> None:
+    """One sample_kernel launch over contiguous float32 logits[N, V] with device `params` (sample_parameters),
+    writing int32 ids[N] on the device."""
+    rows, vocab = logits.shape
+    if plan.shared_bytes > SHARED_MEMORY_WITHOUT_OPT_IN:
+        kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
+    kernel((plan.grid,), (plan.threads,),
+           (logits, np.int32(rows), np.int32(vocab), params, np.int32(plan.ctas_per_row), np.int32(plan.chunk),
+            launcher.xp.zeros(plan.workspace_words, dtype=np.uint64), ids),
+           shared_mem=plan.shared_bytes)
+
+
 def sample_rows(kernel, launcher, logits, temperature, top_k, top_p, min_p, uniform,
                 ctas_per_row: int | None = None):
     """Device int32[N] ids from sample_kernel (`kernel`, through `launcher`) over float32 logits[N, V] with
@@ -86,19 +106,10 @@ def sample_rows(kernel, launcher, logits, temperature, top_k, top_p, min_p, unif
     logits = xp.ascontiguousarray(logits, dtype=np.float32)
     rows, vocab = logits.shape
     ids = xp.empty((rows,), dtype=np.int32)
-    if not rows:
-        return ids
-    plan = sample_plan(rows, vocab, launcher.multiprocessors, ctas_per_row)
-    # float64[SAMPLE_PARAMS, N]: every value exact in double (float32 parameters, integer top_k)
-    params = np.stack([np.asarray(temperature, np.float32), np.clip(np.asarray(top_k), -1, vocab),
-                       np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
-                       np.asarray(uniform, np.float64)]).astype(np.float64)
-    if plan.shared_bytes > SHARED_MEMORY_WITHOUT_OPT_IN:
-        kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
-    kernel((plan.grid,), (plan.threads,),
-           (logits, np.int32(rows), np.int32(vocab), launcher.to_device(params), np.int32(plan.ctas_per_row),
-            np.int32(plan.chunk), xp.zeros(plan.workspace_words, dtype=np.uint64), ids),
-           shared_mem=plan.shared_bytes)
+    if rows:
+        params = launcher.to_device(sample_parameters(temperature, top_k, top_p, min_p, uniform, vocab))
+        launch_sample(kernel, launcher, logits, params, sample_plan(rows, vocab, launcher.multiprocessors, ctas_per_row),
+                      ids)
     return ids
 
 
