@@ -261,12 +261,9 @@ __device__ __forceinline__ void draw(const float* w, int n, int first, float thr
         for (int j = 32 * lane; j < min(32 * lane + 32, (int)blockDim.x); ++j) lane_mass += run_mass[j];
         s.lane_mass[lane] = lane_mass;
         __syncwarp();
-        for (int l = 0; l < 32; ++l) {
-            if (l == lane) exclusive = inclusive;
-            inclusive += s.lane_mass[l];
-            if (l == lane) break;
-        }
-        for (int l = 0; l < 32; ++l) chunk_mass += s.lane_mass[l];
+        for (int l = 0; l < lane; ++l) exclusive += s.lane_mass[l];
+        inclusive = exclusive + lane_mass;
+        for (int l = 0; l < 32; ++l) chunk_mass += s.lane_mass[l];   // the same additions as lane 31's inclusive
     }
 
     // The row: the CTAs' masses in CTA order; the owner is the first whose running end passes the target.

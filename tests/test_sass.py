@@ -149,3 +149,22 @@ def test_prefill_attention_main_loop_runs_on_tensor_cores(arch):
         assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"
         regs, spill_stores, spill_loads = used[mangled[0]]
         assert spill_stores == spill_loads == 0, f"{name} ({arch}) spills {spill_stores}/{spill_loads} bytes"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sample_kernel_token_loops_read_shared_memory_with_native_atomics(arch):
+    """sample_kernel (cuda/sampling.cu): the chunk comes in by 16-byte cp.async; the per-token loops (the short
+    loops reading shared memory: max, weights, digit histograms, draw) never touch local memory; the digit
+    histograms use native 32-bit shared atomics (a 64-bit shared atomicAdd is a compare-and-swap loop, ATOMS.CAS,
+    on sm_90); at most 64 registers, so one 1024-thread CTA fits on an SM."""
+    sass, log = compile_file("sampling.cu", arch)
+    code = functions(sass)["sample_kernel"]
+    assert any("LDGSTS.E.BYPASS.128" in t for _, t in code), arch
+    atomics = [t for _, t in code if t.startswith("ATOMS")]
+    assert atomics and not any(".CAS" in t for t in atomics), atomics
+    token_loops = [body for body in loop_bodies(code) if len(body) < 64 and any(t.startswith("LDS") for t in body)]
+    assert any(any(t.startswith("ATOMS") for t in body) for body in token_loops), "no histogram loop"
+    assert any(any(t.startswith("MUFU.EX2") for t in body) for body in token_loops), "no weights loop"
+    for body in token_loops:
+        assert not any(re.match(r"(LDL|STL)\b", t) for t in body), (arch, body)
+    assert resources(log)["sample_kernel"][0] <= 64
