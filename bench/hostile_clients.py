@@ -2,6 +2,7 @@
 
     python -m bench.hostile_clients                      # every scenario (docs/reliability.md)
     python -m bench.hostile_clients --scenarios unread_streams,unauthenticated_flood --samples 20
+    python -m bench.hostile_clients --engine-only        # the engine's step time alone, no server (see below)
 
 A server with an API key runs the bundled model. A bystander (with the key) times back-to-back greedy
 24-token generates: first alone (idle), then while each attacker runs:
@@ -20,6 +21,11 @@ A server with an API key runs the bundled model. A bystander (with the key) time
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
 shared: its load drifts), plus what the scenario checks. Each attack runs in a process of its own.
+
+--engine-only: no server, no clients; the engine `serve` builds, in this process, stepped back to back: the
+bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates, each
+finished request replaced at once (as the attackers keep theirs in flight). One JSON line per batch: the median
+and p90 step time, the median time in the sampler, and the median step over the bystander-alone one.
 """
 from __future__ import annotations
 
@@ -36,7 +42,11 @@ import time
 import msgpack
 import numpy as np
 
+from minisarathi.cli_args import engine_options_from_args
 from minisarathi.client import Client
+from minisarathi.engine.engine import LLMEngine
+from minisarathi.sampling_params import SamplingParams
+from minisarathi.server.cli import add_serve_arguments
 
 from bench.server_process import serving
 
@@ -194,6 +204,63 @@ def key_holder_connects(port: int, attempts: int) -> dict:
             "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
 
 
+def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine) -> dict:
+    """Step times (ms) of `engine` running the bystander's generate and `attack_requests` of the stop-list
+    scenario's (or its control's), each replaced as soon as it finishes."""
+    bystander_params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    attack = _greedy_generate(stop_lists)
+    attack_params = SamplingParams(temperature=0, **{k: v for k, v in attack.items() if k != "prompt"})
+    added = iter(range(1 << 62))
+
+    def add(params: SamplingParams) -> None:
+        kind = "attack" if params is attack_params else "bystander"
+        engine.add_request(f"{kind}-{next(added)}", attack["prompt"], params, stream=False)
+
+    sampling = []
+    launch = engine.sampler.launch
+
+    def timed_launch(*args):
+        start = time.perf_counter()
+        pending = launch(*args)
+        sampling.append(time.perf_counter() - start)
+        return pending
+    engine.sampler.launch = timed_launch
+    add(bystander_params)
+    for _ in range(attack_requests):
+        add(attack_params)
+    times = []
+    for i in range(steps + 50):   # the first 50: every request past its prefill, the allocator warm
+        start = time.perf_counter()
+        outputs = engine.step()
+        if i >= 50:
+            times.append(time.perf_counter() - start)
+        for out in outputs:
+            if out.finished:
+                add(attack_params if out.request_id.startswith("attack") else bystander_params)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.sampler.launch = launch
+    ms = np.array(times) * 1000
+    return {"attack_requests": attack_requests, "stop_lists": stop_lists,
+            "median_step_ms": round(float(np.median(ms)), 3), "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
+            "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3)}
+
+
+def engine_only(steps: int) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    engine = LLMEngine(**engine_options_from_args(parser.parse_args([])))   # what `serve` runs
+    alone = engine_steps(0, False, steps, engine)
+    print(json.dumps({"engine_only": alone}), flush=True)
+    for attack_requests in (8, 32):
+        for stop_lists in (False, True):
+            report = engine_steps(attack_requests, stop_lists, steps, engine)
+            report["median_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
+            print(json.dumps({"engine_only": report}), flush=True)
+
+
 def _attack(name: str, port: int, started, stop, results) -> None:
     started.set()
     results.put(asyncio.run(globals()[name](port, stop)) or {})
@@ -234,7 +301,12 @@ def main(argv=None) -> int:
                                                                   "before each)")
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--burst-connections", type=int, default=1000)
+    parser.add_argument("--engine-only", action="store_true", help="time the engine's steps alone, no server")
+    parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
     args = parser.parse_args(argv)
+    if args.engine_only:
+        engine_only(args.steps)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         key_file = os.path.join(tmp, "key")
         with open(key_file, "w") as f:

@@ -37,16 +37,21 @@ def make_generator(seed: int) -> np.random.Generator:
 # The rule shared with the CUDA backend's GpuSampler (minisarathi/backends/gpu_sampling.py), which must pick
 # the same tokens: which ids are masked, which rows are penalized, and the order of the uniform draws.
 
-def stop_tokens_to_mask(params: list[SamplingParams], output_ids: list[list[int]],
-                        eos_token_ids: tuple[int, ...], vocab_size: int) -> dict[int, list[int]]:
-    """Row -> the ids it may not sample yet: its stop ids and (unless ignore_eos) the EOS ids, while fewer
-    than min_tokens tokens are out. Ids beyond the vocabulary are left out: they can never be sampled."""
-    masked = {}
-    for i, p in enumerate(params):
-        if len(output_ids[i]) < p.min_tokens:
-            stop = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
-            masked[i] = [t for t in stop if t < vocab_size]
-    return masked
+def stop_token_indexes(params: list[SamplingParams], output_ids: list[list[int]],
+                       eos_token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int64[M] flat indexes row * vocab_size + id of the ids each row may not sample yet: its stop ids and
+    (unless ignore_eos) the EOS ids (int64[E]), while fewer than min_tokens tokens are out. Ids beyond the
+    vocabulary are left out: they can never be sampled. Built from each request's stop_token_array with a few
+    array calls per step, whatever the batch (a loop over rows and ids cost ~0.3 ms of a 33-request step)."""
+    rows = [i for i, (p, out) in enumerate(zip(params, output_ids)) if len(out) < p.min_tokens]
+    if not rows:
+        return np.empty(0, np.int64)
+    stops = [params[i].stop_token_array for i in rows]
+    eos_rows = np.array([i for i in rows if not params[i].ignore_eos], np.int64)
+    ids = np.concatenate([*stops, np.tile(eos_token_ids, len(eos_rows))])
+    row_of = np.concatenate([np.repeat(np.array(rows, np.int64), [len(s) for s in stops]),
+                             np.repeat(eos_rows, len(eos_token_ids))])
+    return (row_of * vocab_size + ids)[ids < vocab_size]
 
 
 def logit_bias_entries(params: list[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,6 +100,7 @@ class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
+        self._eos_array = np.array(self.eos_token_ids, np.int64)
         self._rng = make_generator(seed)             # for the rows without a seed of their own
         # Tokens per block of the inverse CDF: the largest power of two dividing V and at most sqrt(V).
         self._cdf_block = 1
@@ -142,12 +148,11 @@ class Sampler:
         return PendingSample(out.token_ids, lambda: out)
 
     def _mask_stop_tokens(self, logits, params, output_ids):
-        masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)
-        if not masked:
+        flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
+        if not flat.size:
             return logits
         x = logits.copy()
-        for i, ids in masked.items():
-            x[i, ids] = -np.inf
+        x.reshape(-1)[flat] = -np.inf
         return x
 
     def _apply_penalties(self, x, params, prompt_ids, output_ids):

@@ -8,7 +8,7 @@ import platform
 import numpy as np
 import pytest
 
-from minisarathi.sampler import Sampler, draw_uniforms, is_penalized, make_generator, stop_tokens_to_mask
+from minisarathi.sampler import Sampler, draw_uniforms, is_penalized, make_generator, stop_token_indexes
 from minisarathi.sampling_params import SamplingParams as SP
 
 V = 16
@@ -137,9 +137,64 @@ def test_draw_order_and_masks_shared_with_the_gpu_sampler():
     assert u.tolist() == [unseeded[0], seeded, unseeded[1]]
     params = [SP(min_tokens=2, stop_token_ids=[7, 99]), SP(min_tokens=2, ignore_eos=True, stop_token_ids=[3]),
               SP(min_tokens=1)]
-    assert stop_tokens_to_mask(params, [[5], [], [5]], (2,), V) == {0: [7, 2], 1: [3]}
+    assert stop_token_indexes(params, [[5], [], [5]], np.array([2]), V).tolist() == [7, V + 3, 2]
     assert [is_penalized(p) for p in (SP(), SP(repetition_penalty=1.1), SP(frequency_penalty=0.5),
                                       SP(presence_penalty=-1))] == [False, True, True, True]
+
+
+def masked_by_rows(params, output_ids, eos, vocab):
+    """bool[N, vocab], the reference: each row's ids looked at one by one."""
+    masked = np.zeros((len(params), vocab), bool)
+    for row, (p, out) in enumerate(zip(params, output_ids)):
+        if len(out) < p.min_tokens:
+            for t in [*p.stop_token_ids, *(() if p.ignore_eos else eos)]:
+                if t < vocab:
+                    masked[row, t] = True
+    return masked
+
+
+@pytest.mark.parametrize("eos", [(), (2,), (2, 5, 2)])
+def test_stop_token_indexes_are_what_each_row_may_not_sample_yet(eos):
+    """Random mixed batches (rows before and past min_tokens, with and without ignore_eos, stop ids repeated or
+    beyond the vocabulary) against the row-by-row reference; masking every row's ids regardless of min_tokens
+    (the negative control) differs from it."""
+    rng = np.random.default_rng(len(eos))
+    controls = 0
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        params = [SP(min_tokens=int(rng.integers(0, 5)), max_tokens=8, ignore_eos=bool(rng.integers(2)),
+                     stop_token_ids=rng.integers(0, V + 4, rng.integers(0, 6)).tolist()) for _ in range(n)]
+        outputs = [[1] * int(rng.integers(0, 5)) for _ in range(n)]
+        expected = masked_by_rows(params, outputs, eos, V)
+        flat = stop_token_indexes(params, outputs, np.array(eos, np.int64), V)
+        assert flat.dtype == np.int64
+        got = np.zeros(n * V, bool)
+        got[flat] = True
+        np.testing.assert_array_equal(got.reshape(n, V), expected)
+        regardless = masked_by_rows([SP(min_tokens=8, max_tokens=8, ignore_eos=p.ignore_eos,
+                                        stop_token_ids=p.stop_token_ids) for p in params], [[]] * n, eos, V)
+        controls += not np.array_equal(regardless, expected)
+    assert controls > 50
+
+
+def test_masked_logits_equal_the_reference_in_mixed_batches(make_sampler):
+    """Through sample() with logprobs (the masked logits decide the token, the raw ones the logprobs): rows
+    whose highest logits are stop or EOS ids take the best allowed token only before min_tokens."""
+    rng = np.random.default_rng(4)
+    logits = rand_logits(6, seed=9)
+    params = [SP(temperature=0, logprobs=2, min_tokens=int(rng.integers(0, 4)), max_tokens=8,
+                 ignore_eos=bool(rng.integers(2)), stop_token_ids=rng.integers(0, V + 2, 4).tolist())
+              for _ in range(6)]
+    outputs = [[1] * int(rng.integers(0, 4)) for _ in range(6)]
+    for row, p in enumerate(params):   # the stop ids and EOS most likely
+        logits[row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20
+    reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits)
+    out = make_sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 6, [[1]] * 6, outputs)
+    assert out.token_ids.tolist() == reference.argmax(axis=1).tolist()
+    raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose([lps[0][1] for lps in out.logprobs], raw[np.arange(6), out.token_ids], atol=1e-5)
+    assert out.token_ids.tolist() != logits.argmax(axis=1).tolist()   # some rows masked
+    assert any(not masked_by_rows([p], [o], (2,), V).any() for p, o in zip(params, outputs))   # some not
 
 
 def test_unseeded_rows_follow_the_engine_seed(make_sampler):

@@ -26,7 +26,7 @@ import numpy as np
 from minisarathi.backends.kernel_source import kernel_constants
 from minisarathi.dtypes import convert, dtype_name
 from minisarathi.sampler import (PendingSample, SamplerOutput, draw_uniforms, is_penalized, logit_bias_entries,
-                                 make_generator, stop_tokens_to_mask)
+                                 make_generator, stop_token_indexes)
 from minisarathi.sampling_params import SamplingParams
 
 SAMPLING = kernel_constants("sampling.cu")   # SAMPLE_THREADS, SAMPLE_MAX_CHUNK, SAMPLE_PARAMS, RADIX_BINS
@@ -121,6 +121,7 @@ class GpuSampler:
         self.xp = ops.xp
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
+        self._eos_array = np.array(self.eos_token_ids, np.int64)
         self._rng = make_generator(seed)             # for the rows without a seed of their own
 
     def sample(self, logits, params: list[SamplingParams], generators: list[np.random.Generator | None],
@@ -162,10 +163,9 @@ class GpuSampler:
         return PendingSample(token_ids, lambda: self._output(params, rows, wait()))
 
     def _mask_stop_tokens(self, x, params, output_ids) -> None:
-        masked = stop_tokens_to_mask(params, output_ids, self.eos_token_ids, self.vocab_size)
-        flat = [i * self.vocab_size + t for i, ids in masked.items() for t in ids]
-        if flat:
-            x.reshape(-1)[self.ops.launcher.to_device(np.array(flat, np.int64))] = -np.inf
+        flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
+        if flat.size:
+            x.reshape(-1)[self.ops.launcher.to_device(flat)] = -np.inf
 
     def _apply_penalties(self, x, params, prompt_ids, output_ids) -> None:
         if not any(map(is_penalized, params)):
