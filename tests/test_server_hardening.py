@@ -472,6 +472,41 @@ def _blocking_big_encodes(engine):
     return running, release, big_calls
 
 
+def test_small_tokenizer_calls_are_not_queued_behind_big_ones():
+    """While a big tokenize holds the tokenizer thread (here it waits until released), another client's small
+    tokenize, detokenize and a generate with a short prompt are answered: they run on the loop, not behind it."""
+    from minisarathi.engine.engine import LLMEngine
+    engine = LLMEngine()
+    running, release, big_calls = _blocking_big_encodes(engine)
+    with in_process_server(engine) as (_, port, _loop):
+        with Client("127.0.0.1", port, timeout=60) as big, Client("127.0.0.1", port, timeout=10) as small:
+            answer = concurrent.futures.ThreadPoolExecutor(1).submit(big.tokenize, "Once upon a time. " * 1000)
+            assert running.wait(60)
+            ids = small.tokenize("Once upon a time")
+            assert small.detokenize(ids) == "Once upon a time"
+            assert small.generate("Once upon a time", max_tokens=4, ignore_eos=True).completion_tokens == 4
+            assert not answer.done()   # still held on the tokenizer thread
+            release.set()
+            assert len(answer.result(60)) > 1000
+    assert big_calls == [18_000], big_calls
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_tokenizer_thread_runs_at_a_lower_cpu_priority():
+    """Big tokenize/detokenize calls took one of the two cores at the engine's priority: a bystander's p99 was
+    3.3-4.3x its idle latency beside them. The tokenizer thread is now TOKENIZER_NICE_INCREMENT nicer than the
+    engine thread and the loop, which keep the process's priority."""
+    from minisarathi.engine.engine import LLMEngine
+    from minisarathi.server.server import TOKENIZER_NICE_INCREMENT
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    with in_process_server(LLMEngine()) as (_, port, _loop):
+        with Client("127.0.0.1", port, timeout=60) as c:
+            assert c.tokenize("Once upon a time. " * 1000)   # big: on the tokenizer thread, which now exists
+            nice = {t.name.split("_")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+                    if t.name.startswith(("tokenizer", "engine"))}
+    assert nice == {"tokenizer": min(19, base + TOKENIZER_NICE_INCREMENT), "engine": base}, (nice, base)
+
+
 def test_the_http_door_tokenizes_big_prompts_off_the_event_loop_after_a_bytes_check():
     """The HTTP door tokenized every prompt on the event loop, in full before refusing a long one: while a big
     prompt is tokenized, the loop now answers others (here the tokenizer waits until /health was answered),

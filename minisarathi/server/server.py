@@ -17,6 +17,7 @@ import queue
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ _THROUGHPUT_WINDOW_S = 10.0
 _INLINE_TOKENIZE_CHARS = 4096
 _INLINE_DETOKENIZE_TOKENS = 4096
 _MAX_AUTH_FAILURES_PER_CONNECTION = 16
+# Big tokenize/detokenize calls are bulk work for one client: the tokenizer thread runs them this much nicer
+# than the rest of the server, so when the cores are short the engine's steps (every client's tokens), the
+# event loop and the small calls it answers inline go first.
+TOKENIZER_NICE_INCREMENT = 10
 IDLE_RELEASE_S = 1.0   # idle this long, the engine thread gives back the memory kept free for steps
 
 
@@ -129,6 +134,15 @@ class EngineWorker:
                     continue
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+
+def _lower_thread_priority() -> None:
+    """The calling thread's nice value raised by TOKENIZER_NICE_INCREMENT (Linux sets it per thread; elsewhere
+    it would apply to the whole process, so it is left alone there)."""
+    if sys.platform.startswith("linux"):
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread,
+                       min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT))
 
 
 def _public_id(request_id: str) -> str:
@@ -279,8 +293,10 @@ class Server:
         # other doors (the HTTP door): `await start()` -> addresses, `await stop_accepting()`, `await stop()`
         self.doors: list = []
         # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
-        # queues (holding only its inputs) instead of taking every core.
-        self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # queues (holding only its inputs) instead of taking every core; at a lower CPU priority. Small calls
+        # (the bystander's) are answered on the loop, never queued behind big ones.
+        self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer",
+                                                                initializer=_lower_thread_priority)
         self._throttle = AuthThrottle()
         self._counters = collections.Counter()       # paused, unread_aborts, connections_evicted, ...
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text:
