@@ -206,15 +206,20 @@ def key_holder_connects(port: int, attempts: int) -> dict:
 
 def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine) -> dict:
     """Step times (ms) of `engine` running the bystander's generate and `attack_requests` of the stop-list
-    scenario's (or its control's), each replaced as soon as it finishes."""
+    scenario's (or its control's), each replaced as soon as it finishes; and the bystander's generates, from
+    added to finished, in steps and ms (the engine's part of its latency)."""
     bystander_params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     attack = _greedy_generate(stop_lists)
     attack_params = SamplingParams(temperature=0, **{k: v for k, v in attack.items() if k != "prompt"})
     added = iter(range(1 << 62))
+    bystander_added: dict[str, tuple[int, float]] = {}   # request id -> (step, time) when added
 
-    def add(params: SamplingParams) -> None:
+    def add(params: SamplingParams, step: int) -> None:
         kind = "attack" if params is attack_params else "bystander"
-        engine.add_request(f"{kind}-{next(added)}", attack["prompt"], params, stream=False)
+        request_id = f"{kind}-{next(added)}"
+        engine.add_request(request_id, attack["prompt"], params, stream=False)
+        if params is bystander_params:
+            bystander_added[request_id] = (step, time.perf_counter())
 
     sampling = []
     launch = engine.sampler.launch
@@ -225,18 +230,27 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
         sampling.append(time.perf_counter() - start)
         return pending
     engine.sampler.launch = timed_launch
-    add(bystander_params)
+    add(bystander_params, 0)
     for _ in range(attack_requests):
-        add(attack_params)
-    times = []
-    for i in range(steps + 50):   # the first 50: every request past its prefill, the allocator warm
+        add(attack_params, 0)
+    times, bystander_steps, bystander_ms = [], [], []
+    warm_up = 50   # steps: every request past its prefill, the allocator warm
+    for i in range(steps + warm_up):
         start = time.perf_counter()
         outputs = engine.step()
-        if i >= 50:
+        if i >= warm_up:
             times.append(time.perf_counter() - start)
         for out in outputs:
-            if out.finished:
-                add(attack_params if out.request_id.startswith("attack") else bystander_params)
+            if not out.finished:
+                continue
+            if out.request_id.startswith("attack"):
+                add(attack_params, i + 1)
+                continue
+            step, added_at = bystander_added.pop(out.request_id)
+            if step >= warm_up:
+                bystander_steps.append(i + 1 - step)
+                bystander_ms.append((time.perf_counter() - added_at) * 1000)
+            add(bystander_params, i + 1)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
@@ -245,7 +259,9 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
     ms = np.array(times) * 1000
     return {"attack_requests": attack_requests, "stop_lists": stop_lists,
             "median_step_ms": round(float(np.median(ms)), 3), "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
-            "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3)}
+            "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3),
+            "bystander_steps": sorted(set(bystander_steps)),
+            "bystander_median_ms": round(float(np.median(bystander_ms)), 2)}
 
 
 def engine_only(steps: int) -> None:
@@ -257,7 +273,8 @@ def engine_only(steps: int) -> None:
     for attack_requests in (8, 32):
         for stop_lists in (False, True):
             report = engine_steps(attack_requests, stop_lists, steps, engine)
-            report["median_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
+            report["median_step_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
+            report["bystander_median_over_alone"] = round(report["bystander_median_ms"] / alone["bystander_median_ms"], 2)
             print(json.dumps({"engine_only": report}), flush=True)
 
 
