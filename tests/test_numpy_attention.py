@@ -58,11 +58,11 @@ def test_a_plan_serves_only_its_batch():
         assert not np.array_equal(after, before)
 
 
-def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
+def test_kept_decode_kv_follows_every_write_and_batch_change():
     """Engine-like steps with one backend: decodes write their token (store_kv) then attend; sequences
     finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
-    block. Each step's output must equal a fresh backend's, which copies everything."""
-    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
+    block. Each step's output must equal a fresh backend's, which copies everything, and the path that
+    gathers every step."""
     kept_steps = 0
     rng = np.random.default_rng(7)
     num_blocks = 48
@@ -92,8 +92,11 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
         ops.store_kv(kv, kv * 2, k_cache, v_cache, batch.slot_mapping)
         q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
         kept_steps += numpy_attention.AttentionPlan(batch, *k_cache.shape).keeps_decode_kv
-        np.testing.assert_array_equal(ops.paged_attention(q, k_cache, v_cache, batch, 0.3),
-                                      NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        got = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+        np.testing.assert_array_equal(got, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
+        gathered = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.3)
+        np.testing.assert_array_equal(got, gathered)
         for s in seqs:
             s[0] += 1
     assert kept_steps == 14

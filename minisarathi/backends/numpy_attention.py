@@ -7,9 +7,9 @@ then come from one batched matmul, [S, Hk, G, D] @ [S, Hk, D, n], and need no re
 
 What every layer of a step shares (the tile indices, the padding mask) is computed once per batch
 (AttentionPlan), and the gathered tiles land in buffers that live across layers and steps (GatherBuffers):
-a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. Decode K/V too large to
-stay in the CPU's cache between the gather and the products is kept from one step to the next instead
-(DecodeKV): a step then copies only what was written since, typically each sequence's last block.
+a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. The decodes' K/V is
+kept from one step to the next (DecodeKV): a step then copies only what was written since, typically each
+sequence's last block, instead of every block of every layer.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import numpy as np
 
 from minisarathi.batch import Batch
 
-# Decodes run in groups whose gathered K and V take about this many bytes: a group's tiles are still in the
+# Decodes whose K/V is not kept (more padded blocks than the pool has) are gathered each step, in groups
+# whose K and V take about this many bytes: a group's tiles are still in the
 # cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
 # sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20
@@ -51,20 +52,20 @@ class AttentionPlan:
             context_lens = batch.context_lens[decodes]
             blocks_per_seq = -(-int(context_lens.max()) // block_size)
             n = blocks_per_seq * block_size
-            self.decode_tiles = cache_tiles(batch.block_tables[decodes, :blocks_per_seq], num_kv_heads).ravel()
+            self.decode_blocks = batch.block_tables[decodes, :blocks_per_seq]             # int[S, B]
+            # bool[S, B]: the entries within each context (past it, the table's padding: masked out)
+            self.decode_blocks_used = np.arange(blocks_per_seq) < -(-context_lens[:, None] // block_size)
             self.decode_keys = n
-            self.decode_group = max(1, DECODE_GROUP_BYTES // (2 * num_kv_heads * n * head_dim * 4))
             # float32[S, 1, 1, n]: -inf on the keys past each context (padding reads whatever the
             # block-table entries past a context name, so the cache must hold finite numbers)
             self.decode_mask = np.where(np.arange(n) >= context_lens[:, None], np.float32(-np.inf),
                                         np.float32(0))[:, None, None, :]
-            # Decode K/V that fits one group is gathered again each step: it stays in the cache for the
-            # products, and is cheaper in NumPy calls than finding what changed. Larger, it is kept across
-            # steps (DecodeKV) while its padded tiles are no more than the pool holds (the copy then costs
-            # at most the KV cache's memory again); past that, it is gathered group by group.
-            decode_bytes = 2 * len(self.decode_tiles) * block_size * head_dim * 4
-            self.keeps_decode_kv = (DECODE_GROUP_BYTES < decode_bytes
-                                    and len(self.decode_tiles) <= num_blocks * num_kv_heads)
+            # Decode K/V is kept from one step to the next (DecodeKV: a step copies only the blocks written
+            # since, each sequence's last one) while its padded blocks are no more than the pool holds (the
+            # copy costs at most the KV cache's memory again); past that, it is gathered each step, in groups.
+            self.keeps_decode_kv = self.decode_blocks.size <= num_blocks
+            self.decode_tiles = cache_tiles(self.decode_blocks, num_kv_heads).ravel()
+            self.decode_group = max(1, DECODE_GROUP_BYTES // (2 * num_kv_heads * n * head_dim * 4))
         self.prefills = []    # (first row, last row + 1, tiles, context length) per longer run
         for s in np.flatnonzero(q_lens > 1).tolist():
             context_len = int(batch.context_lens[s])
@@ -101,46 +102,52 @@ class GatherBuffers:
 
 
 class DecodeKV:
-    """One layer's decode K/V tiles, kept gathered from one step to the next: a step re-copies only the tiles
-    that changed (a block written since it was copied, or another tile at that place: the decode batch
-    changed), typically each sequence's last block. The cache must be written only through
-    NumpyOps.store_kv, which reports the blocks it writes (written()). Costs memory: a second copy of the
-    decode batch's K/V, at most the KV pool's size."""
+    """One layer's decode K/V, kept gathered from one step to the next as [rows, Hk, columns, block_size, D]:
+    row r, column j holds block block_tables[r, j] of the decode batch, all heads, so [:S, :, :B] seen as
+    [S, Hk, B * block_size, D] is every decode's keys head by head (a view: no copy). A step re-copies only
+    the (row, column) blocks that changed: a block written since it was copied (in steady decoding, each
+    sequence's last block) or another block at that place (a sequence finished or joined). Columns and rows
+    are allocated with room to grow, so that a context entering a new block does not move the others. The
+    cache must be written only through NumpyOps.store_kv or copy_blocks, which report the blocks they write
+    (written()). Costs memory: a second copy of the decode batch's K/V, at most the KV pool's size."""
 
     def __init__(self, k_cache: np.ndarray):
-        num_blocks, _, block_size, D = k_cache.shape
-        self._clock = 0                                         # counts this layer's store_kv calls
+        num_blocks, Hk, block_size, D = k_cache.shape
+        self._clock = 0                                         # counts this layer's reported writes
         self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
-        self._tiles = np.empty(0, np.int64)                     # the tile each entry holds (-1: none)
-        self._copied = np.empty(0, np.int64)                    # the clock when each entry was copied
-        self._k = self._v = np.empty((0, block_size, D), np.float32)
+        self._held = np.empty((0, 0), np.int64)                 # [rows, columns]: the block each place holds, -1 none
+        self._copied = np.empty((0, 0), np.int64)               # [rows, columns]: the clock when it was copied
+        self._k = self._v = np.empty((0, Hk, 0, block_size, D), np.float32)
 
     def written(self, blocks: np.ndarray) -> None:
         self._clock += 1
         self._block_written[blocks] = self._clock
 
-    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32[len(tiles), block_size, D] each: the K and V tiles (valid until the next call)."""
+    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray,
+               used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32[S, Hk, B * block_size, D] each: the K and V of blocks (int[S, B], each decode's block-table
+        entries) head by head, views valid until the next call. Only the entries where used (bool[S, B]) are
+        copied: the others are padding, masked out, which needs only finite numbers."""
         num_blocks, Hk, block_size, D = k_cache.shape
-        m = len(tiles)
-        if len(self._tiles) < m:      # grow by a quarter at least (contexts grow), to the pool's size at most
-            size = min(max(m, len(self._tiles) * 5 // 4), num_blocks * Hk)
-            self._tiles, self._copied = np.full(size, -1, np.int64), np.zeros(size, np.int64)
-            self._k, self._v = (np.empty((size, block_size, D), np.float32) for _ in range(2))
-        stale = np.flatnonzero((self._tiles[:m] != tiles) | (self._block_written[tiles // Hk] > self._copied[:m]))
-        k, v = self._k[:m], self._v[:m]
-        k_tiles = k_cache.reshape(num_blocks * Hk, block_size, D)
-        v_tiles = v_cache.reshape(num_blocks * Hk, block_size, D)
-        if len(stale) == m:
-            # mode="clip": with out=, the default "raise" copies through a temporary; the indices are valid
-            np.take(k_tiles, tiles, axis=0, out=k, mode="clip")
-            np.take(v_tiles, tiles, axis=0, out=v, mode="clip")
-        elif len(stale):
-            k[stale] = k_tiles[tiles[stale]]
-            v[stale] = v_tiles[tiles[stale]]
-        self._tiles[:m] = tiles
-        self._copied[stale] = self._clock
-        return k, v
+        S, B = blocks.shape
+        rows, columns = self._held.shape
+        if S > rows or B > columns:   # grow by a quarter (contexts grow), within the pool's size
+            rows = max(S, rows)
+            columns = max(B, min(columns * 5 // 4, num_blocks // rows))
+            self._held, self._copied = np.full((rows, columns), -1, np.int64), np.zeros((rows, columns), np.int64)
+            # zeros: places never copied stay finite, as the padding of a short row must (it is masked out)
+            self._k, self._v = (np.zeros((rows, Hk, columns, block_size, D), np.float32) for _ in range(2))
+        held = self._held[:S, :B]
+        stale = (held != blocks) | (self._block_written[blocks] > self._copied[:S, :B])
+        stale_rows, stale_columns = np.nonzero(stale & used)
+        if len(stale_rows):
+            source = blocks[stale_rows, stale_columns]
+            self._k[stale_rows, :, stale_columns] = k_cache[source]      # [stale, Hk, block_size, D]
+            self._v[stale_rows, :, stale_columns] = v_cache[source]
+            held[stale_rows, stale_columns] = source
+            self._copied[stale_rows, stale_columns] = self._clock
+        shape = (S, Hk, B * block_size, D)
+        return self._k[:S, :, :B].reshape(shape), self._v[:S, :, :B].reshape(shape)
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,
@@ -159,16 +166,19 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     if plan.num_decodes:
         q_decode = q[plan.decode_rows]                        # float32[S, Hk, G, D]
         out_decode = out[plan.decode_rows] if isinstance(plan.decode_rows, slice) else np.empty_like(q_decode)
-        tiles_per_seq = len(plan.decode_tiles) // plan.num_decodes
         if decode_kv is not None:
-            kept = decode_kv.gather(k_cache, v_cache, plan.decode_tiles)
-        group = plan.num_decodes if decode_kv is not None else plan.decode_group
+            kept = decode_kv.gather(k_cache, v_cache, plan.decode_blocks, plan.decode_blocks_used)
+            group = plan.num_decodes
+        else:
+            group, tiles_per_seq = plan.decode_group, len(plan.decode_tiles) // plan.num_decodes
         for first in range(0, plan.num_decodes, group):
             rows = slice(first, min(first + group, plan.num_decodes))
-            entries = slice(rows.start * tiles_per_seq, rows.stop * tiles_per_seq)
-            k, v = (kept[0][entries], kept[1][entries]) if decode_kv is not None else \
-                buffers.gather(k_cache, v_cache, plan.decode_tiles[entries])
-            k, v = k.reshape(-1, Hk, plan.decode_keys, D), v.reshape(-1, Hk, plan.decode_keys, D)
+            if decode_kv is not None:
+                k, v = kept                                   # float32[S, Hk, n, D] each
+            else:
+                entries = slice(rows.start * tiles_per_seq, rows.stop * tiles_per_seq)
+                k, v = buffers.gather(k_cache, v_cache, plan.decode_tiles[entries])
+                k, v = k.reshape(-1, Hk, plan.decode_keys, D), v.reshape(-1, Hk, plan.decode_keys, D)
             scores = q_decode[rows] @ k.swapaxes(-1, -2)      # float32[s, Hk, G, n]
             scores += plan.decode_mask[rows]
             denominator = _exp_in_place(scores)
