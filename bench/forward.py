@@ -4,7 +4,8 @@
     python -m bench.forward --small    # a quick run on a small shape
 
 For each case it times the whole forward (best of --repeats) and the same weight matmuls (q/k/v, o,
-gate/up, down per layer, lm_head for the sampled rows) on inputs of the same shapes; the ratio shows
+gate/up, down per layer, lm_head for the sampled rows, through the backend's linear) on inputs of the same
+shapes and layouts; the ratio shows
 what everything else (attention, norms, RoPE, KV writes, Python) costs. Prints one JSON line per case,
 then a table.
 """
@@ -68,18 +69,24 @@ def best_times(fns, repeats: int, clock=time.perf_counter) -> list[float]:
 
 
 def matmuls_alone(model: LlamaModel, num_tokens: int, num_logits: int):
-    """A function doing just the forward's weight matmuls for num_tokens rows."""
+    """A function doing just the forward's weight matmuls for num_tokens rows, as the forward does them: the
+    backend's linear (its choice of product for the row count), each input in the layout the forward hands
+    it (the down projection's is what silu_and_mul leaves of the gate/up product: F order after a transposed
+    product)."""
     rng = np.random.default_rng(1)
-    c = model.config
-    inputs = {K: rng.standard_normal((num_tokens, K), dtype=np.float32)
-              for K in (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)}
+    ops, c = model.ops, model.config
+    x = rng.standard_normal((num_tokens, c.hidden_size), dtype=np.float32)
+    attn = rng.standard_normal((num_tokens, c.num_attention_heads * c.head_dim), dtype=np.float32)
+    act = ops.silu_and_mul(ops.linear(x, model.layers[0].gate_up_proj))   # float32[T, I]
     last = rng.standard_normal((num_logits, c.hidden_size), dtype=np.float32)
 
     def run():
         for layer in model.layers:
-            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                inputs[w.shape[1]] @ w.T
-        last @ model.lm_head.T
+            ops.linear(x, layer.qkv_proj)
+            ops.linear(attn, layer.o_proj)
+            ops.linear(x, layer.gate_up_proj)
+            ops.linear(act, layer.down_proj)
+        ops.linear(last, model.lm_head)
     return run
 
 

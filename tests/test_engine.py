@@ -89,7 +89,9 @@ PREEMPTING = ("sarathi", "simple_chunking", "vllm")
 
 
 @pytest.mark.parametrize("policy,chunk,block,caching,num_blocks", GRID)
-def test_greedy_tokens_identical_every_way(requests, reference, policy, chunk, block, caching, num_blocks):
+def test_greedy_tokens_identical_every_way(requests, reference, policy, chunk, block, caching, num_blocks,
+                                           blas_core):
+    """Against each request alone, computed with this machine's matmul form; blas_core: either form here."""
     engine = LLMEngine(scheduler=policy, chunk_size=chunk, block_size=block, enable_prefix_caching=caching,
                        num_kv_blocks=num_blocks or 1024 // block)
     finals = run(engine, requests, on_step=check_batch_shape)

@@ -56,7 +56,7 @@ def test_bundled_model_reproduces_the_readme_story(stories):
 
 
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
-def test_matches_transformers_goldens(name):
+def test_matches_transformers_goldens(name, blas_core):
     golden = np.load(GOLDEN / name / "golden.npz")
     model = load_model(GOLDEN / name)
     logits, tokens = prefill_then_greedy(model, golden["prompt"].tolist(), len(golden["greedy_tokens"]))
@@ -65,7 +65,8 @@ def test_matches_transformers_goldens(name):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
-def test_chunked_prefill_equals_full_prefill(stories, chunk_size):
+def test_chunked_prefill_equals_full_prefill(stories, chunk_size, blas_core, monkeypatch):
+    monkeypatch.setattr(stories.ops, "blas_core", blas_core)
     prompt = np.random.default_rng(0).integers(3, 512, 300).tolist()  # full prefill: 3 query tiles
     full_logits, full_tokens = prefill_then_greedy(stories, prompt, 20)
     chunk_logits, chunk_tokens = prefill_then_greedy(stories, prompt, 20, chunk_size=chunk_size)
@@ -74,8 +75,9 @@ def test_chunked_prefill_equals_full_prefill(stories, chunk_size):
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size):
+def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size, blas_core, monkeypatch):
     """Sequences join at random steps and advance by random chunks, so prefills and decodes share batches."""
+    monkeypatch.setattr(stories.ops, "blas_core", blas_core)
     rng = np.random.default_rng(block_size)
     prompts = [rng.integers(3, 512, n).tolist() for n in (37, 1, 12, 70)]
     new_tokens = 12

@@ -22,6 +22,7 @@ memory in the process (up to 256 MiB) removes those faults; other allocators are
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -78,27 +79,39 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def openblas_core() -> str | None:
+    """The core whose kernels the process's OpenBLAS uses (fixed when it loads), e.g. "SkylakeX"; None where
+    that is unknown: another BLAS library, or no threadpoolctl to ask."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    cores = [i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"]
+    return cores[0] if cores else None
+
+
 def blas_kernels(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """The OpenBLAS core in force (threadpoolctl) and where it comes from; a hint when OPENBLAS_CORETYPE keeps
     an AVX-512 CPU on older kernels."""
     try:
-        from threadpoolctl import threadpool_info
+        import threadpoolctl  # noqa: F401
     except ImportError:
         return "unknown (threadpoolctl is not installed)"
-    cores = [i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"]
-    if not cores:
+    core = openblas_core()
+    if core is None:
         return "not OpenBLAS"
     forced = os.environ.get("OPENBLAS_CORETYPE")
     if not forced:
-        return f"{cores[0]} (OpenBLAS's choice for this CPU)"
+        return f"{core} (OpenBLAS's choice for this CPU)"
     try:
         with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
             flags = cpu_flags(f.read(1 << 16))     # the first processor's entry is near the top
     except OSError:
         flags = frozenset()
     hint = ("; this CPU has AVX-512: unset it for OpenBLAS's own choice, faster matmuls"
-            if cores[0] not in AVX512_CORES and AVX512_FLAGS <= flags else "")
-    return f"{cores[0]} (OPENBLAS_CORETYPE={forced} in the environment{hint})"
+            if core not in AVX512_CORES and AVX512_FLAGS <= flags else "")
+    return f"{core} (OPENBLAS_CORETYPE={forced} in the environment{hint})"
 
 
 def tune_allocator() -> bool:

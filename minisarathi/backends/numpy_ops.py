@@ -1,7 +1,7 @@
 """The reference backend: the ops of docs/architecture.md in float32 NumPy on the CPU.
 
 Rows of `x` are tokens. Weights keep HF's [out, in] layout, so a linear layer is `x @ w.T`, which BLAS
-reads as a transposed operand without a copy.
+reads as a transposed operand without a copy, or the transposed product `w @ x.T` (transposed_linear).
 """
 from __future__ import annotations
 
@@ -10,9 +10,27 @@ import weakref
 import numpy as np
 
 from minisarathi.backends import numpy_attention
+from minisarathi.backends.cpu_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.numpy_attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
+
+
+# Where NumpyOps.linear computes the transposed product. For x[M, K] and a weight w[N, K], BLAS computes
+# x @ w.T, or w @ x.T ([N, M], handed on as its [M, N] transposed view, no copy; the next linear then gets
+# an F-order input, so the MLP runs feature-major: gate/up, SiLU, down without a copy). Which is faster
+# depends on the kernels, measured with bench/matmul_layouts.py (one thread, GFLOP/s; docs/performance.md,
+# "Weight matmuls: which product"). OpenBLAS's AVX-512 kernels: the transposed product is 1.5-2.7x faster at
+# 2-64 rows on the tiny/small/2048 models' shapes (small gate_up at 32 rows: 104 -> 199), 1.1-1.3x at 128,
+# even at 1 row (the same gemv); past 128 rows the stories260K model's 64-wide matrices run up to 1.4x slower
+# with it. Its Haswell (AVX2) kernels: at most 1.1x faster on the small models, 1.1-1.25x slower on the
+# 2048-hidden model's MLP and lm_head, so they keep x @ w.T, as does any other BLAS (unmeasured).
+TRANSPOSED_ROWS = range(2, 129)
+
+
+def transposed_linear(rows: int, blas_core: str | None) -> bool:
+    """Whether NumpyOps.linear computes x[rows, K] @ w.T as (w @ x.T).T, for OpenBLAS kernels `blas_core`."""
+    return blas_core in AVX512_CORES and rows in TRANSPOSED_ROWS
 
 
 class NumpyOps:
@@ -28,6 +46,7 @@ class NumpyOps:
     activation_dtype = np.dtype(np.float32)   # of activations and the KV cache
 
     def __init__(self):
+        self.blas_core = openblas_core()   # the OpenBLAS kernels in force, which choose linear's product
         self._rope_tables = (None, None, None)      # (positions, cos_sin, per-column tables) of the last call
         self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
@@ -79,7 +98,12 @@ class NumpyOps:
         return self.rms_norm(residual, w, eps), residual
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        out = x @ w.T  # float32[T, N]
+        """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
+        transposed_linear chooses the transposed product."""
+        if transposed_linear(x.shape[0], self.blas_core):
+            out = (w @ x.T).T
+        else:
+            out = x @ w.T  # float32[T, N]
         if bias is not None:
             out += bias
         return out

@@ -1,0 +1,112 @@
+"""The forms a weight matmul can take in NumPy, timed side by side on the models' shapes (float32, one thread).
+
+    python -m bench.matmul_layouts                          # every model and op, rows 1..512
+    python -m bench.matmul_layouts --models tiny,small --rows 16,32,64
+
+Weights are stored [N, K] as HF stores them; a linear layer of M token rows can be computed as
+  x@w.T      x[M, K] @ w.T: the [M, N] result in C order (the backend's form before issue 15);
+  w@x.T      (w @ x.T).T: BLAS computes the transposed product [N, M], returned as an [M, N] view (F order);
+  w@x.T+copy the same, copied back to C order;
+  w@xfm      w @ x_fm for an input already feature-major (x_fm[K, M] C order: the view the form above gives
+             to the next layer, e.g. the MLP's down projection after silu_and_mul);
+and NumpyOps.linear's choice (minisarathi/backends/numpy_ops.py, transposed_linear), so the rule can be checked
+against the table. Each form is checked against the first; all are timed in turns (best of --repeats, this
+thread's CPU time, one BLAS thread, the process set up as the engine sets it up) so that load from other
+processes falls on all alike. Prints one JSON line per shape, rows and form (GFLOP/s), then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from minisarathi.backends.cpu_setup import configure_cpu
+from minisarathi.backends.numpy_ops import NumpyOps
+
+# model: (hidden H, heads Hq, KV heads Hk, head_dim D, intermediate I, vocab V)
+MODELS = {"stories260K": (64, 8, 4, 8, 172, 512), "tiny": (256, 8, 4, 32, 2048, 512),
+          "small": (512, 8, 4, 64, 2048, 512), "2048": (2048, 32, 8, 64, 5632, 32000)}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def op_shapes(H: int, Hq: int, Hk: int, D: int, I: int, V: int) -> dict[str, tuple[int, int]]:
+    """op: (N, K) of its weight, as model/llama.py runs them."""
+    return {"qkv": ((Hq + 2 * Hk) * D, H), "o": (H, Hq * D), "gate_up": (2 * I, H), "down": (H, I),
+            "lm_head": (V, H)}
+
+
+def forms(x: np.ndarray, w: np.ndarray, ops: NumpyOps) -> dict:
+    x_fm = np.ascontiguousarray(x.T)   # float32[K, M]
+    return {"x@w.T": lambda: x @ w.T,
+            "w@x.T": lambda: (w @ x.T).T,
+            "w@x.T+copy": lambda: np.ascontiguousarray((w @ x.T).T),
+            "w@xfm": lambda: w @ x_fm,
+            "linear": lambda: ops.linear(x, w)}
+
+
+def best_seconds(fns: list, repeats: int, min_seconds: float) -> list[float]:
+    """Per function, the best over repeats of the mean thread-CPU seconds of a call, in turns."""
+    loops = []
+    for fn in fns:
+        fn()
+        start, n = time.thread_time(), 0
+        while time.thread_time() - start < min_seconds / 4 or n == 0:
+            fn()
+            n += 1
+        per_call = (time.thread_time() - start) / n
+        loops.append(max(1, int(min_seconds / max(per_call, 1e-7))))
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.thread_time()
+            for _ in range(loops[i]):
+                fn()
+            best[i] = min(best[i], (time.thread_time() - start) / loops[i])
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--ops", default="qkv,o,gate_up,down,lm_head")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-ms", type=float, default=10.0, help="CPU time per timed run of a form")
+    args = parser.parse_args()
+    setup = configure_cpu(1)   # as the engine sets the process up; one thread: its CPU time is the work
+    print(setup.describe(), file=sys.stderr, flush=True)
+    ops, rng = NumpyOps(), np.random.default_rng(0)
+    table = []
+    for model in args.models.split(","):
+        shapes = op_shapes(*MODELS[model])
+        for op in args.ops.split(","):
+            N, K = shapes[op]
+            w = rng.standard_normal((N, K), dtype=np.float32)
+            for M in map(int, args.rows.split(",")):
+                x = rng.standard_normal((M, K), dtype=np.float32)
+                named = forms(x, w, ops)
+                reference = named["x@w.T"]()
+                for name, fn in named.items():
+                    result = fn()
+                    got = result.T if name == "w@xfm" else result
+                    if not np.allclose(got, reference, rtol=1e-4, atol=1e-3 * np.sqrt(K)):
+                        raise AssertionError(f"{model} {op} M={M}: {name} differs from x@w.T")
+                seconds = best_seconds(list(named.values()), args.repeats, args.min_ms / 1e3)
+                gflops = {name: round(2 * M * N * K / s / 1e9, 1) for name, s in zip(named, seconds)}
+                row = {"bench": "matmul_layouts", "blas_kernels": setup.blas_kernels, "model": model, "op": op,
+                       "N": N, "K": K, "rows": M, "gflops": gflops}
+                print(json.dumps(row), flush=True)
+                table.append(row)
+    names = list(table[0]["gflops"])
+    print(f"\nGFLOP/s, one thread; OpenBLAS: {setup.blas_kernels}")
+    print(f"{'model':12} {'op':8} {'N':>6} {'K':>5} {'rows':>5} " + " ".join(f"{n:>10}" for n in names))
+    for r in table:
+        print(f"{r['model']:12} {r['op']:8} {r['N']:6d} {r['K']:5d} {r['rows']:5d} "
+              + " ".join(f"{r['gflops'][n]:10.1f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()

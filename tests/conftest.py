@@ -1,0 +1,17 @@
+"""Fixtures shared by test modules."""
+import pytest
+
+from minisarathi.backends import numpy_ops
+
+# NumpyOps.linear's two products (numpy_ops.transposed_linear), each chosen by an OpenBLAS core: tests that
+# run the model take both, whatever kernels this machine's OpenBLAS uses.
+LINEAR_FORMS = {"x@w.T": None, "(w@x.T).T": "SkylakeX"}
+
+
+@pytest.fixture(params=list(LINEAR_FORMS))
+def blas_core(request, monkeypatch):
+    """The OpenBLAS core that NumpyOps made from now on believe in force (set it on older ones): x @ w.T at
+    every row count, or the transposed product at the rows transposed_linear gives it."""
+    core = LINEAR_FORMS[request.param]
+    monkeypatch.setattr(numpy_ops, "openblas_core", lambda: core)
+    return core
