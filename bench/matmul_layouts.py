@@ -10,13 +10,16 @@ Weights are stored [N, K] as HF stores them; a linear layer of M token rows can 
   w@xfm      w @ x_fm for an input already feature-major (x_fm[K, M] C order: the view the form above gives
              to the next layer, e.g. the MLP's down projection after silu_and_mul);
 and NumpyOps.linear's choice (minisarathi/backends/numpy_ops.py, transposed_linear), so the rule can be checked
-against the table. Each form is checked against the first; all are timed in turns (best of --repeats, this
-thread's CPU time, one BLAS thread, the process set up as the engine sets it up) so that load from other
-processes falls on all alike. Prints one JSON line per shape, rows and form (GFLOP/s), then a table.
+against the table. With --cold each call reads its weight from memory, as a forward of a model larger than
+the caches does (the tiny model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is
+checked against the first; all are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread,
+the process set up as the engine sets it up) so that load from other processes falls on all alike. Prints one
+JSON line per shape, rows and form (GFLOP/s), then a table.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -30,6 +33,7 @@ from minisarathi.backends.numpy_ops import NumpyOps
 MODELS = {"stories260K": (64, 8, 4, 8, 172, 512), "tiny": (256, 8, 4, 32, 2048, 512),
           "small": (512, 8, 4, 64, 2048, 512), "2048": (2048, 32, 8, 64, 5632, 32000)}
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+COLD_BYTES = 256 << 20
 
 
 def op_shapes(H: int, Hq: int, Hk: int, D: int, I: int, V: int) -> dict[str, tuple[int, int]]:
@@ -38,13 +42,14 @@ def op_shapes(H: int, Hq: int, Hk: int, D: int, I: int, V: int) -> dict[str, tup
             "lm_head": (V, H)}
 
 
-def forms(x: np.ndarray, w: np.ndarray, ops: NumpyOps) -> dict:
+def forms(x: np.ndarray, weight, ops: NumpyOps) -> dict:
+    """name: a function computing x's product with weight() in that form."""
     x_fm = np.ascontiguousarray(x.T)   # float32[K, M]
-    return {"x@w.T": lambda: x @ w.T,
-            "w@x.T": lambda: (w @ x.T).T,
-            "w@x.T+copy": lambda: np.ascontiguousarray((w @ x.T).T),
-            "w@xfm": lambda: w @ x_fm,
-            "linear": lambda: ops.linear(x, w)}
+    return {"x@w.T": lambda: x @ weight().T,
+            "w@x.T": lambda: (weight() @ x.T).T,
+            "w@x.T+copy": lambda: np.ascontiguousarray((weight() @ x.T).T),
+            "w@xfm": lambda: weight() @ x_fm,
+            "linear": lambda: ops.linear(x, weight())}
 
 
 def best_seconds(fns: list, repeats: int, min_seconds: float) -> list[float]:
@@ -75,6 +80,8 @@ def main():
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-ms", type=float, default=10.0, help="CPU time per timed run of a form")
+    parser.add_argument("--cold", action="store_true",
+                        help="each call reads its weight from memory, not from a cache (copies used in turn)")
     args = parser.parse_args()
     setup = configure_cpu(1)   # as the engine sets the process up; one thread: its CPU time is the work
     print(setup.describe(), file=sys.stderr, flush=True)
@@ -85,9 +92,12 @@ def main():
         for op in args.ops.split(","):
             N, K = shapes[op]
             w = rng.standard_normal((N, K), dtype=np.float32)
+            # --cold: copies in turn, together larger than any cache, as a forward reads a large model's weights
+            weight = itertools.cycle([w] + [w.copy() for _ in range(COLD_BYTES // w.nbytes if args.cold else 0)]
+                                     ).__next__
             for M in map(int, args.rows.split(",")):
                 x = rng.standard_normal((M, K), dtype=np.float32)
-                named = forms(x, w, ops)
+                named = forms(x, weight, ops)
                 reference = named["x@w.T"]()
                 for name, fn in named.items():
                     result = fn()
@@ -96,12 +106,13 @@ def main():
                         raise AssertionError(f"{model} {op} M={M}: {name} differs from x@w.T")
                 seconds = best_seconds(list(named.values()), args.repeats, args.min_ms / 1e3)
                 gflops = {name: round(2 * M * N * K / s / 1e9, 1) for name, s in zip(named, seconds)}
-                row = {"bench": "matmul_layouts", "blas_kernels": setup.blas_kernels, "model": model, "op": op,
-                       "N": N, "K": K, "rows": M, "gflops": gflops}
+                row = {"bench": "matmul_layouts", "blas_kernels": setup.blas_kernels, "cold": args.cold,
+                       "model": model, "op": op, "N": N, "K": K, "rows": M, "gflops": gflops}
                 print(json.dumps(row), flush=True)
                 table.append(row)
     names = list(table[0]["gflops"])
-    print(f"\nGFLOP/s, one thread; OpenBLAS: {setup.blas_kernels}")
+    where = "from memory" if args.cold else "in cache"
+    print(f"\nGFLOP/s, one thread, weights {where}; OpenBLAS: {setup.blas_kernels}")
     print(f"{'model':12} {'op':8} {'N':>6} {'K':>5} {'rows':>5} " + " ".join(f"{n:>10}" for n in names))
     for r in table:
         print(f"{r['model']:12} {r['op']:8} {r['N']:6d} {r['K']:5d} {r['rows']:5d} "

@@ -303,7 +303,7 @@ def test_generation_stops_at_max_model_len():
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
 
 
-def test_stop_token_ids_stop_strings_and_min_tokens(reference, requests):
+def test_stop_token_ids_stop_strings_and_min_tokens(reference, requests, blas_core):
     engine = LLMEngine()
     rid, prompt, _ = requests[0]
     tokens = reference[rid]
@@ -353,7 +353,7 @@ def test_eos_ends_a_request_unless_ignored():
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch(requests):
+def test_seeded_sampling_is_reproducible_whatever_the_batch(requests, blas_core):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
     alone = generate(LLMEngine(), "Tom had a red", params).outputs[0].token_ids
     # in a crowd, in small chunks, newest, in a pool small enough that it is preempted mid-decode
@@ -389,7 +389,7 @@ def test_metrics_timeline_and_stats(requests):
     assert all(r.schedule_time >= 0 and r.execution_time > 0 and r.step_time >= r.execution_time for r in records)
 
 
-def test_logprobs_per_token():
+def test_logprobs_per_token(blas_core):
     engine = LLMEngine()
     out = generate(engine, "Once upon a time", SamplingParams(temperature=0, max_tokens=6, logprobs=3))
     completion = out.outputs[0]

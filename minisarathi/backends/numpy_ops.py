@@ -20,11 +20,13 @@ from minisarathi.sampler import Sampler
 # x @ w.T, or w @ x.T ([N, M], handed on as its [M, N] transposed view, no copy; the next linear then gets
 # an F-order input, so the MLP runs feature-major: gate/up, SiLU, down without a copy). Which is faster
 # depends on the kernels, measured with bench/matmul_layouts.py (one thread, GFLOP/s; docs/performance.md,
-# "Weight matmuls: which product"). OpenBLAS's AVX-512 kernels: the transposed product is 1.5-2.7x faster at
-# 2-64 rows on the tiny/small/2048 models' shapes (small gate_up at 32 rows: 104 -> 199), 1.1-1.3x at 128,
-# even at 1 row (the same gemv); past 128 rows the stories260K model's 64-wide matrices run up to 1.4x slower
-# with it. Its Haswell (AVX2) kernels: at most 1.1x faster on the small models, 1.1-1.25x slower on the
-# 2048-hidden model's MLP and lm_head, so they keep x @ w.T, as does any other BLAS (unmeasured).
+# "Weight matmuls: which product"). OpenBLAS's AVX-512 kernels: the transposed product is 1.3-2.8x faster at
+# 4-64 rows on the tiny/small/2048 models' shapes (small gate_up at 32 rows: 101 -> 194), 1.1-1.3x at 128;
+# at 1 row both are the same gemv; past 128 rows the gain is a few percent and strided reads after it cost
+# more (RoPE, norms), and the stories260K model's 64-wide matrices run up to 1.4x slower with it. Its Haswell
+# (AVX2) kernels: 1.05-1.3x faster on the tiny/small shapes at 8-64 rows, up to 1.4x slower on the 2048-hidden
+# model's MLP and lm_head, no faster in the small model's burst; so they keep x @ w.T, as does any other BLAS
+# (unmeasured).
 TRANSPOSED_ROWS = range(2, 129)
 
 
