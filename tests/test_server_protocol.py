@@ -4,7 +4,7 @@ import pytest
 
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.protocol import (INVALID_PARAMS, RPCError, ServerLimits, make_unpacker, pack,
-                                         parse_generate, single_param, text_params)
+                                         parse_generate, single_param, text_params, token_id_list)
 
 LIMITS = ServerLimits(max_message_bytes=4096, max_tokens=100)
 
@@ -151,3 +151,16 @@ def test_a_connection_past_its_write_buffer_cap_is_dropped():
     assert conn.closed and transport.aborted
     conn.respond(3, None, "x" * 500)
     assert transport.buffered < 1100
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([], []), ([0, 511, 7], [0, 511, 7]), ([1.0, 2, 3.0], [1, 2, 3]),   # integral floats, as some encoders send
+    ([1.5], None), ([1.0, 1.5], None), ([-1], None), ([512], None), ([2.0, 512.0], None), ([True], None),
+    ([1.0, True], None), (["1"], None), ([1, None], None)])
+def test_token_id_lists_are_ints_in_the_vocabulary(values, expected):
+    if expected is None:
+        with pytest.raises(RPCError, match=r"token_ids must be integers in \[0, 512\)"):
+            token_id_list(values, "token_ids", 512)
+    else:
+        result = token_id_list(values, "token_ids", 512)
+        assert result == expected and all(type(t) is int for t in result)

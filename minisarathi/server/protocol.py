@@ -175,9 +175,11 @@ def as_int(value):
 def token_id_list(values: list, name: str, vocab_size: int) -> list[int]:
     """values as token ids in [0, vocab_size), else RPCError naming `name`. Checked at C speed: item by item,
     a 64k-id detokenize held the event loop ~10 ms."""
-    if _holds(values, float):
+    types = set(map(type, values))   # one pass over the types: a 64k-id list costs ~0.6 ms a pass, GIL held
+    if float in types:
         values = [as_int(v) for v in values]
-    if values and (set(map(type, values)) != {int} or min(values) < 0 or max(values) >= vocab_size):
+        types = set(map(type, values))
+    if values and (types != {int} or min(values) < 0 or max(values) >= vocab_size):
         raise RPCError(INVALID_PARAMS, f"{name} must be integers in [0, {vocab_size})")
     return values
 
