@@ -58,11 +58,12 @@ def test_a_plan_serves_only_its_batch():
         assert not np.array_equal(after, before)
 
 
-def test_kept_decode_kv_follows_every_write_and_batch_change():
+def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     """Engine-like steps with one backend: decodes write their token (store_kv) then attend; sequences
     finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
     block. Each step's output must equal a fresh backend's, which copies everything, and the path that
     gathers every step."""
+    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
     kept_steps = 0
     rng = np.random.default_rng(7)
     num_blocks = 48
