@@ -10,7 +10,7 @@ OpenBLAS's own kernels), every process pinned to --cpus and the benchmark client
 --warmup-bursts untimed bursts (default 0: bench/peers.py measures a fresh server's first burst), it runs
 `perf record -e cpu-clock -g` on every process of the server, enabled for exactly the burst (32 requests x 128
 prompt x 64 output tokens), then stops the server. oneDNN is asked for a perf map of its JIT kernels
-(ONEDNN_JIT_PROFILE=2) so that they get names.
+(ONEDNN_JIT_PROFILE=2: /tmp/perf-PID.map, a few kB, which --summarize needs later too) so that they get names.
 
 The summary attributes each sample to its process's role (vLLM: API server, engine core, worker; minisarathi:
 the engine thread, the event loop) and to a kind of work from the sampled function's library and name
