@@ -8,6 +8,7 @@ cut before the stop string completed first. It is streamed in pieces that never 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -173,7 +174,7 @@ class IncrementalDetokenizer:
         # the text that could hold their start are searched, so the work per token follows that text's length,
         # not the number of stops (16 stops searched one by one were 15% of a 33-request step).
         self._stops_by_first: dict[str, list[str]] = {}
-        for s in self._stops:
+        for s in sorted(self._stops):   # sorted: the stops a text is a proper prefix of follow it (bisect)
             self._stops_by_first.setdefault(s[0], []).append(s)
         self._longest_stop = max(map(len, self._stops), default=0)
         self._unchecked_tokens = min_tokens   # tokens still to come whose text cannot end a stop string
@@ -228,14 +229,19 @@ class IncrementalDetokenizer:
     def _stop_prefix_start(self, text: str) -> int:
         """Where the longest tail of `text` that is a proper prefix of a stop string starts (len if none)."""
         start = len(text)
-        for stop in self._stops_starting_in(text[max(0, len(text) - self._longest_stop + 1):]):
-            # such a tail is shorter than the stop and starts with its first character
-            i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        begin = max(0, start - self._longest_stop + 1)   # a longer tail is a prefix of no stop
+        for first in self._stops_by_first.keys() & set(text[begin:]):
+            # Each place of the first character is looked up once among the stops starting with it: maximal
+            # lists whose stops all start with a common character (" ") were searched stop by stop.
+            stops = self._stops_by_first[first]
+            i = text.find(first, begin)
             while 0 <= i < start:
-                if stop.startswith(text[i:]):
+                # the stops the tail is a proper prefix of sort right after it
+                j = bisect_right(stops, text[i:])
+                if j < len(stops) and stops[j].startswith(text[i:]):
                     start = i
                     break
-                i = text.find(stop[0], i + 1)
+                i = text.find(first, i + 1)
         return start
 
     def _stops_starting_in(self, text: str) -> list[str]:
