@@ -58,12 +58,18 @@ def test_a_plan_serves_only_its_batch():
         assert not np.array_equal(after, before)
 
 
+def born_full_of_nan(shape, dtype=float, order="C"):
+    """np.empty as it may be: float buffers that hold NaN until written."""
+    return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7, dtype, order=order)
+
+
 def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     """Engine-like steps with one backend: decodes write their token (store_kv) then attend; sequences
     finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
     block. Each step's output must equal a fresh backend's, which copies everything, and the path that
     gathers every step."""
     monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
+    monkeypatch.setattr(np, "empty", born_full_of_nan)   # whatever is read of a buffer (padding too) was written
     kept_steps = 0
     rng = np.random.default_rng(7)
     num_blocks = 48

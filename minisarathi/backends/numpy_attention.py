@@ -116,9 +116,9 @@ class DecodeKV:
     [S, Hk, B * block_size, D] is every decode's keys head by head (a view: no copy). A step re-copies only
     the (row, column) blocks that changed: a block written since it was copied (in steady decoding, each
     sequence's last block) or another block at that place (a sequence finished or joined). When B changes
-    (the longest context enters a new block: at most every block_size steps) or rows are added, all is copied
-    anew: the products read contiguous [B * block_size, D] matrices (strided ones with room for more blocks
-    cost 5% more). The cache must be written only through NumpyOps.store_kv or copy_blocks, which report the
+    (the longest context enters a new block: at most every block_size steps), all is copied anew: the
+    products read contiguous [B * block_size, D] matrices (strided ones with room for more blocks cost 5%
+    more); rows have room to be added (decodes join one by one). The cache must be written only through NumpyOps.store_kv or copy_blocks, which report the
     blocks they write (written()). Costs memory: a second copy of the decode batch's K/V, at most the KV
     pool's size (AttentionPlan keeps it only when S * B blocks fit the pool)."""
 
@@ -137,17 +137,17 @@ class DecodeKV:
     def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray,
                used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32[S, Hk, B * block_size, D] each: the K and V of blocks (int[S, B], each decode's block-table
-        entries) head by head, views valid until the next call. Only the entries where used (bool[S, B]) are
-        copied: the others are padding, masked out, which needs only finite numbers."""
-        _, Hk, block_size, D = k_cache.shape
+        entries) head by head, views valid until the next call. Once the buffers exist, only the entries where
+        used (bool[S, B]) are copied: the others are padding, masked out, which needs only finite numbers."""
+        num_blocks, Hk, block_size, D = k_cache.shape
         S, B = blocks.shape
         if S > len(self._held) or B != self._held.shape[1]:
-            self._held, self._copied = np.full((S, B), -1, np.int64), np.zeros((S, B), np.int64)
-            # zeros: places never copied stay finite, as the padding of a short row must (it is masked out)
-            self._k, self._v = (np.zeros((S, Hk, B, block_size, D), np.float32) for _ in range(2))
+            self._allocate(S, B, num_blocks)
         held = self._held[:S]
         stale = (held != blocks) | (self._block_written[blocks] > self._copied[:S])
-        stale_rows, stale_columns = np.nonzero(stale & used)
+        # Padding (not used) is copied only into places never filled, so that it holds finite numbers, as it
+        # must though masked out; after that it is left alone.
+        stale_rows, stale_columns = np.nonzero(stale & (used | (held < 0)))
         if len(stale_rows):
             source = blocks[stale_rows, stale_columns]
             self._k[stale_rows, :, stale_columns] = k_cache[source]      # [stale, Hk, block_size, D]
@@ -156,6 +156,18 @@ class DecodeKV:
             self._copied[stale_rows, stale_columns] = self._clock
         shape = (S, Hk, B * block_size, D)
         return self._k[:S].reshape(shape), self._v[:S].reshape(shape)
+
+    def _allocate(self, S: int, B: int, num_blocks: int) -> None:
+        """Buffers for S rows of B blocks and room for as many more rows (decodes join one by one as their
+        prefills end), within the pool's size; rows already kept stay when B is the same."""
+        rows = max(S, min(2 * S, num_blocks // B))
+        held, copied = np.full((rows, B), -1, np.int64), np.zeros((rows, B), np.int64)
+        _, Hk, _, block_size, D = self._k.shape
+        k, v = (np.empty((rows, Hk, B, block_size, D), np.float32) for _ in range(2))
+        if B == self._held.shape[1]:
+            kept = len(self._held)
+            held[:kept], copied[:kept], k[:kept], v[:kept] = self._held, self._copied, self._k, self._v
+        self._held, self._copied, self._k, self._v = held, copied, k, v
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,
