@@ -112,13 +112,18 @@ def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size
         assert relative_error(sampled_logits[s][0], solo_logits[-1]) <= 1e-5
 
 
-@pytest.mark.parametrize("equal_decodes", [False, True])   # True: decodes of one context length, no padding mask
+# (history, query tokens) per sequence
+RUNS = {"mixed": lambda block_size: [(0, 5), (7, 1), (13, 4), (0, 1), (30, 1), (2, 9), (block_size, 1),
+                                     (block_size - 1, 1), (5, 300)],           # 300: several query tiles
+        "equal decodes": lambda block_size: [(20, 1), (20, 1), (3, 6), (20, 1)],   # no padding mask
+        "long decodes": lambda block_size: [(450, 1), (3, 6), (400, 1)]}          # scores computed transposed
+
+
+@pytest.mark.parametrize("runs", RUNS)
 @pytest.mark.parametrize("Hq, Hk, D, block_size", [(6, 2, 10, 3), (3, 3, 6, 5), (4, 1, 8, 1), (8, 4, 8, 16)])
-def test_paged_attention_matches_dense_float64(Hq, Hk, D, block_size, equal_decodes):
+def test_paged_attention_matches_dense_float64(Hq, Hk, D, block_size, runs):
     rng = np.random.default_rng(Hq * 100 + D)
-    runs = [(0, 5), (7, 1), (13, 4), (0, 1), (30, 1), (2, 9), (block_size, 1), (block_size - 1, 1), (5, 300)]  # 300: several query tiles  # (history, query tokens)
-    if equal_decodes:
-        runs = [(20, 1), (20, 1), (3, 6), (20, 1)]
+    runs = RUNS[runs](block_size)
     lengths = [-(-(h + q) // block_size) for h, q in runs]
     num_blocks = sum(lengths) + 2
     pool = rng.permutation(num_blocks).tolist()

@@ -22,6 +22,13 @@ from minisarathi.batch import Batch
 # cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
 # sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20
+# From this many keys on, decode scores are computed transposed, as K @ q^T (n rows by G columns) rather than
+# q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 (SkylakeX) kernels
+# do the few-rows product 1.9x slower than the transposed one at G = 4, D = 64 and 384-1024 keys, 1.3x at
+# G = 2 with 512 keys (the 2048 model's decode attention at context 512: 2.1x faster); below 384 keys the
+# few-rows product is as fast or faster, and with the Haswell kernels both forms cost the same
+# (docs/performance.md, "Calls per layer and step").
+TRANSPOSED_SCORES_KEYS = 384
 # Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
 # (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
 # 64 rows: 10-15% faster than 128 from head_dim 8 to 64 and chunks of 128 to 512 tokens (fewer masked
@@ -185,6 +192,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     out = np.empty((T, Hk, G, D), dtype=np.float32)
     if plan.num_decodes:
         q_decode = q[plan.decode_rows]                        # float32[S, Hk, G, D]
+        if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
+            q_decode_t = np.ascontiguousarray(q_decode.swapaxes(-1, -2))   # float32[S, Hk, D, G]
         out_decode = out[plan.decode_rows] if isinstance(plan.decode_rows, slice) else np.empty_like(q_decode)
         if decode_kv is not None:
             kept = decode_kv.gather(k_cache, v_cache, plan.decode_blocks, plan.decode_blocks_used)
@@ -201,7 +210,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
                 shape = (-1, Hk, tiles_per_seq // Hk * block_size, D)
                 k, v = k.reshape(shape), v.reshape(shape)
             k, v = k[:, :, :plan.decode_keys], v[:, :, :plan.decode_keys]
-            scores = q_decode[rows] @ k.swapaxes(-1, -2)      # float32[s, Hk, G, n]
+            if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:   # [s, Hk, n, D] @ [s, Hk, D, G], then [s, Hk, G, n]
+                scores = np.ascontiguousarray((k @ q_decode_t[rows]).swapaxes(-1, -2))
+            else:
+                scores = q_decode[rows] @ k.swapaxes(-1, -2)  # float32[s, Hk, G, n]
             if plan.decode_mask is not None:
                 scores += plan.decode_mask[rows]
             denominator = _exp_in_place(scores)
