@@ -99,8 +99,7 @@ class PendingSample:
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
-        self._eos_array = np.array(self.eos_token_ids, np.int64)
+        self._eos_array = np.array(eos_token_ids, np.int64)   # int64[E]: masked while min_tokens is not reached
         self._rng = make_generator(seed)             # for the rows without a seed of their own
         # Tokens per block of the inverse CDF: the largest power of two dividing V and at most sqrt(V).
         self._cdf_block = 1

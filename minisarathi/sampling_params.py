@@ -75,7 +75,7 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for t in self.stop_token_ids:
-            check_int("stop_token_ids", t, lo=0)
+            check_int("stop_token_ids", t, lo=0, hi=2**63 - 1)   # int64 below
         # int64[S], made once per request (not a field: the doors take fields from clients): the sampler masks
         # these ids at every step until min_tokens, for the whole batch in one assignment.
         self.stop_token_array = np.array(self.stop_token_ids, np.int64)

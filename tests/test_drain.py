@@ -138,6 +138,36 @@ def test_sigterm_closes_the_http_listener_while_its_stream_finishes_and_ready_tu
         assert server.proc.wait(timeout=30) == 0
 
 
+def test_with_a_drain_delay_ready_turns_503_while_requests_are_still_served():
+    """--drain-delay: after SIGTERM the HTTP door's /ready answers 503 at once (a balancer's checks take the
+    replica out), while a new completion is still answered in full; only then does the listener close."""
+    pytest.importorskip("aiohttp")
+    from test_http import API_KEY, launch
+    with launch("--http-port", "0", "--drain-delay", "3", "--shutdown-grace", "30") as server:
+        server.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        deadline = signalled + 10
+        while True:
+            probe = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+            probe.request("GET", "/ready")
+            if probe.getresponse().status == 503:
+                break
+            assert time.monotonic() < deadline, "/ready never turned 503"
+            time.sleep(0.05)
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": "stories260K", "prompt": "Tom had a red", "max_tokens": 8, "temperature": 0}),
+            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        answered = time.monotonic()
+        assert answered - signalled < 3, "the completion was not answered within the drain delay: no evidence"
+        assert json.loads(response.read())["choices"][0]["text"]
+        _wait_until_refused(server.http_port)
+        assert time.monotonic() - signalled >= 3      # the listener stayed open for the whole delay
+        assert server.proc.wait(timeout=30) == 0
+
+
 def test_clients_resend_what_a_draining_server_refused_to_the_server_that_replaces_it():
     """A stream keeps the AsyncClient's connection busy, so the draining server answers the call pipelined
     beside it with `overloaded` ("shutting down") instead of closing; the Client's idle connection is closed.

@@ -507,6 +507,22 @@ def test_the_tokenizer_thread_runs_at_a_lower_cpu_priority():
     assert nice == {"tokenizer": min(19, base + TOKENIZER_NICE_INCREMENT), "engine": base}, (nice, base)
 
 
+def test_big_tokenizer_calls_work_where_the_priority_may_not_be_changed(monkeypatch):
+    """A thread-pool initializer that raises breaks the pool for good: where setpriority is refused (e.g. by a
+    seccomp profile), every big tokenize would fail until a restart. The thread keeps its priority instead."""
+    from minisarathi.engine.engine import LLMEngine
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "setpriority", refused)
+    text = "Once upon a time. " * 1000
+    engine = LLMEngine()
+    with in_process_server(engine) as (_, port, _loop):
+        with Client("127.0.0.1", port, timeout=60) as c:
+            for _ in range(2):   # big: on the tokenizer thread
+                assert c.tokenize(text) == engine.tokenizer.encode(text)
+
+
 def test_the_http_door_tokenizes_big_prompts_off_the_event_loop_after_a_bytes_check():
     """The HTTP door tokenized every prompt on the event loop, in full before refusing a long one: while a big
     prompt is tokenized, the loop now answers others (here the tokenizer waits until /health was answered),

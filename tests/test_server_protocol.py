@@ -164,3 +164,12 @@ def test_token_id_lists_are_ints_in_the_vocabulary(values, expected):
     else:
         result = token_id_list(values, "token_ids", 512)
         assert result == expected and all(type(t) is int for t in result)
+
+
+def test_stop_token_ids_past_int64_are_an_invalid_params_error():
+    """An id of 2**63 or more (msgpack carries up to 2**64 - 1) overflowed the sampler's int64 array: an
+    internal error with a traceback in the log, where it is the client's invalid parameter."""
+    with pytest.raises(RPCError) as error:
+        parse_generate([{"prompt": "hi", "stop_token_ids": [2**63]}], LIMITS)
+    assert error.value.code == INVALID_PARAMS and "stop_token_ids" in error.value.message
+    assert parse_generate([{"prompt": "hi", "stop_token_ids": [2**63 - 1]}], LIMITS).params.stop_token_ids == [2**63 - 1]

@@ -43,8 +43,8 @@ class Backend(Protocol):
     def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
     def add_rms_norm(self, x: Array, residual: Array, w: Array, eps: float) -> tuple[Array, Array]: ...
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
-        """x[T, K] @ w[N, K].T (+ bias[N]): [T, N] in any memory layout (NumpyOps may hand on the transposed
-        product's F-order view), so no op may assume its inputs C-contiguous."""
+        """x[T, K] @ w[N, K].T (+ bias[N]): [T, N]. NumpyOps may hand on the transposed product's F-order
+        view, so NumpyOps' ops take any memory layout; CudaOps returns C order, which its kernels need."""
     def rope_store_kv(self, q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: np.ndarray,
                       slot_mapping: np.ndarray, cos_sin: Array) -> None:
         """RoPE on q in place; rotated k and v written into the cache (negative slot: not stored)."""

@@ -120,8 +120,7 @@ class GpuSampler:
         self.ctas_per_row = ctas_per_row             # None: sample_plan's choice; tests force splits
         self.xp = ops.xp
         self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)    # masked while min_tokens is not reached
-        self._eos_array = np.array(self.eos_token_ids, np.int64)
+        self._eos_array = np.array(eos_token_ids, np.int64)   # int64[E]: masked while min_tokens is not reached
         self._rng = make_generator(seed)             # for the rows without a seed of their own
 
     def sample(self, logits, params: list[SamplingParams], generators: list[np.random.Generator | None],

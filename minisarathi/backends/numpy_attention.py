@@ -7,9 +7,9 @@ then come from one batched matmul, [S, Hk, G, D] @ [S, Hk, D, n], and need no re
 
 What every layer of a step shares (the tile indices, the padding mask) is computed once per batch
 (AttentionPlan), and the gathered tiles land in buffers that live across layers and steps (GatherBuffers):
-a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. The decodes' K/V is
-kept from one step to the next (DecodeKV): a step then copies only what was written since, typically each
-sequence's last block, instead of every block of every layer.
+a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. Decode K/V larger than
+one gather group (DECODE_GROUP_BYTES) is kept from one step to the next instead (DecodeKV): a step then copies
+only what was written since, typically each sequence's last block, instead of every block of every layer.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from minisarathi.batch import Batch
 
-# Decodes whose K/V is not kept (more padded blocks than the pool has) are gathered each step, in groups
-# whose K and V take about this many bytes: a group's tiles are still in the
+# Decodes whose K/V is not kept (it fits one group, or it has more padded blocks than the pool has) are
+# gathered each step, in groups whose K and V take about this many bytes: a group's tiles are still in the
 # cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
 # sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20

@@ -33,6 +33,9 @@ ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
 FAIL_TIMEOUT_S = 2.0   # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")   # Debian's libnginx-mod-stream
+# As the recipes say to start replicas: HAProxy's checks (inter 500ms, fall 2) take a replica out within ~1 s
+# of its /ready turning 503, so it serves on for longer than that before it refuses anything.
+DRAIN_DELAY_S = 2.0
 ACCESS_LOG = "access.log"   # under the nginx HTTP balancer's prefix: which replica answered each request
 
 
@@ -92,7 +95,8 @@ class Replica:
         log = open(self.log_dir / f"replica-{self.msgpack_port}-{self.starts}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "minisarathi", "serve", *self.extra_args, "--port", str(self.msgpack_port),
-             "--http-port", str(self.http_port), "--enable-prefix-caching", "--log-level", "WARNING"],
+             "--http-port", str(self.http_port), "--enable-prefix-caching", "--drain-delay", str(DRAIN_DELAY_S),
+             "--log-level", "WARNING"],
             stdout=subprocess.DEVNULL, stderr=log, cwd=repo,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
         log.close()

@@ -90,6 +90,9 @@ class ServerLimits:
     max_unauthenticated_per_address: int = 32       # the same, per client IP address
     max_write_buffer_bytes: int = 16 << 20  # a client that stops reading its streams is disconnected past this
     unread_timeout_s: float = 60.0          # requests paused because their client stopped reading are then aborted
+    # On SIGINT/SIGTERM, first serve as before this long with /ready answering 503, so that a balancer's health
+    # checks take the replica out before it refuses anything (docs/deploy.md); then drain.
+    drain_delay_s: float = 0.0
     shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
     max_n: int = 8                          # choices per prompt (`n`)
 
@@ -100,8 +103,13 @@ class ServerLimits:
             self.message_timeout_s = self.idle_timeout_s
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{f.name} must be positive, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{f.name} must be a number, got {value!r}")
+            if value < 0 if f.name in MAY_BE_ZERO else value <= 0:
+                raise ValueError(f"{f.name} must be {'>= 0' if f.name in MAY_BE_ZERO else 'positive'}, got {value!r}")
+
+
+MAY_BE_ZERO = {"drain_delay_s"}   # limits whose 0 means "none"
 
 
 UNPACKER_READ_SIZE = 16 << 10   # the buffer an unpacker starts with; it grows only for a message that needs it

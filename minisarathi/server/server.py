@@ -141,8 +141,11 @@ def _lower_thread_priority() -> None:
     it would apply to the whole process, so it is left alone there)."""
     if sys.platform.startswith("linux"):
         thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread,
-                       min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT))
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread,
+                           min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT))
+        except OSError as e:   # e.g. a seccomp profile: the thread pool must still work (an initializer that
+            log.warning("the tokenizer thread keeps its priority: %s", e)   # raises breaks it for good)
 
 
 def _public_id(request_id: str) -> str:
@@ -282,7 +285,8 @@ class Server:
         self._conn_ids = itertools.count()
         self._delivered: collections.deque = collections.deque()    # (time, tokens) in the throughput window
         self._started = time.monotonic()
-        self._shutting_down = False
+        self._leaving = False           # shutdown began: /ready answers 503 (requests are still served until
+        self._shutting_down = False     # this is set, drain_delay_s later)
         self._servers: list[asyncio.AbstractServer] = []
         self._unix_socket: str | None = None
         self._worker: EngineWorker | None = None
@@ -347,7 +351,13 @@ class Server:
         The listeners close first, so a load balancer's next connection (or TCP health check) fails and goes
         to another replica; a connection with nothing in flight closes at once, and each other one as soon as
         its last request is answered, so a client's next request reconnects instead of meeting a draining
-        server (docs/deploy.md)."""
+        server (docs/deploy.md). With a drain delay, /ready first answers 503 while everything else is served
+        as before, long enough for a balancer's health checks to take the replica out: no request of its
+        then meets a refusal that it would have to retry."""
+        self._leaving = True
+        if self.limits.drain_delay_s > 0:
+            log.info("shutting down: /ready answers 503; serving on for %.1fs first", self.limits.drain_delay_s)
+            await asyncio.sleep(self.limits.drain_delay_s)
         self._shutting_down = True
         for server in self._servers:
             server.close()
@@ -975,7 +985,7 @@ class Server:
     @property
     def accepting(self) -> bool:
         """False once shutdown began or the model failed (the HTTP door's /ready)."""
-        return not self._shutting_down and self.engine.model_failure is None
+        return not self._leaving and self.engine.model_failure is None
 
     @property
     def tls(self) -> ssl.SSLContext | None:
