@@ -173,3 +173,10 @@ def test_stop_token_ids_past_int64_are_an_invalid_params_error():
         parse_generate([{"prompt": "hi", "stop_token_ids": [2**63]}], LIMITS)
     assert error.value.code == INVALID_PARAMS and "stop_token_ids" in error.value.message
     assert parse_generate([{"prompt": "hi", "stop_token_ids": [2**63 - 1]}], LIMITS).params.stop_token_ids == [2**63 - 1]
+
+
+def test_limits_are_positive_except_the_drain_delay_which_may_be_zero():
+    assert ServerLimits(drain_delay_s=0).drain_delay_s == 0
+    for bad in ({"drain_delay_s": -1}, {"shutdown_grace_s": 0}, {"max_n": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerLimits(**bad)

@@ -63,6 +63,9 @@ class RPCError(Exception):
         return cls(INTERNAL, repr(error))
 
 
+MAY_BE_ZERO = {"drain_delay_s"}   # ServerLimits fields whose 0 means "none"
+
+
 @dataclass
 class ServerLimits:
     """Every bound a client meets (docs/protocol.md, Limits): no legal request may cost others much."""
@@ -105,11 +108,9 @@ class ServerLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if value < 0 if f.name in MAY_BE_ZERO else value <= 0:
-                raise ValueError(f"{f.name} must be {'>= 0' if f.name in MAY_BE_ZERO else 'positive'}, got {value!r}")
-
-
-MAY_BE_ZERO = {"drain_delay_s"}   # limits whose 0 means "none"
+            may_be_zero = f.name in MAY_BE_ZERO
+            if value < 0 or (value == 0 and not may_be_zero):
+                raise ValueError(f"{f.name} must be {'>= 0' if may_be_zero else 'positive'}, got {value!r}")
 
 
 UNPACKER_READ_SIZE = 16 << 10   # the buffer an unpacker starts with; it grows only for a message that needs it
