@@ -9,8 +9,10 @@ Weights are stored [N, K] as HF stores them; a linear layer of M token rows can 
   w@x.T+copy the same, copied back to C order;
   w@xfm      w @ x_fm for an input already feature-major (x_fm[K, M] C order: the view the form above gives
              to the next layer, e.g. the MLP's down projection after silu_and_mul);
-and NumpyOps.linear's choice (minisarathi/backends/numpy_ops.py, transposed_linear), so the rule can be checked
-against the table. With --cold each call reads its weight from memory, as a forward of a model larger than
+  numpy      NumpyOps.linear on the weight as stored: NumPy's product as transposed_linear chooses it
+             (minisarathi/backends/numpy_ops.py), so the rule can be checked against the table;
+  packed     the packed matmul kernel on the weight packed once (minisarathi/backends/packed_gemm.py), what
+             NumpyOps.linear runs where the kernel builds (absent where it cannot). With --cold each call reads its weight from memory, as a forward of a model larger than
 the caches does (the tiny model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is
 checked against the first; all are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread,
 the process set up as the engine sets it up) so that load from other processes falls on all alike. Prints one
@@ -27,6 +29,7 @@ import time
 import numpy as np
 
 from minisarathi.backends.cpu_setup import configure_cpu
+from minisarathi.backends import packed_gemm
 from minisarathi.backends.numpy_ops import NumpyOps
 
 # model: (hidden H, heads Hq, KV heads Hk, head_dim D, intermediate I, vocab V)
@@ -42,14 +45,17 @@ def op_shapes(H: int, Hq: int, Hk: int, D: int, I: int, V: int) -> dict[str, tup
             "lm_head": (V, H)}
 
 
-def forms(x: np.ndarray, weight, ops: NumpyOps) -> dict:
-    """name: a function computing x's product with weight() in that form."""
+def forms(x: np.ndarray, weight, packed_weight, ops: NumpyOps) -> dict:
+    """name: a function computing x's product with weight() (packed_weight(): the same packed) in that form."""
     x_fm = np.ascontiguousarray(x.T)   # float32[K, M]
-    return {"x@w.T": lambda: x @ weight().T,
-            "w@x.T": lambda: (weight() @ x.T).T,
-            "w@x.T+copy": lambda: np.ascontiguousarray((weight() @ x.T).T),
-            "w@xfm": lambda: weight() @ x_fm,
-            "linear": lambda: ops.linear(x, weight())}
+    named = {"x@w.T": lambda: x @ weight().T,
+             "w@x.T": lambda: (weight() @ x.T).T,
+             "w@x.T+copy": lambda: np.ascontiguousarray((weight() @ x.T).T),
+             "w@xfm": lambda: weight() @ x_fm,
+             "numpy": lambda: ops.linear(x, weight())}
+    if packed_weight is not None:
+        named["packed"] = lambda: ops.linear(x, packed_weight())
+    return named
 
 
 def best_seconds(fns: list, repeats: int, min_seconds: float) -> list[float]:
@@ -93,11 +99,13 @@ def main():
             N, K = shapes[op]
             w = rng.standard_normal((N, K), dtype=np.float32)
             # --cold: copies in turn, together larger than any cache, as a forward reads a large model's weights
-            weight = itertools.cycle([w] + [w.copy() for _ in range(COLD_BYTES // w.nbytes if args.cold else 0)]
-                                     ).__next__
+            copies = [w] + [w.copy() for _ in range(COLD_BYTES // w.nbytes if args.cold else 0)]
+            weight = itertools.cycle(copies).__next__
+            kernel = packed_gemm.kernel()
+            packed_weight = None if kernel is None else itertools.cycle([kernel.pack(c) for c in copies]).__next__
             for M in map(int, args.rows.split(",")):
                 x = rng.standard_normal((M, K), dtype=np.float32)
-                named = forms(x, weight, ops)
+                named = forms(x, weight, packed_weight, ops)
                 reference = named["x@w.T"]()
                 for name, fn in named.items():
                     result = fn()

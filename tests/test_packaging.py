@@ -19,3 +19,4 @@ def test_wheel_ships_kernels_and_bundled_model(tmp_path):
     for f in (ROOT / "models" / "stories260K").iterdir():
         assert f"minisarathi/models/stories260K/{f.name}" in names
     assert "minisarathi/backends/emulator/__init__.py" in names
+    assert "minisarathi/backends/packed_gemm.cpp" in names   # compiled at run time

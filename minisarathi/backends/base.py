@@ -23,6 +23,9 @@ class Backend(Protocol):
     # placement
     def weight(self, tensor: Any) -> Array:
         """A loader CheckpointTensor (or a float32 array) placed on the device in the activation dtype."""
+    def linear_weight(self, placed: Array) -> Any:
+        """A weight that weight() placed, in the form linear reads fastest, for the weights linear reads
+        (NumpyOps: packed for its packed matmul kernel where that runs; CudaOps: the array itself)."""
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
     def upload_batch(self, batch: Batch, into: Any = None) -> Any:
         """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it, and

@@ -255,6 +255,9 @@ class CudaOps:
             tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
         return _aligned(convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype), "weight")
 
+    def linear_weight(self, placed):
+        return placed   # cuBLAS reads the [N, K] weight as it is
+
     def zeros(self, shape: tuple[int, ...]):
         """A zeroed device array in the activation dtype (the KV cache is made of these)."""
         return _aligned(self.xp.zeros(shape, dtype=self.activation_dtype), "KV cache / zeros")

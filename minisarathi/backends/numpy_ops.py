@@ -1,7 +1,9 @@
 """The reference backend: the ops of docs/architecture.md in float32 NumPy on the CPU.
 
-Rows of `x` are tokens. Weights keep HF's [out, in] layout, so a linear layer is `x @ w.T`, which BLAS
-reads as a transposed operand without a copy, or the transposed product `w @ x.T` (transposed_linear).
+Rows of `x` are tokens. A linear layer's weight is packed at load for the packed matmul kernel where it runs
+(AVX-512 and a C++ compiler: minisarathi/backends/packed_gemm.py); elsewhere weights keep HF's [out, in]
+layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
+transposed product `w @ x.T` (transposed_linear).
 """
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends import numpy_attention
+from minisarathi.backends import numpy_attention, packed_gemm
 from minisarathi.backends.cpu_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.numpy_attention import AttentionPlan, DecodeKV, GatherBuffers
+from minisarathi.backends.packed_gemm import PackedWeight
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
@@ -64,6 +67,12 @@ class NumpyOps:
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
 
+    def linear_weight(self, placed: np.ndarray) -> PackedWeight | np.ndarray:
+        """Packed once for the packed matmul kernel where it runs here (the one rule: then linear uses it at
+        every row count, so a row's result is bit-identical whatever batch it is in); else `placed` itself."""
+        kernel = packed_gemm.kernel()
+        return placed if kernel is None else kernel.pack(placed)
+
     def upload_batch(self, batch: Batch, into: None = None) -> None:
         """The batch's arrays are already where this backend computes: only the tokens the previous step
         sampled (batch.previous_ids) go into their rows of input_ids."""
@@ -99,10 +108,12 @@ class NumpyOps:
         residual += x
         return self.rms_norm(residual, w, eps), residual
 
-    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
-        transposed_linear chooses the transposed product."""
-        if transposed_linear(x.shape[0], self.blas_core):
+        transposed_linear chooses the transposed product of an unpacked weight."""
+        if isinstance(w, PackedWeight):
+            out = packed_gemm.kernel().matmul(x, w)
+        elif transposed_linear(x.shape[0], self.blas_core):
             out = (w @ x.T).T
         else:
             out = x @ w.T  # float32[T, N]

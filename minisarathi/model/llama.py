@@ -35,6 +35,9 @@ class LayerWeights:
     down_proj: Any                 # [H, I]
 
 
+LINEAR_WEIGHTS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})   # of LayerWeights: read by linear only
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend,
                  comm: Communicator | None = None):
@@ -47,8 +50,10 @@ class LlamaModel:
         self.comm = comm
         self.embed_tokens = ops.weight(weights["embed_tokens"])
         self.norm = ops.weight(weights["norm"])
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
-        self.layers = [LayerWeights(**{name: self._place(weights.get(f"layers.{i}.{name}"))
+        # tied: the embedding table in linear's form (NumpyOps packs a copy of it; CudaOps shares it)
+        self.lm_head = ops.linear_weight(self.embed_tokens if config.tie_word_embeddings
+                                         else ops.weight(weights["lm_head"]))
+        self.layers = [LayerWeights(**{name: self._place(name, weights.get(f"layers.{i}.{name}"))
                                        for name in LayerWeights.__dataclass_fields__})
                        for i in range(config.num_hidden_layers)]
         # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
@@ -56,8 +61,11 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         self.decode_graphs: DecodeGraphs | None = None   # use_decode_buckets() sets it
 
-    def _place(self, array: Any | None) -> Any:
-        return None if array is None else self.ops.weight(array)  # absent: a bias the model has not
+    def _place(self, name: str, array: Any | None) -> Any:
+        if array is None:
+            return None   # a bias the model has not
+        placed = self.ops.weight(array)
+        return self.ops.linear_weight(placed) if name in LINEAR_WEIGHTS else placed
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[Any, Any]]:
         """Per layer (k_cache, v_cache), each [num_blocks, Hk, block_size, D] in the activation dtype."""

@@ -5,9 +5,9 @@
 
 See docs/cuda.md.
 """
-from minisarathi.backends.emulator.builder import build, cache_dir
+from minisarathi.backends.emulator.builder import build
 from minisarathi.backends.emulator.launcher import (ORDERS, EmulatedKernel, EmulatedModule, Graph, capture, capturing,
                                                    load_module, schedule, submit)
 
-__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "Graph", "build", "cache_dir", "capture", "capturing",
+__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "Graph", "build", "capture", "capturing",
            "load_module", "schedule", "submit"]

@@ -1,0 +1,72 @@
+"""Compiles C++ into a shared library in a per-user cache, named by a hash of everything that goes into it.
+
+Used by the CUDA emulator (every .cu file) and by the CPU's packed matmul (packed_gemm.cpp). A library is
+built once per content, compiler and flags; later processes find it by name. Threads and processes that race
+to build the same library each compile to a unique temporary name and rename it into place atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+_locks: dict[Path, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def cache_dir(kind: str) -> Path:
+    """$MINISARATHI_CACHE_DIR/<kind> (default ~/.cache/minisarathi/<kind>), or a temporary folder where that
+    cannot be written."""
+    configured = os.environ.get("MINISARATHI_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "minisarathi"
+    path = base / kind
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = Path(tempfile.gettempdir()) / f"minisarathi-{kind}-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: list[Path], compiler: str,
+                         flags: list[str], purpose: str) -> Path:
+    """The path of `translation_unit` (C++ text) compiled with `compiler` and `flags` into <stem>-<hash>.so under
+    cache_dir(kind). inputs: the files it includes, whose bytes go into the hash (editing one rebuilds).
+    purpose names the user of the library in errors ("the CUDA emulator"). Raises RuntimeError when the compiler
+    is missing or fails."""
+    digest = hashlib.sha256()
+    for part in (translation_unit, " ".join(flags), compiler):
+        digest.update(part.encode() + b"\0")
+    for path in inputs:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    out_dir = cache_dir(kind)
+    target = out_dir / f"{stem}-{digest.hexdigest()[:20]}.so"
+    with _locks_guard:
+        lock = _locks.setdefault(target, threading.Lock())
+    with lock:   # one build per target in this process; other libraries build in parallel
+        if target.exists():
+            return target
+        fd, tmp_cpp = tempfile.mkstemp(suffix=".cpp", prefix=stem + "-", dir=out_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(translation_unit)
+        tmp_so = tmp_cpp[:-4] + ".so"
+        try:
+            cmd = [compiler, *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True)
+            except FileNotFoundError as exc:
+                raise RuntimeError(f"{purpose} needs a C++ compiler ({compiler!r} not found; set CXX)") from exc
+            if result.returncode != 0:
+                raise RuntimeError(f"{purpose}: build of {stem} failed:\n{' '.join(cmd)}\n{result.stderr}")
+            os.replace(tmp_so, target)
+        finally:
+            for leftover in (tmp_cpp, tmp_so):
+                if os.path.exists(leftover) and leftover != str(target):
+                    os.unlink(leftover)
+    return target

@@ -1,0 +1,99 @@
+"""The CPU's weight matmul with weights packed once at load: packed_gemm.cpp, compiled at first use, via ctypes.
+
+NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repacks it on every call; this
+kernel reads panels packed once (docs/performance.md, "A prepacked weight matmul"). It needs AVX-512 and a
+C++ compiler (CXX, default g++) the first time; the library is cached by content
+(minisarathi/backends/native_build.py). Where either is missing, or MINISARATHI_PACKED_GEMM=0 is set (to
+measure against NumPy), `kernel()` is None and NumpyOps keeps NumPy's matmul. One thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from minisarathi.backends.cpu_setup import cpu_flags
+from minisarathi.backends.native_build import build_shared_library
+
+SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
+# No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
+FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight w[N, K] as the kernel reads it."""
+    panels: np.ndarray   # float32[ceil(N / NR), K, NR], C order, 64-byte aligned; features past N are zeros
+    out_features: int    # N
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.panels.shape[1]
+
+
+class PackedGemm:
+    """The loaded library."""
+
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.lib.packed_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
+        self.lib.packed_gemm.restype = ctypes.c_int
+        self.panel_width = self.lib.packed_gemm_panel_width()   # NR
+
+    def pack(self, w: np.ndarray) -> PackedWeight:
+        """w: float32[N, K]."""
+        n, k = w.shape
+        nr = self.panel_width
+        panels = -(-n // nr)
+        # 64-byte aligned, so a panel row is one cache line pair and never splits a vector load
+        raw = np.empty(panels * k * nr + 16, dtype=np.float32)
+        start = (-raw.ctypes.data % 64) // 4
+        packed = raw[start:start + panels * k * nr].reshape(panels, k, nr)   # float32[panels, K, NR]
+        full = n // nr
+        packed[:full] = w[:full * nr].reshape(full, nr, k).transpose(0, 2, 1)
+        if full < panels:
+            packed[full] = 0
+            packed[full, :, :n - full * nr] = w[full * nr:].T
+        return PackedWeight(packed, n)
+
+    def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """float32[M, N] = x[M, K] @ w.T, C order."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        m, k = x.shape
+        if k != w.panels.shape[1]:
+            raise ValueError(f"x: {k} input features, the weight takes {w.panels.shape[1]}")
+        out = np.empty((m, w.out_features), dtype=np.float32)
+        if self.lib.packed_gemm(x.ctypes.data, m, k, k, w.panels.ctypes.data, w.out_features,
+                                out.ctypes.data, w.out_features):
+            raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
+        return out
+
+
+@functools.cache
+def kernel() -> PackedGemm | None:
+    """The library for this CPU, built at first use; None where it cannot run here (the log says why)."""
+    if os.environ.get("MINISARATHI_PACKED_GEMM") == "0":
+        return None
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = cpu_flags(f.read(1 << 16))
+    except OSError:
+        flags = frozenset()
+    if "avx512f" not in flags:
+        log.info("packed matmul off: the CPU has no AVX-512; NumPy's matmul")
+        return None
+    try:
+        path = build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
+                                    os.environ.get("CXX", "g++"), FLAGS, "the packed CPU matmul")
+    except RuntimeError as exc:
+        log.warning("packed matmul off, NumPy's matmul instead: %s", exc)
+        return None
+    return PackedGemm(path)
