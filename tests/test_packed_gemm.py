@@ -8,6 +8,9 @@ import pytest
 from minisarathi.backends import packed_gemm
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.backends.packed_gemm import PackedWeight
+from minisarathi.bench.random_model import write_random_model
+from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
+from minisarathi.testing import ScheduledChunk, build_batch
 
 needs_kernel = pytest.mark.skipif(packed_gemm.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
 
@@ -55,10 +58,13 @@ def test_a_row_is_bit_identical_whatever_its_batch():
 @needs_kernel
 def test_numpy_ops_linear_runs_packed_weights():
     ops, rng = NumpyOps(), np.random.default_rng(2)
-    w, bias = rng.standard_normal((45, 80), dtype=np.float32), rng.standard_normal(45, dtype=np.float32)
-    x = np.asfortranarray(rng.standard_normal((19, 80), dtype=np.float32))   # as a transposed product hands it on
+    K = packed_gemm.MIN_IN_FEATURES
+    w, bias = rng.standard_normal((45, K), dtype=np.float32), rng.standard_normal(45, dtype=np.float32)
+    x = np.asfortranarray(rng.standard_normal((19, K), dtype=np.float32))   # as a transposed product hands it on
     packed = ops.linear_weight(ops.weight(w))
     assert isinstance(packed, PackedWeight)
+    shallow = w[:, :K - 1].copy()
+    assert ops.linear_weight(shallow) is shallow   # the rule: too shallow to gain, NumPy's matmul
     ref, bound = reference_and_bound(x, w)
     assert np.all(np.abs(ops.linear(x, packed, bias) - (ref + bias)) <= bound + 1e-6 * np.abs(ref + bias))
 
@@ -72,16 +78,38 @@ def fresh_kernel():
 
 def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_PACKED_GEMM", "0")
-    ops, w = NumpyOps(), np.ones((8, 4), dtype=np.float32)
+    ops, w = NumpyOps(), np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     assert ops.linear_weight(w) is w
-    assert np.array_equal(ops.linear(np.ones((3, 4), dtype=np.float32), w), np.full((3, 8), 4.0))
+    assert np.array_equal(ops.linear(np.ones((3, w.shape[1]), dtype=np.float32), w), np.full((3, 8), w.shape[1]))
 
 
 def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
+    monkeypatch.delenv("MINISARATHI_PACKED_GEMM", raising=False)
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.INFO, logger="minisarathi.backends.packed_gemm"):
         assert packed_gemm.kernel() is None
     assert "packed matmul off" in caplog.text
-    w = np.ones((8, 4), dtype=np.float32)
+    w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     assert NumpyOps().linear_weight(w) is w
+
+
+@needs_kernel
+def test_a_model_packs_its_linear_weights_and_matches_numpy(tmp_path, monkeypatch, fresh_kernel):
+    """LlamaModel hands every weight that only linear reads (the layers' projections, the lm_head) to
+    linear_weight; its logits match the same model on NumPy's matmul."""
+    path = write_random_model(tmp_path / "model", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=512)
+    prompt = np.random.default_rng(3).integers(3, 512, 45).tolist()
+    logits = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("MINISARATHI_PACKED_GEMM", setting)
+        packed_gemm.kernel.cache_clear()
+        model = load_model(path)
+        weights = [model.lm_head] + [getattr(layer, name) for layer in model.layers for name in LINEAR_WEIGHTS]
+        assert all(isinstance(w, PackedWeight) == (setting == "1") for w in weights)
+        batch = build_batch([ScheduledChunk(prompt, 0, [0, 1, 2], True)], 16)
+        batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
+        logits.append(model.forward(batch, model.new_kv_cache(3, 16)))
+    packed, numpy = logits
+    assert np.abs(packed - numpy).max() <= 1e-5 * np.abs(numpy).max()

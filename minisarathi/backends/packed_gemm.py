@@ -24,6 +24,12 @@ SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
 FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
+# The rule for which weights are packed: those at least this deep (K). Shallower ones lose at every row count
+# (stories260K's K = 64 and 172: 0.3-0.9x of NumPy's): the fixed costs of a call (~2.5 us from Python) and of
+# a register tile (24 accumulators loaded and stored) outweigh its few k steps. From K = 256 (the tiny and
+# small models) the kernel is 1.3-2x faster than NumPy's at 4-64 rows (docs/performance.md).
+MIN_IN_FEATURES = 256
+
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +38,7 @@ class PackedWeight:
     """A weight w[N, K] as the kernel reads it."""
     panels: np.ndarray   # float32[ceil(N / NR), K, NR], C order, 64-byte aligned; features past N are zeros
     out_features: int    # N
+    address: int         # of panels' data, read once (each .ctypes.data costs ~0.8 us)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,7 +69,7 @@ class PackedGemm:
         if full < panels:
             packed[full] = 0
             packed[full, :, :n - full * nr] = w[full * nr:].T
-        return PackedWeight(packed, n)
+        return PackedWeight(packed, n, packed.ctypes.data)
 
     def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
         """float32[M, N] = x[M, K] @ w.T, C order."""
@@ -71,7 +78,7 @@ class PackedGemm:
         if k != w.panels.shape[1]:
             raise ValueError(f"x: {k} input features, the weight takes {w.panels.shape[1]}")
         out = np.empty((m, w.out_features), dtype=np.float32)
-        if self.lib.packed_gemm(x.ctypes.data, m, k, k, w.panels.ctypes.data, w.out_features,
+        if self.lib.packed_gemm(x.ctypes.data, m, k, k, w.address, w.out_features,
                                 out.ctypes.data, w.out_features):
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
         return out
