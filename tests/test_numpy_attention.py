@@ -107,3 +107,62 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
         for s in seqs:
             s[0] += 1
     assert kept_steps == 14
+
+
+def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
+    """The memory decode K/V is kept in is made by NumpyOps.zeros with each cache, not in a step: engine-like
+    steps in which the decode K/V grows past DECODE_GROUP_BYTES (gathered each step, then kept), its longest
+    context enters new blocks (kept K/V laid out anew) and sequences join, against the path that gathers every
+    step; the kept K/V handed to the products lies in the memory made with the caches."""
+    made = []
+    monkeypatch.setattr(numpy_attention, "kept_memory", lambda size, make=numpy_attention.kept_memory:
+                        made.append(make(size)) or made[-1])
+    ops = NumpyOps()
+    num_blocks = 40
+    k_cache, v_cache = ops.zeros((num_blocks, Hk, BLOCK_SIZE, D)), ops.zeros((num_blocks, Hk, BLOCK_SIZE, D))
+    assert [m.size for m in made] == [k_cache.size, v_cache.size]
+    assert all(not m.any() for m in made)      # zeros: padding read from it is finite
+
+    def no_allocation_in_a_step(size):
+        raise AssertionError("kept_memory called in a step")
+    monkeypatch.setattr(numpy_attention, "kept_memory", no_allocation_in_a_step)
+    kept_views = []
+    gather = numpy_attention.DecodeKV.gather
+    monkeypatch.setattr(numpy_attention.DecodeKV, "gather", lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
+
+    tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4             # K and V of one block
+    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
+    rng = np.random.default_rng(3)
+    free = list(rng.permutation(num_blocks))
+    seqs = []      # [length in the cache, blocks]
+
+    def admit(length):
+        blocks = [free.pop() for _ in range(-(-(length + 12) // BLOCK_SIZE))]   # room for 12 decodes
+        prompt = build_batch([ScheduledChunk([0] * length, 0, blocks, True)], BLOCK_SIZE)
+        kv = rng.standard_normal((length, Hk, D)).astype(np.float32)
+        ops.store_kv(kv, kv - 1, k_cache, v_cache, prompt.slot_mapping)
+        seqs.append([length, blocks])
+
+    for length in (3, 6):
+        admit(length)
+    keeps = []
+    for step in range(12):
+        if step in (2, 3, 7):      # decodes join, one by one and between kept steps
+            admit(int(rng.integers(2, 9)))
+        batch = build_batch([ScheduledChunk([0], n, blocks, True) for n, blocks in seqs], BLOCK_SIZE)
+        kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
+        ops.store_kv(kv, kv * 3, k_cache, v_cache, batch.slot_mapping)
+        q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
+        plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
+        keeps.append((plan.keeps_decode_kv, plan.decode_blocks.shape[1]))
+        got = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+        gathered = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.3)
+        np.testing.assert_array_equal(got, gathered)
+        for s in seqs:
+            s[0] += 1
+    kept_widths = {width for kept, width in keeps if kept}
+    assert not keeps[0][0] and keeps[-1][0] and len(kept_widths) >= 2   # switched on; laid out anew since
+    assert len(kept_views) == sum(kept for kept, _ in keeps)
+    for views in kept_views:
+        for view, memory in zip(views, made):
+            assert np.shares_memory(view, memory)

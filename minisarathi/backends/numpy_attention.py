@@ -10,8 +10,12 @@ What every layer of a step shares (the tile indices, the padding mask) is comput
 a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. Decode K/V larger than
 one gather group (DECODE_GROUP_BYTES) is kept from one step to the next instead (DecodeKV): a step then copies
 only what was written since, typically each sequence's last block, instead of every block of every layer.
+Its memory (kept_memory) is made with the cache, room for the pool's blocks, and partly written then, so
+that the step that starts keeping (which copies it all) allocates nothing and faults in no page.
 """
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -123,18 +127,21 @@ class DecodeKV:
     [S, Hk, B * block_size, D] is every decode's keys head by head (a view: no copy). A step re-copies only
     the (row, column) blocks that changed: a block written since it was copied (in steady decoding, each
     sequence's last block) or another block at that place (a sequence finished or joined). When B changes
-    (the longest context enters a new block: at most every block_size steps), all is copied anew: the
-    products read contiguous [B * block_size, D] matrices (strided ones with room for more blocks cost 5%
-    more); rows have room to be added (decodes join one by one). The cache must be written only through NumpyOps.store_kv or copy_blocks, which report the
-    blocks they write (written()). Costs memory: a second copy of the decode batch's K/V, at most the KV
-    pool's size (AttentionPlan keeps it only when S * B blocks fit the pool)."""
+    (the longest context enters a new block: at most every block_size steps), all is laid out anew in the same
+    memory and copied in one take per cache: the products read contiguous [B * block_size, D] matrices
+    (strided ones with room for more blocks cost 5% more). The cache must be written only through
+    NumpyOps.store_kv or copy_blocks, which report the blocks they write (written()).
 
-    def __init__(self, k_cache: np.ndarray):
+    memory: two float32[k_cache.size] from kept_memory(), for K and V: room for as many blocks as the pool
+    (AttentionPlan keeps decode K/V only when its S * B blocks fit the pool); no step allocates."""
+
+    def __init__(self, k_cache: np.ndarray, memory: tuple[np.ndarray, np.ndarray]):
         num_blocks, Hk, block_size, D = k_cache.shape
         self._clock = 0                                         # counts this layer's reported writes
         self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
         self._held = np.empty((0, 0), np.int64)                 # [rows, B]: the block each place holds, -1 none
         self._copied = np.empty((0, 0), np.int64)               # [rows, B]: the clock when it was copied
+        self._memory = memory
         self._k = self._v = np.empty((0, Hk, 0, block_size, D), np.float32)
 
     def written(self, blocks: np.ndarray) -> None:
@@ -144,37 +151,58 @@ class DecodeKV:
     def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray,
                used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32[S, Hk, B * block_size, D] each: the K and V of blocks (int[S, B], each decode's block-table
-        entries) head by head, views valid until the next call. Once the buffers exist, only the entries where
-        used (bool[S, B]) are copied: the others are padding, masked out, which needs only finite numbers."""
+        entries) head by head, views valid until the next call. Between changes of B only the entries where
+        used (bool[S, B]) are copied: the others are padding, masked out, which needs only finite numbers (the
+        memory starts as zeros and receives nothing but copies of the cache)."""
         num_blocks, Hk, block_size, D = k_cache.shape
         S, B = blocks.shape
-        if S > len(self._held) or B != self._held.shape[1]:
-            self._allocate(S, B, num_blocks)
-        held = self._held[:S]
-        stale = (held != blocks) | (self._block_written[blocks] > self._copied[:S])
-        # Padding (not used) is copied only into places never filled, so that it holds finite numbers, as it
-        # must though masked out; after that it is left alone.
-        stale_rows, stale_columns = np.nonzero(stale & (used | (held < 0)))
-        if len(stale_rows):
-            source = blocks[stale_rows, stale_columns]
-            self._k[stale_rows, :, stale_columns] = k_cache[source]      # [stale, Hk, block_size, D]
-            self._v[stale_rows, :, stale_columns] = v_cache[source]
-            held[stale_rows, stale_columns] = source
-            self._copied[stale_rows, stale_columns] = self._clock
+        if B != self._held.shape[1]:
+            self._lay_out(num_blocks // B, B)
+            tiles = cache_tiles(blocks, Hk).ravel()     # int[S * Hk * B]: the memory's order
+            for cache, kept in ((k_cache, self._k), (v_cache, self._v)):
+                # mode="clip": with out=, the default "raise" copies through a temporary buffer
+                np.take(cache.reshape(num_blocks * Hk, block_size, D), tiles, axis=0, mode="clip",
+                        out=kept[:S].reshape(S * Hk * B, block_size, D))
+            self._held[:S], self._copied[:S] = blocks, self._clock
+        else:
+            held = self._held[:S]
+            stale = (held != blocks) | (self._block_written[blocks] > self._copied[:S])
+            stale_rows, stale_columns = np.nonzero(stale & used)
+            if len(stale_rows):
+                source = blocks[stale_rows, stale_columns]
+                self._k[stale_rows, :, stale_columns] = k_cache[source]      # [stale, Hk, block_size, D]
+                self._v[stale_rows, :, stale_columns] = v_cache[source]
+                held[stale_rows, stale_columns] = source
+                self._copied[stale_rows, stale_columns] = self._clock
         shape = (S, Hk, B * block_size, D)
         return self._k[:S].reshape(shape), self._v[:S].reshape(shape)
 
-    def _allocate(self, S: int, B: int, num_blocks: int) -> None:
-        """Buffers for S rows of B blocks and room for as many more rows (decodes join one by one as their
-        prefills end), within the pool's size; rows already kept stay when B is the same."""
-        rows = max(S, min(2 * S, num_blocks // B))
-        held, copied = np.full((rows, B), -1, np.int64), np.zeros((rows, B), np.int64)
+    def _lay_out(self, rows: int, B: int) -> None:
+        """The memory seen as [rows, Hk, B, block_size, D], holding no block yet."""
         _, Hk, _, block_size, D = self._k.shape
-        k, v = (np.empty((rows, Hk, B, block_size, D), np.float32) for _ in range(2))
-        if B == self._held.shape[1]:
-            kept = len(self._held)
-            held[:kept], copied[:kept], k[:kept], v[:kept] = self._held, self._copied, self._k, self._v
-        self._held, self._copied, self._k, self._v = held, copied, k, v
+        self._held, self._copied = np.full((rows, B), -1, np.int64), np.zeros((rows, B), np.int64)
+        self._k, self._v = (memory[:rows * Hk * B * block_size * D].reshape(rows, Hk, B, block_size, D)
+                            for memory in self._memory)
+
+
+def kept_memory(size: int) -> np.ndarray:
+    """float32[size] of zeros for DecodeKV, in an anonymous mapping of its own, its first DECODE_GROUP_BYTES
+    written now (NumpyOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
+    K/V first grows into it, at most a block per decode a step.
+
+    Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the
+    K and V memories (more where decodes joined several at a time; the prefix written now is twice that).
+    Into memory allocated in that step, the small model's burst had its slowest step there (290-330 ms
+    against 190-210 for its neighbours): page faults on the kept K/V's own pages (25 ms), and buffers taken
+    from the heap in a step push the forward's temporaries onto fresh pages (the rest). Writing it all now
+    would double the KV pool's resident memory for the rare batch that fills the pool. Transparent huge
+    pages, as NumPy asks for its own large arrays: the products read them 10-20% faster."""
+    mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    memory = np.frombuffer(mapping, np.float32)
+    memory[:DECODE_GROUP_BYTES // 4] = 0   # faults those pages in
+    return memory
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,

@@ -57,6 +57,7 @@ class NumpyOps:
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
         self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
+        self._kept_memory: dict[int, np.ndarray] = {}   # by id(cache): its DecodeKV memory, made with it
 
     def free_memory_bytes(self) -> None:
         return None   # host memory: the engine uses its CPU default for the KV cache
@@ -91,6 +92,9 @@ class NumpyOps:
         # (docs/performance.md); the peers touch their pools at start-up too.
         out = np.empty(shape, dtype=np.float32)
         out.fill(0)
+        # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory)
+        self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
+        weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
@@ -153,8 +157,8 @@ class NumpyOps:
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
             plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape)
-        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
-                                               self._layer_decode_kv(k_cache) if plan.keeps_decode_kv else None)
+        decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
+        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
 
     def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
         """Every write into a cache goes through here, so that a layer's kept decode K/V knows what changed."""
@@ -162,10 +166,13 @@ class NumpyOps:
         if kept is not None and kept[0]() is k_cache:
             kept[1].written(blocks)
 
-    def _layer_decode_kv(self, k_cache: np.ndarray) -> DecodeKV:
+    def _layer_decode_kv(self, k_cache: np.ndarray, v_cache: np.ndarray) -> DecodeKV:
         kept = self._decode_kv.get(id(k_cache))
         if kept is None or kept[0]() is not k_cache:
-            kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache)
+            # caches made elsewhere than zeros() (tests) get their memory now
+            memory = tuple(self._kept_memory.pop(id(cache), None) for cache in (k_cache, v_cache))
+            memory = tuple(numpy_attention.kept_memory(k_cache.size) if m is None else m for m in memory)
+            kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache, memory)
             weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
         return kept[1]
 
