@@ -9,7 +9,8 @@
 // output features, each float32[K][NR], the last one padded with zeros. A register tile of up to MR rows x NR
 // outputs keeps 2 * MR accumulators in zmm registers; each k step loads one panel row (2 vectors) and
 // broadcasts one input per row (the inputs are first copied to [k][MR] order, so the broadcasts read one
-// stream instead of MR rows a large power of two apart that evict each other from L1).
+// stream instead of MR rows a large power of two apart that evict each other from L1). Loop order and cache
+// blocking as BLIS's (K blocks, groups of panels in L2, a row tile's inputs in L1).
 //
 // Determinism: every output element is one chain of fused multiply-adds over k = 0 .. K-1, in that order,
 // from 0, whatever the number of rows, the row's place in its tile, or the K blocking (a later K block resumes
@@ -24,6 +25,7 @@ namespace {
 constexpr int NR = 32;        // output features per panel: two zmm registers
 constexpr int MR = 12;        // rows per register tile: 24 accumulators + 2 weight vectors of the 32 zmm
 constexpr int64_t KC = 512;   // k per block: an input tile (KC x MR x 4 B = 24 KiB) stays in L1
+constexpr int64_t GROUP_BYTES = 384 << 10;   // panels' K blocks computed together: they stay in the 1 MiB L2
 
 // out[ROWS, :cols] (row stride ldo) = (first ? 0 : out) + a @ panel over kc steps;
 // a: float32[kc][MR] inputs; panel: float32[kc][NR]; next: the same block of the next panel, prefetched to L2
@@ -91,15 +93,21 @@ __attribute__((visibility("default"))) int packed_gemm(const float* x, int64_t m
         const int64_t kc = k - k0 < KC ? k - k0 : KC;
         for (int64_t r = 0; r < m; ++r)
             for (int64_t i = 0; i < kc; ++i) a[(r / MR) * kc * MR + i * MR + r % MR] = x[r * ldx + k0 + i];
-        // Panel by panel, every row tile: the panel's block is read from memory once (the first row tile,
-        // which also prefetches the next panel's) and from cache by the others.
-        for (int64_t p = 0; p < panels; ++p) {
-            const float* panel = packed + (p * k + k0) * NR;
-            const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+        // Groups of panels that stay in L2 (GROUP_BYTES); per group, every row tile (its inputs stay in L1)
+        // runs every panel. A panel is read from memory once, by the first row tile, which also prefetches the
+        // next panel into L2 while it computes; the other row tiles read the group from L2.
+        const int64_t group = GROUP_BYTES / (kc * NR * 4) > 1 ? GROUP_BYTES / (kc * NR * 4) : 1;
+        for (int64_t p0 = 0; p0 < panels; p0 += group) {
+            const int64_t p1 = p0 + group < panels ? p0 + group : panels;
             for (int64_t t = 0; t < row_tiles; ++t) {
                 const int rows = m - t * MR < MR ? (int)(m - t * MR) : MR;
-                const float* next = t == 0 && p + 1 < panels ? panel + k * NR : nullptr;
-                tile_of_rows[rows](a + t * kc * MR, panel, kc, out + t * MR * ldo + p * NR, ldo, cols, k0 == 0, next);
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float* panel = packed + (p * k + k0) * NR;
+                    const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+                    const float* next = t == 0 && p + 1 < panels ? panel + k * NR : nullptr;
+                    tile_of_rows[rows](a + t * kc * MR, panel, kc, out + t * MR * ldo + p * NR, ldo, cols, k0 == 0,
+                                       next);
+                }
             }
         }
     }
