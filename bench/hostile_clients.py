@@ -24,9 +24,10 @@ scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before 
 shared: its load drifts), plus what the scenario checks. Each attack runs in a process of its own.
 
 --engine-only: no server, no clients; the engine `serve` builds, in this process, stepped back to back: the
-bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates, each
-finished request replaced at once (as the attackers keep theirs in flight). One JSON line per batch: the median
-and p90 step time, the median time in the sampler, and the median step over the bystander-alone one.
+bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates (with
+the params the server builds from them: temperature 1, sampled), each finished request replaced at once (as the
+attackers keep theirs in flight). One JSON line per batch: the median and p90 step time, the median time in the
+sampler, and the median step over the bystander-alone one; --clock cpu times the thread's CPU instead of the wall.
 """
 from __future__ import annotations
 
@@ -207,13 +208,15 @@ def key_holder_connects(port: int, attempts: int) -> dict:
             "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
 
 
-def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine) -> dict:
-    """Step times (ms) of `engine` running the bystander's generate and `attack_requests` of the stop-list
+def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine,
+                 clock=time.perf_counter) -> dict:
+    """Step times (ms, by `clock`) of `engine` running the bystander's generate and `attack_requests` of the stop-list
     scenario's (or its control's), each replaced as soon as it finishes; and the bystander's generates, from
     added to finished, in steps and ms (the engine's part of its latency)."""
     bystander_params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     attack = _greedy_generate(stop_lists)
-    attack_params = SamplingParams(temperature=0, **{k: v for k, v in attack.items() if k != "prompt"})
+    # as the server builds them: the attack sets no temperature, so its rows are sampled (temperature 1)
+    attack_params = SamplingParams(**{k: v for k, v in attack.items() if k != "prompt"})
     added = iter(range(1 << 62))
     bystander_added: dict[str, tuple[int, float]] = {}   # request id -> (step, time) when added
 
@@ -222,15 +225,15 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
         request_id = f"{kind}-{next(added)}"
         engine.add_request(request_id, attack["prompt"], params, stream=False)
         if params is bystander_params:
-            bystander_added[request_id] = (step, time.perf_counter())
+            bystander_added[request_id] = (step, clock())
 
     sampling = []
     launch = engine.sampler.launch
 
     def timed_launch(*args):
-        start = time.perf_counter()
+        start = clock()
         pending = launch(*args)
-        sampling.append(time.perf_counter() - start)
+        sampling.append(clock() - start)
         return pending
     engine.sampler.launch = timed_launch
     add(bystander_params, 0)
@@ -239,10 +242,10 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
     times, bystander_steps, bystander_ms = [], [], []
     warm_up = 50   # steps: every request past its prefill, the allocator warm
     for i in range(steps + warm_up):
-        start = time.perf_counter()
+        start = clock()
         outputs = engine.step()
         if i >= warm_up:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         for out in outputs:
             if not out.finished:
                 continue
@@ -252,7 +255,7 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
             step, added_at = bystander_added.pop(out.request_id)
             if step >= warm_up:
                 bystander_steps.append(i + 1 - step)
-                bystander_ms.append((time.perf_counter() - added_at) * 1000)
+                bystander_ms.append((clock() - added_at) * 1000)
             add(bystander_params, i + 1)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
@@ -267,15 +270,15 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
             "bystander_median_ms": round(float(np.median(bystander_ms)), 2)}
 
 
-def engine_only(steps: int) -> None:
+def engine_only(steps: int, clock) -> None:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     engine = LLMEngine(**engine_options_from_args(parser.parse_args([])))   # what `serve` runs
-    alone = engine_steps(0, False, steps, engine)
+    alone = engine_steps(0, False, steps, engine, clock)
     print(json.dumps({"engine_only": alone}), flush=True)
     for attack_requests in (8, 32):
         for stop_lists in (False, True):
-            report = engine_steps(attack_requests, stop_lists, steps, engine)
+            report = engine_steps(attack_requests, stop_lists, steps, engine, clock)
             report["median_step_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
             report["bystander_median_over_alone"] = round(report["bystander_median_ms"] / alone["bystander_median_ms"], 2)
             print(json.dumps({"engine_only": report}), flush=True)
@@ -324,9 +327,11 @@ def main(argv=None) -> int:
     parser.add_argument("--burst-connections", type=int, default=1000)
     parser.add_argument("--engine-only", action="store_true", help="time the engine's steps alone, no server")
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="--engine-only: wall time, or the thread's CPU time (less moved by other users' work)")
     args = parser.parse_args(argv)
     if args.engine_only:
-        engine_only(args.steps)
+        engine_only(args.steps, time.perf_counter if args.clock == "wall" else time.thread_time)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         key_file = os.path.join(tmp, "key")

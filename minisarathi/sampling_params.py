@@ -76,9 +76,10 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t, lo=0, hi=2**63 - 1)   # int64 below
-        # int64[S], made once per request (not a field: the doors take fields from clients): the sampler masks
-        # these ids at every step until min_tokens, for the whole batch in one assignment.
+        # Made once per request (not fields: the doors take fields from clients). int64[S]: the sampler masks
+        # these ids until min_tokens, for the whole batch in one assignment.
         self.stop_token_array = np.array(self.stop_token_ids, np.int64)
+        self.stop_token_set = frozenset(self.stop_token_ids)   # checked per token (a list: up to 64 compares)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=20)
         for name in ("ignore_eos", "skip_special_tokens", "detokenize"):

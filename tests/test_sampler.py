@@ -97,6 +97,32 @@ def test_greedy_fast_path_agrees_with_the_full_path():
     assert greedy[2] == 4
 
 
+def test_greedy_path_masks_only_where_the_argmax_is_not_allowed_yet():
+    """Greedy rows under min_tokens take the fast path, which masks a row only when its plain argmax is a stop
+    or EOS id: random batches (the banned ids made most likely in half the rows, F-order logits as the NumPy
+    linear may hand them on) against the masked reference and against the full path (the same rows beside a
+    sampled one)."""
+    rng = np.random.default_rng(12)
+    masked_rows = 0
+    for _ in range(100):
+        n = int(rng.integers(1, 9))
+        params = [SP(temperature=0, min_tokens=int(rng.integers(0, 4)), max_tokens=8, ignore_eos=bool(rng.integers(2)),
+                     stop_token_ids=rng.integers(0, V + 3, rng.integers(0, 4)).tolist()) for _ in range(n)]
+        outputs = [[1] * int(rng.integers(0, 4)) for _ in range(n)]
+        logits = rand_logits(n, seed=int(rng.integers(1 << 30)))
+        for row, p in enumerate(params[::2]):
+            logits[2 * row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20
+        reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits).argmax(axis=1)
+        fast = Sampler(V, eos_token_ids=(2,)).sample(np.asfortranarray(logits), params, [None] * n, [[1]] * n,
+                                                     outputs).token_ids
+        full = Sampler(V, eos_token_ids=(2,)).sample(np.concatenate([logits, logits[:1]]), params + [SP()],
+                                                     [None] * (n + 1), [[1]] * (n + 1), outputs + [[]]).token_ids
+        assert fast.dtype == np.int64
+        assert fast.tolist() == reference.tolist() == full[:n].tolist()
+        masked_rows += int((reference != logits.argmax(axis=1)).sum())
+    assert masked_rows > 30   # rows whose plain argmax was not allowed yet
+
+
 def test_seeded_rows_do_not_depend_on_the_batch(make_sampler):
     logits = rand_logits(1, seed=3)[0]
     p = SP(temperature=0.9, top_p=0.95, seed=7)

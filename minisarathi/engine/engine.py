@@ -466,7 +466,7 @@ class LLMEngine:
         params = seq.params
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             self._finish(seq, "stop", None, now)
-        elif token in params.stop_token_ids:
+        elif token in params.stop_token_set:
             self._finish(seq, "stop", token, now)
         elif seq.detokenizer is not None and (stop_string := self._detokenize(seq, token)) is not None:
             self._finish(seq, "stop", stop_string, now)
