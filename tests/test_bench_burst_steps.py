@@ -7,7 +7,8 @@ from minisarathi.engine.engine import LLMEngine
 
 def test_the_burst_runs_every_prompt_token_once_and_every_decode_row():
     engine = LLMEngine(chunk_size=512)
-    records = run_round(engine, 0, np.random.default_rng(0))
+    records, cpu_seconds = run_round(engine, 0, np.random.default_rng(0))
+    assert len(cpu_seconds) == len(records) and min(cpu_seconds) > 0   # one record and one CPU time per step
     prompt_tokens = BURST["num_requests"] * BURST["prompt_len"]
     assert sum(r.num_prefill_tokens for r in records) == prompt_tokens
     # the first token of each request comes from its last prefill chunk, the other decode_len - 1 from decode rows
