@@ -41,6 +41,7 @@ WAITING = ("finish_task_switch", "__schedule", "schedule", "do_sched_yield", "__
 KINDS = [
     ("GEMM (oneDNN: brgemm JIT kernels and their driver)", lambda dso, sym: "/perf-" in dso
         or "brgemm" in sym or "dnnl::" in sym or "libdnnl" in dso),
+    ("GEMM (minisarathi's packed matmul, packed_gemm.cpp)", lambda dso, sym: "packed_gemm" in dso),
     ("GEMM (OpenBLAS: packing operands, sgemm_*copy)", lambda dso, sym: "openblas" in dso.lower()
         and "copy" in sym),
     ("GEMM (OpenBLAS: kernels; weight matmuls and NumPy attention's products)",
