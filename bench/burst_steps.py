@@ -71,7 +71,8 @@ def main() -> None:
                    "slowest_step_ms": max(step_ms)}
         print(json.dumps(summary), flush=True)
         summaries.append(summary)
-    print(f"\nstep times: {args.clock} clock\n{'round':>5} {'steps':>5} {'w/ prefill':>10} {'its p50 ms':>10} {'decode-only p50 ms':>18} "
+    print(f"\nstep times: {args.clock} clock")
+    print(f"{'round':>5} {'steps':>5} {'w/ prefill':>10} {'its p50 ms':>10} {'decode-only p50 ms':>18} "
           f"{'max ms':>6} {'TBT p50 ms':>10} {'TBT p99 ms':>10} {'slowest ms':>10}")
     for s in summaries:
         print(f"{s['round']:5d} {s['steps']:5d} {s['steps_with_prefill']:10d} {s['with_prefill_median_ms']:10.1f} "

@@ -1,6 +1,10 @@
-"""The NumPy backend's paged attention: decode groups and per-batch plans change nothing but speed.
+"""The NumPy backend's paged attention: decode groups, per-batch plans and kept decode K/V change nothing but
+speed; kept decode K/V's memory is made with the cache, not in a step.
 (Exactness against a float64 dense reference: tests/test_model.py::test_paged_attention_matches_dense_float64.)"""
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,3 +170,29 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
     for views in kept_views:
         for view, memory in zip(views, made):
             assert np.shares_memory(view, memory)
+
+
+# In a fresh interpreter, as tests/test_numpy_ops.py measures the cache's own memory.
+MEASURE_KEPT_MEMORY = """
+import os
+from minisarathi.backends.numpy_attention import DECODE_GROUP_BYTES, kept_memory
+
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = resident_bytes()
+memory = kept_memory(16 << 20)      # float32, 64 MiB of room
+print(resident_bytes() - before, DECODE_GROUP_BYTES, memory.nbytes)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_kept_memory_is_resident_for_the_switch_and_room_beyond():
+    """Resident from the start for what the first kept step copies (so that step faults in no page), the rest
+    of the room not until used (else the pool's resident memory would double)."""
+    done = subprocess.run([sys.executable, "-c", MEASURE_KEPT_MEMORY], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, check=True)
+    grown, written, room = map(int, done.stdout.split())
+    assert room == 64 << 20
+    assert 0.9 * written <= grown <= written + (4 << 20), f"{grown >> 20} MiB resident, {written >> 20} MiB written"

@@ -188,7 +188,7 @@ class DecodeKV:
 def kept_memory(size: int) -> np.ndarray:
     """float32[size] of zeros for DecodeKV, in an anonymous mapping of its own, its first DECODE_GROUP_BYTES
     written now (NumpyOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
-    K/V first grows into it, at most a block per decode a step.
+    K/V first grows into it, a few blocks at a time (a column when B grows, a row when a decode joins).
 
     Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the
     K and V memories (more where decodes joined several at a time; the prefix written now is twice that).
