@@ -63,16 +63,22 @@ using Tile = void (*)(const float*, const float*, int64_t, float*, int64_t, int,
 constexpr Tile tile_of_rows[MR + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,  &tile<5>,  &tile<6>,
                                        &tile<7>, &tile<8>, &tile<9>, &tile<10>, &tile<11>, &tile<12>};
 
-// The inputs of one K block in tile order, float32[ceil(M / MR)][kc][MR]; grown as needed, one per thread.
+// The inputs of one K block in tile order, float32[ceil(M / MR)][kc][MR]; one buffer per thread, grown as
+// needed and freed when the thread ends.
+struct InputTiles {
+    float* data = nullptr;
+    int64_t capacity = 0;
+    ~InputTiles() { free(data); }
+};
+
 float* input_tiles(int64_t floats) {
-    thread_local float* buffer = nullptr;
-    thread_local int64_t capacity = 0;
-    if (floats > capacity) {
-        free(buffer);
-        buffer = (float*)aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
-        capacity = buffer ? floats : 0;
+    thread_local InputTiles tiles;
+    if (floats > tiles.capacity) {
+        free(tiles.data);
+        tiles.data = (float*)aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        tiles.capacity = tiles.data ? floats : 0;
     }
-    return buffer;
+    return tiles.data;
 }
 
 }  // namespace
