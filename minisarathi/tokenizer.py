@@ -177,6 +177,7 @@ class IncrementalDetokenizer:
         for s in sorted(self._stops):   # sorted: the stops a text is a proper prefix of follow it (bisect)
             self._stops_by_first.setdefault(s[0], []).append(s)
         self._longest_stop = max(map(len, self._stops), default=0)
+        self._shortest_stop = min(map(len, self._stops), default=0)
         self._unchecked_tokens = min_tokens   # tokens still to come whose text cannot end a stop string
         self._stream = DecodeStream(tokenizer.stream_context(prompt_ids, skip_special_tokens),
                                     skip_special_tokens=skip_special_tokens)
@@ -208,7 +209,7 @@ class IncrementalDetokenizer:
         hits = []
         if self._unchecked_tokens > 0:
             self._unchecked_tokens -= 1
-        else:
+        elif len(pending) >= self._shortest_stop:   # a stop is found within pending: the text before is out
             old = len(self._held)
             stops = self._stops_starting_in(pending[max(0, old - self._longest_stop + 1):])
             hits = [(start + len(s), start, s) for s in stops
@@ -230,7 +231,10 @@ class IncrementalDetokenizer:
         """Where the longest tail of `text` that is a proper prefix of a stop string starts (len if none)."""
         start = len(text)
         begin = max(0, start - self._longest_stop + 1)   # a longer tail is a prefix of no stop
-        for first in self._stops_by_first.keys() & set(text[begin:]):
+        firsts = self._stops_by_first.keys()
+        if len(firsts) > start - begin:   # more first characters than the tail has: only the tail's
+            firsts = firsts & set(text[begin:])
+        for first in firsts:   # (a find per first character is cheaper than a set of the tail's)
             # Each place of the first character is looked up once among the stops starting with it: maximal
             # lists whose stops all start with a common character (" ") were searched stop by stop.
             stops = self._stops_by_first[first]

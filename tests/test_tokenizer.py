@@ -175,16 +175,19 @@ def test_stop_invariants_on_random_text(tok):
         assert (detok.text, hit) == (full[:cut], first)
 
 
-def test_held_back_text_is_the_longest_tail_that_could_start_a_stop(tok):
-    """Maximal lists of stops sharing their first character (16 starting with a space): after each token, the
-    text held back is exactly the longest tail of the text so far that is a proper prefix of a stop, found by
-    brute force over every tail and stop."""
-    rng = random.Random(5)
+@pytest.mark.parametrize("firsts, longest_held", [(" ", 4), (" abcdeghnortx!", 3)])
+def test_held_back_text_is_the_longest_tail_that_could_start_a_stop(tok, firsts, longest_held):
+    """Maximal lists of stops (16), sharing their first character (a space) or starting with many different
+    ones (more than a short tail has: the detokenizer then looks only for the tail's characters): after each
+    token, the text held back is exactly the longest tail of the text so far that is a proper prefix of a stop,
+    found by brute force over every tail and stop."""
+    rng, first_rng = random.Random(5), random.Random(6)
     words = [" the", " cat", " ran", " a", " big", "!", "\n", " dog", "  "]
     held_lengths = set()
     for _ in range(60):
         prompt_ids, out = ids_of(tok, "Once upon a time", "".join(rng.choice(words) for _ in range(14)))
-        stops = [" " + "".join(rng.choice("abcdeghnortx ") for _ in range(rng.randrange(1, 10))) for _ in range(16)]
+        stops = [first_rng.choice(firsts) + "".join(rng.choice("abcdeghnortx ") for _ in range(rng.randrange(1, 10)))
+                 for _ in range(16)]
         detok = IncrementalDetokenizer(tok, prompt_ids, stops)
         for n, token in enumerate(out, 1):
             if detok.add(token)[1] is not None:
@@ -194,7 +197,7 @@ def test_held_back_text_is_the_longest_tail_that_could_start_a_stop(tok):
                             if any(len(s) > len(text) - i and s.startswith(text[i:]) for s in stops)), "")
             assert text[len(detok.text):] == longest, (stops, text)
             held_lengths.add(len(longest))
-    assert max(held_lengths) >= 4   # tails longer than a space were held
+    assert max(held_lengths) >= longest_held   # tails of several characters were held
 
 
 def test_config_variants(tmp_path):
