@@ -12,6 +12,7 @@ A server with an API key runs the bundled model. A bystander (with the key) time
                           (common ones: a request ends soon after min_tokens), min_tokens 100 of max_tokens 128
                           (stop ids masked until then): the issue's "eight such requests"
   same_load_without_stops the same 8 generates without stop lists: what the load alone costs the bystander
+  same_load_streamed      the same 8 again, streamed: each of their tokens a chunk the server sends
   tokenize                4 connections calling maximal tokenize (256 KiB) and detokenize (65536 ids)
   unread_streams          256 streamed 500-token generates whose client never reads
   unauthenticated_flood   1000 connections without the key, each trickling an auth message at 1 byte/s;
@@ -27,7 +28,8 @@ shared: its load drifts), plus what the scenario checks. Each attack runs in a p
 bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates (with
 the params the server builds from them: temperature 1, sampled), each finished request replaced at once (as the
 attackers keep theirs in flight). One JSON line per batch: the median and p90 step time, the median time in the
-sampler, and the median step over the bystander-alone one; --clock cpu times the thread's CPU instead of the wall.
+sampler, and the median step over the bystander-alone one; --clock cpu times the thread's CPU instead of the wall;
+--parts adds the median time per step of the engine's phases and of the forward's backend ops.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ from minisarathi.server.cli import add_serve_arguments
 from bench.server_process import serving
 
 KEY = "bench-hostile-clients-key"
-SCENARIOS = ("stop_lists", "same_load_without_stops", "tokenize", "unread_streams", "unauthenticated_flood", "connection_bursts")
+SCENARIOS = ("stop_lists", "same_load_without_stops", "same_load_streamed", "tokenize", "unread_streams", "unauthenticated_flood", "connection_bursts")
 
 
 def bystander(port: int, samples: int) -> list[float]:
@@ -116,6 +118,10 @@ async def stop_lists(port, stop) -> dict:
 
 async def same_load_without_stops(port, stop) -> dict:
     return await _pumps(port, [("generate", [_greedy_generate(False)])], 1, 8, stop)
+
+
+async def same_load_streamed(port, stop) -> dict:
+    return await _pumps(port, [("generate", [{**_greedy_generate(False), "stream": True}])], 1, 8, stop)
 
 
 async def tokenize(port, stop) -> dict:
@@ -208,11 +214,54 @@ def key_holder_connects(port: int, attempts: int) -> dict:
             "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
 
 
+# --parts: where a step's time goes. The engine's phases (engine.step = schedule / _advance / _make_batch /
+# forward / sample / _update), and within the forward the backend's ops; what is left of the forward is the
+# model's own lines. An op called inside another timed one (rms_norm in add_rms_norm) counts in the outer one.
+STEP_PARTS = (("scheduler", "schedule"), ("engine", "_advance"), ("engine", "_make_batch"), ("engine", "_forward"),
+              ("engine", "_sample"), ("engine", "_update"))
+FORWARD_OPS = ("embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv", "paged_attention", "silu_and_mul")
+
+
+class StepParts:
+    """Times the parts above by `clock` while installed (instance attributes over the methods); `steps` holds
+    one {part: seconds} per step ended by end_step()."""
+
+    def __init__(self, engine: LLMEngine, clock):
+        self.clock, self.steps, self._step, self._inside = clock, [], {}, False
+        owners = {"scheduler": engine.scheduler, "engine": engine}
+        self._wrapped = [(owners[owner], name, name.lstrip("_")) for owner, name in STEP_PARTS]
+        self._wrapped += [(engine.model.ops, name, "op." + name) for name in FORWARD_OPS]
+        for owner, name, part in self._wrapped:
+            setattr(owner, name, self._timed(getattr(owner, name), part))
+
+    def _timed(self, method, part):
+        def timed(*args, **kwargs):
+            if self._inside:   # nested in another timed op: its time is the outer one's
+                return method(*args, **kwargs)
+            self._inside = part.startswith("op.")
+            start = self.clock()
+            result = method(*args, **kwargs)
+            self._step[part] = self._step.get(part, 0.0) + self.clock() - start
+            self._inside = False
+            return result
+        return timed
+
+    def end_step(self, counted: bool) -> None:
+        if counted:
+            self.steps.append(self._step)
+        self._step = {}
+
+    def uninstall(self) -> None:
+        for owner, name, _ in self._wrapped:
+            delattr(owner, name)
+
+
 def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine,
-                 clock=time.perf_counter) -> dict:
+                 clock=time.perf_counter, parts: bool = False) -> dict:
     """Step times (ms, by `clock`) of `engine` running the bystander's generate and `attack_requests` of the stop-list
     scenario's (or its control's), each replaced as soon as it finishes; and the bystander's generates, from
-    added to finished, in steps and ms (the engine's part of its latency)."""
+    added to finished, in steps and ms (the engine's part of its latency). parts: also the median time per step
+    of each part (StepParts; the timing itself adds ~40 clock pairs to every step, alike at any batch size)."""
     bystander_params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     attack = _greedy_generate(stop_lists)
     # as the server builds them: the attack sets no temperature, so its rows are sampled (temperature 1)
@@ -241,11 +290,14 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
         add(attack_params, 0)
     times, bystander_steps, bystander_ms = [], [], []
     warm_up = 50   # steps: every request past its prefill, the allocator warm
+    timed_parts = StepParts(engine, clock) if parts else None
     for i in range(steps + warm_up):
         start = clock()
         outputs = engine.step()
         if i >= warm_up:
             times.append(clock() - start)
+        if timed_parts is not None:
+            timed_parts.end_step(i >= warm_up)
         for out in outputs:
             if not out.finished:
                 continue
@@ -257,28 +309,38 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
                 bystander_steps.append(i + 1 - step)
                 bystander_ms.append((clock() - added_at) * 1000)
             add(bystander_params, i + 1)
+    if timed_parts is not None:
+        timed_parts.uninstall()
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     engine.sampler.launch = launch
     ms = np.array(times) * 1000
-    return {"attack_requests": attack_requests, "stop_lists": stop_lists,
-            "median_step_ms": round(float(np.median(ms)), 3), "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
-            "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3),
-            "bystander_steps": sorted(set(bystander_steps)),
-            "bystander_median_ms": round(float(np.median(bystander_ms)), 2)}
+    report = {"attack_requests": attack_requests, "stop_lists": stop_lists,
+              "median_step_ms": round(float(np.median(ms)), 3), "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
+              "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3),
+              "bystander_steps": sorted(set(bystander_steps)),
+              "bystander_median_ms": round(float(np.median(bystander_ms)), 2)}
+    if timed_parts is not None:   # each part's median over the steps (0 in a step that did not run it)
+        for step_parts in timed_parts.steps:
+            step_parts["forward, the model's own lines"] = step_parts["forward"] - sum(
+                v for part, v in step_parts.items() if part.startswith("op."))
+        names = dict.fromkeys(part for step_parts in timed_parts.steps for part in step_parts)
+        report["median_parts_ms"] = {
+            part: round(1000 * float(np.median([p.get(part, 0.0) for p in timed_parts.steps])), 4) for part in names}
+    return report
 
 
-def engine_only(steps: int, clock) -> None:
+def engine_only(steps: int, clock, parts: bool) -> None:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     engine = LLMEngine(**engine_options_from_args(parser.parse_args([])))   # what `serve` runs
-    alone = engine_steps(0, False, steps, engine, clock)
+    alone = engine_steps(0, False, steps, engine, clock, parts)
     print(json.dumps({"engine_only": alone}), flush=True)
     for attack_requests in (8, 32):
         for stop_lists in (False, True):
-            report = engine_steps(attack_requests, stop_lists, steps, engine, clock)
+            report = engine_steps(attack_requests, stop_lists, steps, engine, clock, parts)
             report["median_step_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
             report["bystander_median_over_alone"] = round(report["bystander_median_ms"] / alone["bystander_median_ms"], 2)
             print(json.dumps({"engine_only": report}), flush=True)
@@ -329,9 +391,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="--engine-only: wall time, or the thread's CPU time (less moved by other users' work)")
+    parser.add_argument("--parts", action="store_true", help="--engine-only: also the median time per step of the "
+                                                            "engine's phases and the forward's ops")
     args = parser.parse_args(argv)
     if args.engine_only:
-        engine_only(args.steps, time.perf_counter if args.clock == "wall" else time.thread_time)
+        engine_only(args.steps, time.perf_counter if args.clock == "wall" else time.thread_time, args.parts)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         key_file = os.path.join(tmp, "key")

@@ -154,6 +154,28 @@ def test_64_concurrent_streams_match_offline_greedy(server):
     wait_until_idle(server)
 
 
+def test_streams_sharing_a_connection_get_every_token_in_order(server):
+    """Streams of one connection: the server writes each engine step's messages for a connection at once
+    (_Connection.cork), chunks of different streams and final responses mixed; every stream still gets each of
+    its tokens, in order, and its result after its last chunk, as offline greedy decoding gives them."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]   # 8: the test server's in-flight limit
+    max_tokens = [5 + 4 * i for i in range(8)]
+    expected = offline_greedy(prompts, max_tokens)
+
+    async def all_of_them():
+        async with AsyncClient(port=server.port) as client:
+            async def one(prompt, n):
+                stream = client.generate_stream(prompt, max_tokens=n, temperature=0)
+                return [chunk async for chunk in stream], stream.result
+            return await asyncio.gather(*[one(p, n) for p, n in zip(prompts, max_tokens)])
+
+    for (chunks, result), want in zip(asyncio.run(all_of_them()), expected):
+        assert result.token_ids == want.token_ids and result.text == want.text
+        assert [t for c in chunks for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in chunks) == want.text
+    wait_until_idle(server)
+
+
 def test_raw_msgpack_pipelining_out_of_order(server):
     conn = RawConnection(server)
     # A long generate first, then quick calls: the quick ones must not wait for it.

@@ -153,6 +153,66 @@ def test_a_connection_past_its_write_buffer_cap_is_dropped():
     assert transport.buffered < 1100
 
 
+def test_a_corked_connection_writes_what_was_sent_in_one_piece_in_order():
+    """cork()/uncork(): the messages sent between them reach the transport as one write holding the same bytes,
+    in the same order, as unheld sends would; a flushing close writes them first; the write-buffer cap is
+    still enforced on that write; an aborting close drops them."""
+    from types import SimpleNamespace
+    from minisarathi.server.protocol import pack
+    from minisarathi.server.server import _Connection
+
+    class Transport:
+        buffered, aborted = 0, False
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def abort(self):
+            self.aborted = True
+
+    def connection(cap=1 << 20, kernel_takes_all=False):
+        transport, writes = Transport(), []
+
+        def write(data):
+            writes.append(data)
+            transport.buffered += 0 if kernel_takes_all else len(data)
+        conn = _Connection(0, SimpleNamespace(write=write, transport=transport, close=lambda: None),
+                           ServerLimits(max_write_buffer_bytes=cap), authenticated=True)
+        return conn, transport, writes
+
+    messages = [[2, "chunk", [1, {"text": "a", "token_ids": [5]}]], [1, 1, None, "done"], [2, "chunk", [2, {}]]]
+    conn, _, writes = connection()
+    conn.cork()
+    conn.send(messages[0])
+    conn.respond(1, None, "done")
+    conn.send(messages[2])
+    assert writes == []
+    conn.uncork()
+    assert writes == [b"".join(pack(m) for m in messages)]
+    conn.send(messages[0])                      # uncorked: written at once
+    assert writes[-1] == pack(messages[0])
+
+    conn, transport, writes = connection(kernel_takes_all=True)
+    conn.cork()
+    conn.send(messages[1])
+    conn.close(flush=True)
+    assert writes == [pack(messages[1])] and conn.closed and not transport.aborted
+
+    conn, transport, writes = connection(cap=100)
+    conn.cork()
+    conn.respond(1, None, "x" * 60)
+    conn.respond(2, None, "x" * 60)
+    conn.uncork()
+    assert conn.closed and transport.aborted    # 120+ bytes waiting: over the cap
+
+    conn, transport, writes = connection()
+    conn.cork()
+    conn.send(messages[1])
+    conn.close()
+    conn.uncork()
+    assert writes == [] and transport.aborted
+
+
 @pytest.mark.parametrize("values, expected", [
     ([], []), ([0, 511, 7], [0, 511, 7]), ([1.0, 2, 3.0], [1, 2, 3]),   # integral floats, as some encoders send
     ([1.5], None), ([1.0, 1.5], None), ([-1], None), ([512], None), ([2.0, 512.0], None), ([True], None),

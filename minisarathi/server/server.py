@@ -191,12 +191,31 @@ class _Connection:
         self.auth_delay = 0.0                 # seconds to wait before reading on, after a failed auth
         self.stalled = False                  # its output waits unread: its requests are paused
         self._on_stall = on_stall             # called once each time the output backs up
+        self._held: list[bytes] | None = None  # while corked: the packed messages sent, in order
         self.closed = False
 
     def send(self, message):
         if self.closed:
             return
-        self.writer.write(pack(message))
+        if self._held is not None:
+            self._held.append(pack(message))
+            return
+        self._write(pack(message))
+
+    def cork(self):
+        """Hold what is sent until uncork(), which writes it in one piece. The server corks a connection while it
+        delivers one engine step's outputs: the chunks of many streams then cost one socket write, not one
+        each (each write is a syscall that lets the engine thread take the GIL, then waits to get it back)."""
+        if self._held is None:
+            self._held = []
+
+    def uncork(self):
+        held, self._held = self._held, None
+        if held and not self.closed:
+            self._write(b"".join(held))
+
+    def _write(self, data: bytes):
+        self.writer.write(data)
         buffered = self.buffered()
         if buffered > self.limits.max_write_buffer_bytes:
             log.warning("conn=%d is not reading its responses; disconnecting", self.id)
@@ -228,6 +247,11 @@ class _Connection:
         _CLOSE_LINGER_S (a client that reads nothing would otherwise hold the socket and its buffer)."""
         if self.closed:
             return
+        if flush:
+            self.uncork()    # what was held goes out first
+            if self.closed:  # (the client was not reading it: dropped)
+                return
+        self._held = None
         self.closed = True
         if not flush:
             self.writer.transport.abort()
@@ -883,17 +907,25 @@ class Server:
 
     def _on_outputs(self, outputs):
         now = time.monotonic()
-        for output in outputs:
-            pending = self._pending.get(output.request_id)
-            if pending is None:
-                self._deliver_to_door(output)   # or aborted or failed while the engine was stepping
-                continue
-            try:
-                self._deliver(pending, output, now)
-            except Exception:   # one bad output must not strand the others of this step
-                log.exception("%s delivering output failed", pending.request_id)
-                self._fail(pending, _internal_error())
-                self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
+        corked = set()   # each connection's messages of this step go out in one write (_Connection.cork)
+        try:
+            for output in outputs:
+                pending = self._pending.get(output.request_id)
+                if pending is None:
+                    self._deliver_to_door(output)   # or aborted or failed while the engine was stepping
+                    continue
+                if pending.conn not in corked:
+                    pending.conn.cork()
+                    corked.add(pending.conn)
+                try:
+                    self._deliver(pending, output, now)
+                except Exception:   # one bad output must not strand the others of this step
+                    log.exception("%s delivering output failed", pending.request_id)
+                    self._fail(pending, _internal_error())
+                    self._worker.post(lambda rid=pending.request_id: self.engine.abort_request(rid))
+        finally:
+            for conn in corked:
+                conn.uncork()
         self._trim_throughput_window(now)
 
     def _deliver(self, pending: _Pending, output, now: float):
