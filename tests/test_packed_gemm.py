@@ -1,6 +1,7 @@
 """The packed matmul kernel (minisarathi/backends/packed_gemm.py) against float64 NumPy, its batch invariance,
 and NumpyOps' fallback to NumPy's matmul where the kernel cannot be built."""
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -36,6 +37,19 @@ def test_matches_float64(m, n, k):
     assert got.shape == (m, n) and got.dtype == np.float32 and got.flags.c_contiguous
     ref, bound = reference_and_bound(x, w)
     assert np.all(np.abs(got - ref) <= bound)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n", [(0, 300), (5, 0), (0, 0)])
+def test_empty_product_on_a_threads_first_call(m, n):
+    """An lm_head gets 0 rows in a step of non-final prefill chunks; a fresh thread has no input tiles yet."""
+    kernel = packed_gemm.kernel()
+    packed = kernel.pack(np.ones((n, 300), dtype=np.float32))
+    results = []
+    thread = threading.Thread(target=lambda: results.append(kernel.matmul(np.ones((m, 300), np.float32), packed)))
+    thread.start()
+    thread.join()
+    assert len(results) == 1 and results[0].shape == (m, n) and results[0].dtype == np.float32
 
 
 @needs_kernel

@@ -91,6 +91,7 @@ __attribute__((visibility("default"))) int packed_gemm_panel_width() { return NR
 // Returns 0, or -1 when the input tiles could not be allocated.
 __attribute__((visibility("default"))) int packed_gemm(const float* x, int64_t m, int64_t k, int64_t ldx,
                                                       const float* packed, int64_t n, float* out, int64_t ldo) {
+    if (m == 0 || n == 0) return 0;   // nothing to compute; input_tiles(0) would be a thread's null buffer
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t row_tiles = (m + MR - 1) / MR;
     float* a = input_tiles(row_tiles * MR * (k < KC ? k : KC));
