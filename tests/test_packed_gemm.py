@@ -1,6 +1,7 @@
 """The packed matmul kernel (minisarathi/backends/packed_gemm.py) against float64 NumPy, its batch invariance,
 and NumpyOps' fallback to NumPy's matmul where the kernel cannot be built."""
 import logging
+import tempfile
 import threading
 
 import numpy as np
@@ -106,6 +107,33 @@ def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_ke
     assert "packed matmul off" in caplog.text
     w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     assert NumpyOps().linear_weight(w) is w
+
+
+@needs_kernel
+def test_a_library_that_cannot_load_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
+    """A corrupt cached library (or one on a noexec mount) makes ctypes raise OSError: NumPy's matmul, a warning."""
+    monkeypatch.delenv("MINISARATHI_PACKED_GEMM", raising=False)
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))
+    library = packed_gemm.library_path()   # built into tmp_path, not loaded
+    assert library.parent == tmp_path / "cpu_kernels"
+    library.write_bytes(b"junk")
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.packed_gemm"):
+        assert packed_gemm.kernel() is None
+    assert "packed matmul off" in caplog.text and str(library) in caplog.text
+    w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
+    assert NumpyOps().linear_weight(w) is w
+
+
+@needs_kernel
+def test_no_safe_cache_folder_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
+    monkeypatch.delenv("MINISARATHI_PACKED_GEMM", raising=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(blocker / "cache"))   # cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker))                 # nor can the temporary folder
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.packed_gemm"):
+        assert packed_gemm.kernel() is None
+    assert "no cache folder" in caplog.text
 
 
 @needs_kernel

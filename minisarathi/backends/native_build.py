@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
+import stat
 import subprocess
 import tempfile
 import threading
@@ -19,7 +21,7 @@ _locks_guard = threading.Lock()
 
 def cache_dir(kind: str) -> Path:
     """$MINISARATHI_CACHE_DIR/<kind> (default ~/.cache/minisarathi/<kind>), or a temporary folder where that
-    cannot be written."""
+    cannot be written. Raises RuntimeError when the temporary folder is not safe to load libraries from."""
     configured = os.environ.get("MINISARATHI_CACHE_DIR")
     base = Path(configured) if configured else Path.home() / ".cache" / "minisarathi"
     path = base / kind
@@ -30,16 +32,31 @@ def cache_dir(kind: str) -> Path:
     except OSError:
         pass
     path = Path(tempfile.gettempdir()) / f"minisarathi-{kind}-{os.getuid()}"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        check_private_dir(path)
+    except OSError as exc:
+        raise RuntimeError(f"no cache folder for compiled libraries ({base / kind} cannot be written): {exc}") \
+            from exc
     return path
+
+
+def check_private_dir(path: Path) -> None:
+    """Raises RuntimeError unless `path` is a real directory of this user that no one else can write: in a
+    shared temporary folder, another user could have made it first and planted a library that we would load."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"cache folder {path} is not a directory of this user writable only by it "
+                           f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): not loading libraries "
+                           f"from it; set MINISARATHI_CACHE_DIR to a private folder")
 
 
 def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: list[Path], compiler: str,
                          flags: list[str], purpose: str) -> Path:
     """The path of `translation_unit` (C++ text) compiled with `compiler` and `flags` into <stem>-<hash>.so under
     cache_dir(kind). inputs: the files it includes, whose bytes go into the hash (editing one rebuilds).
-    purpose names the user of the library in errors ("the CUDA emulator"). Raises RuntimeError when the compiler
-    is missing or fails."""
+    purpose names the user of the library in errors ("the CUDA emulator"). compiler is a command line, as CXX
+    ("ccache g++"). Raises RuntimeError when the compiler is missing or fails, or no safe cache folder exists."""
     digest = hashlib.sha256()
     for part in (translation_unit, " ".join(flags), compiler):
         digest.update(part.encode() + b"\0")
@@ -57,7 +74,7 @@ def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: li
             f.write(translation_unit)
         tmp_so = tmp_cpp[:-4] + ".so"
         try:
-            cmd = [compiler, *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]
+            cmd = [*shlex.split(compiler), *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]   # CXX="ccache g++"
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError as exc:

@@ -84,6 +84,12 @@ class PackedGemm:
         return out
 
 
+def library_path() -> Path:
+    """packed_gemm.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
+    return build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
+                                os.environ.get("CXX", "g++"), FLAGS, "the packed CPU matmul")
+
+
 @functools.cache
 def kernel() -> PackedGemm | None:
     """The library for this CPU, built at first use; None where it cannot run here (the log says why)."""
@@ -97,10 +103,10 @@ def kernel() -> PackedGemm | None:
     if "avx512f" not in flags:
         log.info("packed matmul off: the CPU has no AVX-512; NumPy's matmul")
         return None
+    # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
+    # cached file); the model still loads, on NumPy's matmul
     try:
-        path = build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
-                                    os.environ.get("CXX", "g++"), FLAGS, "the packed CPU matmul")
-    except RuntimeError as exc:
+        return PackedGemm(library_path())
+    except (RuntimeError, OSError) as exc:
         log.warning("packed matmul off, NumPy's matmul instead: %s", exc)
         return None
-    return PackedGemm(path)
