@@ -12,11 +12,12 @@ Weights are stored [N, K] as HF stores them; a linear layer of M token rows can 
   numpy      NumpyOps.linear on the weight as stored: NumPy's product as transposed_linear chooses it
              (minisarathi/backends/numpy_ops.py), so the rule can be checked against the table;
   packed     the packed matmul kernel on the weight packed once (minisarathi/backends/packed_gemm.py), what
-             NumpyOps.linear runs where the kernel builds (absent where it cannot). With --cold each call reads its weight from memory, as a forward of a model larger than
-the caches does (the tiny model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is
-checked against the first; all are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread,
-the process set up as the engine sets it up) so that load from other processes falls on all alike. Prints one
-JSON line per shape, rows and form (GFLOP/s), then a table.
+             NumpyOps.linear runs where the kernel builds and BLAS runs one thread (absent where it cannot).
+With --cold each call reads its weight from memory, as a forward of a model larger than the caches does (the tiny
+model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is checked against the first; all
+are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread, the process set up as the engine
+sets it up) so that load from other processes falls on all alike. Prints one JSON line per shape, rows and form
+(GFLOP/s), then a table.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import time
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.backends import packed_gemm
+from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.backends.numpy_ops import NumpyOps
 
 # model: (hidden H, heads Hq, KV heads Hk, head_dim D, intermediate I, vocab V)

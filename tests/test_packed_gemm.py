@@ -6,8 +6,10 @@ import threading
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from minisarathi.backends import packed_gemm
+from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.backends.packed_gemm import PackedWeight
 from minisarathi.bench.random_model import write_random_model
@@ -15,6 +17,13 @@ from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
 from minisarathi.testing import ScheduledChunk, build_batch
 
 needs_kernel = pytest.mark.skipif(packed_gemm.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    """Weights are packed only where BLAS runs one thread (packed_gemm.packs), as the engine sets on a busy machine."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def reference_and_bound(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +91,16 @@ def test_numpy_ops_linear_runs_packed_weights():
     assert ops.linear_weight(shallow) is shallow   # the rule: too shallow to gain, NumPy's matmul
     ref, bound = reference_and_bound(x, w)
     assert np.all(np.abs(ops.linear(x, packed, bias) - (ref + bias)) <= bound + 1e-6 * np.abs(ref + bias))
+
+
+@needs_kernel
+def test_packed_only_where_blas_runs_one_thread():
+    """The kernel runs one thread: where NumPy may use more, its matmul is kept (cpu_setup's count in force)."""
+    w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert NumpyOps().linear_weight(w) is w
+    configure_cpu(1)   # as LLMEngine does before the model loads, blas_threads=1
+    assert isinstance(NumpyOps().linear_weight(w), PackedWeight)
 
 
 @pytest.fixture

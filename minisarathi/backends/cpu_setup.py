@@ -70,6 +70,16 @@ def set_blas_threads(threads: int) -> bool:
     return True
 
 
+def blas_threads_in_force() -> int | None:
+    """The most threads any loaded BLAS library will use now; None where that is unknown (no threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    threads = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
+    return max(threads) if threads else None
+
+
 def cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The first processor's feature flags in a /proc/cpuinfo text."""
     for line in cpuinfo.splitlines():

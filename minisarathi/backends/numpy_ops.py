@@ -69,13 +69,13 @@ class NumpyOps:
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def linear_weight(self, placed: np.ndarray) -> PackedWeight | np.ndarray:
-        """Packed once for the packed matmul kernel where it runs here and the weight is deep enough to gain
-        (packed_gemm.MIN_IN_FEATURES); else `placed` itself. A weight's form is fixed at load: linear uses the
-        kernel at every row count, so a row's result is bit-identical whatever batch it is in."""
-        kernel = packed_gemm.kernel()
-        if kernel is None or placed.shape[1] < packed_gemm.MIN_IN_FEATURES:
+        """Packed once for the packed matmul kernel where packed_gemm.packs says so (the kernel runs here, the
+        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed at
+        load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch it is
+        in."""
+        if not packed_gemm.packs(placed.shape[1]):
             return placed
-        return kernel.pack(placed)
+        return packed_gemm.kernel().pack(placed)
 
     def upload_batch(self, batch: Batch, into: None = None) -> None:
         """The batch's arrays are already where this backend computes: only the tokens the previous step

@@ -2,8 +2,9 @@
 //
 // Why: OpenBLAS copies ("packs") the weight into its panel layout inside every sgemm call; at the decode
 // batch's 32 rows that copy is more than half of the call. Packing once at load, as vLLM-CPU's oneDNN brgemm
-// does, and streaming the panels from memory with prefetch ahead makes the small model's matmuls 1.5-1.8x
-// faster at 8-64 rows, weights read from memory (docs/performance.md, "A prepacked weight matmul").
+// does, and streaming the panels from memory with prefetch ahead makes the tiny and small models' matmuls
+// 1.45-1.8x faster at 32 rows, weights read from memory (the table per op and row count: docs/performance.md,
+// "A prepacked weight matmul").
 //
 // Layout (minisarathi/backends/packed_gemm.py packs it): w[N, K] becomes ceil(N / NR) panels of NR consecutive
 // output features, each float32[K][NR], the last one padded with zeros. A register tile of up to MR rows x NR

@@ -4,7 +4,8 @@ NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repack
 kernel reads panels packed once (docs/performance.md, "A prepacked weight matmul"). It needs AVX-512 and a
 C++ compiler (CXX, default g++) the first time; the library is cached by content
 (minisarathi/backends/native_build.py). Where either is missing, or MINISARATHI_PACKED_GEMM=0 is set (to
-measure against NumPy), `kernel()` is None and NumpyOps keeps NumPy's matmul. One thread.
+measure against NumPy), `kernel()` is None and NumpyOps keeps NumPy's matmul. The kernel runs one thread, so
+weights are packed only where BLAS runs one thread too (`packs`).
 """
 from __future__ import annotations
 
@@ -17,17 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import cpu_flags
+from minisarathi.backends.cpu_setup import blas_threads_in_force, cpu_flags
 from minisarathi.backends.native_build import build_shared_library
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
 FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
-# The rule for which weights are packed: those at least this deep (K). Shallower ones lose at every row count
-# (stories260K's K = 64 and 172: 0.3-0.9x of NumPy's): the fixed costs of a call (~2.5 us from Python) and of
-# a register tile (24 accumulators loaded and stored) outweigh its few k steps. From K = 256 (the tiny and
-# small models) the kernel is 1.3-2x faster than NumPy's at 4-64 rows (docs/performance.md).
+# Weights shallower than this (K) are not packed: they lose at every row count (stories260K's K = 64 and 172:
+# 0.3-0.9x of NumPy's): the fixed costs of a call (~2.5 us from Python) and of a register tile (24 accumulators
+# loaded and stored) outweigh its few k steps. From K = 256 (the tiny and small models) the kernel gains at
+# decode batch sizes (docs/performance.md, "A prepacked weight matmul", has the table).
 MIN_IN_FEATURES = 256
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,14 @@ class PackedGemm:
                                 out.ctypes.data, w.out_features):
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
         return out
+
+
+def packs(in_features: int) -> bool:
+    """The rule for which weights NumpyOps packs: where the kernel runs here, the weight is at least
+    MIN_IN_FEATURES deep, and BLAS runs one thread (EngineConfig.blas_threads = 1, or the auto rule's 1 on a
+    busy or pinned machine). The kernel runs one thread; where NumPy may use several cores, its matmul is kept
+    (the kernel against multi-threaded BLAS is unmeasured)."""
+    return in_features >= MIN_IN_FEATURES and blas_threads_in_force() == 1 and kernel() is not None
 
 
 def library_path() -> Path:
