@@ -10,9 +10,8 @@ What every layer of a step shares (the tile indices, the padding mask) is comput
 a fresh [S, Hk, n, D] array per layer costs page faults as large as the copy itself. Decode K/V larger than
 one gather group (DECODE_GROUP_BYTES) is kept from one step to the next instead (DecodeKV): a step then copies
 only what was written since, typically each sequence's last block, instead of every block of every layer.
-Its memory (KeptMemory) is made with the cache, room for the pool's blocks, and written ahead of need, a slice a
-step as the decode K/V nears the size kept, so that the step that starts keeping (which copies it all)
-allocates nothing and faults in no page, and memory never kept costs no resident memory.
+Its memory (kept_memory) is made with the cache, room for the pool's blocks, and partly written then, so
+that the step that starts keeping (which copies it all) allocates nothing and faults in no page.
 """
 from __future__ import annotations
 
@@ -27,11 +26,6 @@ from minisarathi.batch import Batch
 # cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
 # sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20
-# Once a step's decode K/V is over half of DECODE_GROUP_BYTES (and not yet kept), each attention call writes
-# this much more of each of its caches' kept memory (one huge page), up to DECODE_GROUP_BYTES / 2, what the
-# step that starts keeping copies into it (KeptMemory). The small model's burst passes from half to keeping
-# in 3 steps (decodes join 4 a step), the first two of which write it (docs/performance.md).
-WRITE_AHEAD_BYTES = 2 << 20
 # From this many keys on, decode scores are computed transposed, as K @ q^T (n rows by G columns) rather than
 # q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 (SkylakeX) kernels
 # do the few-rows product 1.9x slower than the transposed one at G = 4, D = 64 and 384-1024 keys, 1.3x at
@@ -66,7 +60,7 @@ class AttentionPlan:
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
         self.decode_rows = slice(0, len(decodes)) if first_are_decodes else batch.query_start[decodes]
         self.num_decodes = len(decodes)
-        self.keeps_decode_kv = self.nears_keeping_decode_kv = False
+        self.keeps_decode_kv = False
         if self.num_decodes:
             context_lens = batch.context_lens[decodes]
             longest = int(context_lens.max())
@@ -86,11 +80,9 @@ class AttentionPlan:
             # docs/performance.md). Larger, it is kept across steps (DecodeKV:
             # a step copies only the blocks written since, each sequence's last one) while its padded blocks
             # are no more than the pool holds (the copy costs at most the KV cache's memory again); past that,
-            # it is gathered each step, group by group. Over half the size kept, its memory is written ahead
-            # (WRITE_AHEAD_BYTES).
+            # it is gathered each step, group by group.
             decode_bytes = 2 * self.decode_blocks.size * num_kv_heads * block_size * head_dim * 4
             self.keeps_decode_kv = DECODE_GROUP_BYTES < decode_bytes and self.decode_blocks.size <= num_blocks
-            self.nears_keeping_decode_kv = not self.keeps_decode_kv and DECODE_GROUP_BYTES < 2 * decode_bytes
             self.decode_tiles = cache_tiles(self.decode_blocks, num_kv_heads).ravel()
             self.decode_group = max(1, DECODE_GROUP_BYTES // (2 * self.decode_blocks.size // self.num_decodes
                                                                 * num_kv_heads * block_size * head_dim * 4))
@@ -140,7 +132,7 @@ class DecodeKV:
     (strided ones with room for more blocks cost 5% more). The cache must be written only through
     NumpyOps.store_kv or copy_blocks, which report the blocks they write (written()).
 
-    memory: two float32[k_cache.size] (KeptMemory.array), for K and V: room for as many blocks as the pool
+    memory: two float32[k_cache.size] from kept_memory(), for K and V: room for as many blocks as the pool
     (AttentionPlan keeps decode K/V only when its S * B blocks fit the pool); no step allocates."""
 
     def __init__(self, k_cache: np.ndarray, memory: tuple[np.ndarray, np.ndarray]):
@@ -193,34 +185,24 @@ class DecodeKV:
                             for memory in self._memory)
 
 
-class KeptMemory:
-    """float32[size] of zeros for DecodeKV (.array), in an anonymous mapping of its own, made with each KV-cache
-    array that can ever keep decode K/V (NumpyOps.zeros) and resident only where written: its first
-    DECODE_GROUP_BYTES / 2 by write_ahead(), WRITE_AHEAD_BYTES a call while a step's decode K/V nears the
-    size kept, the rest where the kept K/V grows into it (a column when B grows, a row when a decode joins).
+def kept_memory(size: int) -> np.ndarray:
+    """float32[size] of zeros for DecodeKV, in an anonymous mapping of its own, its first DECODE_GROUP_BYTES
+    written now (NumpyOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
+    K/V first grows into it, a few blocks at a time (a column when B grows, a row when a decode joins).
 
-    Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the K
-    and V memories (more where decodes joined several at a time: that part is faulted in then, at most the
-    rest of the last huge page written ahead).
+    Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the
+    K and V memories (more where decodes joined several at a time; the prefix written now is twice that).
     Into memory allocated in that step, the small model's burst had its slowest step there (290-330 ms
-    against 190-210 for its neighbours): page faults on the kept K/V's own pages, and buffers taken from the
-    heap in a step push the forward's temporaries onto fresh pages. Faulting all layers' pages in that one
-    step still cost it 25-43 ms; writing the prefix at start-up made 12 MiB a layer resident in engines that
-    never keep decode K/V. Transparent huge pages, as NumPy asks for its own large arrays: the products read
-    them 10-20% faster."""
-
-    def __init__(self, size: int):
-        mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        self.array = np.frombuffer(mapping, np.float32)
-        self.written = 0   # elements of the prefix written ahead
-
-    def write_ahead(self) -> None:
-        """Writes (faults in) the next WRITE_AHEAD_BYTES of the prefix; only before DecodeKV uses the memory."""
-        end = min(self.written + WRITE_AHEAD_BYTES // 4, DECODE_GROUP_BYTES // 8, self.array.size)
-        self.array[self.written:end] = 0
-        self.written = end
+    against 190-210 for its neighbours): page faults on the kept K/V's own pages (25 ms), and buffers taken
+    from the heap in a step push the forward's temporaries onto fresh pages (the rest). Writing it all now
+    would double the KV pool's resident memory for the rare batch that fills the pool. Transparent huge
+    pages, as NumPy asks for its own large arrays: the products read them 10-20% faster."""
+    mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    memory = np.frombuffer(mapping, np.float32)
+    memory[:DECODE_GROUP_BYTES // 4] = 0   # faults those pages in
+    return memory
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,

@@ -57,7 +57,7 @@ class NumpyOps:
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
         self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
-        self._kept_memory: dict[int, numpy_attention.KeptMemory] = {}   # by id(cache), until DecodeKV takes it
+        self._kept_memory: dict[int, np.ndarray] = {}   # by id(cache): its DecodeKV memory, made with it
 
     def free_memory_bytes(self) -> None:
         return None   # host memory: the engine uses its CPU default for the KV cache
@@ -92,12 +92,9 @@ class NumpyOps:
         # (docs/performance.md); the peers touch their pools at start-up too.
         out = np.empty(shape, dtype=np.float32)
         out.fill(0)
-        # and, for the same reason, the memory a layer's decode K/V may be kept in (numpy_attention.KeptMemory),
-        # written later, ahead of need; none where the decode K/V this cache can hold is never kept (AttentionPlan:
-        # over DECODE_GROUP_BYTES of K and V, at most the pool's blocks)
-        if 2 * out.nbytes > numpy_attention.DECODE_GROUP_BYTES:
-            self._kept_memory[id(out)] = numpy_attention.KeptMemory(out.size)
-            weakref.finalize(out, self._kept_memory.pop, id(out), None)
+        # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory)
+        self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
+        weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
@@ -161,10 +158,6 @@ class NumpyOps:
         if plan is None or not plan.describes(batch, k_cache):
             plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape)
         decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
-        if plan.nears_keeping_decode_kv:
-            for cache in (k_cache, v_cache):
-                if id(cache) in self._kept_memory:     # not yet taken by DecodeKV
-                    self._kept_memory[id(cache)].write_ahead()
         return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
 
     def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
@@ -177,9 +170,8 @@ class NumpyOps:
         kept = self._decode_kv.get(id(k_cache))
         if kept is None or kept[0]() is not k_cache:
             # caches made elsewhere than zeros() (tests) get their memory now
-            memory = tuple(self._kept_memory.pop(id(cache), None) or numpy_attention.KeptMemory(cache.size)
-                           for cache in (k_cache, v_cache))
-            memory = tuple(m.array for m in memory)
+            memory = tuple(self._kept_memory.pop(id(cache), None) for cache in (k_cache, v_cache))
+            memory = tuple(numpy_attention.kept_memory(k_cache.size) if m is None else m for m in memory)
             kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache, memory)
             weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
         return kept[1]
