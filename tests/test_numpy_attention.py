@@ -121,7 +121,10 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
     made = []
     monkeypatch.setattr(numpy_attention, "kept_memory", lambda size, make=numpy_attention.kept_memory:
                         made.append(make(size)) or made[-1])
+    tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4             # K and V of one block
+    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
     ops = NumpyOps()
+    assert ops.zeros((5, Hk, BLOCK_SIZE, D)) is not None and made == []   # too small ever to keep: none made
     num_blocks = 40
     k_cache, v_cache = ops.zeros((num_blocks, Hk, BLOCK_SIZE, D)), ops.zeros((num_blocks, Hk, BLOCK_SIZE, D))
     assert [m.size for m in made] == [k_cache.size, v_cache.size]
@@ -134,8 +137,6 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
     gather = numpy_attention.DecodeKV.gather
     monkeypatch.setattr(numpy_attention.DecodeKV, "gather", lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
 
-    tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4             # K and V of one block
-    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
     rng = np.random.default_rng(3)
     free = list(rng.permutation(num_blocks))
     seqs = []      # [length in the cache, blocks]

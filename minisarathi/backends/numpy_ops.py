@@ -92,9 +92,11 @@ class NumpyOps:
         # (docs/performance.md); the peers touch their pools at start-up too.
         out = np.empty(shape, dtype=np.float32)
         out.fill(0)
-        # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory)
-        self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
-        weakref.finalize(out, self._kept_memory.pop, id(out), None)
+        # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory),
+        # where the cache is large enough for its decode K/V ever to be kept (AttentionPlan.keeps_decode_kv)
+        if 2 * out.nbytes > numpy_attention.DECODE_GROUP_BYTES:
+            self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
+            weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
