@@ -12,7 +12,8 @@ Per row, in vLLM's order:
    top_p).
 4. One uniform draw per non-greedy row, from the request's own generator when it has a seed (so its
    tokens do not depend on what else is in the batch) or from the sampler's generator otherwise, mapped
-   through the inverse CDF of the kept probabilities renormalized (in token id order).
+   through the inverse CDF of the kept probabilities renormalized (in token id order); that search runs in one
+   native call where it can be built (minisarathi/backends/cpu_sampling.py), with the same tokens.
 
 Logprobs are the log-softmax of the raw logits, before penalties and temperature (vLLM's "raw_logprobs").
 """
@@ -24,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from minisarathi.backends import cpu_sampling
 from minisarathi.sampling_params import SamplingParams
 
 _NUCLEUS_CANDIDATES = 1024   # most likely tokens searched for the top-p nucleus before a full sort
@@ -108,6 +110,8 @@ class Sampler:
         self._cdf_block = 1
         while (2 * self._cdf_block) ** 2 <= vocab_size and vocab_size % (2 * self._cdf_block) == 0:
             self._cdf_block *= 2
+        # _inverse_cdf in one native call where it can be built: the same tokens, bit for bit, in a few us
+        self._draw = cpu_sampling.kernel(vocab_size, self._cdf_block) or self._inverse_cdf
 
     def sample(self, logits: np.ndarray, params: list[SamplingParams],
                generators: list[np.random.Generator | None],
@@ -132,13 +136,12 @@ class Sampler:
 
         # Rows are told apart in Python: at a few rows each NumPy call costs more than its arithmetic.
         rows = [i for i, p in enumerate(params) if p.temperature]
-        temperature = np.array([params[i].temperature for i in rows], np.float32)
         if len(rows) == n:
-            token_ids = self._sample_random(x, temperature, params, generators)
+            token_ids = self._sample_random(x, params, generators)
         else:
             token_ids = x.argmax(axis=1)
             if rows:
-                token_ids[rows] = self._sample_random(x[rows], temperature, [params[i] for i in rows],
+                token_ids[rows] = self._sample_random(x[rows], [params[i] for i in rows],
                                                       [generators[i] for i in rows])
         return self._with_logprobs(logits, params, token_ids)
 
@@ -199,12 +202,13 @@ class Sampler:
         counts = np.bincount(row_of * self.vocab_size + flat, minlength=len(id_lists) * self.vocab_size)
         return counts.reshape(len(id_lists), self.vocab_size)
 
-    def _sample_random(self, x, temperature, params, generators) -> np.ndarray:
+    def _sample_random(self, x, params, generators) -> np.ndarray:
         x = x.astype(np.float32, copy=False)
         # Unnormalized probabilities scaled so the top one is 1: min-p compares against min_p directly.
         # Shifting before dividing keeps a tiny temperature from overflowing.
         probs = x - x.max(axis=1, keepdims=True)                             # float32[R, V]
-        probs /= temperature[:, None]
+        if any(p.temperature != 1 for p in params):   # (dividing by 1 changes no number: spared)
+            probs /= np.array([p.temperature for p in params], np.float32)[:, None]
         np.exp(probs, out=probs)
         if any(p.min_p for p in params):
             min_p = np.array([p.min_p for p in params], np.float32)
@@ -215,7 +219,7 @@ class Sampler:
             cut = np.flatnonzero((top_k < self.vocab_size) | (top_p < 1))
             probs[cut] = self._top_k_top_p(probs[cut], top_k[cut], top_p[cut])
 
-        return self._inverse_cdf(probs, draw_uniforms(self._rng, generators))
+        return self._draw(probs, draw_uniforms(self._rng, generators))
 
     def _inverse_cdf(self, probs, u) -> np.ndarray:
         """Per row, the first token whose running probability sum passes u times the row's mass: never a

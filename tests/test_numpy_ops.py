@@ -78,3 +78,34 @@ def test_the_mlp_runs_feature_major_without_a_copy():
     g, u = x64[:, :48], x64[:, 48:]
     want = (g / (1 + np.exp(-g)) * u) @ down.T.astype(np.float64)
     assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_rope_store_kv_is_the_pairwise_float32_formula_bit_for_bit_batch_after_batch():
+    """x1 * cos - x2 * sin | x2 * cos + x1 * sin in float32, exactly, over a run of batches as a forward makes them:
+    new positions (a new batch: the column tables are remade), the same positions layer after layer (kept), q and
+    k with different head counts, a batch of one row, feature-major (F-order) activations."""
+    ops, rng = NumpyOps(), np.random.default_rng(7)
+    Hq, Hk, D, block_size = 4, 2, 8, 4
+    cos_sin = rng.standard_normal((64, D)).astype(np.float32)
+    k_cache, v_cache = ops.zeros((16, Hk, block_size, D)), ops.zeros((16, Hk, block_size, D))
+
+    def pairwise(x, positions):
+        cos, sin = cos_sin[positions, None, :D // 2], cos_sin[positions, None, D // 2:]
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    for T, layers, feature_major in [(5, 3, False), (1, 2, False), (3, 2, True), (5, 2, False)]:
+        positions = rng.choice(64, T, replace=False).astype(np.int32)
+        slots = rng.choice(16 * block_size, T, replace=False).astype(np.int32)
+        for _ in range(layers):
+            qkv = rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32)
+            qkv = np.asfortranarray(qkv) if feature_major else qkv
+            original = qkv.copy()
+            q, k, v = (qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
+                       qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+            ops.rope_store_kv(q, k, v, k_cache, v_cache, positions, slots, cos_sin)
+            assert np.array_equal(q, pairwise(original[:, :Hq * D].reshape(T, Hq, D), positions))
+            assert np.array_equal(qkv[:, Hq * D:], original[:, Hq * D:])
+            stored = k_cache[slots // block_size, :, slots % block_size]
+            assert np.array_equal(stored, pairwise(original[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions))
+            assert np.array_equal(v_cache[slots // block_size, :, slots % block_size], v)

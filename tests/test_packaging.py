@@ -19,4 +19,5 @@ def test_wheel_ships_kernels_and_bundled_model(tmp_path):
     for f in (ROOT / "models" / "stories260K").iterdir():
         assert f"minisarathi/models/stories260K/{f.name}" in names
     assert "minisarathi/backends/emulator/__init__.py" in names
-    assert "minisarathi/backends/packed_gemm.cpp" in names   # compiled at run time
+    for source in (ROOT / "minisarathi" / "backends").glob("*.cpp"):   # packed_gemm, cpu_sampling: built at run time
+        assert f"minisarathi/backends/{source.name}" in names

@@ -1,13 +1,16 @@
 """Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit.
 
-The tests that go through `sample` run three times: on the NumPy Sampler, and on the CUDA backend's GpuSampler
-with the kernels of cuda/sampling.cu on the CPU emulator (same rule, same draws), once with one CTA per row and
-once with every row split over three CTAs (the path of large vocabularies, forced on these small ones)."""
+The tests that go through `sample` run four times: on the NumPy Sampler (with its native inverse CDF where it
+builds, and with NumPy's), and on the CUDA backend's GpuSampler with the kernels of cuda/sampling.cu on the CPU
+emulator (same rule, same draws), once with one CTA per row and once with every row split over three CTAs (the
+path of large vocabularies, forced on these small ones)."""
+import logging
 import platform
 
 import numpy as np
 import pytest
 
+from minisarathi.backends import cpu_sampling
 from minisarathi.sampler import Sampler, draw_uniforms, is_penalized, make_generator, stop_token_indexes
 from minisarathi.sampling_params import SamplingParams as SP
 
@@ -29,10 +32,18 @@ def gpu_sampler_with_split_rows(vocab_size, seed=0, eos_token_ids=()):
     return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids, ctas_per_row=3)
 
 
+def sampler_without_the_native_cdf(vocab_size, seed=0, eos_token_ids=()):
+    sampler = Sampler(vocab_size, seed, eos_token_ids)
+    sampler._draw = sampler._inverse_cdf   # what runs where cpu_sampling.cpp cannot be built
+    return sampler
+
+
 X86_ONLY = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+NEEDS_NATIVE_CDF = pytest.mark.skipif(cpu_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
 
 
-@pytest.fixture(params=[Sampler, pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=X86_ONLY),
+@pytest.fixture(params=[Sampler, sampler_without_the_native_cdf,
+                        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=X86_ONLY),
                         pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=X86_ONLY)],
                 ids=lambda p: getattr(p, "__name__", p))
 def make_sampler(request):
@@ -274,8 +285,17 @@ def test_large_vocab_top_k_and_top_p_match_reference():
         assert ((kept[i] > 0) == (reference_probs(logits[i], p) > 0)).all(), i
 
 
-def test_inverse_cdf_matches_a_full_running_sum():
+def inverse_cdfs(vocab):
+    """Sampler(vocab)'s inverse CDF in NumPy, and the native one (None where it cannot be built)."""
+    sampler = Sampler(vocab)
+    return sampler._inverse_cdf, cpu_sampling.kernel(vocab, sampler._cdf_block)
+
+
+@pytest.mark.parametrize("implementation", [0, pytest.param(1, id="native", marks=NEEDS_NATIVE_CDF)],
+                         ids=lambda i: "numpy" if i == 0 else "native")
+def test_inverse_cdf_matches_a_full_running_sum(implementation):
     vocab, n = 64, 5000                          # blocks of 8 tokens
+    inverse_cdf = inverse_cdfs(vocab)[implementation]
     rng = np.random.default_rng(12)
     probs = rng.random((n, vocab)).astype(np.float32) * (rng.random((n, vocab)) < 0.3)
     probs[:, 0] = 0                              # leading and trailing zeros in every row
@@ -285,7 +305,7 @@ def test_inverse_cdf_matches_a_full_running_sum():
     u = rng.random(n)
     u[:3] = 0.0
     u[3:6] = np.nextafter(1.0, 0)
-    drawn = Sampler(vocab)._inverse_cdf(probs, u)
+    drawn = inverse_cdf(probs, u)
     cdf = np.cumsum(probs.astype(np.float64), axis=1)
     expected = [np.searchsorted(cdf[i], u[i] * cdf[i, -1], side="right") for i in range(n)]
     expected[3:6] = [np.flatnonzero(probs[i])[-1] for i in range(3, 6)]
@@ -296,7 +316,108 @@ def test_inverse_cdf_matches_a_full_running_sum():
                      3.3386619e-05, 1.6383106e-12, 3.8373475e-08, 5.6326015e-09, 9.2066988e-12, 2.5019434e-03,
                      7.2830080e-06, 8.4729793e-12, 5.3215086e-01, 2.1325310e-11]], np.float32)
     row = np.concatenate([np.zeros((1, 48), np.float32), row], axis=1)    # 64 tokens: blocks of 8
-    assert Sampler(64)._inverse_cdf(row, np.array([np.nextafter(1.0, 0)])).tolist() == [63]
+    assert inverse_cdf(row, np.array([np.nextafter(1.0, 0)])).tolist() == [63]
+
+
+def targets_on_boundaries(probs, block, rng):
+    """u (float64[R]) placing each row's target u * mass exactly on a running sum of NumPy's inverse CDF (a block's
+    or a token's inside the block), where a sum one ulp off would pick another token; NaN where none was found."""
+    rows = len(probs)
+    block_cdf = probs.reshape(rows, -1, block).sum(axis=2, dtype=np.float64).cumsum(axis=1)   # as _inverse_cdf
+    u = np.full(rows, np.nan)
+    for i in range(rows):
+        b = int(rng.integers(block_cdf.shape[1]))
+        if rng.random() < 0.5:
+            boundary = block_cdf[i, b]
+        else:
+            before = block_cdf[i, b - 1] if b else 0.0
+            boundary = before + np.cumsum(probs[i, b * block:(b + 1) * block], dtype=np.float64)[rng.integers(block)]
+        guess = boundary / block_cdf[i, -1]
+        for candidate in (guess, np.nextafter(guess, 0), np.nextafter(guess, 2)):
+            if candidate < 1 and candidate * block_cdf[i, -1] == boundary:
+                u[i] = candidate
+                break
+    return u
+
+
+@NEEDS_NATIVE_CDF
+@pytest.mark.parametrize("vocab", [15, 16, 64, 512, 4096, 32000, 65536])   # blocks of 1, 4, 8, 16, 64, 128, 256
+def test_native_inverse_cdf_picks_numpys_tokens_bit_for_bit(vocab):
+    """Targets placed exactly on NumPy's running sums, so that a block sum or running sum one ulp off (another
+    summation order) picks another token: nudging u by one ulp changes the pick in many rows (the control), the
+    native kernel in none. Rows span wide magnitudes and hold zeros, as after top-k, top-p and min-p."""
+    numpy_cdf, native_cdf = inverse_cdfs(vocab)
+    rng = np.random.default_rng(vocab)
+    rows = max(64, 400_000 // vocab)
+    z = (rng.standard_normal((rows, vocab)) * rng.choice([1.0, 8.0, 30.0], (rows, 1))).astype(np.float32)
+    probs = np.exp(z - z.max(axis=1, keepdims=True))
+    probs *= rng.random((rows, vocab)) < rng.random((rows, 1))
+    probs[np.arange(rows), rng.integers(vocab, size=rows)] = 1     # every row keeps a token
+    u = targets_on_boundaries(probs, Sampler(vocab)._cdf_block, rng)
+    found = ~np.isnan(u)
+    assert found.mean() > 0.5
+    probs, u = probs[found], u[found]
+    expected = numpy_cdf(probs, u)
+    assert native_cdf(probs, u).tolist() == expected.tolist()
+    assert (numpy_cdf(probs, np.nextafter(u, 0)) != expected).mean() > 0.3
+    random_u = rng.random(len(u))
+    assert native_cdf(probs, random_u).tolist() == numpy_cdf(probs, random_u).tolist()
+
+
+@pytest.fixture
+def fresh_library():
+    cpu_sampling._library.cache_clear()
+    yield
+    cpu_sampling._library.cache_clear()
+
+
+def test_native_cdf_turned_off_or_without_a_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog,
+                                                                         fresh_library):
+    logits, params = rand_logits(32, seed=2), [SP(temperature=1.0)] * 32
+    expected = run(sampler_without_the_native_cdf(V, seed=3), logits, params).token_ids.tolist()
+    monkeypatch.setenv("MINISARATHI_CPU_SAMPLING", "0")
+    cpu_sampling._library.cache_clear()
+    assert cpu_sampling.kernel(V, 4) is None
+    sampler = Sampler(V, seed=3)
+    assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+    cpu_sampling._library.cache_clear()
+    monkeypatch.delenv("MINISARATHI_CPU_SAMPLING")
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu_sampling"):
+        sampler = Sampler(V, seed=3)
+    assert "native inverse CDF off" in caplog.text and "no-such-compiler" in caplog.text
+    assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+
+
+def test_seeded_and_shared_streams_pick_the_reference_tokens():
+    """Through sample(), mixed batches (greedy, unseeded and seeded rows, several temperatures) over steps: each
+    sampled row takes the token where a float64 running sum of its softmax passes u times its mass, u drawn
+    as the rule says (the shared generator's draws in row order, one call a step; a seeded row's from its own).
+    A changed draw, draw order or mapping picks other tokens."""
+    vocab, rng = 512, np.random.default_rng(21)
+    temperatures = [0, 1.0, 0.7, 1.0, 0, 1.3, 1.0, 1.0, 0.5]
+    seeds = [None, None, 5, None, None, 9, None, 13, None]
+    own = {i: make_generator(s) for i, s in enumerate(seeds) if s is not None}
+    reference_own = {i: make_generator(s) for i, s in enumerate(seeds) if s is not None}
+    sampler, shared = Sampler(vocab, seed=3), make_generator(3)
+    params = [SP(temperature=t, seed=s) for t, s in zip(temperatures, seeds)]
+    sampled_differently = 0
+    for step in range(40):
+        logits = (rng.standard_normal((len(params), vocab)) * 2).astype(np.float32)
+        got = run(sampler, logits, params, [own.get(i) for i in range(len(params))]).token_ids.tolist()
+        unseeded = [i for i, t in enumerate(temperatures) if t and seeds[i] is None]
+        shared_u = dict(zip(unseeded, shared.random(len(unseeded))))
+        for i, t in enumerate(temperatures):
+            if not t:
+                assert got[i] == logits[i].argmax()
+                continue
+            u = shared_u[i] if seeds[i] is None else reference_own[i].random()
+            z = logits[i].astype(np.float64) / t
+            cdf = np.cumsum(np.exp(z - z.max()))
+            assert got[i] == np.searchsorted(cdf, u * cdf[-1], side="right"), (step, i)
+            sampled_differently += got[i] != logits[i].argmax()
+    assert sampled_differently > 100
 
 
 class FixedDraw:

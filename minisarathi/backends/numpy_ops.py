@@ -52,7 +52,8 @@ class NumpyOps:
 
     def __init__(self):
         self.blas_core = openblas_core()   # the OpenBLAS kernels in force, which choose linear's product
-        self._rope_tables = (None, None, None)      # (positions, cos_sin, per-column tables) of the last call
+        self._rope_tables = (None, None, {})        # (positions, cos_sin, column tables by head count), last call
+        self._rope_partners: dict[tuple[int, int], np.ndarray] = {}   # rotate_half's columns, by (heads, D)
         self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
@@ -186,30 +187,45 @@ class NumpyOps:
 
         Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid out
         per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with long
-        inner loops rather than many with loops of D/2 numbers, bit for bit the same results."""
-        T, _, D = q.shape
-        heads = max(q.shape[1], k.shape[1])
+        inner loops rather than many with loops of D/2 numbers, bit for bit the same results. The column tables
+        are contiguous for each head count (q's and k's): a product with a strided slice of a wider table takes
+        NumPy's general loop, ~1 us more a call at any batch of more than one row."""
         last_positions, last_cos_sin, tables = self._rope_tables
-        if positions is not last_positions or cos_sin is not last_cos_sin or tables[0].shape[1] < heads * D:
-            table = cos_sin[positions]                                       # float32[T, D]: cos | sin
-            cos, sin = table[:, :D // 2], table[:, D // 2:]
-            tables = (np.tile(np.concatenate([cos, cos], axis=1), heads),    # float32[T, heads * D]
-                      np.tile(np.concatenate([-sin, sin], axis=1), heads),
-                      # rotate_half's source column for each column: the other half of the same head
-                      np.arange(heads * D).reshape(heads, 2, D // 2)[:, ::-1].ravel())
+        if positions is not last_positions or cos_sin is not last_cos_sin:
+            tables = {}
             self._rope_tables = positions, cos_sin, tables
-        q[...] = self._rotated(q, tables)
-        self.store_kv(self._rotated(k, tables), v, k_cache, v_cache, slot_mapping)
+        q[...] = self._rotated(q, self._rope_columns(tables, q.shape[1], positions, cos_sin))
+        self.store_kv(self._rotated(k, self._rope_columns(tables, k.shape[1], positions, cos_sin)), v, k_cache,
+                      v_cache, slot_mapping)
+
+    def _rope_columns(self, tables: dict, heads: int, positions: np.ndarray, cos_sin: np.ndarray):
+        """(cos, -sin | sin) per column (float32[T, heads * D] each) and rotate_half's source column of each column,
+        made at the batch's first layer: broadcast into place (np.tile and np.concatenate cost ~10 us more)."""
+        columns = tables.get(heads)
+        if columns is None:
+            table = cos_sin.take(positions, axis=0)                              # float32[T, D]: cos | sin
+            T, D = table.shape
+            half = D // 2
+            cos = np.empty((T, heads, 2, half), np.float32)
+            cos[...] = table[:, None, None, :half]
+            sin = np.empty((T, heads, 2, half), np.float32)
+            np.negative(table[:, None, half:], out=sin[:, :, 0])
+            sin[:, :, 1] = table[:, None, half:]
+            partner = self._rope_partners.get((heads, D))
+            if partner is None:   # the other half of the same head
+                partner = self._rope_partners[heads, D] = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()
+            columns = tables[heads] = cos.reshape(T, heads * D), sin.reshape(T, heads * D), partner
+        return columns
 
     @staticmethod
-    def _rotated(x: np.ndarray, tables) -> np.ndarray:
-        """float32[T, H, D]: x[T, H, D] rotated with the per-column tables of rope_store_kv."""
-        cos_rows, sin_rows, partner = tables
+    def _rotated(x: np.ndarray, columns) -> np.ndarray:
+        """float32[T, H, D]: x[T, H, D] rotated with rope_store_kv's column tables for H heads."""
+        cos_rows, sin_rows, partner = columns
         T, H, D = x.shape
         rows = x.reshape(T, H * D)
-        rotated = np.take(rows, partner[:H * D], axis=1)    # rotate_half(x)
-        rotated *= sin_rows[:, :H * D]
-        rotated += rows * cos_rows[:, :H * D]
+        rotated = rows.take(partner, axis=1)    # rotate_half(x)
+        rotated *= sin_rows
+        rotated += rows * cos_rows
         return rotated.reshape(T, H, D)
 
     def copy_blocks(self, kv_cache: list[tuple[np.ndarray, np.ndarray]], sources: list[int],
