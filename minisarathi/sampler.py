@@ -19,6 +19,7 @@ Logprobs are the log-softmax of the raw logits, before penalties and temperature
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable
@@ -106,6 +107,9 @@ class Sampler:
         self._eos_array = np.array(eos_token_ids, np.int64)   # int64[E]: masked while min_tokens is not reached
         self._eos_set = frozenset(eos_token_ids)
         self._rng = make_generator(seed)             # for the rows without a seed of their own
+        # The last step's stop/EOS mask and what it was made for: (params, which rows were under min_tokens,
+        # flat indexes). A steady batch keeps it from step to step; the params are held, so ids are not reused.
+        self._stop_mask: tuple[list[SamplingParams], list[bool], np.ndarray] = ([], [], np.empty(0, np.int64))
         # Tokens per block of the inverse CDF: the largest power of two dividing V and at most sqrt(V).
         self._cdf_block = 1
         while (2 * self._cdf_block) ** 2 <= vocab_size and vocab_size % (2 * self._cdf_block) == 0:
@@ -171,7 +175,14 @@ class Sampler:
         return token_ids
 
     def _mask_stop_tokens(self, logits, params, output_ids):
-        flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
+        """logits with each row's stop and EOS ids at -inf while it is under min_tokens (a copy), or logits.
+        The flat indexes are the last step's where the same params are under min_tokens in the same rows (the
+        same requests, still in their first min_tokens tokens: ~1.5 us to tell, ~7 us to rebuild at 8 rows)."""
+        waiting = [len(out) < p.min_tokens for p, out in zip(params, output_ids)]
+        last_params, last_waiting, flat = self._stop_mask
+        if waiting != last_waiting or not all(map(operator.is_, params, last_params)):
+            flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
+            self._stop_mask = list(params), waiting, flat   # (a copy: the caller may reuse its list)
         if not flat.size:
             return logits
         x = logits.copy()

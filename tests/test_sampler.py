@@ -234,6 +234,35 @@ def test_masked_logits_equal_the_reference_in_mixed_batches(make_sampler):
     assert any(not masked_by_rows([p], [o], (2,), V).any() for p, o in zip(params, outputs))   # some not
 
 
+def test_the_stop_mask_follows_the_batch_step_after_step():
+    """The NumPy Sampler keeps the last step's mask while the same params are under min_tokens in the same rows:
+    step after step (rows passing min_tokens, rows reordered, a request replaced by one with the same settings
+    but other stop ids, the caller's list changed in place) the masked rows take the reference's tokens."""
+    rng = np.random.default_rng(8)
+    sampler = Sampler(V, eos_token_ids=(2,))
+
+    def request(stops):
+        return SP(temperature=0, logprobs=0, min_tokens=3, max_tokens=8, stop_token_ids=stops)
+    params = [request([7]), request([9]), request([11, 12]), SP(temperature=0, logprobs=0)]
+    outputs = [[], [1], [1, 1], []]
+    checked = 0
+    for step in range(12):
+        if step == 4:
+            params[1] = request([13])               # the same settings, other stop ids, in the same list
+        if step == 7:
+            order = [2, 0, 3, 1]
+            params, outputs = [params[i] for i in order], [outputs[i] for i in order]
+        logits = rand_logits(4, seed=step)
+        for row, p in enumerate(params):               # the banned ids most likely
+            logits[row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20 + rng.random()
+        out = sampler.sample(logits, params, [None] * 4, [[1]] * 4, outputs)
+        reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits).argmax(axis=1)
+        assert out.token_ids.tolist() == reference.tolist(), step
+        checked += int((reference != logits.argmax(axis=1)).sum())
+        outputs = [o + [1] if step % 3 == 2 else o for o in outputs]   # rows pass min_tokens now and then
+    assert checked > 15
+
+
 def test_unseeded_rows_follow_the_engine_seed(make_sampler):
     logits, params = rand_logits(32), [SP(temperature=1.0)] * 32
     a, b, c = make_sampler(V, seed=5), make_sampler(V, seed=5), make_sampler(V, seed=6)
