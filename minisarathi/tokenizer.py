@@ -21,6 +21,10 @@ from minisarathi.config import read_json_object
 STREAM_CONTEXT = 8
 _INVALID_PREFIX = "Invalid prefix"   # DecodeStream's error when new bytes rewrite already released text
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
+# Inputs up to these sizes are (de)tokenized holding the GIL (~70 us at most on the bundled tokenizer), longer
+# ones with it released (Tokenizer._encode).
+GIL_HOLDING_MAX_CHARS = 512
+GIL_HOLDING_MAX_IDS = 256
 
 
 def _read_json(path: Path) -> dict:
@@ -106,13 +110,20 @@ class Tokenizer:
             ids = ids + [self._appended_eos]
         return ids
 
-    # The batch forms release the GIL while they work; encode() and decode() of `tokenizers` hold it for the whole
-    # call (a 256 KiB text: ~150 ms), which stalled the server's event loop and engine thread even when the call
-    # ran on a worker thread. Same results, a few microseconds more per call.
+    # Long inputs go through the batch forms, which release the GIL while they work: encode() and decode() of
+    # `tokenizers` hold it for the whole call (a 256 KiB text: ~150 ms), which stalled the server's event loop
+    # and engine thread even when the call ran on a worker thread. Short ones (a prompt, a stream's seed) do not:
+    # a batch call hands its one input to a pool thread and the caller takes the GIL back afterwards, ~30-70 us
+    # of two threads' wake-ups on a busy 2-core server for a 3 us encode, and the GIL's hand-back waits on the
+    # engine thread's step (docs/reliability.md, "Stop lists"). Same results either way.
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= GIL_HOLDING_MAX_CHARS:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if len(ids) <= GIL_HOLDING_MAX_IDS:
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def decoded_token(self, token_id: int) -> str:

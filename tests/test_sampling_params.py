@@ -18,6 +18,7 @@ from minisarathi.sampling_params import SamplingParams
     ("seed", -1), ("seed", 2**64), ("seed", 1.0),
     ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", 2),
+    ("stop_token_ids", [5, 2**63]), ("stop_token_ids", [5, True]), ("stop_token_ids", [5, 6.0]),
     ("logprobs", -1), ("logprobs", 21),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"),
 ])

@@ -301,6 +301,8 @@ def test_wrong_message_shape_gets_an_error_and_a_close(server, message, msgid):
     ("generate", [{"prompt": ["a"]}], INVALID_PARAMS, "prompt"),
     ("generate", [{"prompt_token_ids": [1, 99999]}], INVALID_PARAMS, "prompt_token_ids"),
     ("generate", [{"prompt": "a", "top_p": 0}], INVALID_PARAMS, "top_p"),
+    # refused by the engine's add_request, on its thread: the only way back to the client is the failure callback
+    ("generate", [{"prompt": "a", "logit_bias": {"99999": 1}}], INVALID_PARAMS, "logit_bias token id 99999"),
     ("generate", [{"prompt": "a b " * 600}], PROMPT_TOO_LONG, "prompt"),
     ("generate", [42], INVALID_PARAMS, "params"),
     ("generate", [{"prompt": "a"}, {"prompt": "b"}], INVALID_PARAMS, "params"),

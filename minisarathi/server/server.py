@@ -81,6 +81,17 @@ class EngineWorker:
         """Run fn() on the engine thread; errors are logged."""
         self._inbox.put(fn)
 
+    def post_unless_error(self, fn, on_error):
+        """Run fn() on the engine thread; only if it raises, on_error(exception) is called on the loop. Unlike
+        call(), success costs the loop nothing: no wake-up (the engine thread's write to the loop's self-pipe,
+        which also hands the GIL over between the two threads) and no callback."""
+        def run():
+            try:
+                fn()
+            except Exception as e:  # delivered to the caller, who decides what it means
+                self._loop.call_soon_threadsafe(on_error, e)
+        self._inbox.put(run)
+
     def call(self, fn) -> asyncio.Future:
         """Run fn() on the engine thread; the future (on the loop) gets its result or exception."""
         future = self._loop.create_future()
@@ -767,13 +778,11 @@ class Server:
                                     priority=priority, stream=request.stream)
             if paused:
                 self.engine.pause_request(request_id)
-        added = self._worker.call(add)
-        added.add_done_callback(lambda future: self._on_added(request_id, future))
+        self._worker.post_unless_error(add, lambda error: self._on_add_failed(request_id, error))
 
-    def _on_added(self, request_id: str, future: asyncio.Future):
-        error = future.exception()
+    def _on_add_failed(self, request_id: str, error: Exception):
         pending = self._pending.get(request_id)
-        if error is None or pending is None:
+        if pending is None:
             return
         if isinstance(error, ValueError):
             log.info("%s rejected by the engine: %s", request_id, error)
