@@ -63,7 +63,9 @@ def _library() -> ctypes.CDLL | None:
     # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
     # cached file); sampling goes on in NumPy, with the same tokens
     try:
-        lib = ctypes.CDLL(str(library_path()))
+        # PyDLL: called with the GIL held. The call takes a few us; ctypes.CDLL would release the GIL around it,
+        # and in the server a waiting event-loop thread could take it and hold the engine thread up.
+        lib = ctypes.PyDLL(str(library_path()))
     except (RuntimeError, OSError) as exc:
         log.warning("native inverse CDF off, NumPy's instead: %s", exc)
         return None
