@@ -23,6 +23,10 @@ A server with an API key runs the bundled model. A bystander (with the key) time
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
 shared: its load drifts), plus what the scenario checks. Each attack runs in a process of its own.
+server_steps: the server's step times (ms; `stats` with steps_since) while the bystander ran alone just before
+the attack, and during it: percentiles, the median decode step by number of sequences, the median prefill step
+([count, median ms]). With a steady attack the decode steps with fewer sequences than most and the prefill
+steps are those where its requests finish and their replacements arrive.
 
 --engine-only: no server, no clients; the engine `serve` builds, in this process, stepped back to back: the
 bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates (with
@@ -375,6 +379,12 @@ def run_attack(name: str, port: int):
     return stop, process, results
 
 
+def server_stats(port: int, steps_since: int | None = None) -> dict:
+    """The server's stats; with steps_since, also the summary of its steps from that step on (`step_times`)."""
+    with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
+        return c.stats() if steps_since is None else c.call("stats", {"steps_since": steps_since})
+
+
 def settle(port: int) -> dict:
     with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
         for _ in range(600):
@@ -431,22 +441,24 @@ def main(argv=None) -> int:
                                   rss_growth_mb_burst3_to_8=round(levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1))
                 else:
                     # The idle latency again, just before: the machine is shared, its load drifts over a run.
+                    first_step = server_stats(server.port)["steps"]
                     idle_now = percentiles(bystander(server.port, args.samples))
+                    idle_steps = server_stats(server.port, first_step)["step_times"]
                     stop, process, results = run_attack(name, server.port)
                     time.sleep(2.0)   # the attack under way
+                    first_step = server_stats(server.port)["steps"]
                     latencies = bystander(server.port, args.samples)
                     if name == "unauthenticated_flood":   # while the flood's connections are still open
                         report.update(key_holder_connects(server.port, 20))
-                    held = settle_stats = None
-                    with Client("127.0.0.1", server.port, api_key=KEY) as c:
-                        held = c.stats()
+                    held = server_stats(server.port, first_step)
                     stop.set()
                     report.update(results.get(timeout=120))
                     process.join(timeout=120)
                     report.update(percentiles(latencies), idle_before=idle_now,
                                   p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
                                   during={k: held[k] for k in ("paused", "write_buffer_bytes", "pending_calls",
-                                                               "unauthenticated_connections", "connections")})
+                                                               "unauthenticated_connections", "connections")},
+                                  server_steps={"idle_before": idle_steps, "during": held["step_times"]})
                 settle_stats = settle(server.port)
                 report.update(kv_blocks_used_after=settle_stats["kv_blocks_used"],
                               pending_after=settle_stats["pending_requests"], rss_mb=round(server.rss_mb(), 1),

@@ -361,6 +361,23 @@ def test_stats_report_engine_and_server_figures(server):
     assert stats["kv_blocks_total"] == NUM_KV_BLOCKS and stats["tokens_generated"] >= 5
 
 
+def test_stats_summarize_the_steps_since_a_step(server):
+    """stats with steps_since: the summary of the engine's steps from there on, each step counted once by kind;
+    what bench/hostile_clients.py reports for the server during a scenario."""
+    with Client("127.0.0.1", server.port) as client:
+        first = client.stats()["steps"]
+        client.generate("Once upon a time", max_tokens=6, temperature=0, ignore_eos=True)
+        stats = client.call("stats", {"steps_since": first})
+        assert client.call("stats", {"steps_since": stats["steps"]})["step_times"] == {"steps": 0}
+        with pytest.raises(RPCError, match="steps_since"):
+            client.call("stats", {"steps_since": -1})
+    summary = stats["step_times"]
+    # one prefill step (it samples the first token), then one decode step per token, one sequence each
+    assert summary["steps"] == stats["steps"] - first == 6
+    assert summary["prefill"][0] == 1 and summary["decode_by_num_seqs"]["1"][0] == 5
+    assert 0 < summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"] <= summary["max_ms"]
+
+
 def test_logprobs_and_timing_fields(server):
     with Client("127.0.0.1", server.port) as client:
         result = client.generate("Once upon a time", max_tokens=4, temperature=0, logprobs=2)

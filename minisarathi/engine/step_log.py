@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class StepRecord:
@@ -59,3 +61,24 @@ class StepLog:
 
 
 STEP_RECORDS_KEPT = 50_000   # the log holds 50,000 to 100,000 records: ~20 MB at most
+
+
+def step_time_summary(records: list[StepRecord]) -> dict:
+    """The step times (ms) of `records`: percentiles of all, the median of the decode-only steps by their number
+    of sequences, and of the steps with prefill tokens ([count, median] each). Under a steady load the decode
+    steps with fewer sequences than usual and the prefill steps are those of requests finishing and arriving
+    (docs/reliability.md, "Stop lists")."""
+    if not records:
+        return {"steps": 0}
+    ms = np.array([r.step_time for r in records]) * 1000   # float64[N]
+    num_seqs = np.array([r.num_seqs for r in records])      # int64[N]
+    prefill = np.array([r.num_prefill_tokens > 0 for r in records])
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+
+    def count_median(rows) -> list:
+        return [int(rows.sum()), round(float(np.median(ms[rows])), 3)]
+    return {"steps": len(records), "p50_ms": round(float(p50), 3), "p90_ms": round(float(p90), 3),
+            "p99_ms": round(float(p99), 3), "max_ms": round(float(ms.max()), 3),
+            "decode_by_num_seqs": {str(n): count_median(~prefill & (num_seqs == n))
+                                   for n in np.unique(num_seqs[~prefill]).tolist()},
+            "prefill": count_median(prefill) if prefill.any() else [0, None]}
