@@ -1,6 +1,7 @@
-"""The NumPy backend's paged attention: decode groups, per-batch plans and kept decode K/V change nothing but
-speed; kept decode K/V's memory is made with the cache, not in a step.
-(Exactness against a float64 dense reference: tests/test_model.py::test_paged_attention_matches_dense_float64.)"""
+"""The NumPy backend's paged attention on NumPy's decode path (where the native decode kernel does not run):
+decode groups, per-batch plans and kept decode K/V change nothing but speed; kept decode K/V's memory is made
+with the cache, not in a step. (Exactness against a float64 dense reference:
+tests/test_model.py::test_paged_attention_matches_dense_float64; the native kernel: tests/test_cpu_attention.py.)"""
 import dataclasses
 import subprocess
 import sys
@@ -9,11 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minisarathi.backends import numpy_attention
+from minisarathi.backends import cpu_attention, numpy_attention
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
 Hq, Hk, D, BLOCK_SIZE = 8, 2, 16, 4
+
+
+@pytest.fixture(autouse=True)
+def numpy_decodes(monkeypatch):
+    """NumpyOps' decodes on NumPy, as where the native kernel cannot run."""
+    monkeypatch.setattr(cpu_attention, "runs", lambda head_dim: False)
 
 
 def case(seed: int, runs):

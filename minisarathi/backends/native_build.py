@@ -1,8 +1,9 @@
 """Compiles C++ into a shared library in a per-user cache, named by a hash of everything that goes into it.
 
-Used by the CUDA emulator (every .cu file) and by the CPU's packed matmul (packed_gemm.cpp). A library is
-built once per content, compiler and flags; later processes find it by name. Threads and processes that race
-to build the same library each compile to a unique temporary name and rename it into place atomically.
+Used by the CUDA emulator (every .cu file), the CPU's packed matmul (packed_gemm.cpp) and its decode attention
+(cpu_attention.cpp). A library is built once per content, compiler and flags; later processes find it by name.
+Threads and processes that race to build the same library each compile to a unique temporary name and rename it
+into place atomically.
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Paged attention for the NumPy backend: the K/V tiles a batch reads, gathered head-major into reused buffers.
 
+Prefill chunks always run here. Decodes run on the native kernel (cpu_attention.py) where it runs for the
+model (cpu_attention.runs; the plan then holds only its DecodeRows); what follows is their path elsewhere,
+which is also the reference the kernel is tested beside.
+
 The cache is [num_blocks, Hk, block_size, D], so the [block_size, D] tile of block b and KV head h is row
 b * Hk + h of the cache seen as [num_blocks * Hk, block_size, D]. Gathering the tiles of a sequence in
 (head, block) order gives its keys as one [Hk, n, D] matrix per head: the scores of every decode of the batch
@@ -19,6 +23,7 @@ import mmap
 
 import numpy as np
 
+from minisarathi.backends.cpu_attention import CpuAttention, DecodeRows
 from minisarathi.batch import Batch
 
 # Decodes whose K/V is not kept (it fits one group, or it has more padded blocks than the pool has) are
@@ -50,18 +55,22 @@ def cache_tiles(block_table: np.ndarray, num_kv_heads: int) -> np.ndarray:
 class AttentionPlan:
     """Per batch, for every layer alike: which rows decode, which tiles each run reads, the decode padding."""
 
-    def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int):
+    def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 native_decodes: bool = False):
+        """native_decodes: the decodes run on the native kernel (cpu_attention.py), which reads the cache in
+        place: no tiles, mask or kept K/V are planned for them."""
         self.batch = batch
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
         q_lens = np.diff(batch.query_start)
         decodes = np.flatnonzero(q_lens == 1)
+        self.native_decodes = DecodeRows(batch, decodes) if native_decodes and len(decodes) else None
         # The engine puts decodes first: then their rows are a slice and q, out are views, not copies.
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
         self.decode_rows = slice(0, len(decodes)) if first_are_decodes else batch.query_start[decodes]
         self.num_decodes = len(decodes)
         self.keeps_decode_kv = False
-        if self.num_decodes:
+        if self.num_decodes and self.native_decodes is None:
             context_lens = batch.context_lens[decodes]
             longest = int(context_lens.max())
             blocks_per_seq = -(-longest // block_size)
@@ -206,19 +215,25 @@ def kept_memory(size: int) -> np.ndarray:
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,
-                    buffers: GatherBuffers, scale: float, decode_kv: DecodeKV | None = None) -> np.ndarray:
+                    buffers: GatherBuffers, scale: float, decode_kv: DecodeKV | None = None,
+                    native: tuple[CpuAttention, tuple[int, int]] | None = None) -> np.ndarray:
     """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
-    Single-token runs (decodes) are done together, padded to the longest context; longer runs (prefill chunks)
+    Single-token runs (decodes) are done together: by the native kernel where the plan says so (native: the
+    kernel and the caches' data addresses), else padded to the longest context; longer runs (prefill chunks)
     one sequence at a time. GQA never copies K/V per query head: queries are grouped as [Hk, G] and the G
     queries of a KV head share its keys in one product.
     """
     T, Hq, D = q.shape
     Hk, block_size = k_cache.shape[1:3]
     G = Hq // Hk
-    q = (q * np.float32(scale)).reshape(T, Hk, G, D)
     out = np.empty((T, Hk, G, D), dtype=np.float32)
-    if plan.num_decodes:
+    if plan.native_decodes is not None:
+        kernel, cache_addresses = native
+        kernel.decode(q, k_cache, v_cache, cache_addresses, plan.native_decodes, scale, out.reshape(T, Hq, D))
+    if plan.prefills or plan.num_decodes and plan.native_decodes is None:
+        q = (q * np.float32(scale)).reshape(T, Hk, G, D)
+    if plan.num_decodes and plan.native_decodes is None:
         q_decode = q[plan.decode_rows]                        # float32[S, Hk, G, D]
         if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
             q_decode_t = np.ascontiguousarray(q_decode.swapaxes(-1, -2))   # float32[S, Hk, D, G]

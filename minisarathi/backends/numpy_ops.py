@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends import numpy_attention, packed_gemm
+from minisarathi.backends import cpu_attention, numpy_attention, packed_gemm
 from minisarathi.backends.cpu_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.numpy_attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.backends.packed_gemm import PackedWeight
@@ -59,6 +59,8 @@ class NumpyOps:
         self._gather_buffers = GatherBuffers()
         self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
         self._kept_memory: dict[int, np.ndarray] = {}   # by id(cache): its DecodeKV memory, made with it
+        # by id(k_cache): the layer's caches and their data addresses, for the native decode attention
+        self._cache_addresses: dict[int, tuple[weakref.ref, weakref.ref, tuple[int, int]]] = {}
 
     def free_memory_bytes(self) -> None:
         return None   # host memory: the engine uses its CPU default for the KV cache
@@ -95,7 +97,8 @@ class NumpyOps:
         out.fill(0)
         # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory),
         # where the cache is large enough for its decode K/V ever to be kept (AttentionPlan.keeps_decode_kv)
-        if 2 * out.nbytes > numpy_attention.DECODE_GROUP_BYTES:
+        # and decodes run on NumPy (the native kernel reads the cache in place: cpu_attention.runs)
+        if 2 * out.nbytes > numpy_attention.DECODE_GROUP_BYTES and not cpu_attention.runs(shape[-1]):
             self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
             weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
@@ -152,16 +155,34 @@ class NumpyOps:
                         scale: float) -> np.ndarray:
         """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
-        Single-token runs (decodes) are done together, padded to the longest context (the padding reads
-        block-table entries past a context and masks them out, so the cache must hold finite numbers, as
-        zeros() and a finite model keep it); longer runs (prefill chunks) one sequence at a time. How: see
-        minisarathi/backends/numpy_attention.py.
+        Single-token runs (decodes) are done together: by the native kernel, which reads the cache in place,
+        where cpu_attention.runs says so for the model's head_dim (fixed per model, so a row's result never
+        depends on its batch); else on NumPy, padded to the longest context (the padding reads block-table
+        entries past a context and masks them out, so the cache must hold finite numbers, as zeros() and a
+        finite model keep it). Longer runs (prefill chunks) one sequence at a time, on NumPy. How: see
+        minisarathi/backends/numpy_attention.py and cpu_attention.py.
         """
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape)
+            native = cpu_attention.runs(k_cache.shape[-1])
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape, native_decodes=native)
+        if plan.native_decodes is not None:
+            native = cpu_attention.kernel(), self._addresses(k_cache, v_cache)
+            return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
+                                                   native=native)
         decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
         return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
+
+    def _addresses(self, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[int, int]:
+        """k_cache's and v_cache's data addresses, read once per layer's caches (each costs ~0.8 us)."""
+        known = self._cache_addresses.get(id(k_cache))
+        if known is None or known[0]() is not k_cache or known[1]() is not v_cache:
+            if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+                raise ValueError("paged_attention: the KV caches must be C-contiguous")
+            known = weakref.ref(k_cache), weakref.ref(v_cache), (k_cache.ctypes.data, v_cache.ctypes.data)
+            self._cache_addresses[id(k_cache)] = known
+            weakref.finalize(k_cache, self._cache_addresses.pop, id(k_cache), None)
+        return known[2]
 
     def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
         """Every write into a cache goes through here, so that a layer's kept decode K/V knows what changed."""

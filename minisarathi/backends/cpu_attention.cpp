@@ -1,0 +1,286 @@
+// Decode attention on the CPU: each single-token query attends to its sequence's keys, read straight from the
+// paged KV cache through its block table (no gather copy), for all decodes of a batch in one call.
+//
+// Why: NumPy's batched matmul makes one tiny BLAS call per (sequence, KV head) plus a gather, a mask, an exp
+// and a sum pass over the scores; at small head_dim that overhead is most of a decode step's attention
+// (docs/performance.md, "A native decode attention kernel").
+//
+// Per (decode, KV head): the key offsets of the context are computed once per decode (shared by the heads,
+// and by K and V, which have the same layout); the G query heads of the KV head score 16 keys at a time
+// (one accumulator per key, vectorized over head_dim, then a 16-to-1 transposing sum tree gives the 16 scores
+// as one vector); the softmax runs on those vectors with a polynomial exp; the output is the weights times V,
+// vectorized over head_dim, with a few independent accumulator chains so the sum over keys is not bound by
+// the latency of one chain of fused multiply-adds.
+//
+// Determinism: every number a decode's output depends on is computed from that decode's own query, keys and
+// context length, in an order fixed by the context length alone: a row's result is bit-identical whatever
+// batch it is in (which other rows, how many, in what order). Built without -ffast-math, so the compiler
+// keeps the written order of every sum.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weighted sum: 8 zmm accumulators
+
+// e^x for x <= 0 (scores minus their max), 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-7
+// polynomial for e^r, then 2^n by vscalefps, which goes through the subnormals to 0 for very negative x);
+// within 2 ulp of e^x (tests/test_cpu_attention.py checks it against float64). NaN stays NaN.
+inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);   // e^-104 is 0 in float32; keeps n within vscalefps' range
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);   // ln2 in two parts: n * hi is exact
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+    return count >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+}
+
+// Lane j of the result: the sum of the 16 lanes of a[PERM[j]], where the tree below leaves the sum of a[i]
+// in lane 4 * (i % 4) + i / 4; so the caller puts key j's products in a[4 * (j % 4) + j / 4] and gets the 16
+// keys' scores in order.
+inline __m512 sum_each(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)   // 256-bit halves: a[2i] into lanes 0-7, a[2i + 1] into lanes 8-15
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; ++i)   // 128-bit quarters: a[4i + k] into quarter k
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; ++i)   // lane pairs within each quarter
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[g][t] = q[g] . k[t] for t < n (and garbage up to n rounded up to 16, never read as a weight);
+// q: float32[G][D], already scaled; k: the head's keys, key t at k + offsets[t].
+void score(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n, float* scores,
+           int64_t scores_stride) {
+    const int64_t full = D / LANES;
+    const __mmask16 tail = first_lanes(D % LANES);
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        const float* key[LANES];
+        for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
+            const int64_t t = t0 + j < n ? t0 + j : 0;
+            key[4 * (j % 4) + j / 4] = k + offsets[t];
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + g * D;
+            __m512 acc[LANES];
+            for (int i = 0; i < LANES; ++i) acc[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < full; ++c) {
+                const __m512 qv = _mm512_loadu_ps(qg + c * LANES);
+                for (int i = 0; i < LANES; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[i] + c * LANES), acc[i]);
+            }
+            if (tail) {
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, qg + full * LANES);
+                for (int i = 0; i < LANES; ++i)
+                    acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, key[i] + full * LANES), acc[i]);
+            }
+            _mm512_storeu_ps(scores + g * scores_stride + t0, sum_each(acc));
+        }
+    }
+}
+
+// score() for D <= 8: two keys per vector (one in each 256-bit half), so the sum tree starts at its second
+// stage and the 8 vectors of 16 keys are loaded once for the G queries.
+void score_pairs(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n,
+                 float* scores, int64_t scores_stride) {
+    const __mmask16 low = first_lanes(D), high = (__mmask16)(low << 8);
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        const float* key[LANES];
+        for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
+            const int64_t t = t0 + j < n ? t0 + j : 0;
+            key[4 * (j % 4) + j / 4] = k + offsets[t];
+        }
+        __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
+        for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
+            pair[i] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(low, key[2 * i]), high, key[2 * i + 1] - 8);
+        for (int64_t g = 0; g < G; ++g) {
+            const __m512 qv = _mm512_maskz_loadu_ps(low, q + g * D);
+            const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // the query in both halves
+            __m512 b[8], c[4], d[2];
+            for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
+            for (int i = 0; i < 4; ++i)
+                c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+            for (int i = 0; i < 2; ++i)
+                d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+            _mm512_storeu_ps(scores + g * scores_stride + t0,
+                             _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
+        }
+    }
+}
+
+// In place over s[0 .. n): s[t] = e^(s[t] - max s); returns the sum of them. Lanes past n (up to n rounded
+// up to 16) become 0.
+float exp_and_sum(float* s, int64_t n) {
+    __m512 top = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t t = 0; t < n; t += LANES)
+        top = _mm512_mask_max_ps(top, first_lanes(n - t), _mm512_loadu_ps(s + t), top);
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += LANES) {
+        const __m512 e = _mm512_maskz_mov_ps(first_lanes(n - t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), max)));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+// out[0 .. C * 16) (the last vector's lanes in `last` only) = sum over t < n of w[t] * v[offsets[t] + ...],
+// divided by total. U chains of accumulators take keys t % U; they are added in order at the end.
+template <int C, int U>
+void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, __mmask16 last, float total,
+                  float* out) {
+    __m512 acc[U][C];
+    #pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + U <= n; t += U)
+        #pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) {
+            const __m512 wt = _mm512_set1_ps(w[t + u]);
+            const float* vt = v + offsets[t + u];
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m512 x = c == C - 1 ? _mm512_maskz_loadu_ps(last, vt + c * LANES) : _mm512_loadu_ps(vt + c * LANES);
+                acc[u][c] = _mm512_fmadd_ps(wt, x, acc[u][c]);
+            }
+        }
+    #pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)   // the last n % U keys (u a constant: the accumulators stay in registers)
+        if (t + u < n) {
+            const __m512 wt = _mm512_set1_ps(w[t + u]);
+            const float* vt = v + offsets[t + u];
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m512 x = c == C - 1 ? _mm512_maskz_loadu_ps(last, vt + c * LANES)
+                                            : _mm512_loadu_ps(vt + c * LANES);
+                acc[u][c] = _mm512_fmadd_ps(wt, x, acc[u][c]);
+            }
+        }
+    const __m512 denominator = _mm512_set1_ps(total);
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        __m512 r = acc[0][c];
+        #pragma GCC unroll 8
+        for (int u = 1; u < U; ++u) r = _mm512_add_ps(r, acc[u][c]);
+        r = _mm512_div_ps(r, denominator);
+        if (c == C - 1) _mm512_mask_storeu_ps(out + c * LANES, last, r);
+        else _mm512_storeu_ps(out + c * LANES, r);
+    }
+}
+
+using WeightedSum = void (*)(const float*, const float*, const int64_t*, int64_t, __mmask16, float, float*);
+// by vectors per pass (1-8); fewer vectors, more chains: about 4-8 independent accumulators each time
+constexpr WeightedSum weighted_sum_of[9] = {nullptr, &weighted_sum<1, 4>, &weighted_sum<2, 2>, &weighted_sum<3, 2>,
+                                            &weighted_sum<4, 1>, &weighted_sum<5, 1>, &weighted_sum<6, 1>,
+                                            &weighted_sum<7, 1>, &weighted_sum<8, 1>};
+
+// One buffer per thread, grown as needed, freed when the thread ends.
+struct Scratch {
+    void* data = nullptr;
+    int64_t capacity = 0;
+    ~Scratch() { free(data); }
+};
+
+void* scratch(int64_t bytes) {
+    thread_local Scratch buffer;
+    if (bytes > buffer.capacity) {
+        free(buffer.data);
+        buffer.data = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        buffer.capacity = buffer.data ? bytes : 0;
+    }
+    return buffer.data;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/test_cpu_attention.py measures its accuracy.
+__attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 lanes = first_lanes(n - i);
+        _mm512_mask_storeu_ps(out + i, lanes, exp_nonpositive(_mm512_maskz_loadu_ps(lanes, x + i)));
+    }
+}
+
+// For each decode i (0 <= i < num_decodes): sequence seqs[i], whose query is row rows[i] of q and whose output
+// goes to row rows[i] of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs]
+// at offset t % bs.
+//   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
+//   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
+//   block_tables: int32 rows of table_stride entries; context_lens: int32
+//   out: float32 rows of [Hq][D] (row stride out_stride floats)
+// Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
+// is not a block of the cache (nothing is read from it).
+__attribute__((visibility("default"))) int decode_attention(
+        const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, int64_t num_blocks,
+        const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens, const int64_t* seqs,
+        const int64_t* rows, int64_t num_decodes, int64_t Hk, int64_t G, int64_t D, int64_t bs, float scale,
+        float* out, int64_t out_stride) {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < num_decodes; ++i)
+        if (context_lens[seqs[i]] > longest) longest = context_lens[seqs[i]];
+    const int64_t padded = (longest + LANES - 1) / LANES * LANES;   // a score row: whole vectors
+    char* memory = (char*)scratch(padded * 8 + G * padded * 4 + G * D * 4);
+    if (!memory) return -1;
+    int64_t* offsets = (int64_t*)memory;                        // [longest]: key t's place in head 0
+    float* scores = (float*)(memory + padded * 8);              // [G][padded]
+    float* scaled = scores + G * padded;                        // [G][D]: one KV head's queries
+    const int64_t head_stride = bs * D;
+    const int64_t block_stride = Hk * head_stride;
+    for (int64_t i = 0; i < num_decodes; ++i) {
+        const int64_t n = context_lens[seqs[i]];
+        const int32_t* table = block_tables + seqs[i] * table_stride;
+        for (int64_t b = 0; b * bs < n; ++b) {
+            if (table[b] < 0 || table[b] >= num_blocks) return -2;
+            const int64_t base = table[b] * block_stride;
+            for (int64_t t = b * bs; t < n && t < (b + 1) * bs; ++t) offsets[t] = base + (t - b * bs) * D;
+        }
+        for (int64_t h = 0; h < Hk; ++h) {
+            const float* qh = q + rows[i] * q_stride + h * G * D;
+            float* oh = out + rows[i] * out_stride + h * G * D;
+            if (n <= 0) {   // no keys (never from the engine): zeros rather than 0 / 0
+                for (int64_t j = 0; j < G * D; ++j) oh[j] = 0.0f;
+                continue;
+            }
+            for (int64_t j = 0; j < G * D; ++j) scaled[j] = qh[j] * scale;
+            (D <= 8 ? score_pairs : score)(scaled, G, D, k_cache + h * head_stride, offsets, n, scores, padded);
+            for (int64_t g = 0; g < G; ++g) {
+                float* w = scores + g * padded;
+                const float total = exp_and_sum(w, n);
+                for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
+                    const int64_t width = D - d0 < SLICE ? D - d0 : SLICE;
+                    const int vectors = (int)((width + LANES - 1) / LANES);
+                    weighted_sum_of[vectors](w, v_cache + h * head_stride + d0, offsets, n,
+                                             first_lanes(width - (vectors - 1) * LANES), total, oh + g * D + d0);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

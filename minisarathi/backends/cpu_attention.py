@@ -1,0 +1,113 @@
+"""The NumPy backend's decode attention as native code: cpu_attention.cpp, compiled at first use, via ctypes.
+
+The decodes of a batch (single-token runs) attend to the paged KV cache read in place, through their block
+tables, in one call per layer; prefill chunks keep NumPy's tiled attention (numpy_attention.py), which also
+stays the decode path where the kernel does not run. Built and loaded like the packed matmul
+(packed_gemm.py): it needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the library is cached
+by content (native_build.py). Where either is missing, or MINISARATHI_CPU_ATTENTION=0 is set (to measure
+against NumPy), `kernel()` is None and decodes run on NumPy.
+
+Whether a model's decodes use it is decided once, from the model's shapes (`runs`), never per batch: its
+results differ from NumPy's in the last bits, and a row's output must not depend on the batch it is in.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from minisarathi.backends.cpu_setup import cpu_flags
+from minisarathi.backends.native_build import build_shared_library
+from minisarathi.batch import Batch
+
+SOURCE = Path(__file__).resolve().parent / "cpu_attention.cpp"
+# No -ffast-math: every sum keeps the order written in the source (a row's result must not depend on its batch).
+FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRows:
+    """What the kernel reads of a batch besides q and the caches, made once per batch (AttentionPlan) and
+    shared by its layers: the addresses are read here once (each .ctypes.data costs ~0.8 us)."""
+
+    def __init__(self, batch: Batch, decodes: np.ndarray):
+        self.seqs = decodes.astype(np.int64)                                   # int64[S]: decode sequences
+        self.rows = batch.query_start[decodes].astype(np.int64)               # int64[S]: their token rows
+        self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)   # int32[num_seqs, B]
+        self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)   # int32[num_seqs]
+        self.arguments = (self.block_tables.ctypes.data, self.block_tables.shape[1], self.context_lens.ctypes.data,
+                          self.seqs.ctypes.data, self.rows.ctypes.data, len(self.seqs))
+
+
+class CpuAttention:
+    """The loaded library."""
+
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.lib.decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+                                              i64, ctypes.c_float, ptr, i64]
+        self.lib.decode_attention.restype = ctypes.c_int
+        self._call = self.lib.decode_attention
+        self.lib.exp_nonpositive_of.argtypes = [ptr, i64, ptr]
+        self.lib.exp_nonpositive_of.restype = None
+
+    def exp(self, x: np.ndarray) -> np.ndarray:
+        """float32 e^x for x <= 0 as the kernel computes it (for tests of its accuracy)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        self.lib.exp_nonpositive_of(x.ctypes.data, x.size, out.ctypes.data)
+        return out
+
+    def decode(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cache_addresses: tuple[int, int],
+               decodes: DecodeRows, scale: float, out: np.ndarray) -> None:
+        """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D], each row's
+        [Hq, D] contiguous). cache_addresses: k_cache's and v_cache's data (C order)."""
+        num_blocks, Hk, block_size, D = k_cache.shape
+        T, Hq, _ = q.shape
+        if q.strides[1:] != (D * 4, 4):
+            q = np.ascontiguousarray(q)
+        status = self._call(q.ctypes.data, q.strides[0] // 4, *cache_addresses, num_blocks, *decodes.arguments,
+                            Hk, Hq // Hk, D, block_size, scale, out.ctypes.data, Hq * D)
+        if status == -1:
+            raise MemoryError(f"decode attention: no memory for the scores of {len(decodes.seqs)} decodes")
+        if status:
+            raise IndexError(f"decode attention: a block table names a block outside the cache's {num_blocks}")
+
+
+def runs(head_dim: int) -> bool:
+    """The rule for which models' decodes use the kernel: wherever it runs here."""
+    return kernel() is not None
+
+
+def library_path() -> Path:
+    """cpu_attention.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
+    return build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
+                                os.environ.get("CXX", "g++"), FLAGS, "the CPU decode attention")
+
+
+@functools.cache
+def kernel() -> CpuAttention | None:
+    """The library for this CPU, built at first use; None where it cannot run here (the log says why)."""
+    if os.environ.get("MINISARATHI_CPU_ATTENTION") == "0":
+        return None
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = cpu_flags(f.read(1 << 16))
+    except OSError:
+        flags = frozenset()
+    if "avx512f" not in flags:
+        log.info("native decode attention off: the CPU has no AVX-512; NumPy's attention")
+        return None
+    # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
+    # cached file); the model still runs, on NumPy's attention
+    try:
+        return CpuAttention(library_path())
+    except (RuntimeError, OSError) as exc:
+        log.warning("native decode attention off, NumPy's attention instead: %s", exc)
+        return None

@@ -1,0 +1,191 @@
+"""The native decode attention (minisarathi/backends/cpu_attention.py) against float64 NumPy, its batch
+invariance, NumpyOps' rule for it, and the fallback to NumPy's attention where it cannot run."""
+import logging
+
+import numpy as np
+import pytest
+
+from minisarathi.backends import cpu_attention
+from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.testing import ScheduledChunk, build_batch
+
+needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
+
+
+def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
+    """A batch of (history, new tokens) runs over blocks scattered in a pool whose every slot holds random
+    numbers (the slots no run owns, and the ones past each context, must not change a result), and its queries."""
+    rng = np.random.default_rng(seed)
+    needs = [-(-(h + n) // block_size) for h, n in runs]
+    pool = rng.permutation(sum(needs) + spare_blocks).tolist()
+    tables = [[pool.pop() for _ in range(need)] for need in needs]
+    batch = build_batch([ScheduledChunk([0] * n, h, t, True) for (h, n), t in zip(runs, tables)], block_size)
+    shape = (sum(needs) + spare_blocks, Hk, block_size, D)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    q = (3 * rng.standard_normal((batch.num_tokens, Hq, D))).astype(np.float32)   # scores spread wide
+    return batch, q, k_cache, v_cache
+
+
+def reference(q, k_cache, v_cache, batch, scale):
+    """float64[T, Hq, D]: causal attention of every query row to its sequence's keys, dense, in float64 (the
+    query scaled in float32 first, as both backends do)."""
+    T, Hq, D = q.shape
+    _, Hk, block_size, _ = k_cache.shape
+    out = np.empty((T, Hq, D))
+    for s in range(batch.num_seqs):
+        start, end, n = int(batch.query_start[s]), int(batch.query_start[s + 1]), int(batch.context_lens[s])
+        blocks = batch.block_tables[s, :-(-n // block_size)]
+        k, v = ((cache[blocks].transpose(1, 0, 2, 3).reshape(Hk, -1, D)[:, :n]).astype(np.float64)
+                for cache in (k_cache, v_cache))                                            # [Hk, n, D]
+        for row in range(start, end):
+            visible = n - (end - 1 - row)
+            qs = (q[row] * np.float32(scale)).astype(np.float64).reshape(Hk, Hq // Hk, D)
+            scores = qs @ k[:, :visible].swapaxes(-1, -2)                                  # [Hk, G, visible]
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights /= weights.sum(axis=-1, keepdims=True)
+            out[row] = (weights @ v[:, :visible]).reshape(Hq, D)
+    return out
+
+
+def check_close(got, ref):
+    """float32 attention against float64: within a few float32 roundings of the largest value of V."""
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * max(1.0, np.abs(ref).max()) * 4)
+
+
+@needs_kernel
+def test_exp_within_one_ulp_of_float64():
+    """The kernel's polynomial exp over all the softmax feeds it (scores minus their max: x <= 0), into the
+    subnormals and to 0; NaN stays NaN."""
+    x = np.concatenate([-np.logspace(-8, np.log10(110), 100_000), np.linspace(-110, 0, 200_001),
+                        [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45]]).astype(np.float32)
+    got = cpu_attention.kernel().exp(x).astype(np.float64)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - ref) <= ulp)
+    assert np.isnan(cpu_attention.kernel().exp(np.array([np.nan, -1], np.float32))[0])
+
+
+DECODES_FIRST = [(9, 1), (30, 1), (0, 1), (17, 1), (3, 1), (12, 6), (0, 9)]
+DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1), (15, 1)]
+# many blocks per context, ragged: 1 key up to 1200 keys (Llama's head_dim 128 and G 4 among the shapes)
+LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN, LONG_RAGGED])
+@pytest.mark.parametrize("Hq, Hk, D, block_size", [(8, 4, 8, 16), (8, 4, 32, 16), (8, 4, 64, 16), (32, 8, 128, 16),
+                                                   (6, 2, 10, 3), (3, 3, 6, 5), (4, 1, 8, 1), (4, 4, 17, 7),
+                                                   (6, 2, 200, 32), (2, 1, 1, 2), (16, 2, 16, 4)])
+def test_matches_float64(runs, Hq, Hk, D, block_size):
+    """NumpyOps.paged_attention as the engine calls it (decodes on the kernel, prefill chunks on NumPy)."""
+    batch, q, k_cache, v_cache = case(Hq * 1000 + D * 10 + block_size, runs, Hq, Hk, D, block_size)
+    out = NumpyOps().paged_attention(q, k_cache, v_cache, batch, D ** -0.5)
+    assert out.shape == q.shape
+    check_close(out, reference(q, k_cache, v_cache, batch, D ** -0.5))
+
+
+@needs_kernel
+def test_strided_query_rows():
+    """The model hands q as a view of its fused qkv rows (row stride (Hq + 2 Hk) D): read in place."""
+    Hq, Hk, D = 8, 4, 8
+    batch, q, k_cache, v_cache = case(5, DECODES_BETWEEN, Hq, Hk, D, 16)
+    qkv = np.concatenate([q, np.full((len(q), 2 * Hk, D), np.nan, np.float32)], axis=1)
+    out = NumpyOps().paged_attention(qkv[:, :Hq], k_cache, v_cache, batch, 0.35)
+    np.testing.assert_array_equal(out, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.35))
+    check_close(out, reference(q, k_cache, v_cache, batch, 0.35))
+
+
+@needs_kernel
+@pytest.mark.parametrize("Hq, Hk, D, block_size", [(8, 4, 8, 16), (8, 4, 64, 16), (12, 3, 24, 5)])
+def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
+    """Greedy output must not depend on the batch mix: a decode's row is the same alone, among other decodes
+    in any number and order, and beside prefill chunks."""
+    runs = [(h, 1) for h in (0, 5, 16, 33, 100, 250, 7, 64)] + [(20, 7)]
+    batch, q, k_cache, v_cache = case(11, runs, Hq, Hk, D, block_size)
+    tables = [batch.block_tables[s, :-(-int(batch.context_lens[s]) // block_size)].tolist()
+              for s in range(batch.num_seqs)]
+    ops = NumpyOps()
+    whole = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+
+    def alone_in(order):
+        """Each decode of `order` (indices into runs) in one batch, in that order: its rows."""
+        chunks = [ScheduledChunk([0] * runs[s][1], runs[s][0], tables[s], True) for s in order]
+        sub = build_batch(chunks, block_size)
+        rows = np.concatenate([np.arange(batch.query_start[s], batch.query_start[s + 1]) for s in order])
+        return ops.paged_attention(q[rows], k_cache, v_cache, sub, 0.3), rows
+
+    rng = np.random.default_rng(2)
+    for order in [[s] for s in range(8)] + [list(rng.permutation(9)), [8, 3, 1], [2, 6], list(range(7, -1, -1))]:
+        got, rows = alone_in(order)
+        decode_rows = [i for i, s in enumerate(order) if runs[s][1] == 1]
+        np.testing.assert_array_equal(got[decode_rows], whole[rows[decode_rows]])
+
+
+@needs_kernel
+def test_numpy_ops_runs_it_and_keeps_no_decode_kv_memory(monkeypatch):
+    """Where the kernel runs, decodes go to it and the caches get no kept decode K/V memory (+48-96 MiB of RSS
+    on the peers' models that nothing would read); where it does not, NumPy's path keeps its memory."""
+    calls = []
+    decode = cpu_attention.CpuAttention.decode
+    monkeypatch.setattr(cpu_attention.CpuAttention, "decode", lambda *a: calls.append(1) or decode(*a))
+    big = (4096, 4, 16, 64)   # 2 x 16 MiB: a cache whose decode K/V NumPy's path would keep
+    ops = NumpyOps()
+    assert cpu_attention.runs(big[-1])
+    ops.zeros(big)
+    assert ops._kept_memory == {}
+    batch, q, k_cache, v_cache = case(3, DECODES_FIRST, 8, 4, 8, 16)
+    ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_attention, "runs", lambda head_dim: False)
+    numpy_ops = NumpyOps()
+    cache = numpy_ops.zeros(big)
+    assert list(numpy_ops._kept_memory) == [id(cache)]
+    out = numpy_ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    assert calls == [1]
+    check_close(out, reference(q, k_cache, v_cache, batch, 0.3))
+
+
+@needs_kernel
+def test_a_block_outside_the_cache_is_an_error():
+    batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
+    batch.block_tables[1, 0] = len(k_cache)
+    with pytest.raises(IndexError, match="block table"):
+        NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
+
+
+@pytest.fixture
+def fresh_kernel():
+    cpu_attention.kernel.cache_clear()
+    yield
+    cpu_attention.kernel.cache_clear()
+
+
+def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
+    monkeypatch.setenv("MINISARATHI_CPU_ATTENTION", "0")
+    assert cpu_attention.kernel() is None and not cpu_attention.runs(8)
+    batch, q, k_cache, v_cache = case(6, DECODES_BETWEEN, 8, 4, 8, 16)
+    check_close(NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+
+
+def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
+    monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu_attention"):
+        assert cpu_attention.kernel() is None
+    assert "native decode attention off" in caplog.text
+    batch, q, k_cache, v_cache = case(7, DECODES_FIRST, 8, 4, 8, 16)
+    check_close(NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+
+
+@needs_kernel
+def test_a_library_that_cannot_load_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
+    """A corrupt cached library (or one on a noexec mount) makes ctypes raise OSError: NumPy, a warning."""
+    monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))
+    library = cpu_attention.library_path()   # built into tmp_path, not loaded
+    library.write_bytes(b"junk")
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu_attention"):
+        assert cpu_attention.kernel() is None
+    assert "native decode attention off" in caplog.text and str(library) in caplog.text
