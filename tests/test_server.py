@@ -272,6 +272,22 @@ def test_malformed_bytes_get_an_error_and_a_close(server, garbage):
     wait_until_idle(server)
 
 
+def test_a_client_still_sending_after_a_bad_message_is_not_reset(server):
+    """On a bad message the server answers and closes, reading and dropping what the client still sends first
+    (bounded): a socket closed with unread input is reset, so a client still sending (the rest of an oversized
+    message, say) got a reset from its send instead of the error, and a reading one a reset after the error."""
+    conn = RawConnection(server)
+    conn.sock.sendall(b"\xc1")                 # a byte msgpack never uses
+    time.sleep(0.3)                            # answered by now
+    for _ in range(3):                         # the client is still sending
+        conn.sock.sendall(b"x" * 1000)
+        time.sleep(0.1)
+    kind, method, params = conn.receive()
+    assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE)
+    assert conn.receive() is None              # the end of the stream, not a reset
+    conn.close()
+
+
 @pytest.mark.parametrize("message, msgid", [
     ([0, 5, "health"], 5),                     # three elements
     ([0, 6, 42, []], 6),                       # method not a string

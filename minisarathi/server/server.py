@@ -207,10 +207,11 @@ class _Connection:
         self.stalled = False                  # its output waits unread: its requests are paused
         self._on_stall = on_stall             # called once each time the output backs up
         self._held: list[bytes] | None = None  # while corked: the packed messages sent, in order
+        self.output_ended = False             # end_output() was called: nothing more is sent
         self.closed = False
 
     def send(self, message):
-        if self.closed:
+        if self.closed or self.output_ended:
             return
         if self._held is not None:
             self._held.append(pack(message))
@@ -256,6 +257,18 @@ class _Connection:
             self.send([NOTIFICATION, ERROR_NOTIFICATION, [error.to_wire()]])
         else:
             self.respond(msgid, error)
+
+    def end_output(self) -> bool:
+        """Send the end of the stream after what was written (the socket stays open for reading); False where the
+        transport cannot (TLS)."""
+        if self.closed or not self.writer.can_write_eof():
+            return False
+        self.uncork()
+        if self.closed:
+            return False
+        self.writer.write_eof()
+        self.output_ended = True
+        return True
 
     def close(self, flush: bool = False):
         """Drop the socket; with flush, the client first gets what was written, if it takes it within
@@ -483,8 +496,11 @@ class Server:
         try:
             while not conn.closed:
                 try:
-                    data = await asyncio.wait_for(reader.read(reading.read_size), reading.timeout())
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: the read runs in this task, not in one made per read, so a
+                    # message costs the loop two iterations (each a GIL hand-over with the engine thread) less
+                    async with asyncio.timeout(reading.timeout()):
+                        data = await reader.read(reading.read_size)
+                except TimeoutError:
                     why = reading.expired()
                     if why is None:
                         continue
@@ -504,10 +520,27 @@ class Server:
         except _BadMessage as e:
             log.info("conn=%d bad message: %s", conn.id, e)
             conn.protocol_error(e.msgid, RPCError(INVALID_MESSAGE, str(e)))
+            await self._linger(conn, reader)
         except (ConnectionError, OSError):
             pass
         finally:
             self._close_connection(conn)
+
+    async def _linger(self, conn: _Connection, reader: asyncio.StreamReader):
+        """Before a connection closes on a bad message: the error, then the end of the stream, and what the client
+        still sends read and dropped, up to 2 x max_message_bytes for _CLOSE_LINGER_S at most. A socket closed with
+        unread input is reset: a client still sending its (say oversized) message would get the reset, not the
+        error, and one reading would see a reset after the error instead of the end of the stream."""
+        if not conn.end_output():
+            return
+        self._drop_requests(conn)   # their outputs could not be sent any more
+        budget = 2 * self.limits.max_message_bytes
+        try:
+            async with asyncio.timeout(_CLOSE_LINGER_S):
+                while budget > 0 and (data := await reader.read(min(budget, _READ_SIZE))):
+                    budget -= len(data)
+        except (TimeoutError, ConnectionError, OSError):
+            pass
 
     def _admit_connection(self, conn: _Connection) -> bool:
         """Without keys: at most max_connections. With keys, an unauthenticated connection always gets in,
@@ -622,6 +655,11 @@ class Server:
         conn.close(flush=True)   # an error about a bad message, say, still reaches the client
         self._connections.discard(conn)
         self._unauthenticated.pop(conn, None)
+        self._drop_requests(conn)
+        log.debug("conn=%d closed", conn.id)
+
+    def _drop_requests(self, conn: _Connection):
+        """Cancel the connection's calls being answered and abort its requests."""
         conn.call_done.set()
         for task in list(conn.tasks):   # its tokenize calls still queued for the tokenizer thread, say
             task.cancel()
@@ -632,7 +670,6 @@ class Server:
                 self._report_aborted(pending)
                 self._forget(pending)
                 self._worker.post(lambda rid=request_id: self.engine.abort_request(rid))
-        log.debug("conn=%d closed", conn.id)
 
     def _handle_message(self, conn: _Connection, message):
         if not isinstance(message, list) or not message or type(message[0]) is not int:
