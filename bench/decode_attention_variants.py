@@ -10,7 +10,9 @@ the engine sets it up) so
 that load from other processes falls on all alike. A step is NUM_LAYERS calls on one batch. The last
 variants are the backend's (NumpyOps.store_kv of one token per sequence, then paged_attention, per layer):
 on its first step (everything copied) and on the steps after (decode K/V kept; only the blocks written
-since are copied again). Prints one JSON line per shape and variant.
+since are copied again), with its decodes on the native kernel where it runs here (cpu_attention.py; "first
+step" and "next steps"), and on NumPy's path ("NumPy decodes, next steps"). Prints one JSON line per shape and
+variant.
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ import time
 
 import numpy as np
 
+from minisarathi.backends import cpu_attention
 from minisarathi.backends.cpu_setup import configure_cpu
 from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
 # name: (Hk, G, D, S, context)
 SHAPES = {"stories260K": (4, 2, 8, 32, 160), "tiny": (4, 2, 32, 32, 160), "small": (4, 2, 64, 32, 160),
-          "2048@512": (8, 4, 64, 32, 512)}
+          "2048@512": (8, 4, 64, 32, 512), "small@1024": (4, 2, 64, 32, 1024), "llama@512": (8, 4, 128, 32, 512)}
 BLOCK_SIZE = 16
 NUM_LAYERS = 4   # calls per step: the per-batch work of the planned variants is paid once for these
 
@@ -156,6 +159,15 @@ def main():
             for k, v in caches:
                 ops.store_kv(new_token, new_token, k, v, step_batch.slot_mapping)
                 ops.paged_attention(q.reshape(S, Hk * G, D), k, v, step_batch, 1.0)
+        numpy_ops = NumpyOps()
+
+        def numpy_backend_step():
+            """backend_step(kept ops) with NumPy's decode path, as where the native kernel does not run."""
+            runs, cpu_attention.runs = cpu_attention.runs, lambda head_dim: False
+            try:
+                backend_step(numpy_ops)
+            finally:
+                cpu_attention.runs = runs
         variants = {
             "blockwise (original)": (blockwise, {}, False),
             "head-major gather": (head_major, {}, False),
@@ -170,8 +182,8 @@ def main():
         got = NumpyOps().paged_attention(q.reshape(S, Hk * G, D), k_cache, v_cache, batch, 1.0)
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6, err_msg="backend")
         fns = [per_step(fn, planned, **kw) for fn, kw, planned in variants.values()]
-        fns += [backend_step, lambda: backend_step(kept_ops)]
-        labels = [*variants, "backend, first step", "backend, next steps"]
+        fns += [backend_step, lambda: backend_step(kept_ops), numpy_backend_step]
+        labels = [*variants, "backend, first step", "backend, next steps", "backend, NumPy decodes, next steps"]
         for fn in fns:
             fn()
         best = [float("inf")] * len(fns)

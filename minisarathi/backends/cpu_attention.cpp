@@ -226,20 +226,32 @@ __attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, i
     }
 }
 
-// For each decode i (0 <= i < num_decodes): sequence seqs[i], whose query is row rows[i] of q and whose output
-// goes to row rows[i] of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs]
-// at offset t % bs.
+// A batch's decodes and the cache's shape, as cpu_attention.DecodeRows lays them out (int64 fields).
+struct DecodeBatch {
+    const int32_t* block_tables;   // int32 rows of table_stride entries
+    int64_t table_stride;
+    const int32_t* context_lens;   // int32[num_seqs]
+    const int64_t* seqs;           // [num_decodes]: each decode's sequence
+    const int64_t* rows;           // [num_decodes]: its row of q and out
+    int64_t num_decodes, num_blocks, Hk, G, D, bs;
+};
+
+// For each decode i: sequence b.seqs[i], whose query is row b.rows[i] of q and whose output goes to that row
+// of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs] at offset t % bs.
 //   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
 //   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
-//   block_tables: int32 rows of table_stride entries; context_lens: int32
-//   out: float32 rows of [Hq][D] (row stride out_stride floats)
+//   out: float32[..][Hq][D], C order
 // Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
 // is not a block of the cache (nothing is read from it).
-__attribute__((visibility("default"))) int decode_attention(
-        const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, int64_t num_blocks,
-        const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens, const int64_t* seqs,
-        const int64_t* rows, int64_t num_decodes, int64_t Hk, int64_t G, int64_t D, int64_t bs, float scale,
-        float* out, int64_t out_stride) {
+__attribute__((visibility("default"))) int decode_attention(const DecodeBatch* batch, const float* q,
+                                                           int64_t q_stride, const float* k_cache,
+                                                           const float* v_cache, float scale, float* out) {
+    const int32_t* block_tables = batch->block_tables;
+    const int32_t* context_lens = batch->context_lens;
+    const int64_t *seqs = batch->seqs, *rows = batch->rows;
+    const int64_t table_stride = batch->table_stride, num_decodes = batch->num_decodes;
+    const int64_t num_blocks = batch->num_blocks, Hk = batch->Hk, G = batch->G, D = batch->D, bs = batch->bs;
+    const int64_t out_stride = Hk * G * D;
     int64_t longest = 0;
     for (int64_t i = 0; i < num_decodes; ++i)
         if (context_lens[seqs[i]] > longest) longest = context_lens[seqs[i]];

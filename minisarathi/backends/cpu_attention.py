@@ -32,26 +32,33 @@ log = logging.getLogger(__name__)
 
 
 class DecodeRows:
-    """What the kernel reads of a batch besides q and the caches, made once per batch (AttentionPlan) and
-    shared by its layers: the addresses are read here once (each .ctypes.data costs ~0.8 us)."""
+    """What the kernel reads besides q, the caches and out: a batch's decodes and the cache's shape, laid out
+    as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so that
+    a layer's call passes 7 arguments and reads 2 addresses (each .ctypes.data costs ~0.8 us)."""
 
-    def __init__(self, batch: Batch, decodes: np.ndarray):
+    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int], query_heads: int):
+        num_blocks, Hk, block_size, D = cache_shape
         self.seqs = decodes.astype(np.int64)                                   # int64[S]: decode sequences
         self.rows = batch.query_start[decodes].astype(np.int64)               # int64[S]: their token rows
         self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)   # int32[num_seqs, B]
         self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)   # int32[num_seqs]
-        self.arguments = (self.block_tables.ctypes.data, self.block_tables.shape[1], self.context_lens.ctypes.data,
-                          self.seqs.ctypes.data, self.rows.ctypes.data, len(self.seqs))
+        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1], self.context_lens.ctypes.data,
+                                self.seqs.ctypes.data, self.rows.ctypes.data, len(self.seqs), num_blocks, Hk,
+                                query_heads // Hk, D, block_size], np.int64)   # DecodeBatch
+        self.address = self.fields.ctypes.data
+        self.query_shape = (query_heads, D)
+        self.head_strides = (D * 4, 4)   # of q's rows as the kernel reads them: [Hq, D] contiguous
 
 
 class CpuAttention:
     """The loaded library."""
 
     def __init__(self, path: Path):
-        self.lib = ctypes.CDLL(str(path))
+        # PyDLL: called with the GIL held. A call takes a few us at small models; ctypes.CDLL would release the
+        # GIL around it, and in the server a waiting event-loop thread could take it and hold the engine up.
+        self.lib = ctypes.PyDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib.decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                                              i64, ctypes.c_float, ptr, i64]
+        self.lib.decode_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
         self.lib.decode_attention.restype = ctypes.c_int
         self._call = self.lib.decode_attention
         self.lib.exp_nonpositive_of.argtypes = [ptr, i64, ptr]
@@ -64,20 +71,21 @@ class CpuAttention:
         self.lib.exp_nonpositive_of(x.ctypes.data, x.size, out.ctypes.data)
         return out
 
-    def decode(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cache_addresses: tuple[int, int],
-               decodes: DecodeRows, scale: float, out: np.ndarray) -> None:
-        """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D], each row's
-        [Hq, D] contiguous). cache_addresses: k_cache's and v_cache's data (C order)."""
-        num_blocks, Hk, block_size, D = k_cache.shape
-        T, Hq, _ = q.shape
-        if q.strides[1:] != (D * 4, 4):
+    def decode(self, q: np.ndarray, cache_addresses: tuple[int, int], decodes: DecodeRows, scale: float,
+               out: np.ndarray) -> None:
+        """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D]).
+        cache_addresses: the data of the caches (C order, of the shape `decodes` was made for)."""
+        if q.shape[1:] != decodes.query_shape:
+            raise ValueError(f"q: {q.shape[1:]} heads x head_dim, the plan is for {decodes.query_shape}")
+        if q.strides[1:] != decodes.head_strides:
             q = np.ascontiguousarray(q)
-        status = self._call(q.ctypes.data, q.strides[0] // 4, *cache_addresses, num_blocks, *decodes.arguments,
-                            Hk, Hq // Hk, D, block_size, scale, out.ctypes.data, Hq * D)
+        status = self._call(decodes.address, q.ctypes.data, q.strides[0] // 4, *cache_addresses, scale,
+                            out.ctypes.data)
         if status == -1:
             raise MemoryError(f"decode attention: no memory for the scores of {len(decodes.seqs)} decodes")
         if status:
-            raise IndexError(f"decode attention: a block table names a block outside the cache's {num_blocks}")
+            raise IndexError(f"decode attention: a block table names a block outside the cache's "
+                             f"{decodes.fields[6]}")
 
 
 def runs(head_dim: int) -> bool:

@@ -56,15 +56,16 @@ class AttentionPlan:
     """Per batch, for every layer alike: which rows decode, which tiles each run reads, the decode padding."""
 
     def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 native_decodes: bool = False):
-        """native_decodes: the decodes run on the native kernel (cpu_attention.py), which reads the cache in
-        place: no tiles, mask or kept K/V are planned for them."""
+                 native_query_heads: int | None = None):
+        """native_query_heads: Hq, where the decodes run on the native kernel (cpu_attention.py), which reads
+        the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
         self.batch = batch
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
         q_lens = np.diff(batch.query_start)
         decodes = np.flatnonzero(q_lens == 1)
-        self.native_decodes = DecodeRows(batch, decodes) if native_decodes and len(decodes) else None
+        self.native_decodes = None if native_query_heads is None or not len(decodes) else \
+            DecodeRows(batch, decodes, self.cache_shape, native_query_heads)
         # The engine puts decodes first: then their rows are a slice and q, out are views, not copies.
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
         self.decode_rows = slice(0, len(decodes)) if first_are_decodes else batch.query_start[decodes]
@@ -105,9 +106,9 @@ class AttentionPlan:
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
         """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like k_cache."""
-        return (batch is self.batch and k_cache.shape == self.cache_shape
-                and all(a is b for a, b in zip(self._arrays, (batch.query_start, batch.context_lens,
-                                                               batch.block_tables))))
+        query_start, context_lens, block_tables = self._arrays
+        return (batch is self.batch and k_cache.shape == self.cache_shape and batch.query_start is query_start
+                and batch.context_lens is context_lens and batch.block_tables is block_tables)
 
 
 class GatherBuffers:
@@ -230,7 +231,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     out = np.empty((T, Hk, G, D), dtype=np.float32)
     if plan.native_decodes is not None:
         kernel, cache_addresses = native
-        kernel.decode(q, k_cache, v_cache, cache_addresses, plan.native_decodes, scale, out.reshape(T, Hq, D))
+        kernel.decode(q, cache_addresses, plan.native_decodes, scale, out.reshape(T, Hq, D))
     if plan.prefills or plan.num_decodes and plan.native_decodes is None:
         q = (q * np.float32(scale)).reshape(T, Hk, G, D)
     if plan.num_decodes and plan.native_decodes is None:

@@ -164,8 +164,8 @@ class NumpyOps:
         """
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
-            native = cpu_attention.runs(k_cache.shape[-1])
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape, native_decodes=native)
+            native_query_heads = q.shape[1] if cpu_attention.runs(k_cache.shape[-1]) else None
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape, native_query_heads=native_query_heads)
         if plan.native_decodes is not None:
             native = cpu_attention.kernel(), self._addresses(k_cache, v_cache)
             return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
