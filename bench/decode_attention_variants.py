@@ -31,7 +31,8 @@ from minisarathi.testing import ScheduledChunk, build_batch
 
 # name: (Hk, G, D, S, context)
 SHAPES = {"stories260K": (4, 2, 8, 32, 160), "tiny": (4, 2, 32, 32, 160), "small": (4, 2, 64, 32, 160),
-          "2048@512": (8, 4, 64, 32, 512), "small@1024": (4, 2, 64, 32, 1024), "llama@512": (8, 4, 128, 32, 512)}
+          "2048@512": (8, 4, 64, 32, 512), "tiny@512": (4, 2, 32, 32, 512),
+          "small@1024": (4, 2, 64, 32, 1024), "llama@512": (8, 4, 128, 32, 512)}
 BLOCK_SIZE = 16
 NUM_LAYERS = 4   # calls per step: the per-batch work of the planned variants is paid once for these
 

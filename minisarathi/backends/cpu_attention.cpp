@@ -67,64 +67,92 @@ inline __m512 sum_each(const __m512 a[16]) {
                          _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
+// tiles apart, a pattern the hardware prefetchers miss (decodes of 512 keys at head_dim 32 stalled on those
+// loads most of their time, docs/performance.md).
+constexpr int64_t PREFETCH_KEYS = 64;
+
+// Asks for the K rows of keys [t, t + 16) (clipped to n) into L1, and the V rows of [t - PREFETCH_KEYS, ...)
+// into L2, where the weighted sum will read them after the softmax.
+inline void prefetch(const float* k, const float* v, const int64_t* offsets, int64_t t, int64_t n, int64_t D,
+                     int64_t Hk, int64_t head_stride) {
+    for (int64_t j = t; j < t + LANES && j < n; ++j)
+        for (int64_t h = 0; h < Hk; ++h)
+            for (int64_t d = 0; d < D; d += LANES)
+                _mm_prefetch((const char*)(k + offsets[j] + h * head_stride + d), _MM_HINT_T0);
+    for (int64_t j = t < PREFETCH_KEYS ? n : t - PREFETCH_KEYS; j < t - PREFETCH_KEYS + LANES && j < n; ++j)
+        for (int64_t h = 0; h < Hk; ++h)
+            for (int64_t d = 0; d < D; d += LANES)
+                _mm_prefetch((const char*)(v + offsets[j] + h * head_stride + d), _MM_HINT_T1);
+}
+
 // scores[g][t] = q[g] . k[t] for t < n (and garbage up to n rounded up to 16, never read as a weight);
 // q: float32[G][D], already scaled; k: the head's keys, key t at k + offsets[t].
-void score(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n, float* scores,
-           int64_t scores_stride) {
+void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v, int64_t head_stride,
+           const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
     const int64_t full = D / LANES;
     const __mmask16 tail = first_lanes(D % LANES);
-    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
+        prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
+        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
         for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
             const int64_t t = t0 + j < n ? t0 + j : 0;
             key[4 * (j % 4) + j / 4] = k + offsets[t];
         }
-        for (int64_t g = 0; g < G; ++g) {
-            const float* qg = q + g * D;
+        for (int64_t hg = 0; hg < Hk * G; ++hg) {   // every head of a key group: its K tiles are adjacent
+            const float* qg = q + hg * D;
+            const int64_t at = hg / G * head_stride;
             __m512 acc[LANES];
             for (int i = 0; i < LANES; ++i) acc[i] = _mm512_setzero_ps();
             for (int64_t c = 0; c < full; ++c) {
                 const __m512 qv = _mm512_loadu_ps(qg + c * LANES);
-                for (int i = 0; i < LANES; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[i] + c * LANES), acc[i]);
+                for (int i = 0; i < LANES; ++i)
+                    acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[i] + at + c * LANES), acc[i]);
             }
             if (tail) {
                 const __m512 qv = _mm512_maskz_loadu_ps(tail, qg + full * LANES);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, key[i] + full * LANES), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, key[i] + at + full * LANES), acc[i]);
             }
-            _mm512_storeu_ps(scores + g * scores_stride + t0, sum_each(acc));
+            _mm512_storeu_ps(scores + hg * scores_stride + t0, sum_each(acc));
         }
     }
 }
 
 // score() for D <= 8: two keys per vector (one in each 256-bit half), so the sum tree starts at its second
 // stage and the 8 vectors of 16 keys are loaded once for the G queries.
-void score_pairs(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n,
-                 float* scores, int64_t scores_stride) {
+void score_pairs(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v,
+                 int64_t head_stride, const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
     const __mmask16 low = first_lanes(D), high = (__mmask16)(low << 8);
-    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
+        prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
+        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
         for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
             const int64_t t = t0 + j < n ? t0 + j : 0;
             key[4 * (j % 4) + j / 4] = k + offsets[t];
         }
-        __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
-        for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
-            pair[i] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(low, key[2 * i]), high, key[2 * i + 1] - 8);
-        for (int64_t g = 0; g < G; ++g) {
-            const __m512 qv = _mm512_maskz_loadu_ps(low, q + g * D);
-            const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // the query in both halves
-            __m512 b[8], c[4], d[2];
-            for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
-            for (int i = 0; i < 4; ++i)
-                c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-            for (int i = 0; i < 2; ++i)
-                d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-            _mm512_storeu_ps(scores + g * scores_stride + t0,
-                             _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                           _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
+        for (int64_t h = 0; h < Hk; ++h) {   // every head of a key group: its K tiles are adjacent
+            __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
+            for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
+                pair[i] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(low, key[2 * i] + h * head_stride), high,
+                                               key[2 * i + 1] + h * head_stride - 8);
+            for (int64_t g = 0; g < G; ++g) {
+                const __m512 qv = _mm512_maskz_loadu_ps(low, q + (h * G + g) * D);
+                const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // q in both halves
+                __m512 b[8], c[4], d[2];
+                for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
+                for (int i = 0; i < 4; ++i)
+                    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+                for (int i = 0; i < 2; ++i)
+                    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+                _mm512_storeu_ps(scores + (h * G + g) * scores_stride + t0,
+                                 _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                               _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
+            }
         }
     }
 }
@@ -256,11 +284,11 @@ __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* b
     for (int64_t i = 0; i < num_decodes; ++i)
         if (context_lens[seqs[i]] > longest) longest = context_lens[seqs[i]];
     const int64_t padded = (longest + LANES - 1) / LANES * LANES;   // a score row: whole vectors
-    char* memory = (char*)scratch(padded * 8 + G * padded * 4 + G * D * 4);
+    char* memory = (char*)scratch(padded * 8 + Hk * G * padded * 4 + Hk * G * D * 4);
     if (!memory) return -1;
     int64_t* offsets = (int64_t*)memory;                        // [longest]: key t's place in head 0
-    float* scores = (float*)(memory + padded * 8);              // [G][padded]
-    float* scaled = scores + G * padded;                        // [G][D]: one KV head's queries
+    float* scores = (float*)(memory + padded * 8);              // [Hk * G][padded]
+    float* scaled = scores + Hk * G * padded;                   // [Hk * G][D]: the decode's queries, scaled
     const int64_t head_stride = bs * D;
     const int64_t block_stride = Hk * head_stride;
     for (int64_t i = 0; i < num_decodes; ++i) {
@@ -271,24 +299,22 @@ __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* b
             const int64_t base = table[b] * block_stride;
             for (int64_t t = b * bs; t < n && t < (b + 1) * bs; ++t) offsets[t] = base + (t - b * bs) * D;
         }
-        for (int64_t h = 0; h < Hk; ++h) {
-            const float* qh = q + rows[i] * q_stride + h * G * D;
-            float* oh = out + rows[i] * out_stride + h * G * D;
-            if (n <= 0) {   // no keys (never from the engine): zeros rather than 0 / 0
-                for (int64_t j = 0; j < G * D; ++j) oh[j] = 0.0f;
-                continue;
-            }
-            for (int64_t j = 0; j < G * D; ++j) scaled[j] = qh[j] * scale;
-            (D <= 8 ? score_pairs : score)(scaled, G, D, k_cache + h * head_stride, offsets, n, scores, padded);
-            for (int64_t g = 0; g < G; ++g) {
-                float* w = scores + g * padded;
-                const float total = exp_and_sum(w, n);
-                for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
-                    const int64_t width = D - d0 < SLICE ? D - d0 : SLICE;
-                    const int vectors = (int)((width + LANES - 1) / LANES);
-                    weighted_sum_of[vectors](w, v_cache + h * head_stride + d0, offsets, n,
-                                             first_lanes(width - (vectors - 1) * LANES), total, oh + g * D + d0);
-                }
+        const float* qi = q + rows[i] * q_stride;
+        float* oi = out + rows[i] * out_stride;
+        if (n <= 0) {   // no keys (never from the engine): zeros rather than 0 / 0
+            for (int64_t j = 0; j < Hk * G * D; ++j) oi[j] = 0.0f;
+            continue;
+        }
+        for (int64_t j = 0; j < Hk * G * D; ++j) scaled[j] = qi[j] * scale;
+        (D <= 8 ? score_pairs : score)(scaled, Hk, G, D, k_cache, v_cache, head_stride, offsets, n, scores, padded);
+        for (int64_t hg = 0; hg < Hk * G; ++hg) {
+            float* w = scores + hg * padded;
+            const float total = exp_and_sum(w, n);
+            for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
+                const int64_t width = D - d0 < SLICE ? D - d0 : SLICE;
+                const int vectors = (int)((width + LANES - 1) / LANES);
+                weighted_sum_of[vectors](w, v_cache + hg / G * head_stride + d0, offsets, n,
+                                         first_lanes(width - (vectors - 1) * LANES), total, oi + hg * D + d0);
             }
         }
     }
