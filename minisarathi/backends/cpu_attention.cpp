@@ -5,12 +5,14 @@
 // and a sum pass over the scores; at small head_dim that overhead is most of a decode step's attention
 // (docs/performance.md, "A native decode attention kernel").
 //
-// Per (decode, KV head): the key offsets of the context are computed once per decode (shared by the heads,
-// and by K and V, which have the same layout); the G query heads of the KV head score 16 keys at a time
-// (one accumulator per key, vectorized over head_dim, then a 16-to-1 transposing sum tree gives the 16 scores
-// as one vector); the softmax runs on those vectors with a polynomial exp; the output is the weights times V,
-// vectorized over head_dim, with a few independent accumulator chains so the sum over keys is not bound by
-// the latency of one chain of fused multiply-adds.
+// Per decode: the key offsets of the context are computed once (shared by the KV heads, and by K and V, which
+// have the same layout); its keys are scored 16 at a time for every KV head in turn (a block's K tiles are
+// adjacent, so the cache is read in order), the G query heads of a KV head from the same loaded keys (one
+// accumulator per key, vectorized over head_dim, then a 16-to-1 transposing sum tree gives the 16 scores as
+// one vector), K prefetched ahead into L1 and V into L2; then per query head the softmax runs on those vectors
+// with a polynomial exp, and the output is the weights times V, vectorized over head_dim, with a few
+// independent accumulator chains so the sum over keys is not bound by the latency of one chain of fused
+// multiply-adds.
 //
 // Determinism: every number a decode's output depends on is computed from that decode's own query, keys and
 // context length, in an order fixed by the context length alone: a row's result is bit-identical whatever
