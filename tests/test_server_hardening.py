@@ -357,7 +357,8 @@ def test_short_tokenizer_calls_keep_the_gil():
     uses the GIL-holding forms, with the batch forms' results; a longer one still the batch forms (the test
     above: they leave the GIL to others)."""
     from minisarathi.paths import default_model_dir
-    from minisarathi.tokenizer import GIL_HOLDING_MAX_CHARS, GIL_HOLDING_MAX_IDS, Tokenizer
+    from minisarathi.tokenizer import (GIL_HOLDING_MAX_CHARS, GIL_HOLDING_MAX_IDS, GIL_HOLDING_MAX_NON_ASCII_CHARS,
+                                       Tokenizer)
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     hf, called = tokenizer.hf, []
 
@@ -374,6 +375,14 @@ def test_short_tokenizer_calls_keep_the_gil():
         assert tokenizer.encode(short, special) == hf.encode_batch([short], add_special_tokens=special)[0].ids
         assert tokenizer.encode(long, special) == hf.encode_batch([long], add_special_tokens=special)[0].ids
         assert called == ["encode", "encode_batch"]
+    # Encoding costs by byte: 512 emoji (byte-fallback tokens) held the GIL ~0.5 ms; non-ASCII text holds it
+    # only up to the smaller count, a text 512 characters long and non-ASCII in its last is released
+    emoji = "\U0001F600" * GIL_HOLDING_MAX_CHARS
+    called.clear()
+    for text in (emoji[:GIL_HOLDING_MAX_NON_ASCII_CHARS], emoji[:GIL_HOLDING_MAX_NON_ASCII_CHARS + 1],
+                 short[:-1] + "\u00e9"):
+        assert tokenizer.encode(text) == hf.encode_batch([text])[0].ids
+    assert called == ["encode", "encode_batch", "encode_batch"]
     called.clear()
     assert tokenizer.decode(ids[:GIL_HOLDING_MAX_IDS]) == hf.decode_batch([ids[:GIL_HOLDING_MAX_IDS]])[0]
     assert tokenizer.decode(ids[:GIL_HOLDING_MAX_IDS + 1]) == hf.decode_batch([ids[:GIL_HOLDING_MAX_IDS + 1]])[0]
