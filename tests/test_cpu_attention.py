@@ -12,6 +12,22 @@ from minisarathi.testing import ScheduledChunk, build_batch
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
 
 
+@pytest.fixture(autouse=True)
+def kernel_at_every_head_dim(monkeypatch):
+    """The kernel handles any head_dim; the rule sends only small ones to it (MAX_HEAD_DIM, tested below). The
+    tests here exercise it at every head_dim."""
+    monkeypatch.setattr(cpu_attention, "MAX_HEAD_DIM", 1 << 20)
+
+
+@needs_kernel
+def test_the_rule_keeps_numpys_path_past_small_head_dims(monkeypatch):
+    """Measured in the whole forward, the kernel lost to NumPy's kept decode K/V at head_dim 32 and 64 once
+    contexts were long (cpu_attention.MAX_HEAD_DIM's comment): those models keep NumPy's path."""
+    monkeypatch.undo()
+    assert cpu_attention.runs(8) and cpu_attention.runs(cpu_attention.MAX_HEAD_DIM)
+    assert not cpu_attention.runs(cpu_attention.MAX_HEAD_DIM + 1) and not cpu_attention.runs(64)
+
+
 def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
     """A batch of (history, new tokens) runs over blocks scattered in a pool whose every slot holds random
     numbers (the slots no run owns, and the ones past each context, must not change a result), and its queries."""
@@ -152,6 +168,21 @@ def test_a_block_outside_the_cache_is_an_error():
     batch.block_tables[1, 0] = len(k_cache)
     with pytest.raises(IndexError, match="block table"):
         NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
+
+
+@needs_kernel
+def test_a_context_longer_than_its_table_and_other_dtypes_are_errors():
+    """The kernel read past a block-table row into the next sequence's entries (finite, wrong numbers) where a
+    context was longer than the row holds, and read float16 q or caches as float32 (past their ends)."""
+    batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
+    batch.context_lens[0] = batch.block_tables.shape[1] * 16 + 1
+    with pytest.raises(IndexError, match="longer than its block-table row"):
+        NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
+    batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
+    with pytest.raises(TypeError, match="float32"):
+        NumpyOps().paged_attention(q.astype(np.float16), k_cache, v_cache, batch, 0.3)
+    with pytest.raises(TypeError, match="float32"):
+        NumpyOps().paged_attention(q, k_cache.astype(np.float16), v_cache.astype(np.float16), batch, 0.3)
 
 
 @pytest.fixture

@@ -272,7 +272,7 @@ struct DecodeBatch {
 //   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
 //   out: float32[..][Hq][D], C order
 // Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
-// is not a block of the cache (nothing is read from it).
+// is not a block of the cache, or a context is longer than its block-table row holds (nothing is read).
 __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* batch, const float* q,
                                                            int64_t q_stride, const float* k_cache,
                                                            const float* v_cache, float scale, float* out) {
@@ -296,6 +296,7 @@ __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* b
     for (int64_t i = 0; i < num_decodes; ++i) {
         const int64_t n = context_lens[seqs[i]];
         const int32_t* table = block_tables + seqs[i] * table_stride;
+        if (n > table_stride * bs) return -2;
         for (int64_t b = 0; b * bs < n; ++b) {
             if (table[b] < 0 || table[b] >= num_blocks) return -2;
             const int64_t base = table[b] * block_stride;

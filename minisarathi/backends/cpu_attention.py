@@ -75,6 +75,8 @@ class CpuAttention:
                out: np.ndarray) -> None:
         """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D]).
         cache_addresses: the data of the caches (C order, of the shape `decodes` was made for)."""
+        if q.dtype != np.float32 or out.dtype != np.float32:
+            raise TypeError(f"decode attention: q and out must be float32, got {q.dtype} and {out.dtype}")
         if q.shape[1:] != decodes.query_shape:
             raise ValueError(f"q: {q.shape[1:]} heads x head_dim, the plan is for {decodes.query_shape}")
         if q.strides[1:] != decodes.head_strides:
@@ -85,12 +87,23 @@ class CpuAttention:
             raise MemoryError(f"decode attention: no memory for the scores of {len(decodes.seqs)} decodes")
         if status:
             raise IndexError(f"decode attention: a block table names a block outside the cache's "
-                             f"{decodes.fields[6]}")
+                             f"{decodes.fields[6]}, or a context is longer than its block-table row")
+
+
+# Models whose decodes use the kernel: head_dim up to this. In the whole decode forward (bench.forward, batch 32,
+# CPU ms with the kernel / NumPy's path, 2026-12-01, docs/performance.md) it wins at head_dim 8 (the bundled
+# model: 0.78 / 1.18 at 160 keys, 2.37 / 2.85 at 512, its longest context); at head_dim 32 (the peers' tiny
+# model) 7.8 / 8.5 at 512 keys but 11.75 / 8.65 at 1024, at head_dim 64 (small) 25.3 / 24.1 at 512 and
+# 40.3 / 33.4 at 1024: once a layer's decode K/V outgrows the L3 cache, NumPy's kept contiguous copy (DecodeKV)
+# is read faster than the cache's blocks one by one (why is not yet measured). The rule is per model, never per
+# batch (a row's result must not depend on its batch), so it cannot follow the context: it keeps NumPy's path
+# wherever long contexts lose.
+MAX_HEAD_DIM = 16
 
 
 def runs(head_dim: int) -> bool:
-    """The rule for which models' decodes use the kernel: wherever it runs here."""
-    return kernel() is not None
+    """The rule for which models' decodes use the kernel: head_dim up to MAX_HEAD_DIM, where it runs here."""
+    return head_dim <= MAX_HEAD_DIM and kernel() is not None
 
 
 def library_path() -> Path:

@@ -179,6 +179,8 @@ class NumpyOps:
         if known is None or known[0]() is not k_cache or known[1]() is not v_cache:
             if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
                 raise ValueError("paged_attention: the KV caches must be C-contiguous")
+            if not k_cache.dtype == v_cache.dtype == np.float32:
+                raise TypeError(f"paged_attention: the KV caches must be float32, got {k_cache.dtype}")
             known = weakref.ref(k_cache), weakref.ref(v_cache), (k_cache.ctypes.data, v_cache.ctypes.data)
             self._cache_addresses[id(k_cache)] = known
             weakref.finalize(k_cache, self._cache_addresses.pop, id(k_cache), None)
