@@ -15,13 +15,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import cpu_flags
-from minisarathi.backends.native_build import build_shared_library
+from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
 from minisarathi.batch import Batch
 
 SOURCE = Path(__file__).resolve().parent / "cpu_attention.cpp"
@@ -53,10 +51,8 @@ class DecodeRows:
 class CpuAttention:
     """The loaded library."""
 
-    def __init__(self, path: Path):
-        # PyDLL: called with the GIL held. A call takes a few us at small models; ctypes.CDLL would release the
-        # GIL around it, and in the server a waiting event-loop thread could take it and hold the engine up.
-        self.lib = ctypes.PyDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.lib.decode_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
         self.lib.decode_attention.restype = ctypes.c_int
@@ -108,27 +104,14 @@ def runs(head_dim: int) -> bool:
 
 def library_path() -> Path:
     """cpu_attention.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
-    return build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
-                                os.environ.get("CXX", "g++"), FLAGS, "the CPU decode attention")
+    return cpu_library_path(SOURCE, FLAGS, "the native decode attention")
 
 
 @functools.cache
 def kernel() -> CpuAttention | None:
-    """The library for this CPU, built at first use; None where it cannot run here (the log says why)."""
-    if os.environ.get("MINISARATHI_CPU_ATTENTION") == "0":
-        return None
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = cpu_flags(f.read(1 << 16))
-    except OSError:
-        flags = frozenset()
-    if "avx512f" not in flags:
-        log.info("native decode attention off: the CPU has no AVX-512; NumPy's attention")
-        return None
-    # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
-    # cached file); the model still runs, on NumPy's attention
-    try:
-        return CpuAttention(library_path())
-    except (RuntimeError, OSError) as exc:
-        log.warning("native decode attention off, NumPy's attention instead: %s", exc)
-        return None
+    """The library for this CPU, built at first use; None where it cannot run here (the log says why). Called
+    with the GIL held: a call takes a few us on the models it runs for (runs), and releasing the GIL around it
+    could hand it to the server's event loop and hold the engine up."""
+    lib = load_cpu_library(SOURCE, FLAGS, "native decode attention", "MINISARATHI_CPU_ATTENTION",
+                           needs_avx512=True, hold_gil=True, log=log)
+    return None if lib is None else CpuAttention(lib)

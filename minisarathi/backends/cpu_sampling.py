@@ -11,12 +11,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.native_build import build_shared_library
+from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
 
 SOURCE = Path(__file__).resolve().parent / "cpu_sampling.cpp"
 # No -ffast-math, no FMA contraction: every float64 operation must round as NumPy's does (see the source).
@@ -52,26 +51,19 @@ class InverseCdf:
 
 def library_path() -> Path:
     """cpu_sampling.cpp built (cached); RuntimeError or OSError where it cannot be."""
-    return build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
-                                os.environ.get("CXX", "g++"), FLAGS, "the CPU sampler's inverse CDF")
+    return cpu_library_path(SOURCE, FLAGS, "the native inverse CDF")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MINISARATHI_CPU_SAMPLING") == "0":
-        return None
-    # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
-    # cached file); sampling goes on in NumPy, with the same tokens
-    try:
-        # PyDLL: called with the GIL held. The call takes a few us; ctypes.CDLL would release the GIL around it,
-        # and in the server a waiting event-loop thread could take it and hold the engine thread up.
-        lib = ctypes.PyDLL(str(library_path()))
-    except (RuntimeError, OSError) as exc:
-        log.warning("native inverse CDF off, NumPy's instead: %s", exc)
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    lib.inverse_cdf.restype = None
+    """Called with the GIL held: the call takes a few us, and releasing the GIL around it could hand it to the
+    server's event loop and hold the engine thread up. Needs no AVX-512 (plain float64 arithmetic)."""
+    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING", needs_avx512=False,
+                           hold_gil=True, log=log)
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        lib.inverse_cdf.restype = None
     return lib
 
 

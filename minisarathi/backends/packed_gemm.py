@@ -12,14 +12,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import blas_threads_in_force, cpu_flags
-from minisarathi.backends.native_build import build_shared_library
+from minisarathi.backends.cpu_setup import blas_threads_in_force
+from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
@@ -49,8 +48,8 @@ class PackedWeight:
 class PackedGemm:
     """The loaded library."""
 
-    def __init__(self, path: Path):
-        self.lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.lib.packed_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
         self.lib.packed_gemm.restype = ctypes.c_int
@@ -95,27 +94,13 @@ def packs(in_features: int) -> bool:
 
 def library_path() -> Path:
     """packed_gemm.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
-    return build_shared_library("cpu_kernels", SOURCE.stem, f'#include "{SOURCE}"\n', [SOURCE],
-                                os.environ.get("CXX", "g++"), FLAGS, "the packed CPU matmul")
+    return cpu_library_path(SOURCE, FLAGS, "the packed matmul")
 
 
 @functools.cache
 def kernel() -> PackedGemm | None:
-    """The library for this CPU, built at first use; None where it cannot run here (the log says why)."""
-    if os.environ.get("MINISARATHI_PACKED_GEMM") == "0":
-        return None
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = cpu_flags(f.read(1 << 16))
-    except OSError:
-        flags = frozenset()
-    if "avx512f" not in flags:
-        log.info("packed matmul off: the CPU has no AVX-512; NumPy's matmul")
-        return None
-    # OSError: a cache folder that cannot be made, a library that cannot be loaded (noexec mount, a corrupt
-    # cached file); the model still loads, on NumPy's matmul
-    try:
-        return PackedGemm(library_path())
-    except (RuntimeError, OSError) as exc:
-        log.warning("packed matmul off, NumPy's matmul instead: %s", exc)
-        return None
+    """The library for this CPU, built at first use; None where it cannot run here (the log says why). CDLL:
+    a matmul of many rows runs milliseconds, which the server's event loop may use meanwhile."""
+    lib = load_cpu_library(SOURCE, FLAGS, "packed matmul", "MINISARATHI_PACKED_GEMM", needs_avx512=True,
+                           hold_gil=False, log=log)
+    return None if lib is None else PackedGemm(lib)
