@@ -101,7 +101,7 @@ def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
     """SIGKILL to the msgpack balancer with a stream running through it from each client."""
     async def async_client_sees(killed: threading.Event):
         async with AsyncClient("127.0.0.1", cluster.msgpack_port, retries=2) as client:
-            stream = client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True)
+            stream = client.generate_stream("Once upon a time", max_tokens=500, ignore_eos=True)
             chunks = stream.__aiter__()
             await chunks.__anext__()
             started.set()
@@ -116,10 +116,13 @@ def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
     errors = []
     async_thread = threading.Thread(target=lambda: errors.append(_exception_of(asyncio.run, async_client_sees(killed))))
     async_thread.start()
+    # The async client's stream first, then this one's, killed at its first chunk: both streams must still be
+    # running then (with the faster decode attention, a stream started while the other client's thread started
+    # could finish first: 500 tokens take ~0.15 s on the bundled model)
+    assert started.wait(60)
     with Client("127.0.0.1", cluster.msgpack_port, retries=2) as client:
-        stream = iter(client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True))
+        stream = iter(client.generate_stream("Once upon a time", max_tokens=500, ignore_eos=True))
         next(stream)
-        assert started.wait(60)
         cluster.balancers["msgpack"].kill()
         killed.set()
         t = time.monotonic()
