@@ -51,14 +51,10 @@ inline __mmask16 first_lanes(int64_t count) {
     return count >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
 }
 
-// Lane j of the result: the sum of the 16 lanes of a[PERM[j]], where the tree below leaves the sum of a[i]
-// in lane 4 * (i % 4) + i / 4; so the caller puts key j's products in a[4 * (j % 4) + j / 4] and gets the 16
-// keys' scores in order.
-inline __m512 sum_each(const __m512 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; ++i)   // 256-bit halves: a[2i] into lanes 0-7, a[2i + 1] into lanes 8-15
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// sum_each from its second stage on: b[i] holds a[2i] in lanes 0-7 and a[2i + 1] in lanes 8-15, each already
+// folded to 8 lanes (score_pairs' products of D <= 8 start here).
+inline __m512 sum_halves(const __m512 b[8]) {
+    __m512 c[4], d[2];
     for (int i = 0; i < 4; ++i)   // 128-bit quarters: a[4i + k] into quarter k
         c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -67,6 +63,17 @@ inline __m512 sum_each(const __m512 a[16]) {
                              _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane j of the result: the sum of the 16 lanes of a[PERM[j]], where the tree below leaves the sum of a[i]
+// in lane 4 * (i % 4) + i / 4; so the caller puts key j's products in a[4 * (j % 4) + j / 4] and gets the 16
+// keys' scores in order.
+inline __m512 sum_each(const __m512 a[16]) {
+    __m512 b[8];
+    for (int i = 0; i < 8; ++i)   // 256-bit halves: a[2i] into lanes 0-7, a[2i + 1] into lanes 8-15
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return sum_halves(b);
 }
 
 // Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
@@ -88,6 +95,13 @@ inline void prefetch(const float* k, const float* v, const int64_t* offsets, int
                 _mm_prefetch((const char*)(v + offsets[j] + h * head_stride + d), _MM_HINT_T1);
 }
 
+// The K rows of keys [t0, t0 + 16) in sum_each's order (key j at 4 * (j % 4) + j / 4); past n the context's
+// first key again, its score unused.
+inline void key_rows(const float* k, const int64_t* offsets, int64_t t0, int64_t n, const float* key[LANES]) {
+    for (int j = 0; j < LANES; ++j)
+        key[4 * (j % 4) + j / 4] = k + offsets[t0 + j < n ? t0 + j : 0];
+}
+
 // scores[g][t] = q[g] . k[t] for t < n (and garbage up to n rounded up to 16, never read as a weight);
 // q: float32[G][D], already scaled; k: the head's keys, key t at k + offsets[t].
 void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v, int64_t head_stride,
@@ -98,10 +112,7 @@ void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, con
         prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
         if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
-        for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
-            const int64_t t = t0 + j < n ? t0 + j : 0;
-            key[4 * (j % 4) + j / 4] = k + offsets[t];
-        }
+        key_rows(k, offsets, t0, n, key);
         for (int64_t hg = 0; hg < Hk * G; ++hg) {   // every head of a key group: its K tiles are adjacent
             const float* qg = q + hg * D;
             const int64_t at = hg / G * head_stride;
@@ -131,10 +142,7 @@ void score_pairs(const float* q, int64_t Hk, int64_t G, int64_t D, const float* 
         prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
         if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
-        for (int j = 0; j < LANES; ++j) {   // past n: the context's first key again, its score unused
-            const int64_t t = t0 + j < n ? t0 + j : 0;
-            key[4 * (j % 4) + j / 4] = k + offsets[t];
-        }
+        key_rows(k, offsets, t0, n, key);
         for (int64_t h = 0; h < Hk; ++h) {   // every head of a key group: its K tiles are adjacent
             __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
             for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
@@ -143,17 +151,9 @@ void score_pairs(const float* q, int64_t Hk, int64_t G, int64_t D, const float* 
             for (int64_t g = 0; g < G; ++g) {
                 const __m512 qv = _mm512_maskz_loadu_ps(low, q + (h * G + g) * D);
                 const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // q in both halves
-                __m512 b[8], c[4], d[2];
+                __m512 b[8];
                 for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
-                for (int i = 0; i < 4; ++i)
-                    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-                for (int i = 0; i < 2; ++i)
-                    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-                _mm512_storeu_ps(scores + (h * G + g) * scores_stride + t0,
-                                 _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                               _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
+                _mm512_storeu_ps(scores + (h * G + g) * scores_stride + t0, sum_halves(b));
             }
         }
     }
