@@ -148,27 +148,36 @@ def test_a_killed_replica_costs_only_the_streams_that_had_started(cluster):
     that has delivered text, and a plain call each from a Client and an AsyncClient. The replica dies with all
     three running: the stream raises (sending it again would repeat its text), the calls had received nothing
     and are sent again, through the balancer to the other replica, and answer as offline greedy decoding does."""
-    prompt, n = "Once upon a time", 400
+    prompt, n = "Once upon a time", 500
     greedy = dict(max_tokens=n, ignore_eos=True, temperature=0)
     want = LLM().generate([prompt], SamplingParams(**greedy))[0].outputs[0].token_ids
     source = ("127.0.0.30", 0)
     answers = {}
+    # All three connected first and sent together: a request lasts ~0.2 s on the bundled model, less than a
+    # thread and an event loop may take to start on a busy machine (the stream once ended before the calls came)
+    connected = threading.Barrier(3)
 
     def sync_call():
         with Client("127.0.0.1", cluster.msgpack_port, source_address=source) as client:
+            client.health()
+            connected.wait(30)
             answers["Client"] = client.generate(prompt, **greedy).token_ids
 
     async def async_call():
         async with AsyncClient("127.0.0.1", cluster.msgpack_port, source_address=source) as client:
+            await client.health()
+            await asyncio.to_thread(connected.wait, 30)
             answers["AsyncClient"] = (await client.generate(prompt, **greedy)).token_ids
 
     with Client("127.0.0.1", cluster.msgpack_port, source_address=source, retries=3) as streamer:
-        stream = iter(streamer.generate_stream(prompt, **greedy))
-        next(stream)
-        victim = next(r for r in cluster.replicas if running(r) == 1)
+        streamer.health()
         calls = [threading.Thread(target=sync_call), threading.Thread(target=lambda: asyncio.run(async_call()))]
         for thread in calls:
             thread.start()
+        connected.wait(30)
+        stream = iter(streamer.generate_stream(prompt, **greedy))
+        next(stream)
+        victim = next(r for r in cluster.replicas if running(r) >= 1)
         deadline = time.monotonic() + 30
         while running(victim) < 3:
             assert time.monotonic() < deadline, "the calls did not reach the stream's replica"
