@@ -16,6 +16,7 @@ from minisarathi.backends import cuda_ops, emulator
 from minisarathi.backends.gpu_sampling import (MAX_CTAS_PER_ROW, SAMPLING, SPLIT_COST_TOKENS, sample_parameters,
                                                 sample_plan)
 from minisarathi.paths import cuda_dir
+from minisarathi.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 BLOCKS_WAIT = Path(__file__).parent / "kernels" / "blocks_wait_checks.cu"
@@ -155,12 +156,81 @@ def test_negative_control_a_merge_without_its_barrier_is_caught(monkeypatch):
     assert (ids != expected).sum() >= 3
 
 
+# ---- launching on a GPU: shared memory opt-in and cooperative launch -------------------------------------
+
+# sample_kernel's static scratch (~17 KiB) plus its chunk above 48 KiB needs the opt-in, though the chunk
+# alone may be under it: vocabularies of about 8k-12k at any batch, and 64k-98k split 8 ways at small batches.
+@pytest.mark.parametrize("rows, vocab", [(3, 8192), (2, 10007), (1, 12288), (2, 65024), (1, 65536), (1, 92544)])
+def test_sample_opts_in_to_static_plus_dynamic_shared_memory_over_48_kib(rows, vocab):
+    ops = cuda_ops.emulated()
+    static = ops.launcher.kernel("sampling.cu", "sample_kernel").attributes["shared_size_bytes"]
+    plan = sample_plan(rows, vocab, ops.launcher.multiprocessors)
+    assert plan.shared_bytes <= 48 * 1024 < plan.shared_bytes + static   # refused on a GPU without the opt-in
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    params = [(1.0, 0, 1.0, 0.0), (0.8, 40, 0.9, 0.0), (1.2, 0, 0.7, 0.05)][:rows]
+    u = rng.uniform(size=rows)
+    ids = ops.sample(logits, *zip(*params), u)
+    assert ids.tolist() == [reference_sample(logits[r], *params[r], float(u[r])) for r in range(rows)]
+
+
+def test_sample_sets_the_shared_memory_attribute_once_not_every_step(monkeypatch):
+    """cuFuncSetAttribute is a driver call: the opt-in is made at the first step that needs it, then cached."""
+    sets = []
+    attribute = emulator.EmulatedKernel.max_dynamic_shared_size_bytes
+    monkeypatch.setattr(emulator.EmulatedKernel, "max_dynamic_shared_size_bytes", property(
+        attribute.fget, lambda kernel, n: sets.append(kernel.name) or attribute.fset(kernel, n)))
+    sampler = cuda_ops.emulated().new_sampler(20000)   # 80 KB of logits per CTA: over 48 KiB even alone
+    logits = np.random.default_rng(0).standard_normal((2, 20000)).astype(np.float32)
+    for _ in range(4):
+        sampler.sample(logits, [SamplingParams(temperature=1.0)] * 2, [None] * 2, [[1]] * 2, [[]] * 2)
+    assert sets == ["sample_kernel"]
+
+
+def test_sampling_module_launches_cooperatively_on_both_launchers(monkeypatch):
+    """sample_kernel's CTAs wait for each other: CuPy must use cuLaunchCooperativeKernel for it, so that a grid
+    the GPU cannot hold at once (MPS, green contexts) fails to launch instead of hanging."""
+    built = {}
+
+    class FakeRawModule:
+        def __init__(self, code, options, name_expressions, enable_cooperative_groups=False):
+            self.cooperative = enable_cooperative_groups
+
+        def get_function(self, name):
+            return self
+
+    class FakeCupy:
+        RawModule = FakeRawModule
+
+    launcher = object.__new__(cuda_ops.CupyLauncher)   # no GPU here: only kernel() is exercised
+    launcher.xp, launcher._modules, launcher._kernels = FakeCupy, {}, {}
+    for file in cuda_ops.kernel_files():
+        built[file] = launcher.kernel(file, cuda_ops.name_expressions(file)[0]).cooperative
+    assert built == {file: file == "sampling.cu" for file in cuda_ops.kernel_files()}
+    assert cuda_ops.emulated().launcher.kernel("sampling.cu", "sample_kernel").cooperative
+
+
+def test_sample_kernel_grid_beyond_what_the_gpu_holds_is_refused():
+    """A cooperative launch of more CTAs than are co-resident (here 1 per SM: 100 KiB of shared memory each)
+    is refused before it runs, as cuLaunchCooperativeKernel refuses it."""
+    kernel = cuda_ops.emulated().launcher.kernel("sampling.cu", "sample_kernel")
+    kernel.max_dynamic_shared_size_bytes = max(kernel.max_dynamic_shared_size_bytes, 100 * 1024)
+    args = (np.zeros((133, 4), np.float32), np.int32(133), np.int32(4), np.zeros((5, 133)), np.int32(1),
+            np.int32(4), np.zeros(133, np.uint64), np.zeros(133, np.int32))
+    with pytest.raises(ValueError, match=r"cooperative launch of grid \(133, 1, 1\) is more than the 132 blocks"):
+        kernel((133,), (1024,), args, shared_mem=100 * 1024)
+
+
 # ---- the emulator: blocks that wait for each other ----------------------------------------------------
+
+def blocks_wait_kernel(cooperative: bool = True):
+    return emulator.load_module(BLOCKS_WAIT, ["sum_after_grid_barrier"], (cuda_dir(),),
+                                enable_cooperative_groups=cooperative).get_function("sum_after_grid_barrier")
+
 
 def test_blocks_waiting_for_each_other_all_run():
     """40 blocks meet at one barrier on the emulator's few threads: blocks that wait start the others."""
-    kernel = emulator.load_module(BLOCKS_WAIT, ["sum_after_grid_barrier"], (cuda_dir(),)).get_function(
-        "sum_after_grid_barrier")
+    kernel = blocks_wait_kernel()
     for order in ("forward", "reverse"):
         with emulator.schedule(order):
             published, sums = np.zeros(40, np.int32), np.zeros(40, np.int32)
@@ -168,8 +238,21 @@ def test_blocks_waiting_for_each_other_all_run():
             assert sums.tolist() == [40 * 41 // 2] * 40
 
 
-def test_blocks_waiting_for_each_other_beyond_one_cta_per_sm_are_refused():
-    kernel = emulator.load_module(BLOCKS_WAIT, ["sum_after_grid_barrier"], (cuda_dir(),)).get_function(
-        "sum_after_grid_barrier")
-    with pytest.raises(RuntimeError, match="133 blocks is more than 132 SMs"):
-        kernel((133,), (32,), (np.zeros(1, np.uint64), np.zeros(133, np.int32), np.zeros(133, np.int32)))
+def test_blocks_waiting_for_each_other_need_a_cooperative_launch():
+    """Only a cooperative launch guarantees that every block is resident; a plain launch may deadlock."""
+    with pytest.raises(RuntimeError, match="waits for other blocks, but the launch is not cooperative"):
+        blocks_wait_kernel(cooperative=False)((2,), (32,), (np.zeros(1, np.uint64), np.zeros(2, np.int32),
+                                                            np.zeros(2, np.int32)))
+
+
+def test_cooperative_grid_beyond_the_resident_blocks_is_refused():
+    """64-thread blocks: 32 per SM (the block limit), 4224 on 132 SMs; on an A100's 108 SMs, 3456."""
+    kernel = blocks_wait_kernel()
+    grid = 32 * 132 + 1
+    with pytest.raises(ValueError, match="more than the 4224 blocks the H100/H200"):
+        kernel((grid,), (64,), (np.zeros(1, np.uint64), np.zeros(grid, np.int32), np.zeros(grid, np.int32)))
+    a100 = emulator.load_module(BLOCKS_WAIT, ["sum_after_grid_barrier"], (cuda_dir(),), enable_cooperative_groups=True,
+                                device=emulator.A100).get_function("sum_after_grid_barrier")
+    grid = 32 * 108 + 1
+    with pytest.raises(ValueError, match="more than the 3456 blocks the A100"):
+        a100((grid,), (64,), (np.zeros(1, np.uint64), np.zeros(grid, np.int32), np.zeros(grid, np.int32)))

@@ -35,7 +35,6 @@ MAX_CTAS_PER_ROW = 8        # every CTA of a row reads every other's histogram p
 # CTA spends on this many tokens over its ~9 passes (docs/performance.md; estimates until a GPU run). It is
 # more than 7/8 of SAMPLE_MAX_CHUNK, so a row that fits in one CTA stays in one CTA.
 SPLIT_COST_TOKENS = 32768
-SHARED_MEMORY_WITHOUT_OPT_IN = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -86,30 +85,31 @@ def sample_parameters(temperature, top_k, top_p, min_p, uniform, vocab: int) -> 
                      np.asarray(uniform, np.float64)]).astype(np.float64)
 
 
-def launch_sample(kernel, launcher, logits, params, plan: SamplePlan, ids) -> None:
+def launch_sample(kernel, launcher, allow_shared_mem, logits, params, plan: SamplePlan, ids) -> None:
     """One sample_kernel launch over contiguous float32 logits[N, V] with device `params` (sample_parameters),
-    writing int32 ids[N] on the device."""
+    writing int32 ids[N] on the device. allow_shared_mem(kernel, nbytes): CudaOps._allow_shared_mem, the opt-in
+    for the chunk's dynamic shared memory on top of the kernel's ~17 KiB of static scratch."""
     rows, vocab = logits.shape
-    if plan.shared_bytes > SHARED_MEMORY_WITHOUT_OPT_IN:
-        kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
+    allow_shared_mem(kernel, plan.shared_bytes)
     kernel((plan.grid,), (plan.threads,),
            (logits, np.int32(rows), np.int32(vocab), params, np.int32(plan.ctas_per_row), np.int32(plan.chunk),
             launcher.xp.zeros(plan.workspace_words, dtype=np.uint64), ids),
            shared_mem=plan.shared_bytes)
 
 
-def sample_rows(kernel, launcher, logits, temperature, top_k, top_p, min_p, uniform,
+def sample_rows(kernel, launcher, allow_shared_mem, logits, temperature, top_k, top_p, min_p, uniform,
                 ctas_per_row: int | None = None):
-    """Device int32[N] ids from sample_kernel (`kernel`, through `launcher`) over float32 logits[N, V] with
-    per-row parameters and uniform[N] in [0, 1) drawn on the host: one upload of the parameters, one launch."""
+    """Device int32[N] ids from sample_kernel (`kernel`, through `launcher`, opted in to its shared memory by
+    `allow_shared_mem`) over float32 logits[N, V] with per-row parameters and uniform[N] in [0, 1) drawn on the
+    host: one upload of the parameters, one launch."""
     xp = launcher.xp
     logits = xp.ascontiguousarray(logits, dtype=np.float32)
     rows, vocab = logits.shape
     ids = xp.empty((rows,), dtype=np.int32)
     if rows:
         params = launcher.to_device(sample_parameters(temperature, top_k, top_p, min_p, uniform, vocab))
-        launch_sample(kernel, launcher, logits, params, sample_plan(rows, vocab, launcher.multiprocessors, ctas_per_row),
-                      ids)
+        launch_sample(kernel, launcher, allow_shared_mem, logits, params,
+                      sample_plan(rows, vocab, launcher.multiprocessors, ctas_per_row), ids)
     return ids
 
 

@@ -6,8 +6,9 @@
 See docs/cuda.md.
 """
 from minisarathi.backends.emulator.builder import build
-from minisarathi.backends.emulator.launcher import (ORDERS, EmulatedKernel, EmulatedModule, Graph, capture, capturing,
-                                                   load_module, schedule, submit)
+from minisarathi.backends.emulator.device import A100, H100, Device
+from minisarathi.backends.emulator.launcher import (ORDERS, CUDADriverError, EmulatedKernel, EmulatedModule, Graph,
+                                                   capture, capturing, load_module, schedule, submit)
 
-__all__ = ["ORDERS", "EmulatedKernel", "EmulatedModule", "Graph", "build", "capture", "capturing",
-           "load_module", "schedule", "submit"]
+__all__ = ["A100", "H100", "ORDERS", "CUDADriverError", "Device", "EmulatedKernel", "EmulatedModule", "Graph", "build",
+           "capture", "capturing", "load_module", "schedule", "submit"]

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.backends.emulator.builder import build
+from minisarathi.backends.emulator.cubin import KernelResources, kernel_resources
+from minisarathi.backends.emulator.device import H100, Device
 
 ORDERS = ("forward", "reverse", "random")
-DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024   # what a GPU allows without opting in through a function attribute
-HARD_MAX_DYNAMIC_SMEM = 227 * 1024     # emu::kMaxDynamicSmem, the H100/H200 opt-in limit
+NVRTC_OPTIONS = ("-std=c++17",)   # what a RawModule gets besides CuPy's own (cuda_ops.NVRTC_OPTIONS)
 
 # C++ element type -> NumPy dtype names accepted for a pointer to it. NumPy has no bfloat16: its arrays
 # hold the raw bits as uint16 (or ml_dtypes.bfloat16 where installed).
@@ -32,7 +33,13 @@ SCALAR_DTYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "un
 
 class _LaunchArgs(ctypes.Structure):   # mirrors emu::LaunchArgs
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("dynamic_smem", ctypes.c_ulonglong),
-                ("order", ctypes.c_int), ("num_threads", ctypes.c_int), ("seed", ctypes.c_ulonglong)]
+                ("order", ctypes.c_int), ("num_threads", ctypes.c_int), ("seed", ctypes.c_ulonglong),
+                ("cooperative", ctypes.c_int)]
+
+
+class CUDADriverError(RuntimeError):
+    """What CuPy raises when the driver refuses (cupy_backends.cuda.api.driver.CUDADriverError), e.g.
+    `CUDA_ERROR_INVALID_VALUE: invalid argument` for a launch over its shared memory limit."""
 
 
 _schedule = threading.local()
@@ -135,11 +142,19 @@ def _convert(index: int, param: str, value, keep: list) -> int:
 
 
 class EmulatedKernel:
-    """One kernel of an emulated module; called like cupy.RawKernel: kernel(grid, block, args, shared_mem=0)."""
+    """One kernel of an emulated module; called like cupy.RawKernel: kernel(grid, block, args, shared_mem=0).
+    It refuses what the driver refuses on `device`: more dynamic shared memory than max_dynamic_shared_size_bytes
+    allows (by default 48 KiB minus the kernel's static shared memory), that attribute set above the device's
+    opt-in maximum minus the static memory, more threads than __launch_bounds__, and, launched cooperatively
+    (a module loaded with enable_cooperative_groups), a grid larger than the device holds at once."""
 
-    def __init__(self, library: ctypes.CDLL, index: int, name: str):
+    def __init__(self, library: ctypes.CDLL, index: int, name: str, resources: KernelResources, device: Device,
+                 cooperative: bool):
         self.name = name
-        self.max_dynamic_shared_size_bytes = DEFAULT_MAX_DYNAMIC_SMEM
+        self.resources = resources
+        self.device = device
+        self.cooperative = cooperative
+        self._max_dynamic_shared = device.shared_memory_without_optin - resources.static_shared_bytes
         self._launch = getattr(library, f"minisarathi_emu_launch_{index}")
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(_LaunchArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -147,14 +162,43 @@ class EmulatedKernel:
         signature.restype = ctypes.c_char_p
         self.param_types = [p for p in signature().decode().split(";") if p]
 
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_dynamic_shared
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        # cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES): static + dynamic within the opt-in.
+        most = self.device.shared_memory_per_block_optin - self.resources.static_shared_bytes
+        if not 0 <= nbytes <= most:
+            raise CUDADriverError(
+                f"CUDA_ERROR_INVALID_VALUE: invalid argument (max_dynamic_shared_size_bytes = {nbytes} for "
+                f"{self.name}: at most {most}, the {self.device.name}'s {self.device.shared_memory_per_block_optin} bytes per block "
+                f"minus {self.resources.static_shared_bytes} of static shared memory)")
+        self._max_dynamic_shared = int(nbytes)
+
+    @property
+    def attributes(self) -> dict[str, int]:
+        """The keys of CuPy's RawKernel.attributes that the emulator knows (num_regs -1 when unknown)."""
+        return {"shared_size_bytes": self.resources.static_shared_bytes,
+                "max_dynamic_shared_size_bytes": self._max_dynamic_shared,
+                "max_threads_per_block": self.resources.max_threads_per_block,
+                "num_regs": self.resources.registers or -1}
+
     def __call__(self, grid, block, args, shared_mem: int = 0):
         grid, block = _dim3(grid, "grid"), _dim3(block, "block")
-        if block[0] * block[1] * block[2] > 1024:
-            raise ValueError(f"block: at most 1024 threads, got {block}")
-        limit = min(self.max_dynamic_shared_size_bytes, HARD_MAX_DYNAMIC_SMEM)
-        if not 0 <= shared_mem <= limit:
-            raise ValueError(f"shared_mem: {shared_mem} bytes exceeds this kernel's limit of {limit} "
-                             "(raise max_dynamic_shared_size_bytes, as on a GPU)")
+        threads = block[0] * block[1] * block[2]
+        if threads > self.resources.max_threads_per_block:
+            raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: invalid argument ({self.name}: block {block} has "
+                                  f"{threads} threads, its limit is {self.resources.max_threads_per_block})")
+        if not 0 <= shared_mem <= self._max_dynamic_shared:
+            static = self.resources.static_shared_bytes
+            raise CUDADriverError(
+                f"CUDA_ERROR_INVALID_VALUE: invalid argument ({self.name}: {shared_mem} bytes of dynamic shared "
+                f"memory + {static} static, but max_dynamic_shared_size_bytes is {self._max_dynamic_shared}; "
+                f"above {self.device.shared_memory_without_optin} bytes in all a kernel must opt in, as on a GPU)")
+        if self.cooperative:
+            self._check_co_resident(grid, threads, shared_mem)
         args = tuple(args)
         if len(args) != len(self.param_types):
             raise TypeError(f"{self.name} takes {len(self.param_types)} arguments "
@@ -164,11 +208,24 @@ class EmulatedKernel:
             *[_convert(i, p, a, keep) for i, (p, a) in enumerate(zip(self.param_types, args))])
         submit(functools.partial(self._run, grid, block, shared_mem, addresses, keep))
 
+    def _check_co_resident(self, grid, threads: int, shared_mem: int) -> None:
+        """cuLaunchCooperativeKernel's rule: every block resident at once. CuPy would shrink a 1-D grid over the
+        limit (with a warning) and launch that, which leaves a kernel whose blocks wait for each other waiting."""
+        per_sm = self.device.resident_blocks(threads, self.resources.static_shared_bytes + shared_mem,
+                                             self.resources.registers)
+        limit = per_sm * self.device.multiprocessors
+        if grid[0] * grid[1] * grid[2] > limit:
+            raise ValueError(
+                f"{self.name}: a cooperative launch of grid {grid} is more than the {limit} blocks the "
+                f"{self.device.name} holds at once ({per_sm} per SM x {self.device.multiprocessors} SMs for "
+                f"{threads} threads, {self.resources.static_shared_bytes} + {shared_mem} bytes of shared memory "
+                f"and {self.resources.registers or 'unknown'} registers a thread)")
+
     def _run(self, grid, block, shared_mem: int, addresses, keep: list) -> None:
         order, seed = getattr(_schedule, "value", None) or _env_schedule()   # the order when it runs
         config = _LaunchArgs((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                              ORDERS.index(order), int(os.environ.get("MINISARATHI_EMU_THREADS", os.cpu_count() or 1)),
-                             seed)
+                             seed, int(self.cooperative))
         error = ctypes.create_string_buffer(4096)
         # ctypes releases the GIL for the call, so other Python threads run while the kernel does.
         if self._launch(ctypes.byref(config), addresses, error, len(error)) != 0:
@@ -176,12 +233,18 @@ class EmulatedKernel:
 
 
 class EmulatedModule:
-    """The emulator's cupy.RawModule: one .cu file built with g++, kernels looked up by name expression."""
+    """The emulator's cupy.RawModule: one .cu file built with g++, kernels looked up by name expression. As with
+    RawModule(enable_cooperative_groups=True), a cooperative module launches every kernel cooperatively.
+    `device` sets the limits launches are checked against (emulator.H100, sm_90, by default; emulator.A100: sm_80)."""
 
-    def __init__(self, source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = ()):
+    def __init__(self, source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = (),
+                 enable_cooperative_groups: bool = False, device: Device = H100):
         self.path = build(source, list(name_expressions), include_dirs)
+        resources = kernel_resources(Path(source).resolve(), list(name_expressions),
+                                     [Path(d).resolve() for d in include_dirs], NVRTC_OPTIONS, device.arch)
         self._library = ctypes.CDLL(str(self.path))
-        self._kernels = {name: EmulatedKernel(self._library, i, name) for i, name in enumerate(name_expressions)}
+        self._kernels = {name: EmulatedKernel(self._library, i, name, resources[name], device,
+                                              enable_cooperative_groups) for i, name in enumerate(name_expressions)}
 
     def get_function(self, name: str) -> EmulatedKernel:
         if name not in self._kernels:
@@ -190,14 +253,17 @@ class EmulatedModule:
         return self._kernels[name]
 
 
-_modules: dict[tuple[str, tuple[str, ...]], EmulatedModule] = {}
+_modules: dict[tuple, EmulatedModule] = {}
 _modules_lock = threading.Lock()
 
 
-def load_module(source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = ()) -> EmulatedModule:
-    """Builds (or reuses) and loads the module once per process."""
-    key = (str(Path(source).resolve()), tuple(name_expressions), tuple(str(d) for d in include_dirs))
+def load_module(source: str | Path, name_expressions: list[str], include_dirs: list[str | Path] = (),
+                enable_cooperative_groups: bool = False, device: Device = H100) -> EmulatedModule:
+    """Builds (or reuses) and loads the module once per process, options and device."""
+    key = (str(Path(source).resolve()), tuple(name_expressions), tuple(str(d) for d in include_dirs),
+           enable_cooperative_groups, device)
     with _modules_lock:
         if key not in _modules:
-            _modules[key] = EmulatedModule(source, list(name_expressions), include_dirs)
+            _modules[key] = EmulatedModule(source, list(name_expressions), include_dirs, enable_cooperative_groups,
+                                           device)
         return _modules[key]

@@ -98,6 +98,7 @@ struct Launch {                   // shared by all OS threads of one launch
     dim3 grid, block;
     size_t dynamic_smem = 0;
     int order = 0;                // 0 forward, 1 reverse, 2 seeded random
+    bool cooperative = false;     // launched as cuLaunchCooperativeKernel: every block resident (checked by launcher.py)
     uint64_t seed = 0;
     void (*entry)(void*) = nullptr;
     void* entry_ctx = nullptr;
@@ -430,9 +431,9 @@ inline void worker(Launch* launch) {
 // ---- blocks that wait for each other (cuda/common.cuh: blocks_arrive, blocks_wait) ------------------------
 // On a GPU a CTA spinning on a global counter waits for CTAs resident on other SMs. Here blocks run to
 // completion on a few OS threads, so a block that has to wait while blocks of its launch have not started
-// starts one more OS thread to run them, as a GPU whose grid fits in its SMs runs them all at once. A grid
-// larger than that could deadlock on the GPU: refused. Arrivals wake the waiters (no spinning on the CPU).
-constexpr long long kResidentBlocks = 132;   // one CTA per SM of an H100/H200
+// starts one more OS thread to run them, as a GPU runs a cooperative launch's blocks all at once. Only a
+// cooperative launch guarantees that (launcher.py refuses one whose grid the device cannot hold): a block
+// that waits in any other launch is refused. Arrivals wake the waiters (no spinning on the CPU).
 constexpr int kBlocksWaitSeconds = 300;      // then the launch fails as a deadlock
 
 inline Launch::WaitBucket& wait_bucket(Launch* launch, const unsigned long long* counter) {
@@ -451,9 +452,9 @@ inline void blocks_arrive(unsigned long long* counter) {
 inline void blocks_wait(const unsigned long long* counter, unsigned long long target) {
     Launch* launch = tls_block->launch;
     const long long num_blocks = (long long)launch->grid.x * launch->grid.y * launch->grid.z;
-    if (num_blocks > kResidentBlocks)
-        fiber_fail("waits for other blocks, but a grid of " + std::to_string(num_blocks) + " blocks is more than " +
-                   std::to_string(kResidentBlocks) + " SMs hold at once (one CTA each): it may deadlock on a GPU");
+    if (!launch->cooperative)
+        fiber_fail("waits for other blocks, but the launch is not cooperative: on a GPU they may not all be resident, "
+                   "and it may deadlock (load the module with enable_cooperative_groups)");
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kBlocksWaitSeconds);
     Launch::WaitBucket& bucket = wait_bucket(launch, counter);
     std::unique_lock<std::mutex> lock(bucket.lock);
@@ -479,6 +480,7 @@ struct LaunchArgs {               // filled by the Python launcher (ctypes mirro
     int order;
     int num_threads;
     unsigned long long seed;
+    int cooperative;
 };
 
 inline int run(const LaunchArgs* args, void (*entry)(void*), void* ctx, char* error, int error_len) {
@@ -488,6 +490,7 @@ inline int run(const LaunchArgs* args, void (*entry)(void*), void* ctx, char* er
     launch.dynamic_smem = args->dynamic_smem;
     launch.order = args->order;
     launch.seed = args->seed;
+    launch.cooperative = args->cooperative != 0;
     launch.entry = entry;
     launch.entry_ctx = ctx;
     const long long num_blocks = (long long)args->grid[0] * args->grid[1] * args->grid[2];
