@@ -119,7 +119,10 @@ struct SampleScratch {
     int best_index[32];
     unsigned long long above, target;           // radix select: what lies above the digit's bins; the goal
     unsigned digit;
-    double lane_mass[32];                       // the draw: masses of 32 runs each
+    union {
+        unsigned long long bin_sums[32];        // radix select: the digit's histogram, 32 bins a sum
+        double lane_mass[32];                   // then the draw: masses of 32 runs each
+    };
     double base;                                // the draw: mass of the row before this CTA's chunk
     int owner;                                  // the draw: the CTA whose chunk holds the token (-1: none kept)
 };
@@ -157,18 +160,38 @@ __device__ __forceinline__ void row_barrier(RowGroup& g) {
     __syncthreads();
 }
 
-// The histogram of this CTA's chunk becomes the row's: every CTA's, summed (integers: any order).
-__device__ __forceinline__ void merge_histogram(unsigned long long* histogram, RowGroup& g) {
-    if (g.ctas == 1) return;
-    unsigned long long* out = outbox(g);
-    for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) out[b] = histogram[b];
-    row_barrier(g);
+// The digit's row histogram: this CTA's counts (two words a bin), or with several CTAs every CTA's, summed
+// (integers: any order). Each warp holds 32 consecutive bins, whose sum it leaves for cut_digit.
+__device__ __forceinline__ void finish_histogram(SampleScratch& s, RowGroup& g) {
+    if (g.ctas > 1) {
+        unsigned long long* out = outbox(g);
+        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x)
+            out[b] = (unsigned long long)s.high[b] << 32 | s.low[b];
+        row_barrier(g);
+    }
     for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x) {
-        unsigned long long sum = 0;
-        for (int c = 0; c < g.ctas; ++c) sum += __ldcg(inbox(g, c) + b);
-        histogram[b] = sum;
+        unsigned long long count = 0;
+        if (g.ctas == 1) {
+            count = (unsigned long long)s.high[b] << 32 | s.low[b];
+        } else {
+            // CTA c's bin b, RADIX_BINS further each: one base register, the unrolled loads at fixed offsets.
+            const unsigned long long* in = inbox(g, 0) + b;
+            for (int c = 0; c < g.ctas; ++c, in += RADIX_BINS) count += __ldcg(in);
+        }
+        s.histogram[b] = count;
+        for (int offset = 16; offset > 0; offset >>= 1) count += __shfl_xor_sync(FULL_WARP, count, offset);
+        if (b % 32 == 0) s.bin_sums[b / 32] = count;
     }
     __syncthreads();
+}
+
+// Sum of x over lanes lane..31 of warp 0 (every lane of it calls).
+__device__ __forceinline__ unsigned long long suffix_sum(unsigned long long x) {
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const unsigned long long v = __shfl_down_sync(FULL_WARP, x, offset);
+        if ((int)threadIdx.x + offset < 32) x += v;
+    }
+    return x;
 }
 
 // One digit of a radix select, by warp 0 over the merged histogram: from the top bin down, the first
@@ -178,25 +201,21 @@ __device__ __forceinline__ void merge_histogram(unsigned long long* histogram, R
 __device__ __forceinline__ void cut_digit(SampleScratch& s, double fraction) {
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
-        unsigned long long mine = 0;   // lane l holds bins 32 l .. 32 l + 31
-        for (int j = 0; j < 32; ++j) mine += s.histogram[32 * lane + j];
-        unsigned long long suffix = mine;   // becomes the sum over lanes l..31
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const unsigned long long v = __shfl_down_sync(FULL_WARP, suffix, offset);
-            if (lane + offset < 32) suffix += v;
-        }
+        const unsigned long long mine = s.bin_sums[lane];   // bins 32 l .. 32 l + 31
+        const unsigned long long suffix = suffix_sum(mine);
         const unsigned long long total = __shfl_sync(FULL_WARP, suffix, 0);
         const unsigned long long target =
             fraction >= 0.0 ? (unsigned long long)fmax(1.0, ceil(fraction * (double)total)) : s.target;
         const unsigned long long above = s.above;
-        // The lanes whose bins and those above reach the target are a prefix 0..L of the warp.
-        const int reaching = warp_count(above + suffix >= target);
-        if (lane == max(reaching - 1, 0)) {
-            unsigned long long run = above + (suffix - mine);
-            int bin = 32 * lane + 31;
-            for (; bin > 32 * lane && run + s.histogram[bin] < target; --bin) run += s.histogram[bin];
-            s.digit = bin;
-            s.above = run;
+        // The lanes whose bins and those above reach the target are a prefix 0..L of the warp; then the
+        // same scan over lane L's 32 bins, one a lane, so that no lane loads (or holds) 32 bins.
+        const int owner = max(warp_count(above + suffix >= target) - 1, 0);
+        const unsigned long long start = above + __shfl_sync(FULL_WARP, suffix - mine, owner);
+        const unsigned long long bin_mass = s.histogram[32 * owner + lane];
+        const unsigned long long bin_suffix = suffix_sum(bin_mass);
+        if (lane == max(warp_count(start + bin_suffix >= target) - 1, 0)) {
+            s.digit = 32 * owner + lane;
+            s.above = start + (bin_suffix - bin_mass);
             s.target = target;
         }
     }
@@ -225,10 +244,7 @@ __device__ __forceinline__ float radix_threshold(const float* w, int n, float lo
             }
         }
         __syncthreads();
-        for (int b = threadIdx.x; b < RADIX_BINS; b += blockDim.x)
-            s.histogram[b] = (unsigned long long)s.high[b] << 32 | s.low[b];
-        __syncthreads();
-        merge_histogram(s.histogram, g);
+        finish_histogram(s, g);
         cut_digit(s, by_mass && shift == 2 * RADIX_BITS ? fraction : -1.0);
         prefix |= s.digit << shift;
         prefix_mask |= (unsigned)(RADIX_BINS - 1) << shift;

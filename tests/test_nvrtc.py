@@ -1,4 +1,5 @@
-"""Every kernel file and every template instantiation compiles with NVRTC for sm_80 and sm_90, no GPU needed.
+"""Every kernel file and every template instantiation compiles with NVRTC for sm_80 and sm_90, no GPU needed,
+without a stack frame or spills (what the GPU runs is NVRTC's code, which can differ from nvcc's).
 
 NVRTC is called through CuPy's thin binding (cupy.cuda.nvrtc), which works without a driver, with the
 options CuPy's RawModule uses at run time. Needs `pip install "cuda-toolkit[nvrtc,cudart]==13.0.*" cupy-cuda13x`.
@@ -14,6 +15,7 @@ import pytest
 
 from minisarathi.backends import cuda_ops
 from minisarathi.paths import cuda_dir
+from test_sass import local_memory_users, resources
 
 ARCHITECTURES = ["sm_80", "sm_90"]
 CHECK_KERNELS = Path(__file__).parent / "kernels"
@@ -50,13 +52,15 @@ def test_kernel_file_compiles(nvrtc_options, file, arch):
         for name in names:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*options, f"-arch={arch}"])
+            nvrtc.compileProgram(program, [*options, f"-arch={arch}", "-Xptxas=-v"])   # -v: ptxas's resource report
         except nvrtc.NVRTCError as exc:
             pytest.fail(f"{file} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}")
         log = nvrtc.getProgramLog(program).strip()
         assert "warning" not in log.lower(), log
+        used = resources(log)
         for name in names:
-            assert nvrtc.getLoweredName(program, name), name   # the instantiation exists
+            assert nvrtc.getLoweredName(program, name) in used, name   # the instantiation exists
+        assert not local_memory_users(used), f"{file} ({arch}): {local_memory_users(used)}"
         assert len(nvrtc.getCUBIN(program)) > 0
     finally:
         nvrtc.destroyProgram(program)
