@@ -1,17 +1,16 @@
 // Decode attention: one query token per sequence over the paged KV cache (flash-decoding), shaped to be
 // bound by memory bandwidth. Prefill chunks (query runs longer than one token) go elsewhere.
 //
-// Work: grid = (work items, KV heads x head chunks). A work item is one split of one decode row: keys
-// key_begin .. key_end - 1 of its sequence. The host picks the split length from the whole batch before
-// the launch so that the grid fills the GPU (backends/decode_plan.py). A row with one split writes
-// its output directly; a row with several writes (unnormalized accumulator, max, sum) per split into
-// partial slots that only split rows own, and decode_attention_reduce_kernel merges them.
+// Work: grid = (work items, KV heads x head chunks). A work item is split s of the S splits of one decode
+// row; the host fixes S per row (backends/decode_plan.py: from the step's lengths eagerly, the same for every
+// row of a CUDA graph's batch-size bucket) and the key range is derived here, on the device, from the row's
+// context length: split s covers keys [s P, (s + 1) P) of the row's `len`, P = split_length(len, S). So a
+// graph's fixed grid follows each step's real lengths, and the splits past a row's end exit at once.
+// A row that uses one split writes its output directly; a row that uses several writes (unnormalized
+// accumulator, max, sum) per split into its partial slots and decode_attention_reduce_kernel merges them.
 //
-// Each row's context length is read here, on the device, and ends its last split: a CUDA graph's plan is
-// made once per batch-size bucket for the longest context the block tables allow (docs/performance.md), so
-// a split may lie wholly past its row's end. Such a CTA exits at once, marking its partial slot empty (max
-// -inf, sum 0), and the reduce kernel merges only the splits that hold keys. For a plan made from the
-// step's own lengths the clamp changes nothing.
+// A split longer than DA_SEGMENT_KEYS runs as consecutive segments, each staging its own block-table
+// entries, so shared memory does not grow with the context (a bucket's splits may be max_model_len / S long).
 //
 // A CTA serves up to GROUP_TILE query heads that share one KV head (GQA), so each K and V byte is
 // loaded once for all of them. Inside the CTA:
@@ -38,8 +37,20 @@ constexpr int DA_LANE_ELEMENTS = 8;
 // Keys per tile: one stage (K and V) is at most 32 KiB at head_dim 256.
 constexpr int DA_TILE_KEYS_16BIT = 32;
 constexpr int DA_TILE_KEYS_FLOAT = 16;
+// Split lengths: whole tiles, at least DA_MIN_SPLIT_KEYS (below that the merge costs more than the parallelism
+// gains). A CTA stages the block-table entries of DA_SEGMENT_KEYS keys (whole tiles) at a time.
+constexpr int DA_SPLIT_ALIGN = 32;
+constexpr int DA_MIN_SPLIT_KEYS = 64;
+constexpr int DA_SEGMENT_KEYS = 2048;
 template <typename T> __device__ __forceinline__ constexpr int tile_keys() {
     return sizeof(T) == 4 ? DA_TILE_KEYS_FLOAT : DA_TILE_KEYS_16BIT;
+}
+
+// Keys per split when a row of `len` keys is cut into `splits`; the row uses ceil(len / it) of them (the
+// host mirrors this: decode_plan.split_length). Both kernels derive a row's splits from it.
+__device__ __forceinline__ int split_length(int len, int splits) {
+    const int even = (len + splits - 1) / splits;
+    return max(DA_MIN_SPLIT_KEYS, (even + DA_SPLIT_ALIGN - 1) / DA_SPLIT_ALIGN * DA_SPLIT_ALIGN);
 }
 
 // 16 bytes of T as floats (8 for 16-bit types, 4 for float), from four 32-bit words: the chunk stays one
@@ -95,9 +106,9 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     const T* __restrict__ q,               // [num_tokens, num_q_heads, head_dim], rows q_stride apart
     const T* __restrict__ k_cache,         // [num_blocks, num_kv_heads, block_size, head_dim]
     const T* __restrict__ v_cache,         // same layout
-    const int* __restrict__ items,         // int32[W, 5]: token, sequence, key_begin, key_end, partial slot (-1: whole row)
+    const int* __restrict__ items,         // int32[W, 5]: token, sequence, split, splits, partial slot (-1: none)
     const int* __restrict__ block_tables,  // int32[num_seqs, max_blocks_per_seq]
-    const int* __restrict__ context_lens,  // int32[num_seqs]: keys of each sequence (ends its last split)
+    const int* __restrict__ context_lens,  // int32[num_seqs]: keys of each sequence (gives its key ranges)
     T* __restrict__ out,                   // [num_tokens, num_q_heads, head_dim]
     float* __restrict__ partial_out,       // [slots, num_q_heads, head_dim]
     float* __restrict__ partial_max,       // [slots, num_q_heads]
@@ -115,21 +126,17 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     int* table_s = reinterpret_cast<int*>(row_sum_s + GROUP_TILE);           // [table_capacity]
 
     const int* item = items + 5 * blockIdx.x;
-    const int token = item[0], seq = item[1], key_begin = item[2], slot = item[4];
-    const int key_end = min(item[3], context_lens[seq]);
+    const int token = item[0], seq = item[1], split = item[2], len = context_lens[seq];
+    const int split_keys = split_length(len, item[3]);
+    const int key_begin = split * split_keys, key_end = min(len, key_begin + split_keys);
+    const bool direct = len <= split_keys;   // the row's only used split: normalize and write the output
+    const int slot = item[4];
     const int group = num_q_heads / num_kv_heads;
     const int head_chunks = (group + GROUP_TILE - 1) / GROUP_TILE;
     const int kv_head = blockIdx.y / head_chunks;
     const int first_head = kv_head * group + (blockIdx.y % head_chunks) * GROUP_TILE;
     const int heads = min(GROUP_TILE, kv_head * group + group - first_head);
-    if (key_begin >= key_end) {   // a split past the row's end (whole CTA alike, before any barrier)
-        if (slot >= 0)
-            for (int h = threadIdx.x; h < heads; h += DA_THREADS) {
-                partial_max[(long long)slot * num_q_heads + first_head + h] = negative_infinity();
-                partial_sum[(long long)slot * num_q_heads + first_head + h] = 0.0f;
-            }
-        return;
-    }
+    if (key_begin >= key_end) return;   // a split past the row's end (whole CTA alike, before any barrier)
     const int block_size = 1 << log2_block_size;
 
     const int chunks = head_dim / VEC;                  // 16-byte chunks per key row
@@ -139,11 +146,15 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     const int key_slot = threadIdx.x / lanes, lane_chunk = threadIdx.x % lanes;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-    // The split's block-table entries, once.
-    const int first_block = key_begin >> log2_block_size;
-    const int table_len = ((key_end - 1) >> log2_block_size) - first_block + 1;
-    const int* table = block_tables + (long long)seq * max_blocks_per_seq + first_block;
-    for (int i = threadIdx.x; i < table_len && i < table_capacity; i += DA_THREADS) table_s[i] = table[i];
+    // Stages the block-table entries of the segment seg_begin .. seg_end - 1.
+    int seg_begin = key_begin, seg_end = min(key_end, key_begin + DA_SEGMENT_KEYS);
+    auto stage_table = [&]() {
+        const int first_block = seg_begin >> log2_block_size;
+        const int table_len = ((seg_end - 1) >> log2_block_size) - first_block + 1;
+        const int* table = block_tables + (long long)seq * max_blocks_per_seq + first_block;
+        for (int i = threadIdx.x; i < table_len && i < table_capacity; i += DA_THREADS) table_s[i] = table[i];
+    };
+    stage_table();   // the first segment's entries load while Q does
 
     // Query chunks of this thread, pre-multiplied by the softmax scale; zeros where it owns no chunk.
     float q_reg[GROUP_TILE][DA_LANE_ELEMENTS];
@@ -164,23 +175,22 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
             for (int e = 0; e < VEC; ++e) q_reg[h][cc * VEC + e] = v[e] * scale;
         }
     }
-    __syncthreads();   // table_s complete
 
-    // Copies tile `t` (keys key_begin + t * TK ..) into its stage; keys past key_end become zeros. A key's
-    // cache row is a 32-bit index (the host checks blocks x Hk x block_size < 2^31), one multiply to bytes.
-    const int rel0 = key_begin & (block_size - 1);                          // key_begin's offset in its block
+    // Copies tile `t` of the segment starting at seg_begin (keys seg_begin + t * TK ..) into its stage; keys past
+    // seg_end become zeros. A key's cache row is a 32-bit index (the host checks blocks x Hk x block_size <
+    // 2^31), one multiply to bytes.
     const T* k_lane = k_cache + lane_chunk * VEC;
     const T* v_lane = v_cache + lane_chunk * VEC;
     auto issue_tile = [&](int t) {
         T* k_dst = stages + (t % DA_STAGES) * 2 * TK * head_dim + lane_chunk * VEC;
         T* v_dst = k_dst + TK * head_dim;
-        const int first_rel = rel0 + t * TK, valid_keys = key_end - key_begin - t * TK;
+        const int first_rel = (seg_begin & (block_size - 1)) + t * TK, valid_keys = seg_end - seg_begin - t * TK;
 #pragma unroll
         for (int p = 0; p < passes; ++p) {
             const int j = p * keys_per_pass + key_slot;
             if (j >= TK) break;
             const bool valid = j < valid_keys;
-            const int rel = first_rel + j;   // key's index counted from the split's first block
+            const int rel = first_rel + j;   // key's index counted from the segment's first block
             const int block = valid ? table_s[rel >> log2_block_size] : 0;
             const long long row = (long long)((((block * num_kv_heads) + kv_head) << log2_block_size) +
                                               (rel & (block_size - 1))) * head_dim;
@@ -204,91 +214,99 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
 #pragma unroll
     for (int w = 0; w < HEADS_PER_WARP; ++w) run_max[w] = negative_infinity(), run_sum[w] = 0.0f;
 
-    const int tiles = (key_end - key_begin + TK - 1) / TK;
+    while (true) {
+        __syncthreads();   // table_s complete
+
+        const int tiles = (seg_end - seg_begin + TK - 1) / TK;
 #pragma unroll
-    for (int t = 0; t < DA_STAGES - 1; ++t) {
-        if (t < tiles) issue_tile(t);
-        cp_async_commit();
-    }
-    for (int t = 0; t < tiles; ++t) {
-        cp_async_wait<DA_STAGES - 2>();   // this thread's copies of tile t have landed
-        __syncthreads();                  // ... everyone's; and everyone is done with tile t - 1's stage
-        if (t + DA_STAGES - 1 < tiles) issue_tile(t + DA_STAGES - 1);
-        cp_async_commit();
+        for (int t = 0; t < DA_STAGES - 1; ++t) {
+            if (t < tiles) issue_tile(t);
+            cp_async_commit();
+        }
+        for (int t = 0; t < tiles; ++t) {
+            cp_async_wait<DA_STAGES - 2>();   // this thread's copies of tile t have landed
+            __syncthreads();                  // ... everyone's; and everyone is done with tile t - 1's stage
+            if (t + DA_STAGES - 1 < tiles) issue_tile(t + DA_STAGES - 1);
+            cp_async_commit();
 
-        const T* k_tile = stages + (t % DA_STAGES) * 2 * TK * head_dim;
-        const T* v_tile = k_tile + TK * head_dim;
-        const int n = min(TK, key_end - key_begin - t * TK);
+            const T* k_tile = stages + (t % DA_STAGES) * 2 * TK * head_dim;
+            const T* v_tile = k_tile + TK * head_dim;
+            const int n = min(TK, seg_end - seg_begin - t * TK);
 
-        // Scores of this thread's keys (every lane runs the shuffles, so no early exit). Unrolled for 4 heads;
-        // with 8, unrolling the passes too runs out of registers.
+            // Scores of this thread's keys (every lane runs the shuffles, so no early exit). Unrolled for 4 heads;
+            // with 8, unrolling the passes too runs out of registers.
 #pragma unroll(GROUP_TILE == 4 ? passes : 1)
-        for (int p = 0; p < passes; ++p) {
-            const int j = p * keys_per_pass + key_slot;
-            float dot[GROUP_TILE];
+            for (int p = 0; p < passes; ++p) {
+                const int j = p * keys_per_pass + key_slot;
+                float dot[GROUP_TILE];
 #pragma unroll
-            for (int h = 0; h < GROUP_TILE; ++h) dot[h] = 0.0f;
+                for (int h = 0; h < GROUP_TILE; ++h) dot[h] = 0.0f;
 #pragma unroll
-            for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) {
-                const int c = lane_chunk + cc * lanes;
-                if (j < TK && c < chunks) {
-                    float k[VEC];
-                    unpack16<T>(*reinterpret_cast<const uint4*>(k_tile + j * head_dim + c * VEC), k);
+                for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) {
+                    const int c = lane_chunk + cc * lanes;
+                    if (j < TK && c < chunks) {
+                        float k[VEC];
+                        unpack16<T>(*reinterpret_cast<const uint4*>(k_tile + j * head_dim + c * VEC), k);
 #pragma unroll
-                    for (int h = 0; h < GROUP_TILE; ++h)
+                        for (int h = 0; h < GROUP_TILE; ++h)
 #pragma unroll
-                        for (int e = 0; e < VEC; ++e) dot[h] += q_reg[h][cc * VEC + e] * k[e];
+                            for (int e = 0; e < VEC; ++e) dot[h] += q_reg[h][cc * VEC + e] * k[e];
+                    }
+                }
+                reduce_over_key_lanes<LANES>(dot, lane_chunk, [&](int h, float total) {
+                    if (h < heads && j < TK) scores[h * TK + j] = j < n ? total : negative_infinity();
+                });
+            }
+            __syncthreads();   // scores complete
+
+            // Online softmax over the tile, one warp per head: probabilities replace the scores.
+#pragma unroll
+            for (int w = 0; w < HEADS_PER_WARP; ++w) {
+                const int h = warp + w * DA_WARPS;
+                if (h >= heads) break;
+                const float s = lane < TK ? scores[h * TK + lane] : negative_infinity();
+                const float new_max = fmaxf(run_max[w], warp_max(s));   // finite: the tile's first key is valid
+                const float p = expf(s - new_max);
+                const float corr = expf(run_max[w] - new_max);
+                run_sum[w] = run_sum[w] * corr + warp_sum(p);
+                run_max[w] = new_max;
+                if (lane < TK) scores[h * TK + lane] = p;
+                if (lane == 0) correction[h] = corr;
+            }
+            __syncthreads();   // probabilities and corrections complete
+
+            // acc = acc * correction + P.V over this thread's keys and chunks.
+#pragma unroll
+            for (int h = 0; h < GROUP_TILE; ++h) {
+                if (h >= heads) break;
+                const float corr = correction[h];
+#pragma unroll
+                for (int e = 0; e < DA_LANE_ELEMENTS; ++e) acc[h][e] *= corr;
+            }
+#pragma unroll
+            for (int p = 0; p < passes; ++p) {
+                const int j = p * keys_per_pass + key_slot;
+                if (j >= n) break;
+#pragma unroll
+                for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) {
+                    const int c = lane_chunk + cc * lanes;
+                    if (c >= chunks) break;
+                    float v[VEC];
+                    unpack16<T>(*reinterpret_cast<const uint4*>(v_tile + j * head_dim + c * VEC), v);
+#pragma unroll
+                    for (int h = 0; h < GROUP_TILE; ++h) {
+                        if (h >= heads) break;
+                        const float prob = scores[h * TK + j];
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) acc[h][cc * VEC + e] += prob * v[e];
+                    }
                 }
             }
-            reduce_over_key_lanes<LANES>(dot, lane_chunk, [&](int h, float total) {
-                if (h < heads && j < TK) scores[h * TK + j] = j < n ? total : negative_infinity();
-            });
         }
-        __syncthreads();   // scores complete
-
-        // Online softmax over the tile, one warp per head: probabilities replace the scores.
-#pragma unroll
-        for (int w = 0; w < HEADS_PER_WARP; ++w) {
-            const int h = warp + w * DA_WARPS;
-            if (h >= heads) break;
-            const float s = lane < TK ? scores[h * TK + lane] : negative_infinity();
-            const float new_max = fmaxf(run_max[w], warp_max(s));   // finite: the tile's first key is valid
-            const float p = expf(s - new_max);
-            const float corr = expf(run_max[w] - new_max);
-            run_sum[w] = run_sum[w] * corr + warp_sum(p);
-            run_max[w] = new_max;
-            if (lane < TK) scores[h * TK + lane] = p;
-            if (lane == 0) correction[h] = corr;
-        }
-        __syncthreads();   // probabilities and corrections complete
-
-        // acc = acc * correction + P.V over this thread's keys and chunks.
-#pragma unroll
-        for (int h = 0; h < GROUP_TILE; ++h) {
-            if (h >= heads) break;
-            const float corr = correction[h];
-#pragma unroll
-            for (int e = 0; e < DA_LANE_ELEMENTS; ++e) acc[h][e] *= corr;
-        }
-#pragma unroll
-        for (int p = 0; p < passes; ++p) {
-            const int j = p * keys_per_pass + key_slot;
-            if (j >= n) break;
-#pragma unroll
-            for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) {
-                const int c = lane_chunk + cc * lanes;
-                if (c >= chunks) break;
-                float v[VEC];
-                unpack16<T>(*reinterpret_cast<const uint4*>(v_tile + j * head_dim + c * VEC), v);
-#pragma unroll
-                for (int h = 0; h < GROUP_TILE; ++h) {
-                    if (h >= heads) break;
-                    const float prob = scores[h * TK + j];
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[h][cc * VEC + e] += prob * v[e];
-                }
-            }
-        }
+        if (seg_end == key_end) break;
+        seg_begin = seg_end, seg_end = min(key_end, seg_begin + DA_SEGMENT_KEYS);
+        __syncthreads();   // every thread done with the last segment's stages and table entries
+        stage_table();
     }
     cp_async_wait<0>();   // only empty groups remain; keeps every thread's group count at zero on exit
 
@@ -321,7 +339,7 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
         const int h = warp + w * DA_WARPS;
         if (h < heads && lane == 0) {
             row_sum_s[h] = run_sum[w];
-            if (slot >= 0) {
+            if (!direct) {
                 partial_max[(long long)slot * num_q_heads + first_head + h] = run_max[w];
                 partial_sum[(long long)slot * num_q_heads + first_head + h] = run_sum[w];
             }
@@ -334,7 +352,7 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
 #pragma unroll
         for (int w = 0; w < DA_WARPS; ++w) total += warp_acc[(w * heads + h) * head_dim + d];
         const long long head = first_head + h;
-        if (slot < 0)
+        if (direct)
             out[(long long)token * num_q_heads * head_dim + head * head_dim + d] = from_float<T>(total / row_sum_s[h]);
         else
             partial_out[((long long)slot * num_q_heads + head) * head_dim + d] = total;
@@ -342,28 +360,34 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
 }
 
 // Merges the splits of one decode row and query head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,
-// over the splits that hold keys (an empty one's max is -inf and its accumulator was never written).
+// over the splits that hold keys (the first ceil(len / split_length) of the row's; a row that uses one split
+// had it write the output).
 template <typename T>
 __global__ void decode_attention_reduce_kernel(const float* __restrict__ partial_out,   // [slots, Hq, D]
                                                const float* __restrict__ partial_max,   // [slots, Hq]
                                                const float* __restrict__ partial_sum,   // [slots, Hq]
-                                               const int* __restrict__ rows,   // int32[R, 3]: token, first slot, splits
+                                               const int* __restrict__ rows,   // int32[R, 4]: token, seq, first slot, splits
+                                               const int* __restrict__ context_lens,   // int32[num_seqs]
                                                T* __restrict__ out,            // [num_tokens, Hq, D]
                                                int num_q_heads, int head_dim) {
-    const int token = rows[3 * blockIdx.x], first = rows[3 * blockIdx.x + 1], splits = rows[3 * blockIdx.x + 2];
+    const int* row = rows + 4 * blockIdx.x;
+    const int token = row[0], len = context_lens[row[1]], first = row[2];
+    const int split_keys = split_length(len, row[3]);
+    const int used = (len + split_keys - 1) / split_keys;   // splits that hold keys
+    if (used == 1) return;   // its one split wrote the output
     const int head = blockIdx.y;
     float global_max = negative_infinity();
-    for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, partial_max[(long long)(first + s) * num_q_heads + head]);
+    for (int s = 0; s < used; ++s) global_max = fmaxf(global_max, partial_max[(long long)(first + s) * num_q_heads + head]);
     float denominator = 0.0f;
-    for (int s = 0; s < splits; ++s) {
+    for (int s = 0; s < used; ++s) {
         const long long i = (long long)(first + s) * num_q_heads + head;
         denominator += expf(partial_max[i] - global_max) * partial_sum[i];
     }
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float numerator = 0.0f;
-        for (int s = 0; s < splits; ++s) {
+        for (int s = 0; s < used; ++s) {
             const long long i = (long long)(first + s) * num_q_heads + head;
-            if (partial_max[i] != negative_infinity()) numerator += expf(partial_max[i] - global_max) * partial_out[i * head_dim + d];
+            numerator += expf(partial_max[i] - global_max) * partial_out[i * head_dim + d];
         }
         out[((long long)token * num_q_heads + head) * head_dim + d] = from_float<T>(numerator / denominator);
     }

@@ -13,6 +13,7 @@ import pytest
 
 from minisarathi.backends import cuda_ops, decode_plan, emulator
 from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.batch import make_batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.testing import scattered_batch
 
@@ -119,66 +120,174 @@ def plan_for(contexts, Hq=32, Hk=8, D=128, dtype="bfloat16", block_size=16, sms=
                             2 if dtype != "float32" else 4, block_size, sms)
 
 
+def split_ranges(plan, context_lens):
+    """(key_begin, key_end) of each work item for these lengths, as decode_attention.cu derives them."""
+    _, seq, split, splits, _ = plan.items.T.astype(np.int64)
+    lens = np.asarray(context_lens, np.int64)[seq]
+    per_split = decode_plan.split_length(lens, splits)
+    return split * per_split, np.minimum(lens, (split + 1) * per_split)
+
+
 @pytest.mark.parametrize("contexts", [[4096] * 64, [512], [32768], [1, 64, 65, 130, 2047, 5000, 33]])
 def test_plan_covers_each_row_once_and_sizes_partials_by_the_rows_that_split(contexts):
     plan = plan_for(contexts)
-    token, seq, begin, end, slot = plan.items.T
+    token, seq, _, splits, slot = plan.items.T
+    begin, end = split_ranges(plan, contexts)
     for r, length in enumerate(contexts):
         mine = seq == r
-        assert (token[mine] == 3 * r).all()
+        assert (token[mine] == 3 * r).all() and (splits[mine] == mine.sum()).all()
         spans = sorted(zip(begin[mine], end[mine]))
         assert spans[0][0] == 0 and spans[-1][1] == length                        # nothing past the row's end
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))               # contiguous, no overlap
-        assert all(e > b for b, e in spans)
+        assert all(e > b for b, e in spans)                                     # no empty split
         assert (slot[mine] == -1).all() == (mine.sum() == 1)                     # unsplit rows own no slot
     split = slot >= 0
     assert sorted(slot[split]) == list(range(plan.num_slots))                   # each slot written once
-    assert plan.num_slots == sum(plan.rows[:, 2]) and len(plan.rows) == sum(np.bincount(seq) > 1)
-    assert (end - begin <= max(plan.split_keys, decode_plan.SPLIT_ALIGN)).all()
+    assert plan.num_slots == sum(plan.rows[:, 3]) and len(plan.rows) == sum(np.bincount(seq) > 1)
+    assert (plan.rows[:, 1] == np.flatnonzero(np.bincount(seq) > 1)).all()
 
 
 def test_plan_fills_the_gpu():
     wave = 132 * decode_plan.CTAS_PER_MULTIPROCESSOR
     big, long_one, short_one = plan_for([4096] * 64), plan_for([32768]), plan_for([512])
-    for plan in (big, long_one):
+    for plan, lens in ((big, [4096] * 64), (long_one, [32768])):
+        begin, end = split_ranges(plan, lens)
         assert len(plan.items) * 8 >= 2 * wave * 0.9                             # about two waves or more
-        assert (plan.items[:, 3] - plan.items[:, 2]).min() >= decode_plan.MIN_SPLIT_KEYS
+        assert (end - begin).min() >= decode_plan.MIN_SPLIT_KEYS
     assert len(long_one.items) >= 100                                           # one sequence, many splits
-    assert (short_one.items[:, 3] - short_one.items[:, 2] == 64).all()          # no split under 64 keys
+    begin, end = split_ranges(short_one, [512])
+    assert (end - begin == 64).all()                                            # no split under 64 keys
     assert plan_for([100] * 4, Hq=32, Hk=2).group_tile == 8 and plan_for([100], Hq=8, Hk=8).group_tile == 4
     assert plan_for([100], Hq=32, Hk=2).head_chunks == 2
 
 
-# ---- a graph bucket's plan: made for the block tables' capacity, ended by each row's length on the device ----
+def test_long_splits_stage_the_block_table_a_segment_at_a_time():
+    """Splits longer than SEGMENT_KEYS (few rows' worth of CTAs fill a small GPU) do not grow shared memory."""
+    plan = plan_for([100_000] * 2, sms=1)
+    begin, end = split_ranges(plan, [100_000] * 2)
+    assert (end - begin).max() > 10 * decode_plan.SEGMENT_KEYS
+    assert plan.table_capacity == decode_plan.SEGMENT_KEYS // 16 + 1 and plan.shared_mem < 51_000
 
-def bucket_case(dtype, contexts, capacity, block_size=16, seed=0):
+
+# ---- a graph bucket's plan: splits per row fixed for the bucket, key ranges from each row's length on the device ----
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """float64 decode attention of row r's query over its first lens[r] cached keys."""
+    q, k_cache, v_cache = (as_float32(x).astype(np.float64) for x in (q, k_cache, v_cache))
+    Hq, Hk, block_size = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    out = np.empty_like(q)
+    for r, n in enumerate(lens):
+        keys = np.arange(n)
+        blocks = tables[r, keys // block_size]
+        k, v = k_cache[blocks, :, keys % block_size], v_cache[blocks, :, keys % block_size]   # [n, Hk, D]
+        for h in range(Hq):
+            scores = k[:, h // (Hq // Hk)] @ q[r, h] * scale
+            p = np.exp(scores - scores.max())
+            out[r, h] = p @ v[:, h // (Hq // Hk)] / p.sum()
+    return out
+
+
+def bucket_case(dtype, contexts, capacity, block_size=16, seed=0, cached=None):
     """A decode batch whose block tables are widened to `capacity` keys (zeros past each row's blocks) and
-    whose attention is planned for `capacity` keys in every row, as decode_graphs.pad_to_bucket makes it."""
+    whose attention is planned for rows of up to `capacity` keys, as decode_graphs.pad_to_bucket makes it.
+    cached: keys each row's blocks hold (default: its context), so that its length can grow in place."""
     rng = np.random.default_rng(seed)
-    batch, q, k_cache, v_cache = decode_case(rng, dtype, 8, 2, 64, block_size, [(c - 1, 1) for c in contexts])
+    cached = contexts if cached is None else cached
+    batch, q, k_cache, v_cache = decode_case(rng, dtype, 8, 2, 64, block_size, [(c - 1, 1) for c in cached])
     tables = np.zeros((len(contexts), capacity // block_size), np.int32)
     tables[:, :batch.block_tables.shape[1]] = batch.block_tables
     batch.block_tables, batch.plan_context_len = tables, capacity
+    batch.context_lens = np.array(contexts, np.int32)
     return batch, q, k_cache, v_cache
+
+
+def assert_close(out, expected, dtype):
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
+
+
+def op_plan(ops, batch, q, k_cache):
+    """The plan CudaOps._decode_plan makes for this batch: what ops.paged_attention launches."""
+    Hq, Hk, D, block_size = q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2]
+    return ops._decode_plan(batch, np.ones(batch.num_seqs, bool), Hq, Hk, D, q.dtype.itemsize, block_size)[0]
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bucket_grid_does_not_grow_with_max_model_len(rows):
+    """Rows of 4k keys under buckets planned for 16k and for 128k keys: the same grid, at most two waves, and as
+    many CTAs with keys as the step's own plan gives (up to about two waves). Before, the splits were cut for
+    max_model_len: at 128k, batch 1 had 32 CTAs with keys of 1,024 and batch 64 launched 32,768."""
+    ops = cuda_ops.emulated("bfloat16")
+    wave = ops.launcher.multiprocessors * decode_plan.CTAS_PER_MULTIPROCESSOR
+    grids = set()
+    for capacity in (16384, 131072):
+        batch = make_batch([0] * rows, [4095] * rows, [1] * rows, np.zeros((rows, capacity // 16), np.int32),
+                           [True] * rows, 16)
+        batch.plan_context_len = capacity
+        plan = ops._decode_plan(batch, np.ones(rows, bool), 32, 8, 128, 2, 16)[0]
+        grids.add(len(plan.items))
+        assert len(plan.items) * 8 <= 2 * wave
+        begin, end = split_ranges(plan, batch.context_lens)
+        assert (end > begin).sum() * 8 >= min(len(plan_for([4096] * rows).items) * 8, 0.9 * 2 * wave)
+    assert len(grids) == 1
 
 
 @emulated_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bucket_plan_skips_the_splits_past_each_row(order, dtype):
-    """Rows of 1 to 300 keys under a plan for 1024: most splits lie past their row's end; their CTAs exit
-    and the reduce merges only the others. Negative control: the same launch told every row is 1024 keys long
-    attends to the zero table entries' keys and differs."""
-    batch, q, k_cache, v_cache = bucket_case(dtype, [1, 17, 64, 65, 300], 1024)
+def test_bucket_rows_of_very_different_lengths(order, dtype):
+    """One bucket (75 splits per row here): padding rows (1 key), a row of one 64-key split, rows ending at a
+    split boundary and one past it, a long row of 96-key splits ending on one, and one past it; most splits lie
+    past their row's end and exit, rows with one used split write the output themselves, the reduce merges the
+    rest. Negative control: the same launch told every row is 1024 keys long reads the zero table entries."""
+    contexts = [1, 1, 64, 128, 129, 5760, 5761]
+    batch, q, k_cache, v_cache = bucket_case(dtype, contexts, 8192)
     ops = cuda_ops.emulated(dtype)
-    plan = plan_for([1024] * batch.num_seqs, Hq=8, Hk=2, D=64, dtype=dtype)   # what the bucket's launch runs
-    assert len(plan.items) >= 4 * batch.num_seqs
+    plan = op_plan(ops, batch, q, k_cache)
+    assert (plan.items[:, 3] == 1056 // (len(contexts) * 2)).all()
+    begin, end = split_ranges(plan, contexts)
+    used = np.bincount(plan.items[:, 1], weights=end > begin)
+    assert used.tolist() == [1, 1, 1, 2, 3, 60, 61]
     with emulator.schedule(order):
         out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
-    scale = max(1.0, float(np.abs(expected).max()))
-    np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
+    expected = reference(q, k_cache, v_cache, batch.block_tables, contexts, 0.3)
+    assert_close(out, expected, dtype)
 
     batch.context_lens = np.full(batch.num_seqs, 1024, np.int32)
     with emulator.schedule(order):
         wrong = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    assert np.abs(as_float32(wrong) - expected).max() > 10 * TOLERANCE[dtype] * scale
+    assert np.abs(as_float32(wrong) - expected).max() > 10 * TOLERANCE[dtype] * max(1.0, np.abs(expected).max())
+
+
+@emulated_only
+@pytest.mark.parametrize("bucket", [False, True])
+def test_splits_longer_than_a_segment(bucket):
+    """On a one-SM device a few splits fill the GPU, some over 2048 keys long: each CTA stages its block-table
+    entries a segment at a time, eagerly (2 and 3 splits) and in a bucket (2 per row; the 1-key row uses one)."""
+    contexts = [4500, 1] if bucket else [4500, 5000]
+    batch, q, k_cache, v_cache = bucket_case("bfloat16", contexts, 8192 if bucket else 5008, seed=3)
+    if not bucket:
+        batch.plan_context_len = None
+    ops = cuda_ops.emulated("bfloat16")
+    ops.launcher.multiprocessors = 1
+    begin, end = split_ranges(op_plan(ops, batch, q, k_cache), contexts)
+    assert (end - begin).max() > decode_plan.SEGMENT_KEYS and (end > begin).sum() == (3 if bucket else 5)
+    out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    assert_close(out, reference(q, k_cache, v_cache, batch.block_tables, contexts, 0.3), "bfloat16")
+
+
+@emulated_only
+def test_a_captured_bucket_replays_with_each_steps_lengths():
+    """A bucket's decode attention captured once (emulator graph) and replayed after its context lengths change
+    on the device: rows grow past split boundaries and a padding row becomes a real one; every replay
+    matches the float64 reference for the current lengths."""
+    steps = [[1, 40, 64, 300], [2, 64, 65, 700], [129, 1, 1000, 1]]
+    longest = np.max(steps, axis=0).tolist()
+    batch, q, k_cache, v_cache = bucket_case("bfloat16", steps[0], 131072, cached=longest)
+    ops = cuda_ops.emulated("bfloat16")
+    ops.paged_attention(q, k_cache, v_cache, batch, 0.3)   # the first step runs eagerly: uploads and plan
+    graph, out = ops.launcher.capture(lambda: ops.paged_attention(q, k_cache, v_cache, batch, 0.3))
+    device_lens = ops._metadata(batch.context_lens)        # the array the captured kernels read
+    for lens in steps:
+        device_lens[...] = lens
+        graph.launch()
+        assert_close(out, reference(q, k_cache, v_cache, batch.block_tables, lens, 0.3), "bfloat16")

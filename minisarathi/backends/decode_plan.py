@@ -1,11 +1,16 @@
 """The host side of cuda/decode_attention.cu: which CTAs to launch for the decode rows of a batch.
 
-Flash-decoding splits each row's keys so that the grid fills the GPU. The split length is chosen once per
-batch, before the launch, from the total work: enough CTAs for about WAVES waves on the device's
-multiprocessors, but no split shorter than MIN_SPLIT_KEYS (below that the merge costs more than the
-parallelism gains) or longer than MAX_SPLIT_KEYS (which bounds the block-table entries a CTA stages).
-Each row's keys are then divided evenly among its splits. Only rows with several splits own partial slots,
-so the partial buffers are sized by the rows that split, and no CTA reads or writes past its row's end.
+Flash-decoding cuts each row's keys into splits so that the grid fills the GPU. The host fixes only how many
+splits each row has; the kernels derive each split's keys from the row's context length on the device
+(split_length, mirrored here), so a plan holds for any lengths and a CUDA graph's plan follows every step's:
+- eagerly (`plan`), from the step's lengths: one target split length for the batch, from the total work, for
+  about WAVES waves on the device's multiprocessors but no split under MIN_SPLIT_KEYS; each row then gets
+  as many splits as it fills, so none is empty and long rows get more;
+- for a graph's batch-size bucket (`bucket_plan`), lengths unknown: the same number of splits in every row,
+  about WAVES waves for the bucket's rows, whatever max_model_len is. A row uses the first ceil(len /
+  split_length) of them; the others exit at once.
+Only rows with several splits own partial slots, so the partial buffers are sized by the rows that split.
+Splits have no upper length: a CTA stages the block-table entries of SEGMENT_KEYS keys at a time.
 """
 from __future__ import annotations
 
@@ -30,21 +35,18 @@ def tile_keys(itemsize: int) -> int:
 
 WAVES = 2
 CTAS_PER_MULTIPROCESSOR = 4    # resident decode CTAs per SM at head_dim 128 (registers and shared memory; docs/performance.md)
-MIN_SPLIT_KEYS = 64
-MAX_SPLIT_KEYS = 2048
-SPLIT_ALIGN = 32               # split lengths are whole tiles
+MIN_SPLIT_KEYS, SPLIT_ALIGN, SEGMENT_KEYS = DA["DA_MIN_SPLIT_KEYS"], DA["DA_SPLIT_ALIGN"], DA["DA_SEGMENT_KEYS"]
 
 
 @dataclass
 class DecodePlan:
-    items: np.ndarray       # int32[W, 5]  token, sequence, key_begin, key_end, partial slot (-1: row not split)
-    rows: np.ndarray        # int32[R, 3]  rows that split: token, first partial slot, splits
+    items: np.ndarray       # int32[W, 5]  token, sequence, split, splits of the row, partial slot (-1: row not split)
+    rows: np.ndarray        # int32[R, 4]  rows that split: token, sequence, first partial slot, splits
     num_slots: int          # partial slots (sum of the splits of the rows that split)
-    split_keys: int         # the batch's target split length
     group_tile: int         # query heads per CTA (a kernel instantiation)
     lanes: int              # threads per key row (a kernel instantiation)
     head_chunks: int        # CTAs per KV head and split: ceil(group / group_tile)
-    table_capacity: int     # block-table entries one split spans at most
+    table_capacity: int     # block-table entries one segment of a split spans at most
     shared_mem: int         # dynamic shared memory bytes per CTA
 
 
@@ -73,42 +75,74 @@ def supports(dtype: str, itemsize: int, num_q_heads: int, num_kv_heads: int, hea
             and num_blocks * num_kv_heads * block_size < 2 ** 31)
 
 
+def split_length(context_lens, splits):
+    """Keys per split of rows of `context_lens` keys cut into `splits` (either may be an array), as the kernels
+    compute it (decode_attention.cu's split_length): whole tiles, at least MIN_SPLIT_KEYS. A row uses
+    ceil(len / split_length) of its splits."""
+    even = -(-np.asarray(context_lens, np.int64) // splits)
+    return np.maximum(MIN_SPLIT_KEYS, -(-even // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
 def choose_split_keys(context_lens: np.ndarray, ctas_per_split: int, multiprocessors: int) -> int:
     """Keys per split so that sum over rows of ceil(len / split) * ctas_per_split is about WAVES waves (a
     little under rather than just over, which would add a nearly empty wave)."""
     target_ctas = WAVES * multiprocessors * CTAS_PER_MULTIPROCESSOR
     keys = -(-int(context_lens.sum()) * ctas_per_split // max(1, target_ctas))
-    keys = -(-keys // SPLIT_ALIGN) * SPLIT_ALIGN
-    return min(MAX_SPLIT_KEYS, max(MIN_SPLIT_KEYS, keys))
+    return max(MIN_SPLIT_KEYS, -(-keys // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
+def bucket_splits(num_rows: int, ctas_per_split: int, multiprocessors: int, max_context_len: int) -> int:
+    """Splits per row of a graph bucket: about WAVES waves over its rows if each used all of them (a little
+    under rather than over), and none that a row of max_context_len keys would leave empty."""
+    target_ctas = WAVES * multiprocessors * CTAS_PER_MULTIPROCESSOR
+    return max(1, min(target_ctas // (num_rows * ctas_per_split), -(-max_context_len // MIN_SPLIT_KEYS)))
 
 
 def plan(tokens: np.ndarray, seqs: np.ndarray, context_lens: np.ndarray, num_q_heads: int, num_kv_heads: int,
          head_dim: int, dtype: str, itemsize: int, block_size: int, multiprocessors: int) -> DecodePlan:
-    """tokens, seqs, context_lens: int[N] of the decode rows (query row, its sequence, keys it attends to)."""
+    """A step's plan. tokens, seqs, context_lens: int[N] of the decode rows (query row, its sequence, keys it
+    attends to)."""
+    lens = np.asarray(context_lens, np.int64)                                   # int64[N]
+    target = choose_split_keys(lens, _ctas_per_split(dtype, num_q_heads, num_kv_heads), multiprocessors)
+    per_split = split_length(lens, -(-lens // target))                          # even splits, whole tiles
+    # As many splits as the row fills: the kernel's split length for that count is per_split again.
+    return _plan(tokens, seqs, -(-lens // per_split), int(per_split.max(initial=1)), num_q_heads, num_kv_heads,
+                 head_dim, dtype, itemsize, block_size)
+
+
+def bucket_plan(tokens: np.ndarray, seqs: np.ndarray, max_context_len: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, dtype: str, itemsize: int, block_size: int, multiprocessors: int) -> DecodePlan:
+    """A CUDA graph bucket's plan, for rows of 1 to max_context_len keys: the same splits in every row."""
+    splits = bucket_splits(len(seqs), _ctas_per_split(dtype, num_q_heads, num_kv_heads), multiprocessors,
+                           max_context_len)
+    return _plan(tokens, seqs, np.full(len(seqs), splits), int(split_length(max_context_len, splits)),
+                 num_q_heads, num_kv_heads, head_dim, dtype, itemsize, block_size)
+
+
+def _ctas_per_split(dtype: str, num_q_heads: int, num_kv_heads: int) -> int:
+    group = num_q_heads // num_kv_heads
+    return num_kv_heads * -(-group // group_tile(dtype, group))
+
+
+def _plan(tokens, seqs, splits: np.ndarray, longest_split: int, num_q_heads: int, num_kv_heads: int,
+          head_dim: int, dtype: str, itemsize: int, block_size: int) -> DecodePlan:
+    """The work items and reduce rows for `splits` (int[N]) per row, whose splits hold at most longest_split keys."""
     group = num_q_heads // num_kv_heads
     tile = group_tile(dtype, group)
-    head_chunks = -(-group // tile)
-    split_keys = choose_split_keys(context_lens, num_kv_heads * head_chunks, multiprocessors)
-    lens = np.asarray(context_lens, np.int64)                                   # int64[N]
-    splits = np.maximum(1, -(-lens // split_keys))                               # int64[N]
-    # Even splits of each row, in whole tiles where the row allows it.
-    even = -(-lens // splits)
-    per_split = np.minimum(lens, -(-even // SPLIT_ALIGN) * SPLIT_ALIGN)         # int64[N]
-    splits = -(-lens // per_split)
-    row_of_item = np.repeat(np.arange(len(lens)), splits)                       # int64[W]
+    splits = np.asarray(splits, np.int64)
+    row_of_item = np.repeat(np.arange(len(splits)), splits)                     # int64[W]
     index_in_row = np.arange(len(row_of_item)) - np.repeat(np.cumsum(splits) - splits, splits)
-    key_begin = index_in_row * per_split[row_of_item]
-    key_end = np.minimum(key_begin + per_split[row_of_item], lens[row_of_item])
     split_rows = splits > 1
     first_slot = np.cumsum(np.where(split_rows, splits, 0)) - np.where(split_rows, splits, 0)   # int64[N]
     slot = np.where(split_rows[row_of_item], first_slot[row_of_item] + index_in_row, -1)
-    items = np.stack([np.asarray(tokens)[row_of_item], np.asarray(seqs)[row_of_item], key_begin, key_end, slot],
-                     axis=1).astype(np.int32)
-    rows = np.stack([np.asarray(tokens)[split_rows], first_slot[split_rows], splits[split_rows]],
-                    axis=1).astype(np.int32).reshape(-1, 3)
-    shift = int(block_size).bit_length() - 1
-    table_capacity = int((((key_end - 1) >> shift) - (key_begin >> shift)).max(initial=0)) + 1
+    tokens, seqs = np.asarray(tokens), np.asarray(seqs)
+    items = np.stack([tokens[row_of_item], seqs[row_of_item], index_in_row, splits[row_of_item], slot],
+                     axis=1).astype(np.int32).reshape(-1, 5)
+    rows = np.stack([tokens[split_rows], seqs[split_rows], first_slot[split_rows], splits[split_rows]],
+                    axis=1).astype(np.int32).reshape(-1, 4)
+    segment = min(longest_split, SEGMENT_KEYS)
+    table_capacity = -(-(segment - 1) // block_size) + 1     # blocks that `segment` keys span at any offset
     keys = tile_keys(itemsize)
     shared_mem = STAGES * 2 * keys * head_dim * itemsize + 4 * tile * keys + 2 * 4 * tile + 4 * table_capacity
-    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), split_keys, tile,
-                      key_lanes(head_dim, itemsize), head_chunks, table_capacity, shared_mem)
+    return DecodePlan(items, rows, int(np.where(split_rows, splits, 0).sum()), tile, key_lanes(head_dim, itemsize),
+                      -(-group // tile), table_capacity, shared_mem)
