@@ -1,27 +1,23 @@
-"""The CUDA backend on a real GPU: correctness against NumPy, then speed against measured ceilings.
+"""The CUDA backend's first run on a GPU, as one conclusive run: correctness first (every op of CudaOps, the
+samplers and whole models against the NumPy backend, eager), then decode steps as CUDA graphs and overlap
+against eager, then speed against measured ceilings. One process per section with its own limit
+(bench/gpu_runner.py); the summary says what the engine would serve with given what failed.
 
-    python3 bench/gpu_check.py --out DIR                  # every section (what bench/gpu_check.sh runs; GPU + CuPy)
-    python3 bench/gpu_check.py --out DIR --section NAME   # one section: kernels, sampling, models, ceilings, ...
-    python3 bench/gpu_check.py --ptxas-report             # registers / shared memory / spills per kernel (nvcc, no GPU)
-
-Each section runs in its own process under a time limit, so an exception, a hang, or a CUDA error that
-poisons the context (an illegal address is sticky) costs that section only. The section limits add up to
-less than TOTAL_BUDGET_S, so every section gets its turn. DIR receives three files (the GPU machine returns
-at most 8): summary.txt and results.json, rewritten after every section (a kill still leaves them), and
-details.txt, appended to; per-section rows and the measured ceilings live in a scratch folder (--work).
-Without CuPy or a GPU the summary says what is missing and what to install, and the exit code is 2.
+    bash bench/gpu_check.sh [--quick]                      # on the GPU machine: results under $OUT
+    python3 bench/gpu_check.py --out DIR [--quick] [--section NAME ...]
+    python3 bench/gpu_check.py --device cuda-emulated --quick   # a dry run on the CPU emulator, no speed
+    python3 bench/gpu_check.py --list                      # sections, order, limits
 """
 from __future__ import annotations
 
 import argparse
-import json
-import re
+import dataclasses
+import logging
+import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -29,39 +25,30 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_runner import CPU, Section, exit_code, run_sections  # noqa: E402
 from minisarathi.backends import cuda_ops  # noqa: E402
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.numpy_ops import NumpyOps  # noqa: E402
 from minisarathi.config import rope_cos_sin_table  # noqa: E402
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16  # noqa: E402
-from minisarathi.testing import ScheduledChunk, build_batch  # noqa: E402
-from minisarathi.paths import cuda_dir, default_model_dir  # noqa: E402
+from minisarathi.paths import default_model_dir  # noqa: E402
 from minisarathi.sampler import Sampler, make_generator  # noqa: E402
 from minisarathi.sampling_params import SamplingParams  # noqa: E402
+from minisarathi.testing import ScheduledChunk, build_batch, scattered_batch  # noqa: E402
 
-TOTAL_BUDGET_S = 392     # all sections; gpu_check.sh kills the run at 395 s: with start-up, under 7 minutes
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")   # "cuda-emulated": the checks on the CPU emulator
+BUDGET_S = {"full": 480, "quick": 270}   # gpu_check.sh's outer limits: 500 and 285 s (tests/test_gpu_check.py)
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 3e-2}
-FAILURES = ("ERROR", "MISMATCH", "FAILED", "SKIPPED", "MISSING")
 INSTALL_HINT = ("pip install cupy-cuda13x 'cuda-toolkit[nvrtc,cudart,cublas]==13.0.*' (CUDA 13 driver) or "
                 "cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cublas-cu12 (CUDA 12)")
-ROWS: list[tuple[str, str, str]] = []   # (check, result, detail) of this process's section
-DETAILS: list[str] = []
-
-
-def log(line: str) -> None:
-    print(line, flush=True)
-    DETAILS.append(line)
-
-
-def guarded(name: str, fn, *args) -> None:
-    """Runs one check; an exception becomes an ERROR row and the section goes on with the next check."""
-    try:
-        fn(*args)
-    except Exception as exc:
-        ROWS.append((name, "ERROR", f"{type(exc).__name__}: {exc}".splitlines()[0][:90]))
-        log(f"[{name}] failed:\n{traceback.format_exc()}")
+LARGE_VOCAB = 92544   # InternLM2's: vocabularies of 64k-98k need the shared-memory opt-in at batch <= 17
+PROMPT = [1, 403, 407, 261, 378]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+
+def make_ops(dtype: str):
+    return cuda_ops.emulated(dtype) if DEVICE == "cuda-emulated" else cuda_ops.gpu(dtype)
+
 
 def host(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to dtype, as float32 (what the GPU sees)."""
@@ -70,18 +57,19 @@ def host(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(dtype).astype(np.float32)
 
 
-def compare(name: str, ops, got, want: np.ndarray, dtype: str) -> None:
+def random_host(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    return host((rng.standard_normal(shape) * scale).astype(np.float32), dtype)
+
+
+def compare(report, name: str, ops, got, want: np.ndarray, dtype: str) -> None:
+    """A row: max error relative to max(1, |want|), within the dtype's tolerance (NaN fails)."""
     got = ops.to_numpy(got)
-    scale = max(1.0, float(np.abs(want).max()))
-    error = float(np.abs(got - want).max()) / scale
-    ok = error <= TOLERANCE[dtype]
-    ROWS.append((f"kernel {name} {dtype}", "ok" if ok else "MISMATCH", f"max error {error:.2e} of scale"))
-    log(f"  {name:28s} {dtype:9s} error {error:.2e} {'ok' if ok else 'MISMATCH'}")
+    error = float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max()))
+    report.row(name, "ok" if error <= TOLERANCE[dtype] else "MISMATCH", f"max error {error:.2e} of scale")
 
 
 def timed(fn, repeat: int = 20) -> float:
-    """Median seconds of fn() on the GPU, between CUDA events on the current stream, after a warm-up
-    (which also compiles the kernels)."""
+    """Median seconds of fn() on the GPU between CUDA events on the current stream, after a warm-up."""
     import cupy
     fn()
     cupy.cuda.Device().synchronize()
@@ -92,116 +80,171 @@ def timed(fn, repeat: int = 20) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)   # milliseconds -> seconds
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
     return float(np.median(times))
 
 
 def random_device(ops, shape, scale=1.0):
-    """Random activations/weights made on the GPU in the activation dtype (fast even for an 8B shape)."""
+    """Random values made on the GPU in the activation dtype (fast even for an 8B shape)."""
     import cupy
     x = cupy.random.standard_normal(shape, dtype=cupy.float32)
     x *= np.float32(scale)
     return cuda_ops.convert(x, "float32", ops.dtype)
 
 
-# ---- (a) kernels against NumPy -------------------------------------------------------------------------
+# ---- environment ---------------------------------------------------------------------------------------
 
-def check_kernels(work: Path) -> None:
-    import cupy
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-    log(f"device: {name.decode() if isinstance(name, bytes) else name}, CuPy {cupy.__version__}")
-    for dtype in ("float32", "float16", "bfloat16"):
-        guarded(f"kernels {dtype}", check_kernels_in, dtype)
+def check_environment(report) -> None:
+    if DEVICE == "cuda-emulated":
+        report.row("device", "ok", "cuda-emulated: the CUDA kernels on the CPU emulator (a dry run, no speed)")
+        return
+    try:
+        import cupy
+    except ImportError as exc:
+        report.row("environment", "MISSING", f"CuPy is not importable ({exc}); {INSTALL_HINT}")
+        return
+    start = time.perf_counter()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:   # no driver: CUDARuntimeError
+        report.row("environment", "MISSING", f"no CUDA GPU usable by CuPy {cupy.__version__}: "
+                                             f"{str(exc).splitlines()[0][:120]}")
+        return
+    if not count:
+        report.row("environment", "MISSING", f"no CUDA GPU visible to CuPy {cupy.__version__}")
+        return
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    free, total = cupy.cuda.runtime.memGetInfo()   # creates the context: every section's process pays this
+    start_up = time.perf_counter() - start
+    report.data = {"name": name, "arch": f"sm_{props['major']}{props['minor']}", "sms": props["multiProcessorCount"],
+                   "shared_per_block_optin": props.get("sharedMemPerBlockOptin"), "gpus": count}
+    report.row("device", "ok", f"{name}, sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs, "
+                               f"{free / 2**30:.0f} of {total / 2**30:.0f} GiB free, "
+                               f"{props.get('sharedMemPerBlockOptin', 0) // 1024} KiB shared per block (opt-in); "
+                               f"CUDA context made in {start_up:.1f} s")
+    nvrtc = cupy.cuda.nvrtc.getVersion()
+    report.row("versions", "ok", f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
+                                 f"driver {cupy.cuda.runtime.driverGetVersion()}, NVRTC {nvrtc[0]}.{nvrtc[1]}, "
+                                 f"NumPy {np.__version__}, {count} GPU(s)")
 
 
-def check_kernels_in(dtype: str) -> None:
-    rng = np.random.default_rng(0)
-    ops = cuda_ops.gpu(dtype)
-    x32, w32, r32 = (host(rng.standard_normal(s).astype(np.float32), dtype) for s in [(9, 1000), (1000,), (9, 1000)])
-    x, w, r = ops.weight(x32), ops.weight(w32), ops.weight(r32)
-    compare("rms_norm", ops, ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(x32, w32, 1e-5), dtype)
-    out, _ = ops.add_rms_norm(x, r, w, 1e-5)
-    compare("add_rms_norm", ops, out, NumpyOps().add_rms_norm(x32, r32.copy(), w32, 1e-5)[0], dtype)
-    compare("silu_and_mul", ops, ops.silu_and_mul(x), NumpyOps().silu_and_mul(x32), dtype)
-    ids = np.array([0, 5, 999, 5], dtype=np.int32)
-    table32 = host(rng.standard_normal((1000, 64)).astype(np.float32), dtype)
-    compare("embedding", ops, ops.embedding(ops.weight(table32), ids), table32[ids], dtype)
-    wl32 = host(rng.standard_normal((300, 1000)).astype(np.float32) * 0.05, dtype)
-    b32 = host(rng.standard_normal(300).astype(np.float32), dtype)
-    compare("linear+bias", ops, ops.linear(x, ops.weight(wl32), ops.weight(b32)), x32 @ wl32.T + b32, dtype)
+# ---- correctness: compile, ops, samplers, models (eager) ---------------------------------------------------
 
-    T, Hq, Hk, D, bs = 7, 32, 8, 128, 16
-    qkv32 = host(rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32), dtype)
-    positions = np.array([0, 1, 2, 3, 100, 5000, 130000], dtype=np.int32)
-    slots = np.array([5, 17, -1, 40, 3, 63, 22], dtype=np.int32)
-    cos_sin = rope_cos_sin_table((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32), 130001)
-    split = lambda a: (a[:, :Hq * D].reshape(T, Hq, D), a[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),   # noqa: E731
-                       a[:, (Hq + Hk) * D:].reshape(T, Hk, D))
-    qkv, k_cache, v_cache = ops.weight(qkv32), ops.zeros((4, Hk, bs, D)), ops.zeros((4, Hk, bs, D))
-    ops.rope_store_kv(*split(qkv), k_cache, v_cache, positions, slots, ops.constant(cos_sin))
-    ref, k_ref, v_ref = qkv32.copy(), np.zeros((4, Hk, bs, D), np.float32), np.zeros((4, Hk, bs, D), np.float32)
-    NumpyOps().rope_store_kv(*split(ref), k_ref, v_ref, positions, slots, cos_sin)
-    # Rotated values are rounded to the dtype once more on the GPU: compare after rounding the reference too.
-    compare("rope_store_kv q (strided)", ops, qkv[:, :Hq * D], host(ref[:, :Hq * D], dtype), dtype)
-    compare("rope_store_kv k cache", ops, k_cache, host(k_ref, dtype), dtype)
-    compare("rope_store_kv v cache", ops, v_cache, v_ref, dtype)
+def compile_kernels(report) -> None:
+    """Every kernel file through NVRTC (CuPy's disk cache then serves the later sections), and each kernel's
+    registers, static shared memory and local memory (stack frame and spills) from cuFuncGetAttribute."""
+    launcher = make_ops("float32").launcher
+    resources = {}
+    for file in cuda_ops.kernel_files():
+        start = time.perf_counter()
+        kernels = report.check(f"compile {file}", lambda f=file: {
+            name: launcher.kernel(f, name) for name in cuda_ops.name_expressions(f)})
+        if kernels is None:
+            continue
+        report.row(f"compile {file}", "ok", f"{len(kernels)} kernels, {time.perf_counter() - start:.1f} s")
+        for name, kernel in kernels.items():
+            a = getattr(kernel, "attributes", {})   # a CuPy RawKernel's (the emulator's know fewer)
+            if "num_regs" in a and "local_size_bytes" in a:
+                resources[name] = {k: a[k] for k in ("num_regs", "shared_size_bytes", "local_size_bytes",
+                                                     "max_threads_per_block")}
+    report.data["resources"] = resources
+    for name, r in resources.items():
+        print(f"    {name:60s} regs {r['num_regs']:3d}  static smem {r['shared_size_bytes']:6d} B  "
+              f"local {r['local_size_bytes']:4d} B  max threads {r['max_threads_per_block']}")
+    if resources:
+        regs = max(resources, key=lambda n: resources[n]["num_regs"])
+        smem = max(resources, key=lambda n: resources[n]["shared_size_bytes"])
+        local = [f"{n} ({r['local_size_bytes']} B)" for n, r in resources.items() if r["local_size_bytes"]]
+        report.row("kernel resources", "ok" if not local else "local memory",
+                   f"{len(resources)} kernels; most registers {resources[regs]['num_regs']} ({regs}); most static "
+                   f"smem {resources[smem]['shared_size_bytes']} B ({smem}); stack/spills: "
+                   f"{', '.join(local) or 'none'}")
 
-    for label, runs in [("attention mixed", [(0, 1), (0, 37), (15, 1), (16, 1), (40, 9), (3000, 1)]),
-                        ("attention long decode", [(4095, 1)] * 8 + [(20000, 1)])]:
-        bs = 16
-        blocks = [-(-(s + n) // bs) for s, n in runs]
-        pool = rng.permutation(sum(blocks))
-        chunks, used = [], 0
-        for (s, n), need in zip(runs, blocks):
-            chunks.append(ScheduledChunk([1] * n, s, [int(b) for b in pool[used:used + need]], True))
-            used += need
-        batch = build_batch(chunks, bs)
-        shape = (len(pool), Hk, bs, D)
-        k32, v32 = (host(rng.standard_normal(shape).astype(np.float32), dtype) for _ in range(2))
-        q32 = host(rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32), dtype)
+
+# CudaOps methods that only place or move data: the models exercise them. Every other public method is an op
+# that check_ops or check_sampling compares with the NumPy backend; a new one shows up as not checked.
+PLACEMENT = {"weight", "linear_weight", "zeros", "constant", "to_numpy", "free_memory_bytes", "new_sampler",
+             "upload_batch"}
+CHECKED_OPS = {"embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv", "paged_attention",
+               "silu_and_mul", "copy_blocks", "greedy", "apply_penalties", "sample"}
+
+
+def check_ops(report, dtype: str) -> None:
+    """Each op of CudaOps in `dtype` against NumpyOps (float32) on inputs rounded to `dtype`."""
+    rng, ops, ref = np.random.default_rng(0), make_ops(dtype), NumpyOps()
+    methods = {m for m in dir(cuda_ops.CudaOps) if not m.startswith("_") and callable(getattr(cuda_ops.CudaOps, m))}
+    unchecked = sorted(methods - PLACEMENT - CHECKED_OPS)
+    report.row(f"ops {dtype} covered", "ok" if not unchecked else "unchecked",
+               f"{len(methods & CHECKED_OPS)} ops; not checked: {', '.join(unchecked) or 'none'}")
+
+    def elementwise():
+        x32, w32, r32 = (random_host(rng, s, dtype) for s in [(9, 1000), (1000,), (9, 1000)])
+        x, w, r = ops.weight(x32), ops.weight(w32), ops.weight(r32)
+        compare(report, f"ops {dtype} rms_norm", ops, ops.rms_norm(x, w, 1e-5), ref.rms_norm(x32, w32, 1e-5), dtype)
+        out, residual = ops.add_rms_norm(x, r, w, 1e-5)
+        want, want_residual = ref.add_rms_norm(x32, r32.copy(), w32, 1e-5)
+        compare(report, f"ops {dtype} add_rms_norm", ops, out, want, dtype)
+        compare(report, f"ops {dtype} add_rms_norm residual", ops, residual, host(want_residual, dtype), dtype)
+        compare(report, f"ops {dtype} silu_and_mul", ops, ops.silu_and_mul(x), ref.silu_and_mul(x32), dtype)
+        table32, ids = random_host(rng, (1000, 64), dtype), np.array([0, 5, 999, 5], np.int32)
+        compare(report, f"ops {dtype} embedding", ops, ops.embedding(ops.weight(table32), ids), table32[ids], dtype)
+
+    def linear():
+        for T, N, K in [(9, 300, 1000), (1, 4096, 64), (64, 1000, 257)]:
+            x32, w32, b32 = random_host(rng, (T, K), dtype), random_host(rng, (N, K), dtype, K ** -0.5), \
+                random_host(rng, (N,), dtype)
+            x, w = ops.weight(x32), ops.linear_weight(ops.weight(w32))
+            compare(report, f"ops {dtype} linear {T}x{N}x{K}", ops, ops.linear(x, w), x32 @ w32.T, dtype)
+            compare(report, f"ops {dtype} linear+bias {T}x{N}x{K}", ops, ops.linear(x, w, ops.weight(b32)),
+                    x32 @ w32.T + b32, dtype)
+
+    def rope_store_kv():
+        T, Hq, Hk, D, bs = 7, 32, 8, 128, 16
+        qkv32 = random_host(rng, (T, (Hq + 2 * Hk) * D), dtype)
+        positions = np.array([0, 1, 2, 3, 100, 5000, 130000], np.int32)
+        slots = np.array([5, 17, -1, 40, 3, 63, 22], np.int32)
+        cos_sin = rope_cos_sin_table((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32), 130001)
+
+        def split(a):
+            return (a[:, :Hq * D].reshape(T, Hq, D), a[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
+                    a[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+        qkv, k_cache, v_cache = ops.weight(qkv32), ops.zeros((4, Hk, bs, D)), ops.zeros((4, Hk, bs, D))
+        ops.rope_store_kv(*split(qkv), k_cache, v_cache, positions, slots, ops.constant(cos_sin))
+        want, k_ref, v_ref = qkv32.copy(), np.zeros((4, Hk, bs, D), np.float32), np.zeros((4, Hk, bs, D), np.float32)
+        ref.rope_store_kv(*split(want), k_ref, v_ref, positions, slots, cos_sin)
+        # Rotated values are rounded to the dtype once more on the GPU: compare after rounding the reference too.
+        compare(report, f"ops {dtype} rope_store_kv q (strided)", ops, qkv[:, :Hq * D], host(want[:, :Hq * D], dtype),
+                dtype)
+        compare(report, f"ops {dtype} rope_store_kv k cache", ops, k_cache, host(k_ref, dtype), dtype)
+        compare(report, f"ops {dtype} rope_store_kv v cache", ops, v_cache, v_ref, dtype)
+        sources, destinations = [0, 2], [3, 1]
+        ops.copy_blocks([(k_cache, v_cache)], sources, destinations)
+        ref.copy_blocks([(k_ref, v_ref)], sources, destinations)
+        compare(report, f"ops {dtype} copy_blocks", ops, k_cache, host(k_ref, dtype), dtype)
+
+    # (cached tokens, new tokens) per sequence: decodes, prefill chunks (the tensor-core kernel in 16 bits),
+    # and both in one batch, over Llama-3's heads (GQA 4, head_dim 128) and a GQA-8 head_dim-64 shape.
+    long = 4000 if report.quick or DEVICE == "cuda-emulated" else 20000
+    cases = [("mixed", [(0, 1), (0, 37), (15, 1), (16, 1), (40, 9), (3000, 1)], 32, 8, 128),
+             ("long decode", [(4095, 1)] * 8 + [(long, 1)], 32, 8, 128),
+             ("prefill chunks", [(0, 130), (200, 64), (700, 17)], 32, 8, 128),
+             ("prefill GQA 8 D 64", [(100, 70), (0, 1), (33, 1)], 16, 2, 64)]
+
+    def attention(runs, Hq, Hk, D):
+        batch, blocks = scattered_batch(rng, runs, 16)
+        k32, v32 = (random_host(rng, (blocks, Hk, 16, D), dtype) for _ in range(2))
+        q32 = random_host(rng, (batch.num_tokens, Hq, D), dtype)
         got = ops.paged_attention(ops.weight(q32), ops.weight(k32), ops.weight(v32), batch, D ** -0.5)
-        compare(label, ops, got, NumpyOps().paged_attention(q32, k32, v32, batch, D ** -0.5), dtype)
+        return got, ref.paged_attention(q32, k32, v32, batch, D ** -0.5)
 
-
-# ---- (a') sampling on the device against the NumPy Sampler -----------------------------------------------
-
-def check_sampling(work: Path) -> None:
-    from minisarathi.backends.gpu_sampling import GpuSampler
-    ops = cuda_ops.gpu("float32")
-    rng = np.random.default_rng(2)
-    N, V = 64, 128256
-    logits = (rng.standard_normal((N, V)) * 2).astype(np.float32)
-    logits[1, [10, 70000]] = 50.0                               # a tie: the lowest id wins
-    device_logits = ops.launcher.to_device(logits)
-    ok = np.array_equal(ops.launcher.to_host(ops.greedy(device_logits)), logits.argmax(1))
-    ROWS.append(("kernel greedy argmax", "ok" if ok else "MISMATCH", f"{N} x {V}, ties to the lowest id"))
-
-    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=1.0, top_p=0.9),
-             dict(temperature=1.0, min_p=0.1), dict(temperature=0.8, top_k=40, top_p=0.8, min_p=0.02, seed=5),
-             dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logprobs=5),
-             dict(temperature=1.0, seed=9, logprobs=3, min_tokens=3, stop_token_ids=[7])]
-    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(N)]
-    prompts = [rng.integers(0, V, 50).tolist() for _ in range(N)]
-    outputs = [rng.integers(0, V, 2).tolist() for _ in range(N)]
-    make = lambda: [None if p.seed is None else make_generator(p.seed) for p in params]   # noqa: E731
-    want = Sampler(V, 0, (2,)).sample(logits, params, make(), prompts, outputs)
-    sampler = GpuSampler(ops, V, 0, (2,))
-    got = sampler.sample(device_logits, params, make(), prompts, outputs)
-    greedy = np.array([p.temperature == 0 for p in params])
-    same = got.token_ids == want.token_ids
-    rows = [i for i, w in enumerate(want.logprobs) if w is not None]
-    same_ids = all([t for t, _ in got.logprobs[i]] == [t for t, _ in want.logprobs[i]] for i in rows if same[i])
-    error = max((abs(g[1] - w[1]) for i in rows if same[i] for g, w in zip(got.logprobs[i], want.logprobs[i])),
-                default=0.0)
-    # Sampled rows may rarely differ where float32 (GPU) and float64 (NumPy) CDFs straddle the uniform.
-    ok = same[greedy].all() and same[~greedy].mean() >= 0.9 and same_ids and error <= 1e-4
-    ROWS.append(("GpuSampler vs Sampler", "ok" if ok else "MISMATCH",
-                 f"greedy {same[greedy].sum()}/{greedy.sum()}, sampled {same[~greedy].sum()}/{(~greedy).sum()} "
-                 f"same ids; logprob err {error:.1e}"))
-    unseeded = [SamplingParams(**{k: v for k, v in kinds[i % len(kinds)].items() if k != "seed"}) for i in range(N)]
-    seconds = timed(lambda: sampler.sample(device_logits, unseeded, [None] * N, prompts, outputs), repeat=5)
-    ROWS.append((f"speed GpuSampler {N}x{V}", f"{seconds * 1e6:.0f} us", "penalties, filters, logprobs; ids to host"))
-    guarded("sampling top-k 50 top-p 0.9", time_top_k_top_p, ops, logits, device_logits)
+    report.check(f"ops {dtype} elementwise", elementwise)
+    report.check(f"ops {dtype} linear", linear)
+    report.check(f"ops {dtype} rope_store_kv", rope_store_kv)
+    for label, runs, Hq, Hk, D in cases:
+        result = report.check(f"ops {dtype} attention {label}", attention, runs, Hq, Hk, D)
+        if result is not None:
+            compare(report, f"ops {dtype} attention {label}", ops, *result, dtype)
 
 
 class FixedDraw:
@@ -213,61 +256,60 @@ class FixedDraw:
         return self.u
 
 
-def time_top_k_top_p(ops, logits: np.ndarray, device_logits) -> None:
-    """Issue 11's target shape: temperature 1, top-k 50 and top-p 0.9 over every row of 64 x 128k, rows split
-    over several CTAs (gpu_sampling.sample_plan). Same ids as the NumPy Sampler given the same uniforms (a
-    float64 CDF straddling a uniform may rarely differ), then the kernel alone (parameters already on the
-    device) and the whole op (upload, launch, ids to the host)."""
-    import cupy
-    from minisarathi.backends.gpu_sampling import launch_sample, sample_parameters, sample_plan
-    N, V = logits.shape
-    u = np.random.default_rng(3).uniform(size=N)
-    columns = (np.ones(N), np.full(N, 50), np.full(N, 0.9), np.zeros(N), u)
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * N
-    want = Sampler(V).sample(logits, params, [FixedDraw(x) for x in u], [[1]] * N, [[]] * N).token_ids
-    got = ops.launcher.to_host(ops.sample(device_logits, *columns))
-    plan = sample_plan(N, V, ops.launcher.multiprocessors)
-    same = int((got == want).sum())
-    ROWS.append((f"sample top-k 50 top-p 0.9 {N}x{V}", "ok" if same >= N - 2 else "MISMATCH",
-                 f"{same}/{N} same ids as Sampler; {plan.ctas_per_row} CTAs/row, {plan.groups} groups"))
-    kernel, device_params = ops.launcher.kernel("sampling.cu", "sample_kernel"), ops.launcher.to_device(
-        sample_parameters(*columns, V))
-    ids = cupy.empty(N, dtype=np.int32)
-    kernel_seconds = timed(lambda: launch_sample(kernel, ops.launcher, device_logits, device_params, plan, ids))
-    op_seconds = timed(lambda: ops.launcher.to_host(ops.sample(device_logits, *columns)))
-    ROWS.append((f"speed sample_kernel top-k 50 top-p 0.9 {N}x{V}", f"{kernel_seconds * 1e6:.0f} us",
-                 "kernel + workspace memset; target <= 100 us"))
-    ROWS.append((f"speed ops.sample top-k 50 top-p 0.9 {N}x{V}", f"{op_seconds * 1e6:.0f} us",
-                 "parameter upload, launch, ids to the host"))
+def check_sampling(report) -> None:
+    """greedy, apply_penalties and sample (through GpuSampler) against the NumPy Sampler, over vocabularies whose
+    shared memory needs the opt-in (10,007: 8k-12k at any batch; 65,024 and 92,544 at batch <= 17)."""
+    ops, rng = make_ops("float32"), np.random.default_rng(2)
+    N, V = (16, 32000) if report.quick or DEVICE == "cuda-emulated" else (64, 128256)
+    logits = (rng.standard_normal((N, V)) * 2).astype(np.float32)
+    logits[1, [10, V - 7]] = 50.0                               # a tie: the lowest id wins
+    device_logits = ops.launcher.to_device(logits)
 
+    def argmax():
+        same = np.array_equal(ops.launcher.to_host(ops.greedy(device_logits)), logits.argmax(1))
+        report.row("sampling greedy argmax", "ok" if same else "MISMATCH", f"{N} x {V}, ties to the lowest id")
 
-# ---- (b) models end to end -------------------------------------------------------------------------------
+    def every_kind():
+        kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
+                 dict(temperature=1.0, top_p=0.9), dict(temperature=1.0, min_p=0.1),
+                 dict(temperature=0.8, top_k=40, top_p=0.8, min_p=0.02, seed=5),
+                 dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, logprobs=5),
+                 dict(temperature=1.0, seed=9, logprobs=3, min_tokens=3, stop_token_ids=[7])]
+        params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(N)]
+        prompts = [rng.integers(0, V, 50).tolist() for _ in range(N)]
+        outputs = [rng.integers(0, V, 2).tolist() for _ in range(N)]
 
-def generate(model, prompt: list[int], new_tokens: int, block_size: int = 16):
-    """(greedy tokens, logits of the prompt and of every step) with host argmax."""
-    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
-    cache = model.new_kv_cache(len(table), block_size)
-    batch = build_batch([ScheduledChunk(prompt, 0, table, True)], block_size)
-    batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
-    logits = [model.forward(batch, cache)]
-    ids = list(prompt) + [int(logits[0][-1].argmax())]
-    while len(ids) < len(prompt) + new_tokens:
-        logits.append(model.forward(build_batch([ScheduledChunk(ids[-1:], len(ids) - 1, table, True)], block_size), cache))
-        ids.append(int(logits[-1][0].argmax()))
-    return ids[len(prompt):], np.concatenate(logits)
+        def generators():
+            return [None if p.seed is None else make_generator(p.seed) for p in params]
+        want = Sampler(V, 0, (2,)).sample(logits, params, generators(), prompts, outputs)
+        got = ops.new_sampler(V, 0, (2,)).sample(device_logits, params, generators(), prompts, outputs)
+        greedy = np.array([p.temperature == 0 for p in params])
+        same = got.token_ids == want.token_ids
+        rows = [i for i, w in enumerate(want.logprobs) if w is not None and same[i]]
+        same_ids = all([t for t, _ in got.logprobs[i]] == [t for t, _ in want.logprobs[i]] for i in rows)
+        error = max((abs(g[1] - w[1]) for i in rows for g, w in zip(got.logprobs[i], want.logprobs[i])), default=0.0)
+        # Sampled rows may rarely differ where float32 (GPU) and float64 (NumPy) CDFs straddle the uniform.
+        ok = same[greedy].all() and same[~greedy].mean() >= 0.9 and same_ids and error <= 1e-4
+        report.row(f"sampling GpuSampler {N}x{V}", "ok" if ok else "MISMATCH",
+                   f"greedy {same[greedy].sum()}/{greedy.sum()}, sampled {same[~greedy].sum()}/{(~greedy).sum()} "
+                   f"same ids; logprob ids {'same' if same_ids else 'differ'}, error {error:.1e}")
 
+    def top_k_top_p(rows: int, vocab: int):
+        x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+        u = rng.uniform(size=rows)
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
+        want = Sampler(vocab).sample(x, params, [FixedDraw(v) for v in u], [[1]] * rows, [[]] * rows).token_ids
+        got = ops.launcher.to_host(ops.sample(ops.launcher.to_device(x), np.ones(rows), np.full(rows, 50),
+                                              np.full(rows, 0.9), np.zeros(rows), u))
+        same = int((got == want).sum())
+        report.row(f"sampling sample top-k 50 top-p 0.9 {rows}x{vocab}", "ok" if same >= rows - max(1, rows // 30)
+                   else "MISMATCH", f"{same}/{rows} same ids as the NumPy Sampler")
 
-def generate_sampled_on_device(model, prompt: list[int], new_tokens: int, block_size: int = 16) -> list[int]:
-    """Greedy tokens through forward(device_logits=True) and the model's own sampler (the engine's loop)."""
-    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
-    cache = model.new_kv_cache(len(table), block_size)
-    sampler, greedy = model.new_sampler(), SamplingParams(temperature=0, max_tokens=new_tokens)
-    ids, chunk = list(prompt), ScheduledChunk(prompt, 0, table, True)
-    while len(ids) < len(prompt) + new_tokens:
-        logits = model.forward(build_batch([chunk], block_size), cache, device_logits=True)
-        ids.append(int(sampler.sample(logits, [greedy], [None], [prompt], [ids[len(prompt):]]).token_ids[0]))
-        chunk = ScheduledChunk(ids[-1:], len(ids) - 1, table, True)
-    return ids[len(prompt):]
+    report.check("sampling greedy argmax", argmax)
+    report.check(f"sampling GpuSampler {N}x{V}", every_kind)
+    shapes = [(1, 10007), (64, 10007), (1, 65024), (1, LARGE_VOCAB), (17, 65024), (17, LARGE_VOCAB), (64, 128256)]
+    for rows, vocab in shapes[:4] if report.quick else shapes:
+        report.check(f"sampling sample {rows}x{vocab}", top_k_top_p, rows, vocab)
 
 
 def build_model(path: Path, ops):
@@ -278,172 +320,276 @@ def build_model(path: Path, ops):
     return LlamaModel(config, load_weights(path, config), ops)
 
 
-def random_model_dir() -> Path:
-    """A random-weight Llama (GQA 4, head_dim 64, 4 layers) written as a Hugging Face folder."""
-    from safetensors.numpy import save_file
-    folder = Path(tempfile.mkdtemp(prefix="gpu-check-model-"))
-    H, L, Hq, Hk, D, I, V = 512, 4, 8, 2, 64, 1376, 2048
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "num_hidden_layers": L,
-              "num_attention_heads": Hq, "num_key_value_heads": Hk, "head_dim": D, "intermediate_size": I,
-              "vocab_size": V, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
-    (folder / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    def w(*shape):
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-    tensors = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": 1 + 0.1 * w(H), "lm_head.weight": w(V, H)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": 1 + 0.1 * w(H), p + "post_attention_layernorm.weight": 1 + 0.1 * w(H),
-                        p + "self_attn.q_proj.weight": w(Hq * D, H), p + "self_attn.k_proj.weight": w(Hk * D, H),
-                        p + "self_attn.v_proj.weight": w(Hk * D, H), p + "self_attn.o_proj.weight": w(H, Hq * D),
-                        p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                        p + "mlp.down_proj.weight": w(H, I)})
-    save_file(tensors, str(folder / "model.safetensors"))
+def large_vocab_model(scratch: Path) -> Path:
+    """A random Llama (GQA 4, head_dim 64, 2 layers) with a 92,544-token vocabulary, written once per run."""
+    from minisarathi.bench.random_model import write_random_model
+    folder = scratch / f"random-{LARGE_VOCAB}"
+    if not folder.exists():
+        partial = write_random_model(scratch / f"partial-{os.getpid()}", hidden_size=256, num_layers=2, num_heads=4,
+                                     num_kv_heads=1, intermediate_size=688, vocab_size=LARGE_VOCAB)
+        partial.rename(folder)
     return folder
 
 
-def check_models(work: Path) -> None:
-    rng = np.random.default_rng(1)
-    for label, make_path, prompt in [("stories260K", default_model_dir, [1, 403, 407, 261, 378]),
-                                     ("random 4-layer GQA", random_model_dir, rng.integers(3, 2048, 300).tolist())]:
-        guarded(f"model {label}", check_model, label, make_path(), prompt)
-    guarded("engine overlap", check_engine_overlap)
+def generate(model, prompt: list[int], new_tokens: int, on_device: bool = False, block_size: int = 16):
+    """(greedy tokens, logits of every prompt row and step): by a host argmax of the logits, or, on_device,
+    through forward(device_logits=True) and the model's own sampler as the engine runs (logits None)."""
+    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
+    cache = model.new_kv_cache(len(table), block_size)
+    sampler, greedy = model.new_sampler() if on_device else None, SamplingParams(temperature=0)
+    ids, chunk, logits = list(prompt), ScheduledChunk(prompt, 0, table, True), []
+    while len(ids) < len(prompt) + new_tokens:
+        batch = build_batch([chunk], block_size)
+        if on_device:
+            step = model.forward(batch, cache, device_logits=True)
+            ids.append(int(sampler.sample(step, [greedy], [None], [prompt], [ids[len(prompt):]]).token_ids[0]))
+        else:
+            if not logits:
+                batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)   # every prompt row
+            logits.append(model.forward(batch, cache))
+            ids.append(int(logits[-1][-1].argmax()))
+        chunk = ScheduledChunk(ids[-1:], len(ids) - 1, table, True)
+    return ids[len(prompt):], np.concatenate(logits) if logits else None
 
 
-def check_engine_overlap() -> None:
-    """The engine on the GPU (stories260K, 8 requests decoding together) with overlap off and on: the same
-    tokens and logprobs (greedy, seeded, stopped by a token while the next step was in flight), and each decode
-    step's host time against its wait for the sampled ids (docs/performance.md, "Overlap"). Both run decode
-    steps as CUDA graphs (the default); a first, eager run (no graphs, no overlap) checks the graphs' tokens."""
+def check_models(report) -> None:
+    """Greedy tokens of whole models, eager, on the GPU against the NumPy backend: the bundled stories260K and a
+    random model with a 92,544-token vocabulary, in float32 (tokens identical) and bfloat16 (logits close; the
+    device's greedy sampler agrees with a host argmax of the same logits)."""
+    new_tokens = 8 if report.quick else 24
+    prompt = np.random.default_rng(1).integers(3, 500, 100).tolist()
+    for label, path, tokens in [("stories260K", default_model_dir(), PROMPT),
+                                (f"random vocab {LARGE_VOCAB}", large_vocab_model(report.scratch), prompt)]:
+        report.check(f"model {label}", check_model, report, label, path, tokens, new_tokens)
+
+
+def check_model(report, label: str, path: Path, prompt: list[int], new_tokens: int) -> None:
+    ref_ids, ref_logits = generate(build_model(path, NumpyOps()), prompt, new_tokens)
+    model = build_model(path, make_ops("float32"))
+    ids, logits = generate(model, prompt, new_tokens)
+    error = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+    report.row(f"model {label} fp32", "ok" if ids == ref_ids else "MISMATCH",
+               f"{new_tokens} greedy tokens {'identical' if ids == ref_ids else 'differ'}; logits rel err {error:.1e}")
+    on_device, _ = generate(model, prompt, new_tokens, on_device=True)
+    report.row(f"model {label} fp32 GpuSampler", "ok" if on_device == ref_ids else "MISMATCH",
+               "greedy tokens sampled on the device " + ("identical" if on_device == ref_ids else "differ"))
+    bf16 = build_model(path, make_ops("bfloat16"))
+    host_ids, bf16_logits = generate(bf16, prompt, 8)
+    first = ref_logits[:len(prompt)]
+    error = float(np.abs(bf16_logits[:len(prompt)] - first).max() / np.abs(first).max())
+    report.row(f"model {label} bf16", "ok" if error <= 0.06 else "MISMATCH", f"prefill logits rel err {error:.3f}")
+    device_ids, _ = generate(bf16, prompt, 8, on_device=True)
+    report.row(f"model {label} bf16 GpuSampler", "ok" if host_ids == device_ids else "MISMATCH",
+               "device greedy == host argmax" if host_ids == device_ids else f"{device_ids} vs {host_ids}")
+
+
+# ---- CUDA graphs and overlap against eager --------------------------------------------------------------
+
+def check_linear_capture(report) -> None:
+    """One linear (cuBLAS) captured with ops.launcher.capture: a replay equals eager, also after the input
+    changed in place (the graph reads its buffers, not a copy). CuPy's own cuBLAS wrapper refuses capture."""
+    rng = np.random.default_rng(4)
+    for dtype in ("float32", "float16", "bfloat16"):
+        def capture_one():
+            ops = make_ops(dtype)
+            x, w, b = (ops.weight(random_host(rng, s, dtype)) for s in [(8, 512), (384, 512), (384,)])
+            eager = np.array(ops.to_numpy(ops.linear(x, w, b)))   # copies: the emulator's arrays are host memory
+            graph, out = ops.launcher.capture(lambda: ops.linear(x, w, b))
+            graph.launch()
+            first = np.array(ops.to_numpy(out))
+            x[...] = ops.weight(random_host(rng, (8, 512), dtype))
+            graph.launch()
+            again, want = np.array(ops.to_numpy(out)), ops.to_numpy(ops.linear(x, w, b))
+            errors = [float(np.abs(a - e).max()) for a, e in [(first, eager), (again, want)]]
+            ok = max(errors) <= TOLERANCE[dtype] * max(1.0, float(np.abs(want).max()))
+            report.row(f"graph linear {dtype}", "ok" if ok else "MISMATCH",
+                       f"replay vs eager max diff {errors[0]:.1e}, after a new input {errors[1]:.1e}")
+        report.check(f"graph linear {dtype}", capture_one)
+
+
+class CaptureLog(logging.Handler):
+    """Counts the launcher's graph captures (and keeps the first one's failure) and the engine's warnings,
+    so that an engine that fell back to eager does not pass as graphs == eager."""
+
+    def __init__(self, launcher_class):
+        super().__init__(logging.WARNING)
+        self.captures, self.failure, self.warnings = 0, None, []
+        original = launcher_class.capture
+
+        def capture(launcher, fn):
+            try:
+                result = original(launcher, fn)
+            except Exception as exc:
+                self.failure = self.failure or exc
+                raise
+            self.captures += 1
+            return result
+        launcher_class.capture = capture
+        logging.getLogger("minisarathi").addHandler(self)
+
+    def emit(self, record) -> None:
+        self.warnings.append(record.getMessage()[:200])
+
+
+REQUESTS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=24, logprobs=2),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=24, stop_token_ids=list(range(300, 360)))]
+
+
+def engine_run(path: Path, **options):
+    """(tokens, finish reason and logprob ids of 8 requests decoding together, decode steps' records)."""
     from minisarathi.engine.engine import LLMEngine
-    kinds = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-             SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=24, logprobs=2),
-             SamplingParams(temperature=1.0, seed=5, max_tokens=24, stop_token_ids=list(range(300, 360)))]
-    results, rows = {}, []
-    settings = {"eager": dict(overlap=False, cuda_graphs=False), "off": dict(overlap=False), "on": dict(overlap=True)}
-    for name, options in settings.items():
-        engine = LLMEngine(device="cuda", num_kv_blocks=256, **options)
-        for i in range(8):
-            engine.add_request(str(i), [1, 403 + i, 407, 261, 378], kinds[i % 3])
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
-        results[name] = {rid: (c.token_ids, c.finish_reason, [sorted(lp) for lp in c.logprobs or []])
-                         for rid, c in finals.items()}
-        if name == "eager":
-            continue
-        decode = [r for r in engine.step_records if r.num_prefill_tokens == 0]
-        host, wait, step = (1e3 * float(np.mean([getattr(r, f) for r in decode]))
+    engine = LLMEngine(path, device=DEVICE, num_kv_blocks=256, max_num_seqs=8, **options)
+    for i in range(8):
+        engine.add_request(str(i), [1, 403 + i, 407, 261, 378], REQUESTS[i % 3])
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    results = {rid: (c.token_ids, c.finish_reason, [sorted(lp) for lp in c.logprobs or []])
+               for rid, c in finals.items()}
+    return results, [r for r in engine.step_records if r.num_prefill_tokens == 0]
+
+
+def differences(a: dict, b: dict) -> str:
+    bad = [rid for rid in a if a[rid] != b[rid]]
+    if not bad:
+        return "same tokens, logprob ids, finish reasons"
+    first = min(next((i for i, (x, y) in enumerate(zip(a[r][0], b[r][0])) if x != y), len(a[r][0])) for r in bad)
+    return f"requests {', '.join(bad)} differ, the first at token {first}"
+
+
+def check_graphs(report) -> None:
+    """Decode steps replayed as CUDA graphs against every step eager (the engine, overlap off): the bundled model
+    and the large-vocabulary one in float32, where tokens must be identical, and the latter in bfloat16, where
+    they may differ without failing (padding rows change the matmuls' shapes, so cuBLAS may round differently
+    and flip one of a random model's many near ties; a stale graph input would differ from the first replay)."""
+    log = CaptureLog(type(make_ops("float32").launcher))
+    large = large_vocab_model(report.scratch)
+    cases = [("stories260K fp32", default_model_dir(), "float32"), (f"vocab {LARGE_VOCAB} fp32", large, "float32"),
+             (f"vocab {LARGE_VOCAB} bf16", large, "bfloat16")]
+    # The emulator runs each co-resident CTA of a split sampler row as 1024 fibers: 8 rows of 92,544 tokens
+    # pass Linux's default vm.max_map_count, so a dry run compares the bundled model only.
+    for label, path, dtype in cases[:1] if DEVICE == "cuda-emulated" else cases[:2] if report.quick else cases:
+        def compare_runs():
+            log.failure = None
+            eager, _ = engine_run(path, dtype=dtype, cuda_graphs=False, overlap=False)
+            before = log.captures
+            graphs, _ = engine_run(path, dtype=dtype, cuda_graphs=True, overlap=False)
+            captured = log.captures - before
+            if log.failure is not None:
+                report.error(log.failure, f"graph capture ({label})")
+            elif not captured:
+                report.row(f"graph capture ({label})", "ERROR", "no graph was captured: the engine ran eagerly "
+                           f"({'; '.join(log.warnings[-2:]) or 'no warning logged'})")
+            report.row(f"engine graphs == eager {label}",
+                       "ok" if graphs == eager else "MISMATCH" if dtype == "float32" else "differs",
+                       f"{differences(graphs, eager)}; {captured} graphs captured")
+        report.check(f"engine graphs {label}", compare_runs)
+
+
+def check_overlap(report) -> None:
+    """The engine with overlap (the next step issued before the sampled ids reach the host) against without,
+    CUDA graphs off, then the defaults (graphs and overlap on) against every step eager: tokens, logprob ids and
+    finish reasons of 8 requests (greedy, seeded, stopped by a token while the next step was in flight)."""
+    path = default_model_dir()
+    runs = {}
+    for name, options in {"eager": dict(overlap=False, cuda_graphs=False),
+                          "overlap": dict(overlap=True, cuda_graphs=False),
+                          "defaults": dict(overlap=True, cuda_graphs=True)}.items():
+        runs[name] = report.check(f"engine {name}", lambda o=options: engine_run(path, **o))
+    if None in runs.values():
+        return
+    (eager, _), (overlap, steps), (defaults, default_steps) = runs["eager"], runs["overlap"], runs["defaults"]
+    report.row("engine overlap == no overlap", "ok" if overlap == eager else "MISMATCH", differences(overlap, eager))
+    report.row("engine defaults == eager", "ok" if defaults == eager else "MISMATCH",
+               "graphs + overlap: " + differences(defaults, eager))
+    for name, records in [("eager", runs["eager"][1]), ("overlap", steps), ("defaults", default_steps)]:
+        host, wait, step = (1e3 * float(np.mean([getattr(r, f) for r in records]))
                             for f in ("host_time", "ids_wait_time", "step_time"))
-        rows.append((f"  host / ids wait per step, engine bs=8 overlap {name}",
-                     f"{host:.2f} ms", f"+ {wait:.2f} ms waiting for ids = {step:.2f} ms per decode step"))
-    stops = sum(reason == "stop" for _, reason, _ in results["on"].values())
-    same = results["off"] == results["on"]
-    ROWS.append(("engine overlap on == off", "ok" if same else "MISMATCH",
-                 f"tokens, logprob ids, finish reasons of 8 requests ({stops} stopped by a token)"))
-    # A mismatch: a graph read a stale input, or (padding rows change the matmuls' shapes, and cuBLAS may then
-    # pick other kernels) last-bit differences flipped a near tie.
-    ROWS.append(("engine CUDA graphs == eager", "ok" if results["eager"] == results["off"] else "MISMATCH",
-                 "the same 8 requests, decode steps replayed as graphs against every step eager"))
-    ROWS.extend(rows)
+        report.row(f"  host / ids wait per decode step, {name}", f"{host:.2f} ms",
+                   f"+ {wait:.2f} ms waiting for ids = {step:.2f} ms (stories260K, 8 requests)")
 
 
-def check_model(label: str, path: Path, prompt: list[int]) -> None:
-    ref_ids, ref_logits = generate(build_model(path, NumpyOps()), prompt, 24)
-    model = build_model(path, cuda_ops.gpu("float32"))
-    ids, logits = generate(model, prompt, 24)
-    same = ids == ref_ids
-    ROWS.append((f"model {label} fp32", "ok" if same else "MISMATCH",
-                 f"tokens {'identical' if same else 'differ'}, logits max err {np.abs(logits - ref_logits).max():.1e}"))
-    on_device = generate_sampled_on_device(model, prompt, 24)
-    ROWS.append((f"model {label} fp32, GpuSampler", "ok" if on_device == ref_ids else "MISMATCH",
-                 "greedy tokens sampled on the device " + ("identical" if on_device == ref_ids else "differ")))
-    bf16_model = build_model(path, cuda_ops.gpu("bfloat16"))
-    _, bf16_logits = generate(bf16_model, prompt, 1)
-    first = ref_logits[:len(bf16_logits)]
-    error = float(np.abs(bf16_logits - first).max() / np.abs(first).max())
-    ROWS.append((f"model {label} bf16", "ok" if error <= 0.06 else "MISMATCH", f"prefill logits rel err {error:.3f}"))
-    host_ids, _ = generate(bf16_model, prompt, 8)
-    device_ids = generate_sampled_on_device(bf16_model, prompt, 8)
-    ROWS.append((f"model {label} bf16, GpuSampler", "ok" if host_ids == device_ids else "MISMATCH",
-                 "bf16 logits: device greedy == host argmax" if host_ids == device_ids else f"{device_ids} vs {host_ids}"))
-    log(f"  {label}: fp32 tokens {ids[:8]}... ref {ref_ids[:8]}..., bf16 rel err {error:.3f}")
+# ---- speed ----------------------------------------------------------------------------------------------
 
-
-# ---- (c) speed ----------------------------------------------------------------------------------------------
-
-def measure_ceilings(work: Path) -> None:
+def measure_ceilings(report) -> None:
     import cupy
-    ceilings = {}
     a = cupy.empty(1 << 30, dtype=cupy.uint8)
     b = cupy.empty_like(a)
-    seconds = timed(lambda: cupy.copyto(b, a))
-    ceilings["copy_bytes_per_s"] = 2 * a.nbytes / seconds   # read + write
-    ops = cuda_ops.gpu("bfloat16")
-    n = 8192
+    copy = 2 * a.nbytes / timed(lambda: cupy.copyto(b, a))   # read + write
+    ops, n = make_ops("bfloat16"), 8192
     x, w = random_device(ops, (n, n)), random_device(ops, (n, n))
-    seconds = timed(lambda: ops.linear(x, w), repeat=10)
-    ceilings["bf16_flop_per_s"] = 2 * n ** 3 / seconds
-    (work / "ceilings.json").write_text(json.dumps(ceilings))
-    ROWS.append(("ceiling device copy", f"{ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s", "1 GiB cupy.copyto, read+write"))
-    ROWS.append(("ceiling bf16 matmul", f"{ceilings['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", "8192^3 cublasGemmEx"))
+    matmul = 2 * n ** 3 / timed(lambda: ops.linear(x, w), repeat=10)
+    report.data = {"copy_bytes_per_s": copy, "bf16_flop_per_s": matmul}
+    report.row("ceiling device copy", f"{copy / 1e9:.0f} GB/s", "1 GiB cupy.copyto, read+write")
+    report.row("ceiling bf16 matmul", f"{matmul / 1e12:.0f} TFLOP/s", "8192^3 through ops.linear (cuBLAS)")
 
 
-def ceiling(work: Path, name: str) -> float | None:
-    path = work / "ceilings.json"
-    return json.loads(path.read_text()).get(name) if path.exists() else None
-
-
-def bandwidth_row(work: Path, name: str, seconds: float, nbytes: float, target: float | None = None) -> None:
-    path = work / "ceilings.json"
-    copy = json.loads(path.read_text())["copy_bytes_per_s"] if path.exists() else None
+def bandwidth_row(report, name: str, seconds: float, nbytes: float, target: float | None = None,
+                  verdict: str | None = None, note: str = "") -> None:
+    """A row of seconds and GB/s, as a share of the measured copy ceiling and of the target share if any."""
+    copy = report.earlier("ceilings").get("copy_bytes_per_s")
     rate = nbytes / seconds
     share = f"{100 * rate / copy:.0f}% of copy" if copy else "no ceiling"
-    verdict = "" if target is None or not copy else (" (target met)" if rate >= target * copy else f" (target {target:.0%})")
-    ROWS.append((f"speed {name}", f"{seconds * 1e6:.0f} us", f"{rate / 1e9:.0f} GB/s, {share}{verdict}"))
+    met = "" if target is None or not copy else \
+        " (target met)" if rate >= target * copy else f" (target {target:.0%})"
+    report.row(f"speed {name}", verdict or f"{seconds * 1e6:.0f} us", f"{rate / 1e9:.0f} GB/s, {share}{met}{note}")
 
 
-def time_kernels(work: Path) -> None:
-    ops = cuda_ops.gpu("bfloat16")
+def time_kernels(report) -> None:
+    """The element-wise kernels at Llama-3-8B's shapes (bf16), then the samplers at 64 x 128k."""
+    ops = make_ops("bfloat16")
     H, Hq, Hk, D, I = 4096, 32, 8, 128, 14336
     table = random_device(ops, (128256, H))
     cos_sin = ops.constant(rope_cos_sin_table((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32), 8192))
     for T in (1, 512):
         x, r, w = random_device(ops, (T, H)), random_device(ops, (T, H)), random_device(ops, (H,))
-        bandwidth_row(work, f"rms_norm T={T}", timed(lambda: ops.rms_norm(x, w, 1e-5)), 2 * x.nbytes)
-        bandwidth_row(work, f"add_rms_norm T={T}", timed(lambda: ops.add_rms_norm(x, r, w, 1e-5)), 4 * x.nbytes)
+        bandwidth_row(report, f"rms_norm T={T}", timed(lambda: ops.rms_norm(x, w, 1e-5)), 2 * x.nbytes)
+        bandwidth_row(report, f"add_rms_norm T={T}", timed(lambda: ops.add_rms_norm(x, r, w, 1e-5)), 4 * x.nbytes)
         g = random_device(ops, (T, 2 * I))
-        bandwidth_row(work, f"silu_and_mul T={T}", timed(lambda: ops.silu_and_mul(g)), 1.5 * g.nbytes)
+        bandwidth_row(report, f"silu_and_mul T={T}", timed(lambda: ops.silu_and_mul(g)), 1.5 * g.nbytes)
         qkv = random_device(ops, (T, (Hq + 2 * Hk) * D))
         q, k, v = (qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
                    qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D))
         k_cache, v_cache = random_device(ops, (T // 16 + 1, Hk, 16, D)), random_device(ops, (T // 16 + 1, Hk, 16, D))
-        positions, slots = np.arange(T, dtype=np.int32), np.arange(T, dtype=np.int32)
-        bandwidth_row(work, f"rope_store_kv T={T}", timed(lambda: ops.rope_store_kv(
+        positions = slots = np.arange(T, dtype=np.int32)
+        bandwidth_row(report, f"rope_store_kv T={T}", timed(lambda: ops.rope_store_kv(
             q, k, v, k_cache, v_cache, positions, slots, cos_sin)), 2 * qkv.nbytes)   # read Q, K, V; write Q, K, V
-        ids = np.arange(T, dtype=np.int32)
-        bandwidth_row(work, f"embedding T={T}", timed(lambda: ops.embedding(table, ids)), 2 * T * H * 2)
+        bandwidth_row(report, f"embedding T={T}", timed(lambda: ops.embedding(table, positions)), 2 * T * H * 2)
+
+    f32 = make_ops("float32")
+    N, V = 64, 128256
+    logits = f32.launcher.to_device((np.random.default_rng(3).standard_normal((N, V)) * 2).astype(np.float32))
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=2)] * N
+    sampler = f32.new_sampler(V)
+    seconds = timed(lambda: sampler.sample(logits, params, [None] * N, [[1, 2, 3]] * N, [[4]] * N), repeat=5)
+    report.row(f"speed GpuSampler {N}x{V}", f"{seconds * 1e6:.0f} us", "penalty, top-k/top-p, logprobs; ids to host")
+    columns = (np.ones(N), np.full(N, 50), np.full(N, 0.9), np.zeros(N), np.full(N, 0.5))
+    device_s = timed(lambda: f32.sample(logits, *columns))
+    report.row(f"speed ops.sample top-k 50 top-p 0.9 {N}x{V}", f"{device_s * 1e6:.0f} us",
+               "on the device: parameter upload, sample_kernel and its workspace memset; target <= 100 us")
+    op_s = timed(lambda: f32.launcher.to_host(f32.sample(logits, *columns)))
+    report.row(f"speed ops.sample + ids to host {N}x{V}", f"{op_s * 1e6:.0f} us", "the whole op, as the engine waits")
 
 
-# ---- (d) attention alone: issue 10's shapes ----------------------------------------------------------------
-# Llama-3-8B-shaped attention (32 query / 8 KV heads, head_dim 128, bf16, blocks of 16). Every row calls the
-# backend's attention op (ops.paged_attention), so it measures whichever kernels the backend chooses for the
-# shape: the attention kernels of issue 10 show up here as they land, with no change to this section.
-ATTENTION_CASES = [  # label, (history tokens, new tokens) per sequence, target (fraction of a ceiling)
-    ("prefill 2048 @0", [(0, 2048)], 350e12), ("prefill 2048 @8k", [(8192, 2048)], 350e12),
-    ("prefill 2048 @30k", [(30720, 2048)], 350e12),
-    ("decode 64x4k", [(4095, 1)] * 64, 0.80), ("decode 1x512", [(511, 1)], None), ("decode 1x32k", [(32767, 1)], 0.60),
+# Llama-3-8B-shaped attention (32 query / 8 KV heads, head_dim 128, bf16, blocks of 16) through ops.paged_attention,
+# so it measures whichever kernels the backend chooses: label, (history, new tokens) per sequence, target
+# (FLOP/s for prefill, a fraction of the copy ceiling for decode), in --quick
+ATTENTION_CASES = [
+    ("prefill 2048 @0", [(0, 2048)], 350e12, False), ("prefill 2048 @8k", [(8192, 2048)], 350e12, True),
+    ("prefill 2048 @30k", [(30720, 2048)], 350e12, False), ("decode 64x4k", [(4095, 1)] * 64, 0.80, True),
+    ("decode 1x512", [(511, 1)], None, False), ("decode 1x32k", [(32767, 1)], 0.60, True),
 ]
 
 
-def time_attention(work: Path) -> None:
-    ops = cuda_ops.gpu("bfloat16")
-    for label, runs, target in ATTENTION_CASES:
-        guarded(f"attention {label}", time_attention_case, work, ops, label, runs, target)
+def time_attention(report) -> None:
+    ops = make_ops("bfloat16")
+    for label, runs, target, quick in ATTENTION_CASES:
+        if quick or not report.quick:
+            report.check(f"attention {label}", time_attention_case, report, ops, label, runs, target)
 
 
-def time_attention_case(work: Path, ops, label: str, runs: list[tuple[int, int]], target) -> None:
+def time_attention_case(report, ops, label: str, runs: list[tuple[int, int]], target) -> None:
     Hq, Hk, D, bs = 32, 8, 128, 16
     blocks = [-(-(history + n) // bs) for history, n in runs]
     chunks, first = [], 0
@@ -456,8 +602,8 @@ def time_attention_case(work: Path, ops, label: str, runs: list[tuple[int, int]]
     scale = D ** -0.5
     out = ops.paged_attention(q, k_cache, v_cache, batch, scale)
     seconds = timed(lambda: ops.paged_attention(q, k_cache, v_cache, batch, scale), repeat=10)
-    # Error against NumPy on a sample, so the CPU reference stays seconds: a chunk's last 32 query rows
-    # (over its whole history), or a decode batch's first two sequences.
+    # Error against NumPy on a sample, so the CPU reference stays seconds: a chunk's last 32 query rows (over
+    # its whole history), or a decode batch's first two sequences.
     history, n = runs[0]
     if n > 1:
         m = min(32, n)
@@ -465,24 +611,21 @@ def time_attention_case(work: Path, ops, label: str, runs: list[tuple[int, int]]
             slice(n - m, n), blocks[0]
     else:
         sample, rows, used = build_batch(chunks[:2], bs), slice(0, min(2, len(runs))), sum(blocks[:2])
-    want = NumpyOps().paged_attention(ops.to_numpy(q[rows]), ops.to_numpy(k_cache[:used]), ops.to_numpy(v_cache[:used]),
-                                     sample, scale)
+    want = NumpyOps().paged_attention(ops.to_numpy(q[rows]), ops.to_numpy(k_cache[:used]),
+                                     ops.to_numpy(v_cache[:used]), sample, scale)
     error = float(np.abs(ops.to_numpy(out[rows]) - want).max() / max(1.0, np.abs(want).max()))
-    verdict = "MISMATCH" if not error <= TOLERANCE["bfloat16"] else None
+    verdict = None if error <= TOLERANCE["bfloat16"] else "MISMATCH"
     if n > 1:
         flops = 4 * D * Hq * sum(n * h + n * (n + 1) // 2 for h, n in runs)
-        matmul = ceiling(work, "bf16_flop_per_s")
+        matmul = report.earlier("ceilings").get("bf16_flop_per_s")
         share = f", {100 * flops / seconds / matmul:.0f}% of bf16 matmul" if matmul else ""
-        met = "" if not target else (" (target met)" if flops / seconds >= target else f" (target {target / 1e12:.0f})")
-        ROWS.append((f"attention {label}", verdict or f"{seconds * 1e6:.0f} us",
-                     f"{flops / seconds / 1e12:.1f} TFLOP/s{share}{met}; err {error:.1e}"))
+        met = " (target met)" if flops / seconds >= target else f" (target {target / 1e12:.0f})"
+        report.row(f"attention {label}", verdict or f"{seconds * 1e6:.0f} us",
+                   f"{flops / seconds / 1e12:.1f} TFLOP/s{share}{met}; err {error:.1e}")
     else:
-        kv_bytes = 2 * sum(h + 1 for h, _ in runs) * Hk * D * 2
-        bandwidth_row(work, f"attention {label}", seconds, kv_bytes, target)
-        ROWS[-1] = (ROWS[-1][0], verdict or ROWS[-1][1], f"{ROWS[-1][2]}; err {error:.1e}")
+        bandwidth_row(report, f"attention {label}", seconds, 2 * sum(h + 1 for h, _ in runs) * Hk * D * 2, target,
+                      verdict, f"; err {error:.1e}")
 
-
-# ---- (e) a Llama-3-8B-shaped model: prefill chunk, decode steps, host against GPU time, CUDA graphs -------------
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -503,333 +646,219 @@ def random_8b_model():
     from minisarathi.config import ModelConfig
     from minisarathi.model.llama import LlamaModel
     config = ModelConfig.from_dict(LLAMA3_8B)
-    ops = cuda_ops.gpu("bfloat16")
+    ops = make_ops("bfloat16")
     ops.weight = lambda w: random_device(ops, w.shape, w.shape[-1] ** -0.5 if len(w.shape) == 2 else 1.0)
     H, I, V, D = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
     Hq, Hk = config.num_attention_heads, config.num_key_value_heads
     weights = {"embed_tokens": WeightShape(V, H), "norm": WeightShape(H), "lm_head": WeightShape(V, H)}
     for i in range(config.num_hidden_layers):
-        weights |= {f"layers.{i}.input_layernorm": WeightShape(H), f"layers.{i}.qkv_proj": WeightShape((Hq + 2 * Hk) * D, H),
-                    f"layers.{i}.o_proj": WeightShape(H, Hq * D), f"layers.{i}.post_attention_layernorm": WeightShape(H),
-                    f"layers.{i}.gate_up_proj": WeightShape(2 * I, H), f"layers.{i}.down_proj": WeightShape(H, I)}
+        p = f"layers.{i}."
+        weights |= {p + "input_layernorm": WeightShape(H), p + "qkv_proj": WeightShape((Hq + 2 * Hk) * D, H),
+                    p + "o_proj": WeightShape(H, Hq * D), p + "post_attention_layernorm": WeightShape(H),
+                    p + "gate_up_proj": WeightShape(2 * I, H), p + "down_proj": WeightShape(H, I)}
     return LlamaModel(config, weights, ops), ops
 
 
 def host_and_device_seconds(fn, repeat: int = 20) -> tuple[float, float]:
-    """Medians of (host seconds to issue fn(), device seconds between events around it). When the host is
-    the slower one, the device waits for it and the event time is about the host time."""
+    """Medians of (host seconds to issue fn(), device seconds between events around it). When the host is the
+    slower one, the device waits for it and the event time is about the host time."""
     import cupy
     fn()
     cupy.cuda.get_current_stream().synchronize()
-    host, device = [], []
+    host_s, device_s = [], []
     for _ in range(repeat):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         begin = time.perf_counter()
         fn()
-        host.append(time.perf_counter() - begin)
+        host_s.append(time.perf_counter() - begin)
         end.record()
         end.synchronize()
-        device.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(host)), float(np.median(device))
+        device_s.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(np.median(host_s)), float(np.median(device_s))
 
 
-def time_model_8b(work: Path) -> None:
+def time_model_8b(report) -> None:
+    """A Llama-3-8B-shaped model: a 2048-token prefill chunk, then decode steps at batch 1 and 64, eager and
+    replayed as CUDA graphs (the engine's decode buckets), host issue time against device time."""
     import cupy
     model, ops = random_8b_model()
     c = model.config
-    L, H, I, V, D = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    L, H, V, D = c.num_hidden_layers, c.hidden_size, c.vocab_size, c.head_dim
     Hq, Hk, bs = c.num_attention_heads, c.num_key_value_heads, 16
     decodes = {1: 512, 64: 1024}                         # batch -> context
     prefill_blocks = 2048 // bs
-    num_blocks = prefill_blocks + sum(S * ctx // bs for S, ctx in decodes.items())
-    cache = model.new_kv_cache(num_blocks, bs)
+    cache = model.new_kv_cache(prefill_blocks + sum(S * ctx // bs for S, ctx in decodes.items()), bs)
     for k_cache, v_cache in cache:                       # never time attention over zeros
         k_cache[...] = random_device(ops, k_cache.shape)
         v_cache[...] = random_device(ops, v_cache.shape)
     weight_bytes = sum(getattr(layer, f).nbytes for layer in model.layers for f in layer.__dataclass_fields__
                        if getattr(layer, f) is not None) + model.lm_head.nbytes + model.norm.nbytes
-    matmul_params = (Hq + 2 * Hk) * D * H + H * Hq * D + 3 * H * I
+    matmul_params = (Hq + 2 * Hk) * D * H + H * Hq * D + 3 * H * c.intermediate_size
 
     prefill = build_batch([ScheduledChunk([7] * 2048, 0, list(range(prefill_blocks)), True)], bs)
     seconds = timed(lambda: model.forward(prefill, cache, device_logits=True), repeat=5)
     flops = L * (2 * 2048 * matmul_params + 4 * D * Hq * 2048 * 2049 // 2) + 2 * H * V
-    matmul = ceiling(work, "bf16_flop_per_s")
-    ROWS.append(("model-8b prefill chunk 2048", f"{seconds * 1e3:.1f} ms",
-                 f"{flops / seconds / 1e12:.0f} TFLOP/s" + (f", {100 * flops / seconds / matmul:.0f}% of bf16 matmul"
-                                                            if matmul else "")))
+    matmul = report.earlier("ceilings").get("bf16_flop_per_s")
+    report.row("model-8b prefill chunk 2048", f"{seconds * 1e3:.1f} ms", f"{flops / seconds / 1e12:.0f} TFLOP/s" +
+               (f", {100 * flops / seconds / matmul:.0f}% of bf16 matmul" if matmul else ""))
 
-    first = prefill_blocks
+    first, batches = prefill_blocks, {}
     for S, ctx in decodes.items():
         chunks = [ScheduledChunk([5], ctx - 1, list(range(first + s * ctx // bs, first + (s + 1) * ctx // bs)), True)
                   for s in range(S)]
         first += S * ctx // bs
-        batch = build_batch(chunks, bs)
-        step = lambda: model.forward(batch, cache, device_logits=True)   # noqa: E731
-        host, device = host_and_device_seconds(step)
-        kv_bytes = 2 * S * ctx * L * Hk * D * 2
-        bandwidth_row(work, f"model-8b decode bs={S} @{ctx}", device, weight_bytes + kv_bytes,
+        batch = batches[S] = build_batch(chunks, bs)
+        host_s, device_s = host_and_device_seconds(lambda: model.forward(batch, cache, device_logits=True))
+        bandwidth_row(report, f"model-8b decode bs={S} @{ctx}", device_s, weight_bytes + 2 * S * ctx * L * Hk * D * 2,
                       target=0.85 if S == 1 else 0.75)
-        ROWS.append((f"  host / GPU per step bs={S} eager", f"{host * 1e3:.2f} ms", f"GPU (events) {device * 1e3:.2f} ms"))
-        q = random_device(ops, (S, Hq, D))
-        k_cache, v_cache = cache[0]
+        report.row(f"  host / GPU per step bs={S} eager", f"{host_s * 1e3:.2f} ms",
+                   f"GPU (events) {device_s * 1e3:.2f} ms")
+        q, (k_cache, v_cache) = random_device(ops, (S, Hq, D)), cache[0]
         attention = timed(lambda: ops.paged_attention(q, k_cache, v_cache, batch, D ** -0.5))
-        ROWS.append((f"  attention share bs={S}", f"{100 * L * attention / device:.0f}%",
-                     f"{L} x {attention * 1e6:.0f} us of {device * 1e3:.2f} ms"))
-        # The same step as the engine runs it with CUDA graphs on (minisarathi/model/decode_graphs.py): padded
-        # to its bucket, decode attention planned for the model's whole context (as the engine plans it with
-        # the default max_model_len), captured at its first call, then the upload and a replay per step.
-        model.use_decode_buckets(max_num_seqs=64, max_model_len=c.max_position_embeddings, block_size=bs,
-                                 capture=True)
+        report.row(f"  attention share bs={S}", f"{100 * L * attention / device_s:.0f}%",
+                   f"{L} x {attention * 1e6:.0f} us of {device_s * 1e3:.2f} ms")
+
+    def graph_steps():
+        # As the engine runs decode steps with CUDA graphs on: every bucket captured at start-up, each step
+        # padded to its bucket, attention planned for the model's whole context, one upload and one replay.
         begin = time.perf_counter()
-        step()
+        buckets = model.use_decode_buckets(max_num_seqs=64, max_model_len=c.max_position_embeddings, block_size=bs,
+                                           kv_cache=cache)
         cupy.cuda.get_current_stream().synchronize()
-        first_step = time.perf_counter() - begin
-        host, device = host_and_device_seconds(step)
-        model.decode_graphs = None
-        ROWS.append((f"  host / GPU per step bs={S} graph", f"{host * 1e3:.3f} ms",
-                     f"GPU (replay) {device * 1e3:.2f} ms; first step (eager + capture) {first_step * 1e3:.0f} ms"))
+        report.row("model-8b graphs captured", f"{time.perf_counter() - begin:.1f} s", f"buckets {buckets}")
+        for S, batch in batches.items():
+            host_s, device_s = host_and_device_seconds(lambda: model.forward(batch, cache, device_logits=True))
+            report.row(f"  host / GPU per step bs={S} graph", f"{host_s * 1e3:.3f} ms",
+                       f"GPU (replay) {device_s * 1e3:.2f} ms")
+    report.check("model-8b graphs", graph_steps)
 
 
-# ---- (f) compute-sanitizer over one small forward (optional, time-boxed) -------------------------------------
+# ---- compute-sanitizer and NCCL ---------------------------------------------------------------------------
 
-def run_sanitizer(work: Path) -> None:
-    """memcheck and racecheck over small_forward(). Optional: some GPU runtimes refuse the sanitizer ("Device
-    not supported"); that, a missing tool or a time-out is an n/a row that costs seconds, not the run."""
+def run_sanitizer(report) -> None:
+    """memcheck and racecheck over small_forward(). Some GPU runtimes refuse the sanitizer ("Device not
+    supported"): that, a missing tool or a time-out is an n/a row."""
     exe = shutil.which("compute-sanitizer") or next(
         (str(p) for p in (Path("/usr/local/cuda/bin/compute-sanitizer"),) if p.exists()), None)
     if exe is None:
-        ROWS.append(("compute-sanitizer", "n/a", "not installed"))
+        report.row("compute-sanitizer", "n/a", "not installed")
         return
-    for tool, limit in (("memcheck", 20), ("racecheck", 20)):
+    for tool in ("memcheck", "racecheck"):
         try:
             result = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable, __file__,
-                                     "--small-forward"], capture_output=True, text=True, timeout=limit, cwd=REPO)
+                                     "--small-forward"], capture_output=True, text=True, timeout=13, cwd=REPO)
         except subprocess.TimeoutExpired:
-            ROWS.append((f"compute-sanitizer {tool}", "n/a", f"time-boxed at {limit} s (optional)"))
+            report.row(f"compute-sanitizer {tool}", "n/a", "time-boxed at 13 s")
             continue
         text = result.stdout + result.stderr
-        log(f"[compute-sanitizer {tool}, exit {result.returncode}]\n{text[-3000:]}")
+        print(f"[compute-sanitizer {tool}, exit {result.returncode}]\n{text[-3000:]}", flush=True)
         refusal = next((line for line in text.splitlines() if "not supported" in line.lower()), None)
         if refusal:
-            ROWS.append(("compute-sanitizer", "n/a", f"refused: {refusal.strip()[:80]}"))
+            report.row("compute-sanitizer", "n/a", f"refused: {refusal.strip()[:80]}")
             return
-        summary = next((line.strip() for line in text.splitlines() if "SUMMARY" in line), f"exit code {result.returncode}")
-        verdict = {0: "ok", 3: "ERROR"}.get(result.returncode, "n/a")
-        ROWS.append((f"compute-sanitizer {tool}", verdict, summary[:90]))
+        summary = next((line.strip() for line in text.splitlines() if "SUMMARY" in line), f"exit {result.returncode}")
+        report.row(f"compute-sanitizer {tool}", {0: "ok", 3: "ERROR"}.get(result.returncode, "n/a"), summary[:90])
 
 
 def small_forward() -> None:
-    """The bundled model in float32 on the GPU: a prompt, three tokens sampled on the device, and a top-k/top-p
-    draw: every kernel launches at least once."""
-    from minisarathi.backends.gpu_sampling import GpuSampler
-    model = build_model(default_model_dir(), cuda_ops.gpu("float32"))
-    ids = generate_sampled_on_device(model, [1, 403, 407, 261, 378], 3)
+    """The bundled model in float32: a prompt, three tokens sampled on the device and a top-k/top-p draw, so
+    that every kernel launches at least once."""
+    model = build_model(default_model_dir(), make_ops("float32"))
+    ids, _ = generate(model, PROMPT, 3, on_device=True)
     ops = model.ops
     logits = ops.launcher.to_device(np.random.default_rng(0).standard_normal((4, 1000)).astype(np.float32))
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)] * 4
-    drawn = GpuSampler(ops, 1000).sample(logits, params, [None] * 4, [[1]] * 4, [[]] * 4).token_ids
+    drawn = ops.new_sampler(1000).sample(logits, params, [None] * 4, [[1]] * 4, [[]] * 4).token_ids
     print("small forward:", ids, drawn.tolist(), flush=True)
 
 
-# ---- (h) tensor parallelism over NCCL: two GPUs against one (docs/deploy.md) ---------------------------------
-
-def check_nccl(work: Path) -> None:
+def check_nccl(report) -> None:
     """The bundled model split over two GPUs (a rank process per GPU, all-reduces through NCCL) against the same
-    model on one: greedy tokens identical, logits within float32 tolerance, and a decode step's time. With one
-    GPU it says so and passes: the communicator itself is then covered by a one-rank test where NCCL exists."""
+    model on one: greedy tokens identical, logits within float32 tolerance. With one GPU it says so."""
     import cupy
     count = cupy.cuda.runtime.getDeviceCount()
     if count < 2:
-        ROWS.append(("nccl TP=2", "skipped: one GPU", f"{count} GPU visible; TP over NCCL needs two"))
+        report.row("nccl TP=2", "skipped: one GPU", f"{count} GPU visible; TP over NCCL needs two")
         return
     from cupy.cuda import nccl
     from minisarathi.parallel.group import TensorParallelModel, find_mpiexec
     if not nccl.available:
-        ROWS.append(("nccl TP=2", "MISSING", "NCCL is not loadable by CuPy: pip install 'nvidia-nccl-cu13' (or -cu12)"))
+        report.row("nccl TP=2", "MISSING", "NCCL is not loadable by CuPy: pip install 'nvidia-nccl-cu13' (or -cu12)")
         return
     try:
         find_mpiexec()
     except ValueError as exc:
-        ROWS.append(("nccl TP=2", "MISSING", str(exc)))
+        report.row("nccl TP=2", "MISSING", str(exc))
         return
-    path, prompt, new_tokens = default_model_dir(), [1, 403, 407, 261, 378], 24
-    one = build_model(path, cuda_ops.gpu("float32"))
-    want_ids, want_logits = generate(one, prompt, new_tokens)
-    one_s = seconds_per_token(one, prompt, new_tokens)
+    path = default_model_dir()
+    want_ids, want_logits = generate(build_model(path, make_ops("float32")), PROMPT, 24)
     two = TensorParallelModel(path, "cuda", "float32", 2, rank_timeout_s=15)
     try:
-        ids, logits = generate(two, prompt, new_tokens)
-        two_s = seconds_per_token(two, prompt, new_tokens)
+        ids, logits = generate(two, PROMPT, 24)
     finally:
         two.close()
     error = float(np.abs(logits - want_logits).max() / np.abs(want_logits).max())
     ok = ids == want_ids and error <= TOLERANCE["float32"]
-    ROWS.append(("nccl TP=2 vs TP=1 stories260K fp32", "ok" if ok else "MISMATCH",
-                 f"greedy tokens {'identical' if ids == want_ids else 'differ'}, logits rel err {error:.1e}"))
-    ROWS.append(("speed nccl TP=2 token", f"{two_s * 1e3:.2f} ms", f"TP=1 {one_s * 1e3:.2f} ms; host loop, {new_tokens} tokens"))
+    report.row("nccl TP=2 vs TP=1 stories260K fp32", "ok" if ok else "MISMATCH",
+               f"greedy tokens {'identical' if ids == want_ids else 'differ'}, logits rel err {error:.1e}")
 
 
-def seconds_per_token(model, prompt: list[int], new_tokens: int) -> float:
-    """Wall time of generate() per token, prefill included (the first run compiled and warmed up)."""
-    start = time.perf_counter()
-    generate(model, prompt, new_tokens)
-    return (time.perf_counter() - start) / new_tokens
-
-
-def run_pytest(work: Path) -> None:
-    gpu_tests = ["test_bundled_model_on_gpu", "test_bf16_checkpoint_reaches_the_backend_as_its_own_bits[gpu]",
-                 "test_gpu_sampler_matches_the_numpy_sampler[gpu-bfloat16]"]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-rs", *[f"tests/test_cuda_backend.py::{t}" for t in gpu_tests],
-                             "tests/test_nvrtc.py"], capture_output=True, text=True, timeout=30, cwd=REPO)
-    log(f"[pytest output]\n{result.stdout}{result.stderr}")
-    summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
-    # On a GPU nothing may skip: a skip means CuPy or NVRTC was not usable from pytest.
-    verdict = "FAILED" if result.returncode else "SKIPPED" if "skipped" in summary else "ok"
-    ROWS.append(("pytest GPU tests + nvrtc", verdict, summary[:90]))
-
-
-# name -> (check, seconds it may take), in the order they run: correctness first, speed second, the optional
-# sanitizer pass, pytest, then NCCL last (its rank processes are the likeliest to outlive a killed section). The limits add up to less than TOTAL_BUDGET_S (tests/test_gpu_check.py).
-SECTIONS = {"kernels": (check_kernels, 45), "sampling": (check_sampling, 30), "models": (check_models, 45),
-            "ceilings": (measure_ceilings, 20), "kernel-speed": (time_kernels, 30),
-            "attention": (time_attention, 45), "model-8b": (time_model_8b, 75),
-            "sanitizer": (run_sanitizer, 45), "pytest": (run_pytest, 35), "nccl": (check_nccl, 20)}
-
-
-def run_section(name: str, out: Path, work: Path) -> None:
-    """In a child process: one section, its rows to WORK/rows/NAME.json, its log appended to OUT/details.txt."""
-    start = time.perf_counter()
-    guarded(name, SECTIONS[name][0], work)
-    log(f"[{name}] {time.perf_counter() - start:.1f} s")
-    (work / "rows" / f"{name}.json").write_text(json.dumps(ROWS))
-    with open(out / "details.txt", "a") as details:
-        details.write("\n".join(DETAILS) + "\n")
-
-
-def preflight() -> str | None:
-    """None when CuPy imports and sees a GPU; otherwise what is missing, and what to install."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return f"CuPy is not importable ({exc}); {INSTALL_HINT}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # no driver: CUDARuntimeError
-        return f"no CUDA GPU usable by CuPy {cupy.__version__}: {str(exc).splitlines()[0][:120]}"
-    return None if count else f"no CUDA GPU visible to CuPy {cupy.__version__}"
-
-
-def run_all(out: Path, work: Path) -> int:
-    """Every section in its own process within TOTAL_BUDGET_S; 1 if any check failed, 2 if nothing could run."""
-    (work / "rows").mkdir(parents=True, exist_ok=True)
-    (out / "details.txt").write_text("")
-    missing = preflight()
-    if missing:
-        rows = [("environment", "MISSING", missing)]
-        write_summary(out, work, rows)
-        print("\n" + table(rows), flush=True)
-        return 2
-    deadline = time.monotonic() + TOTAL_BUDGET_S
-    rows: list[tuple[str, str, str]] = []
-    for name, (_, limit) in SECTIONS.items():
-        rows_file = work / "rows" / f"{name}.json"
-        rows_file.unlink(missing_ok=True)
-        left = deadline - time.monotonic()
-        if left < 15:
-            rows.append((name, "SKIPPED", f"{TOTAL_BUDGET_S} s budget spent"))
-            continue
-        print(f"==== {name} (limit {min(limit, left):.0f} s)", flush=True)
-        try:
-            code = subprocess.run([sys.executable, __file__, "--out", str(out), "--work", str(work), "--section", name],
-                                  timeout=min(limit, left), cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            code = f"killed after {min(limit, left):.0f} s"
-        rows += [tuple(row) for row in json.loads(rows_file.read_text())] if rows_file.exists() else []
-        if code != 0:
-            rows.append((name, "ERROR", f"section process: {code if isinstance(code, str) else f'exit code {code}'}"))
-        write_summary(out, work, rows)
-    print("\n" + table(rows), flush=True)
-    return int(any(result in FAILURES for _, result, _ in rows))
-
-
-def table(rows) -> str:
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{name:{width}s}  {result:>14s}  {detail}" for name, result, detail in rows)
-
-
-def write_summary(out: Path, work: Path, rows) -> None:
-    ceilings = work / "ceilings.json"
-    (out / "summary.txt").write_text(table(rows) + "\n")
-    (out / "results.json").write_text(json.dumps(
-        {"rows": rows, "ceilings": json.loads(ceilings.read_text()) if ceilings.exists() else {}}, indent=1))
-
-
-# ---- nvcc resource report (no GPU needed) --------------------------------------------------------------------
-
-def ptxas_report(arch: str = "sm_90") -> str:
-    """Markdown table of registers, shared memory and spills per kernel instantiation, from nvcc -Xptxas -v."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    lines = ["| kernel | registers | static smem (B) | spill stores/loads (B) |", "| --- | --- | --- | --- |"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for file in cuda_ops.kernel_files():
-            names = cuda_ops.name_expressions(file)
-            # Taking each kernel's address instantiates the templates, as NVRTC's name expressions do.
-            wrapper = Path(tmp) / f"{Path(file).stem}_all.cu"
-            wrapper.write_text(f'#include "{cuda_dir() / file}"\n' +
-                               "".join(f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(names)))
-            result = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", f"-I{cuda_dir()}",
-                                     "-Xptxas", "-v,-warn-spills", "-o", str(Path(tmp) / "out.cubin"), str(wrapper)],
-                                    capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(result.stderr)
-            lowered = {}
-            for block in re.split(r"ptxas info\s+: Compiling entry function ", result.stderr)[1:]:
-                mangled = block.split("'")[1]
-                regs = re.search(r"Used (\d+) registers", block)
-                smem = re.search(r"(\d+) bytes smem", block)
-                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
-                lowered[mangled] = (regs.group(1) if regs else "?", smem.group(1) if smem else "0",
-                                    f"{spill.group(1)}/{spill.group(2)}" if spill else "?")
-            for name in names:
-                base, _, targ = name.partition("<")
-                match = [m for m in lowered if m == name or (targ and m.startswith(f"_Z{len(base)}{base}")
-                                                              and _mangled_type(targ[:-1]) in m)]
-                regs, smem, spill = lowered[match[0]] if match else ("?", "?", "?")
-                lines.append(f"| `{name}` | {regs} | {smem} | {spill} |")
-    return "\n".join(lines)
-
-
-def _mangled_type(cxx: str) -> str:
-    """Itanium mangling of template arguments: an element type, then any int arguments (`__half, 16`)."""
-    element, *ints = cxx.split(", ")
-    code = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}[element]
-    return "I" + code + "".join(f"Li{n}E" for n in ints) + "E"
+# ---- the sections, in the order they run --------------------------------------------------------------------
+# Limits (s) of a full run and of --quick (None: not in --quick) add up to under BUDGET_S, so every section gets
+# its turn whatever hangs. Correctness runs with CUDA_LAUNCH_BLOCKING=1: a kernel's error is raised by its own
+# launch, so the first failing call names it. Not the others: blocking launches do not mix with stream capture,
+# and would serialize the overlap and the speed they measure.
+BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1"}
+SECTIONS = [
+    Section("env", check_environment, 30, 30, "correctness", CPU, required=True),
+    Section("compile", compile_kernels, 65, 45, "correctness", CPU),
+    Section("ops-float32", check_ops, 30, 20, "correctness", CPU, ("float32",), BLOCKING),
+    Section("ops-bfloat16", check_ops, 30, 20, "correctness", CPU, ("bfloat16",), BLOCKING),
+    Section("ops-float16", check_ops, 20, None, "correctness", CPU, ("float16",), BLOCKING),
+    Section("sampling", check_sampling, 30, 20, "correctness", CPU, env=BLOCKING),
+    Section("models", check_models, 40, 25, "correctness", CPU, env=BLOCKING),
+    Section("graph-linear", check_linear_capture, 15, 10, "graphs", "cuda_graphs=False"),
+    Section("graphs", check_graphs, 35, 20, "graphs", "cuda_graphs=False"),
+    Section("overlap", check_overlap, 30, 20, "overlap", "overlap=False"),
+    Section("ceilings", measure_ceilings, 15, 10, "speed"),
+    Section("kernel-speed", time_kernels, 15, None, "speed"),
+    Section("attention", time_attention, 35, 20, "speed"),
+    Section("model-8b", time_model_8b, 45, 30, "speed"),
+    Section("sanitizer", run_sanitizer, 30, None, "speed"),
+    Section("nccl", check_nccl, 15, None, "speed"),
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="the few files to keep")
-    parser.add_argument("--work", type=Path, help="scratch folder for rows and ceilings (default: a temporary one)")
-    parser.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
-    parser.add_argument("--small-forward", action="store_true", help="one small forward (what the sanitizer runs)")
-    parser.add_argument("--ptxas-report", action="store_true", help="print the nvcc resource table and exit")
-    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="summary.txt and summary.json")
+    parser.add_argument("--quick", action="store_true", help=f"the shorter run (under {BUDGET_S['quick']} s)")
+    parser.add_argument("--section", action="append", choices=[s.name for s in SECTIONS],
+                        help="run only these sections (repeatable), each still in its own process")
+    parser.add_argument("--device", choices=["cuda", "cuda-emulated"], default="cuda",
+                        help="cuda-emulated: a dry run of the correctness and graph sections on the CPU emulator")
+    parser.add_argument("--list", action="store_true", help="print the sections and their limits")
+    parser.add_argument("--small-forward", action="store_true", help=argparse.SUPPRESS)   # what the sanitizer runs
     args = parser.parse_args()
-    if args.ptxas_report:
-        print(ptxas_report(args.arch))
-        return
     if args.small_forward:
         small_forward()
         return
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    work = (args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))).resolve()
-    if args.section:
-        (work / "rows").mkdir(parents=True, exist_ok=True)
-        run_section(args.section, out, work)
+    mode = "quick" if args.quick else "full"
+    sections = [s for s in SECTIONS if (args.quick and s.quick_s is not None or not args.quick)
+                and (not args.section or s.name in args.section or s.required)
+                and (args.device == "cuda" or s.stage != "speed")]
+    if args.list:
+        for s in sections:
+            print(f"{s.name:14s} {s.stage:12s} limit {s.limit_s:3.0f} s, --quick {s.quick_s or '-'}")
         return
-    sys.exit(run_all(out, work))
+    os.environ["GPU_CHECK_DEVICE"] = args.device   # the sections' processes read it
+    slower = 1 if args.device == "cuda" else 20       # the emulator runs kernels on the CPU
+    sections = [dataclasses.replace(s, limit_s=s.limit_s * slower, quick_s=s.quick_s and s.quick_s * slower)
+                for s in sections]
+    results = run_sections(sections, args.out.resolve(), BUDGET_S[mode] * slower, args.quick,
+                           f"gpu_check {mode} on {args.device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    sys.exit(exit_code(results))
 
 
 if __name__ == "__main__":
