@@ -13,7 +13,7 @@ arrays), so what is timed is the Python that issues a step: argument checks, met
 allocation. CuPy's own cost per launch (argument packing, the driver call) comes on top on a GPU.
 
 The "graph" rows run the decode steps as the engine does with CUDA graphs on (minisarathi/model/decode_graphs.py):
-a first step captures the bucket's graph, and the step measured replays it: one graph launch, the one copy
+every bucket's graph is captured first, and the step measured replays one: one graph launch, the one copy
 of the step's metadata into the bucket's static buffer, and the sampler's launches and uploads.
 """
 from __future__ import annotations
@@ -52,11 +52,11 @@ def cases() -> dict[str, list[ScheduledChunk]]:
             + [decode(s, 100) for s in range(7)]}
 
 
-def use_graphs(model: LlamaModel, graphs: bool) -> None:
+def use_graphs(model: LlamaModel, graphs: bool, cache: list | None = None) -> None:
     """Decode steps as the engine runs them with CUDA graphs on (a fresh capture per call), or eagerly."""
     model.decode_graphs = None
     if graphs:
-        model.use_decode_buckets(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, capture=True)
+        model.use_decode_buckets(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, kv_cache=cache)
 
 
 def count(model: LlamaModel, chunks: list[ScheduledChunk], layers: int, graphs: bool = False) -> tuple[int, int]:
@@ -64,10 +64,9 @@ def count(model: LlamaModel, chunks: list[ScheduledChunk], layers: int, graphs: 
     the sampler's. With graphs, of a step that replays its bucket's graph (a graph launch counts as one)."""
     full, launcher = model.layers, model.ops.launcher
     model.layers = full[:layers]
-    use_graphs(model, graphs)
     cache = model.new_kv_cache(72, BLOCK_SIZE)
+    use_graphs(model, graphs, cache)
     if graphs:
-        model.forward(build_batch(chunks, BLOCK_SIZE), cache, device_logits=True)   # eager, then the capture
         for bucket in model.decode_graphs.buckets.values():
             bucket.graph = CountedGraph(bucket.graph, model.ops)
     copies = []
@@ -101,9 +100,9 @@ class CountedGraph:
 
 def host_seconds(model: LlamaModel, chunks: list[ScheduledChunk], graphs: bool = False, repeat: int = 200) -> float:
     """Median seconds of one forward on the null launcher (a fresh batch each time, as a step has); with graphs,
-    of the replays that follow the bucket's capture."""
-    use_graphs(model, graphs)
+    of the replays of the bucket's graph."""
     cache = model.new_kv_cache(72, BLOCK_SIZE)
+    use_graphs(model, graphs, cache)
     model.forward(build_batch(chunks, BLOCK_SIZE), cache, device_logits=True)
     times = []
     for _ in range(repeat):

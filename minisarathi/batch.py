@@ -29,8 +29,8 @@ class Batch:
     previous_rows: np.ndarray | None = None      # int32[P]
     previous_sources: np.ndarray | None = None   # int32[P]
     # Set on a CUDA graph bucket's decode batch (minisarathi/model/decode_graphs.py): decode attention is planned
-    # once for this many keys in every row (the block tables' capacity) and reads each row's length on the
-    # device. None: planned from context_lens, step by step.
+    # once for rows of up to this many keys (the block tables' capacity) and cuts each row's keys on the device
+    # from its length. None: planned from context_lens, step by step.
     plan_context_len: int | None = None
 
     @property

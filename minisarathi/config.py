@@ -69,8 +69,8 @@ class EngineConfig:
     # issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend on a
     # GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
     overlap: bool | None = None
-    # Decode-only steps padded to batch-size buckets and replayed as one CUDA graph per bucket, captured at
-    # the bucket's first use (minisarathi/model/decode_graphs.py). None: on for the CUDA backends ("cuda",
+    # Decode-only steps padded to batch-size buckets and replayed as one CUDA graph per bucket, every bucket
+    # captured at start-up (minisarathi/model/decode_graphs.py; a failed capture: logged, eager steps). None: on for the CUDA backends ("cuda",
     # "cuda-emulated"), off on "cpu"; True on "cpu" runs the padded buckets without graphs (NumPy has none);
     # False: every step eager. Tensor-parallel ranks run eagerly.
     cuda_graphs: bool | None = None

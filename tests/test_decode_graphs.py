@@ -101,6 +101,48 @@ def test_graphs_give_the_eager_tokens_on_the_emulator(monkeypatch):
 
 
 @emulator_only
+def test_every_bucket_is_captured_at_start_up(monkeypatch):
+    """No capture mid-serving: the engine captures each bucket, largest first, before its first request."""
+    captured = []
+    capture = cuda_ops.EmulatorLauncher.capture
+    monkeypatch.setattr(cuda_ops.EmulatorLauncher, "capture",
+                        lambda self, fn: captured.append(self) or capture(self, fn))
+    llm = LLM(device="cuda-emulated", **OPTIONS)
+    graphs = llm.engine.model.decode_graphs
+    assert list(graphs.buckets) == [8, 4, 2, 1] and len(captured) == 4
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    llm.generate(PROMPTS, params)
+    assert len(captured) == 4                                          # serving captured nothing more
+
+
+@emulator_only
+def test_a_capture_that_fails_is_logged_once_and_steps_run_eagerly(monkeypatch, caplog):
+    """The matmuls as they were before the backend had a cuBLAS handle of its own: CuPy's wrapper, which
+    refuses a capturing stream (emulator/cublas.py). The engine must start, log the failure once, and give
+    the eager path's tokens."""
+    from minisarathi.backends.emulator import cublas as emulated_cublas
+    eager, _ = generate("cuda-emulated", False)
+    handle = emulated_cublas.get_cublas_handle()
+
+    def cupy_matmul_t(self, x, w, bias):   # x @ w.T through CuPy's cublas.gemmEx (float32 here)
+        out = np.empty((x.shape[0], w.shape[0]), x.dtype)
+        scalars = np.array([1.0, 0.0], np.float32)
+        emulated_cublas.gemmEx(handle, 1, 0, w.shape[0], x.shape[0], x.shape[1], scalars[:1].ctypes.data,
+                               w.ctypes.data, 0, x.shape[1], x.ctypes.data, 0, x.shape[1], scalars[1:].ctypes.data,
+                               out.ctypes.data, 0, w.shape[0], 68, -1)
+        if bias is not None:
+            emulator.submit(lambda: np.add(out, bias, out=out))
+        return out
+    monkeypatch.setattr(cuda_ops.EmulatorLauncher, "matmul_t", cupy_matmul_t)
+    with caplog.at_level("WARNING", logger="minisarathi.engine"):
+        graphs, llm = generate("cuda-emulated", True)
+    failures = [r for r in caplog.records if "capture" in r.getMessage()]
+    assert len(failures) == 1 and "NotImplementedError" in failures[0].getMessage()
+    assert llm.engine.model.decode_graphs.buckets == {}
+    assert graphs == eager
+
+
+@emulator_only
 def test_a_graph_input_outside_the_static_buffer_is_read_stale(monkeypatch):
     """Negative control: the step's metadata uploaded into a fresh buffer instead of the bucket's static one;
     the replayed kernels then read the captured step's metadata and the tokens change."""
@@ -162,8 +204,10 @@ def test_capture_records_without_running_and_refuses_uploads():
     x[...] = 2.0                                                       # a replay reads the inputs' current values
     graph.launch()
     np.testing.assert_allclose(out, np.full((2, 4), 2 / (1 + np.exp(-2.0)) * 2), rtol=1e-6)
-    with pytest.raises(RuntimeError, match="during a graph capture"):
+    with pytest.raises(RuntimeError, match="host-to-device copy during a graph capture"):
         ops.launcher.capture(lambda: ops.launcher.to_device(np.zeros(3, np.int32)))
+    with pytest.raises(RuntimeError, match="device-to-host copy during a graph capture"):
+        ops.launcher.capture(lambda: ops.to_numpy(out))
     assert not emulator.capturing()
 
 
@@ -175,3 +219,57 @@ def test_no_cuda_graphs_flag():
     assert engine_options_from_args(parser.parse_args(["--no-cuda-graphs"]))["cuda_graphs"] is False
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM(cuda_graphs="yes")
+
+
+@emulator_only
+def test_graphs_through_decode_attention_give_the_eager_tokens():
+    """A random bf16 Llama of head_dim 64, whose decodes go through decode_attention.cu: 5 rows in the bucket
+    of 8 (3 padding rows), planned once for max_model_len with the same splits in every row, while the eager
+    steps plan from each step's lengths. The rows grow past split boundaries (64 and 128 keys) from one key up
+    to a long row; greedy tokens equal the eager ones and the logits agree to bf16 tolerance."""
+    from minisarathi.config import ModelConfig
+    from minisarathi.dtypes import bf16_to_float32
+    from minisarathi.model.llama import LlamaModel
+    from minisarathi.testing import ScheduledChunk, build_batch
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256,
+        "vocab_size": 300, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2})
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)   # noqa: E731
+    weights = {"embed_tokens": w(300, 128), "norm": 1 + w(128), "lm_head": w(300, 128)}
+    for i in range(2):
+        weights |= {f"layers.{i}.input_layernorm": 1 + w(128), f"layers.{i}.qkv_proj": w(12 * 64, 128),
+                    f"layers.{i}.o_proj": w(128, 512), f"layers.{i}.post_attention_layernorm": 1 + w(128),
+                    f"layers.{i}.gate_up_proj": w(512, 128), f"layers.{i}.down_proj": w(128, 256)}
+    model = LlamaModel(config, weights, cuda_ops.emulated("bfloat16"))
+    launched, kernel = set(), model.ops.launcher.kernel
+    model.ops.launcher.kernel = lambda file, name: launched.add(name.split("<")[0]) or kernel(file, name)
+    block_size, steps, start = 16, 4, [0, 61, 125, 1500, 3000]     # cached keys before the first decode
+    tables = [list(range(s * 200, s * 200 + 200)) for s in range(len(start))]
+    cached_keys = rng.standard_normal((2, 2, 1000, 2, block_size, 64)).astype(np.float32)   # layer, K/V, ...
+
+    def decode(graphs: bool):
+        cache = model.new_kv_cache(1000, block_size)
+        for layer, (k, v) in enumerate(cache):   # the same history in both runs, as a prefill would leave it
+            k[...], v[...] = (model.ops.launcher.to_device(model.ops.weight(x)) for x in cached_keys[layer])
+        model.decode_graphs = None
+        if graphs:
+            model.use_decode_buckets(max_num_seqs=8, max_model_len=3200, block_size=block_size, kv_cache=cache)
+        tokens, logits = [[3] for _ in start], []
+        for step in range(steps):
+            chunks = [ScheduledChunk([t[-1]], n + step, table, True) for t, n, table in zip(tokens, start, tables)]
+            out = bf16_to_float32(model.ops.launcher.to_host(model.forward(build_batch(chunks, block_size), cache,
+                                                                             device_logits=True)))
+            logits.append(out)
+            for t, row in zip(tokens, out):
+                t.append(int(row.argmax()))
+        return tokens, np.array(logits)
+
+    eager_tokens, eager_logits = decode(False)
+    graph_tokens, graph_logits = decode(True)
+    assert sorted(model.decode_graphs.buckets) == [1, 2, 4, 8]
+    assert {"decode_attention_kernel", "decode_attention_reduce_kernel"} <= launched
+    assert graph_tokens == eager_tokens
+    np.testing.assert_allclose(graph_logits, eager_logits, rtol=0, atol=0.03 * np.abs(eager_logits).max())

@@ -16,13 +16,17 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16 (
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 
 import numpy as np
 
-from minisarathi.backends import decode_plan, emulator
+from minisarathi.backends import cublas, decode_plan, emulator
+from minisarathi.backends.emulator import cublas as emulated_cublas
 from minisarathi.backends.gpu_sampling import GpuSampler, sample_rows
 from minisarathi.backends.kernel_source import kernel_constants
+from minisarathi.backends.pinned_staging import PinnedStaging
 from minisarathi.batch import Batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, convert, dtype_name, to_float32
 from minisarathi.model.loader import CheckpointTensor
@@ -41,6 +45,9 @@ TEMPLATED_KERNELS = {
     "copy_blocks.cu": ["copy_blocks_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
+# Files whose kernels' CTAs wait for each other (sample_kernel's split rows): launched cooperatively, so that a
+# grid the device cannot hold at once fails to launch instead of hanging.
+COOPERATIVE_FILES = {"sampling.cu"}
 # Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
 PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
 TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
@@ -59,7 +66,10 @@ VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need
 
 
 PA = kernel_constants("paged_attention.cu")    # PA_THREADS, PA_MAX_ROWS, PA_MAX_HEAD_DIM, ...
-PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD
+PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD, ...
+PF_WAVES = 2                     # waves of CTAs a split prefill grid aims at
+PF_MIN_FILL = 0.85               # an unsplit grid whose last wave is at least this full is left alone
+PF_MIN_SPLIT_KEYS = 512          # keys per split at least: fewer would spend more on partials than they win
 
 
 def name_expressions(file: str) -> list[str]:
@@ -70,6 +80,23 @@ def name_expressions(file: str) -> list[str]:
     if file in TENSOR_CORE_KERNELS:
         return list(TENSOR_CORE_KERNELS[file])
     return list(PLAIN_KERNELS[file])
+
+
+def nvrtc_options(file: str) -> tuple[str, ...]:
+    """NVRTC's options for cuda/<file>. CuPy keys its kernel cache by the source text and the options only,
+    not by the headers the source includes: a digest of those (followed transitively) goes into the options,
+    so an edited header compiles anew instead of loading a stale cubin."""
+    digest, seen, pending = hashlib.sha256(), set(), [file]
+    while pending:
+        name = pending.pop()
+        text = (cuda_dir() / name).read_text()
+        if name != file:
+            digest.update(name.encode() + b"\0" + text.encode())
+        for header in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.MULTILINE):
+            if header not in seen:
+                seen.add(header)
+                pending.append(header)
+    return (*NVRTC_OPTIONS, f"-I{cuda_dir()}", f"-DMINISARATHI_HEADERS_SHA256={digest.hexdigest()[:16]}")
 
 
 def kernel_files() -> list[str]:
@@ -84,34 +111,55 @@ class EmulatorLauncher:
     # Grids are sized for the GPU the emulator stands in for (an H100/H200), so emulated runs launch what it runs.
     multiprocessors = 132
 
+    def __init__(self):
+        # The GPU's cuBLAS calls, over the emulator's libcublas; its workspace is host memory.
+        self._workspace = np.empty(cublas.WORKSPACE_BYTES, np.uint8)   # uint8[32 MiB]
+        self._gemm = cublas.CublasGemm(emulated_cublas.EmulatedCublas(), self._workspace.ctypes.data,
+                                       cublas.WORKSPACE_BYTES)
+        self._captured_arrays: list | None = None   # while capturing: what the graph's GEMMs address
+
     def kernel(self, file: str, name: str):
-        return emulator.load_module(cuda_dir() / file, name_expressions(file)).get_function(name)
+        return emulator.load_module(cuda_dir() / file, name_expressions(file),
+                                    enable_cooperative_groups=file in COOPERATIVE_FILES).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
-        _refuse_copy_while_capturing()
+        _refuse_copy_while_capturing("host-to-device")
         return np.array(array, order="C")   # a copy, as an upload is: device arrays never alias host ones
 
     def copy_to_device(self, device: np.ndarray, array: np.ndarray) -> None:
-        _refuse_copy_while_capturing()
+        _refuse_copy_while_capturing("host-to-device")
         device[...] = array
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
+        _refuse_copy_while_capturing("device-to-host")
         return array
 
     def to_host_async(self, arrays: list[np.ndarray]):
         """CupyLauncher.to_host_async: here the kernels have run already, so the arrays are ready."""
+        _refuse_copy_while_capturing("device-to-host")
         return lambda: list(arrays)
 
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """x[T, K] @ w[N, K].T (+ bias), accumulated in float32, rounded once to x's type. Written into an
-        array allocated here, as cuBLAS writes, so that a graph can record it (emulator.submit)."""
-        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-        emulator.submit(lambda: _matmul_t_into(x, w, bias, out))
+        """CupyLauncher.matmul_t's calls, run by the emulator's cuBLAS (recorded while capturing)."""
+        x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)
+        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)   # [T, N]
+        if bias is not None:
+            emulator.submit(lambda: np.copyto(out, bias))   # CuPy's copy kernel, captured with the GEMM
+        self._gemm.matmul_t(x, w, out, dtype_name(x), bias is not None, emulated_cublas.current_stream())
+        if self._captured_arrays is not None:   # the graph keeps what its GEMM reads and writes
+            self._captured_arrays += [x, w, out]
         return out
 
     def capture(self, fn):
-        """(graph, fn()): fn's launches recorded as a graph (emulator.capture); graph.launch() replays them."""
-        return emulator.capture(fn)
+        """(graph, fn()): fn's launches recorded as a graph (emulator.capture); graph.launch() replays them.
+        The graph holds the arrays its GEMMs address by pointer, as a graph's memory pool does on a GPU."""
+        self._captured_arrays = []
+        try:
+            graph, result = emulator.capture(fn)
+            graph.arrays = self._captured_arrays
+            return graph, result
+        finally:
+            self._captured_arrays = None
 
 
 class CupyLauncher:
@@ -129,6 +177,8 @@ class CupyLauncher:
         self._modules: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
         self._graph_pool = self._capture_stream = None   # made at the first capture
+        self._gemm = self._workspace = None               # made at the first matmul
+        self._staging = PinnedStaging(cupy)
 
     def kernel(self, file: str, name: str):
         kernel = self._kernels.get((file, name))
@@ -136,20 +186,20 @@ class CupyLauncher:
             module = self._modules.get(file)
             if module is None:
                 source = (cuda_dir() / file).read_text()
-                module = self.xp.RawModule(code=source, options=(*NVRTC_OPTIONS, f"-I{cuda_dir()}"),
-                                           name_expressions=name_expressions(file))
+                module = self.xp.RawModule(code=source, options=nvrtc_options(file),
+                                           name_expressions=name_expressions(file),
+                                           enable_cooperative_groups=file in COOPERATIVE_FILES)
                 self._modules[file] = module
             kernel = self._kernels[(file, name)] = module.get_function(name)
         return kernel
 
     def to_device(self, array: np.ndarray):
-        array = np.ascontiguousarray(array)
         out = self.xp.empty(array.shape, dtype=array.dtype)
-        out.set(array)   # straight from pageable (e.g. memory-mapped) memory; cupy.asarray stages it in pinned memory
+        self._staging.copy(out, array)   # a step's arrays through pinned memory; weights straight from where they are
         return out
 
     def copy_to_device(self, device, array: np.ndarray) -> None:
-        device.set(np.ascontiguousarray(array))   # on the current stream, ordered before the launches after it
+        self._staging.copy(device, array)   # on the current stream, ordered before the launches after it
 
     def capture(self, fn):
         """(graph, fn()): fn's launches captured as a CUDA graph; graph.launch() replays them on the current
@@ -194,32 +244,17 @@ class CupyLauncher:
         return wait
 
     def matmul_t(self, x, w, bias):
-        if dtype_name(x) != "bfloat16":
-            out = x @ w.T   # cuBLAS; CuPy computes half matmuls with float32 accumulation
-            if bias is not None:
-                out += bias
-            return out
-        return self._bf16_gemm(x, w, bias)
-
-    def _bf16_gemm(self, x, w, bias):
-        # CuPy has no bfloat16 dtype, so call cublasGemmEx on the raw bits. cuBLAS is column-major: the
-        # row-major out[T, N] = x[T, K] @ w[N, K].T is, read column-major, out'[N, T] = w'^T[N, K] @ x'[K, T]
-        # where w' (K x N) and x' (K x T) are the same buffers. beta = 1 adds a bias copied into every row.
-        from cupy.cuda import cublas, device
+        """x[T, K] @ w[N, K].T (+ bias) through cuBLAS on this launcher's own handle (minisarathi/backends/
+        cublas.py: CuPy's `@` refuses a capturing stream), accumulated in float32, rounded once to x's type."""
         cp = self.xp
+        if self._gemm is None:   # at the first matmul: cuBLAS loaded, a handle and a workspace for the process
+            self._workspace = cp.empty(cublas.WORKSPACE_BYTES, dtype=cp.uint8)
+            self._gemm = cublas.CublasGemm(cublas.load_library(), self._workspace.data.ptr, cublas.WORKSPACE_BYTES)
         x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)
-        T, K = x.shape
-        N = w.shape[0]
-        out = cp.empty((T, N), dtype=cp.uint16)
+        out = cp.empty((x.shape[0], w.shape[0]), dtype=x.dtype)   # [T, N]
         if bias is not None:
             out[...] = bias   # a real copy: never let cuBLAS write into the bias itself
-        alpha = np.array(1.0, dtype=np.float32)
-        beta = np.array(1.0 if bias is not None else 0.0, dtype=np.float32)
-        OP_N, OP_T, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 1, 14, 68, -1   # cuBLAS enums
-        # CuPy's gemmEx binding puts the handle on the current stream itself.
-        cublas.gemmEx(device.get_cublas_handle(), OP_T, OP_N, N, T, K,
-                      alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K, x.data.ptr, CUDA_R_16BF, K,
-                      beta.ctypes.data, out.data.ptr, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        self._gemm.matmul_t(x, w, out, dtype_name(x), bias is not None, cp.cuda.get_current_stream().ptr)
         return out
 
 
@@ -476,22 +511,26 @@ class CudaOps:
         if len(plan.rows):
             self._kernel("decode_attention.cu", "decode_attention_reduce_kernel", q)(
                 (len(plan.rows), Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, rows, out, np.int32(Hq), np.int32(D)))
+                (partial_out, partial_max, partial_sum, rows, self._metadata(batch.context_lens), out, np.int32(Hq),
+                 np.int32(D)))
 
     def _decode_plan(self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int,
                      block_size: int):
         """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared by
-        every layer; a graph bucket's batch (batch.plan_context_len set) has one plan for the bucket's life,
-        made for that many keys in every row, whose device arrays stay here because its graph reads them."""
+        every layer; a graph bucket's batch (batch.plan_context_len set) has one plan for the bucket's life, for
+        rows of up to that many keys (the kernels take each row's keys from context_lens), whose device arrays
+        stay here because its graph reads them."""
         bucket = batch.plan_context_len is not None
         key = (("bucket", batch.num_seqs, batch.plan_context_len) if bucket else (id(batch.context_lens),)) + (
             Hq, Hk, D, itemsize, block_size)
         cached = self._decode_plans.get(key)
         if cached is None or not (bucket or cached[0] is batch.context_lens):
             seqs = np.flatnonzero(decodes)
-            lens = np.full(len(seqs), batch.plan_context_len) if bucket else batch.context_lens[seqs]
-            plan = decode_plan.plan(batch.query_start[seqs], seqs, lens, Hq, Hk, D, self.dtype, itemsize, block_size,
-                                    self.launcher.multiprocessors)
+            shape = Hq, Hk, D, self.dtype, itemsize, block_size, self.launcher.multiprocessors
+            if bucket:
+                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, batch.plan_context_len, *shape)
+            else:
+                plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], *shape)
             if not bucket and len(self._decode_plans) >= 8:
                 self._decode_plans = {k: v for k, v in self._decode_plans.items() if k[0] == "bucket"}
             to = self.launcher.to_device
@@ -546,30 +585,57 @@ class CudaOps:
                  out, np.int32(T), np.int32(Hq), np.int32(D), np.int32(PA_PARTITION_SIZE)))
 
     def _allow_shared_mem(self, kernel, nbytes: int) -> None:
-        """Opts a kernel in to more than 48 KiB of dynamic shared memory, once per size, as a GPU requires."""
-        if nbytes > self._shared_mem_opt_in.get(id(kernel), SMEM_BUDGET):
-            kernel.max_dynamic_shared_size_bytes = nbytes
-            self._shared_mem_opt_in[id(kernel)] = nbytes
+        """Lets `kernel` launch with `nbytes` of dynamic shared memory. A GPU refuses static + dynamic above
+        48 KiB unless the kernel opted in (cuFuncSetAttribute): done here once per kernel and size, not per
+        step. The static size is the kernel's own (CuPy's and the emulator's `attributes`)."""
+        allowed = self._shared_mem_opt_in.get(id(kernel))
+        if allowed is None:
+            allowed = SMEM_BUDGET - kernel.attributes["shared_size_bytes"]
+        if nbytes > allowed:
+            # Never lower a limit set through another CudaOps: kernels of one module are shared.
+            allowed = max(nbytes, kernel.max_dynamic_shared_size_bytes)
+            kernel.max_dynamic_shared_size_bytes = allowed
+        self._shared_mem_opt_in[id(kernel)] = allowed
 
-    def _prefill_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out) -> None:
-        """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token."""
+    def _prefill_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, splits: int | None = None) -> None:
+        """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token. A grid too small to
+        fill the GPU is split along the keys (_prefill_splits; `splits` forces a number), each split's partials
+        merged by paged_attention_reduce_kernel."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         group = Hq // Hk
+        selected = np.diff(batch.query_start) > 1
         # Latest tokens first: they have the most keys, and a GPU starts CTAs in grid order, so the long ones
         # start early and the short ones fill the tail (causal work grows along a chunk).
         work = self._upload_once(batch.query_start, lambda: np.ascontiguousarray(_work_items(
-            batch.query_start, PF["PF_ROWS"] // group, np.diff(batch.query_start) > 1)[::-1]), "prefill_attention work")
-        # Two stages of K and V tiles, then the next tile's cache rows (int32).
-        smem = 4 * PF["PF_KEYS"] * (D + PF["PF_PAD"]) * q.dtype.itemsize + 4 * PF["PF_KEYS"]
+            batch.query_start, PF["PF_ROWS"] // group, selected)[::-1]), "prefill_attention work")
+        tiles = -(-int(batch.context_lens[selected].max()) // PF["PF_KEYS"])   # key tiles of the longest run
+        if splits is None:
+            splits = _prefill_splits(len(work) * Hk, tiles, self.launcher.multiprocessors)
+        split_tiles = -(-tiles // splits)
+        splits = -(-tiles // split_tiles)
+        stages = 3 if D <= PF["PF_THREE_STAGE_MAX_HEAD_DIM"] else 2
+        # Q, the stages' K and V tiles, then the stages' cache rows (int64).
+        smem = ((PF["PF_ROWS"] + 2 * stages * PF["PF_KEYS"]) * (D + PF["PF_PAD"]) * q.dtype.itemsize
+                + 8 * stages * PF["PF_KEYS"])
+        shape = (splits, T, Hq) if splits > 1 else (1,)
+        partial_out, partial_max, partial_sum = (self.xp.empty(s, dtype=np.float32) for s in (shape + (D,), shape, shape))
+        positions = self._metadata(batch.positions)
         kernel = self._plain_kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
-        if smem > SMEM_BUDGET:
-            kernel.max_dynamic_shared_size_bytes = smem
-        kernel((len(work), Hk), (PF["PF_THREADS"],),
-               (q, k_cache, v_cache, work, self._metadata(batch.positions), self._metadata(batch.block_tables), out,
-                np.int32(Hq), np.int32(Hk), np.int32(block_size), np.int32(batch.block_tables.shape[1]),
-                np.int64(_row_stride(q, "q")), np.float32(scale * math.log2(math.e))),
+        self._allow_shared_mem(kernel, smem)
+        kernel((len(work), Hk, splits), (PF["PF_THREADS"],),
+               (q, k_cache, v_cache, work, positions, self._metadata(batch.block_tables), out,
+                partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(block_size),
+                np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
+                np.float32(scale * math.log2(math.e)), np.int32(split_tiles * PF["PF_KEYS"])),
                shared_mem=smem)
+        if splits > 1:
+            tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
+                np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "prefill_attention tokens")
+            self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
+                (len(tokens), Hq), (_threads(D, 128),),
+                (partial_out, partial_max, partial_sum, positions, tokens,
+                 out, np.int32(T), np.int32(Hq), np.int32(D), np.int32(split_tiles * PF["PF_KEYS"])))
 
     def silu_and_mul(self, x):
         self._check(x, "x")
@@ -621,20 +687,14 @@ class CudaOps:
         parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax). Rows may be
         split over several CTAs (gpu_sampling.sample_plan; ctas_per_row forces a split)."""
         kernel = self._plain_kernel("sampling.cu", "sample_kernel") if len(logits) else None
-        return sample_rows(kernel, self.launcher, logits, temperature, top_k, top_p, min_p, uniform, ctas_per_row)
+        return sample_rows(kernel, self.launcher, self._allow_shared_mem, logits, temperature, top_k, top_p, min_p,
+                           uniform, ctas_per_row)
 
 
-def _refuse_copy_while_capturing() -> None:
-    if emulator.capturing():
-        raise RuntimeError("a host-to-device copy during a graph capture: CUDA forbids it (upload before capturing)")
-
-
-def _matmul_t_into(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> None:
-    kind = dtype_name(x)
-    product = to_float32(x, kind) @ to_float32(w, kind).T
-    if bias is not None:
-        product += to_float32(bias, kind)
-    out[...] = convert(product, "float32", kind)
+def _refuse_copy_while_capturing(direction: str) -> None:
+    if emulator.capturing():   # CuPy's copies between pageable host memory and the device are synchronous
+        raise RuntimeError(f"a {direction} copy during a graph capture: CUDA forbids it (copy before or after "
+                           "capturing)")
 
 
 def _grid_stride_blocks(elements: int) -> int:
@@ -682,6 +742,18 @@ def _work_items(query_start: np.ndarray, tile_tokens: int, selected: np.ndarray 
     first = query_start[seq] + tile_index * tile_tokens
     count = np.minimum(tile_tokens, query_start[seq + 1] - first)
     return np.stack([seq, first, count], axis=1).astype(np.int32)
+
+
+def _prefill_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
+    """Key splits for a prefill grid of `ctas` CTAs whose longest run spans `tiles` key tiles. A grid of fewer
+    than PF_WAVES waves whose last wave is under PF_MIN_FILL full leaves SMs idle (a 512-token chunk at GQA 4:
+    128 CTAs for 264 slots) and is split into about PF_WAVES waves; 2048 tokens at GQA 4 (512 CTAs, 1.94
+    waves) is not, since partials would cost more than the 3% they fill. Splits keep PF_MIN_SPLIT_KEYS keys."""
+    resident = multiprocessors * PF["PF_CTAS_PER_SM"]
+    waves = ctas / resident
+    if waves >= PF_WAVES or waves / math.ceil(waves) >= PF_MIN_FILL:
+        return 1
+    return max(1, min(math.ceil(PF_WAVES * resident / ctas), tiles * PF["PF_KEYS"] // PF_MIN_SPLIT_KEYS))
 
 
 def _is_16_byte_aligned(x) -> bool:

@@ -69,6 +69,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     random_model.add_argument("--intermediate-size", type=int, default=1408)
     random_model.add_argument("--max-position-embeddings", type=int, default=2048)
     random_model.add_argument("--seed", type=int, default=0)
+    random_model.add_argument("--vocab-size", type=int, default=512, help="the model's (the tokenizer keeps 512)")
 
 
 def _add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -398,7 +399,8 @@ def _run_random_model(args) -> int:
 
     try:
         path = write_random_model(args.path, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
-                                  args.intermediate_size, args.max_position_embeddings, args.seed)
+                                  args.intermediate_size, args.max_position_embeddings, args.seed,
+                                  args.vocab_size)
     except OSError as e:
         raise ValueError(f"path {args.path}: cannot be written ({e.strerror or e})") from None
     print(f"wrote {path} ({(path / 'model.safetensors').stat().st_size / 2**20:.1f} MiB of float32 weights)")

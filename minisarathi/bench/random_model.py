@@ -1,6 +1,7 @@
 """A seeded random-weight Llama in Hugging Face format, of any shape, for timing studies.
 
-Vocabulary 512 with the bundled model's tokenizer files, so it loads and serves like any HF folder.
+The bundled model's tokenizer files (512 tokens), so it loads and serves like any HF folder; the model's own
+vocabulary may be larger (as checkpoints pad theirs), with ids past the tokenizer's decoding to nothing.
 Weights are float32 N(0, 0.02) (HF's initializer_range), norms 1, untied lm_head: the output is
 nonsense but every matmul and attention costs exactly what a trained model of the shape would.
 """
@@ -21,10 +22,10 @@ VOCAB_SIZE = 512
 
 def write_random_model(path, hidden_size: int = 512, num_layers: int = 4, num_heads: int = 8,
                        num_kv_heads: int = 4, intermediate_size: int = 1408,
-                       max_position_embeddings: int = 2048, seed: int = 0) -> Path:
+                       max_position_embeddings: int = 2048, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Path:
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads),
                         ("num_kv_heads", num_kv_heads), ("intermediate_size", intermediate_size),
-                        ("max_position_embeddings", max_position_embeddings)):
+                        ("max_position_embeddings", max_position_embeddings), ("vocab_size", vocab_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -40,9 +41,11 @@ def write_random_model(path, hidden_size: int = 512, num_layers: int = 4, num_he
     def normal(*shape):
         return rng.standard_normal(shape, dtype=np.float32) * 0.02
 
-    tensors = {"model.embed_tokens.weight": normal(VOCAB_SIZE, hidden_size),
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least the tokenizer's {VOCAB_SIZE}, got {vocab_size}")
+    tensors = {"model.embed_tokens.weight": normal(vocab_size, hidden_size),
                "model.norm.weight": np.ones(hidden_size, np.float32),
-               "lm_head.weight": normal(VOCAB_SIZE, hidden_size)}
+               "lm_head.weight": normal(vocab_size, hidden_size)}
     for i in range(num_layers):
         p = f"model.layers.{i}."
         tensors |= {p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
@@ -61,7 +64,7 @@ def write_random_model(path, hidden_size: int = 512, num_layers: int = 4, num_he
               "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
               "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
-              "attention_bias": False, "mlp_bias": False, "vocab_size": VOCAB_SIZE,
+              "attention_bias": False, "mlp_bias": False, "vocab_size": vocab_size,
               "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:

@@ -137,9 +137,11 @@ class LLMEngine:
         capture = self.model.ops.device != "cpu"
         if config.cuda_graphs if config.cuda_graphs is not None else capture:
             buckets = self.model.use_decode_buckets(config.max_num_seqs, self.max_model_len, config.block_size,
-                                                    capture)
+                                                    self.kv_cache if capture else None)
+            graphs = self.model.decode_graphs.buckets
             log.info("decode steps padded to batch-size buckets %s%s", buckets,
-                     ", CUDA graphs on (each bucket captured at its first use)" if capture else " (no graphs on cpu)")
+                     " (no graphs on cpu)" if not capture else
+                     ", CUDA graphs captured for each" if graphs else ", CUDA graphs off: capture failed")
 
     # requests ---------------------------------------------------------------------------------------------
 

@@ -3,18 +3,22 @@
 A decode step's launches are the same from step to step except for the batch's metadata (token ids,
 positions, slots, context lengths, block tables), once each step is padded to a bucket: padding rows
 decode token 0 at position 0 with context length 1 over block 0 and store nothing (slot -1), and the
-block tables are as wide as max_model_len allows. Decode attention is planned once per bucket for that
-capacity and reads each row's length on the device (cuda/decode_attention.cu). So one bucket's run can be
+block tables are as wide as max_model_len allows. Decode attention is planned once per bucket, with the
+same number of splits in every row, and each split's keys are cut from the row's length on the device
+(cuda/decode_attention.cu). So one bucket's run can be
 captured once and replayed: the step copies its metadata into the bucket's static device buffer (one
 upload) and launches the graph. Logits come back for every bucket row; the real rows are the first ones.
 
-Capture is lazy: a bucket's first step runs eagerly (compiling kernels, planning, growing memory pools,
-and producing that step's logits), then its run is captured; every later step of that bucket replays.
-Steps with prefill tokens run eagerly: their token count and attention plan change with every chunk.
+Every bucket is captured when the engine starts, largest first, as vLLM does: a capture mid-serving would
+show as a TBT spike. A bucket's step runs once eagerly before its capture (kernel compiles, attention plans
+and memory-pool growth cannot happen inside one), on padding rows only. If a capture fails, the failure is
+logged once and decode steps run eagerly from then on; serving goes on. Steps with prefill tokens always run
+eagerly: their token count and attention plan change with every chunk.
 On the NumPy backend (no graphs) the padded path runs eagerly; tests hold it to the unpadded one.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,8 @@ from minisarathi.batch import Batch
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16)
 BUCKET_STEP = 32   # then multiples of 32 up to max_num_seqs
+
+log = logging.getLogger("minisarathi.engine")
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -64,15 +70,36 @@ class CapturedBucket:
 
 
 class DecodeGraphs:
-    """Runs a model's decode-only steps padded to buckets; with `capture`, as one CUDA graph per bucket."""
+    """Runs a model's decode-only steps padded to buckets; with a KV cache, as one CUDA graph per bucket over it."""
 
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool):
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, kv_cache: list | None = None):
         self.model = model   # a LlamaModel: ops, run()
         self.sizes = bucket_sizes(max_num_seqs)
         self.table_width = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
-        self.capture = capture
         self.buckets: dict[int, CapturedBucket] = {}
+        self.kv_cache = kv_cache   # the cache the graphs read and write; None: padded eager steps, no graphs
+        if kv_cache is not None:
+            self._capture_all()
+
+    def _capture_all(self) -> None:
+        empty = np.zeros(0, np.int32)
+        no_rows = Batch(empty, empty, empty, np.zeros(1, np.int32), empty, np.zeros((0, 1), np.int32), empty,
+                        max_query_len=1, max_context_len=1)
+        ops = self.model.ops
+        for size in reversed(self.sizes):   # largest first: the smaller graphs then fit in the pool's memory
+            padded = pad_to_bucket(no_rows, size, self.table_width, self.max_model_len)
+            try:
+                metadata = ops.upload_batch(padded)
+                self.model.run(padded, self.kv_cache)
+                graph, logits = ops.launcher.capture(lambda: self.model.run(padded, self.kv_cache))
+            except Exception as exc:   # whatever refuses a capture on this GPU, serving goes on without graphs
+                log.warning("CUDA graph capture of the decode bucket of %d rows failed (%s: %s); decode steps run "
+                            "eagerly", size, type(exc).__name__, exc)
+                self.buckets.clear()
+                self.kv_cache = None
+                return
+            self.buckets[size] = CapturedBucket(metadata, graph, logits)
 
     def takes(self, batch: Batch) -> bool:
         """Decode-only (one token per sequence, every row sampled) and no larger than the largest bucket."""
@@ -84,15 +111,12 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= batch.num_seqs)
         padded = pad_to_bucket(batch, size, self.table_width, self.max_model_len)
         ops, bucket = self.model.ops, self.buckets.get(size)
-        if not self.capture:
+        if bucket is None:
             ops.upload_batch(padded)
             logits = self.model.run(padded, kv_cache)
-        elif bucket is None:   # first use: eager (its uploads, compiles and plans cannot happen in a capture)
-            metadata = ops.upload_batch(padded)
-            logits = self.model.run(padded, kv_cache)
-            graph, graph_logits = ops.launcher.capture(lambda: self.model.run(padded, kv_cache))
-            self.buckets[size] = CapturedBucket(metadata, graph, graph_logits)
         else:
+            if kv_cache is not self.kv_cache:
+                raise ValueError("kv_cache: the decode graphs were captured over another KV cache")
             ops.upload_batch(padded, into=bucket.metadata)
             bucket.graph.launch()
             logits = bucket.logits

@@ -94,10 +94,12 @@ class LlamaModel:
         """The backend's sampler for forward(..., device_logits=True)'s logits."""
         return self.ops.new_sampler(self.config.vocab_size, seed, eos_token_ids)
 
-    def use_decode_buckets(self, max_num_seqs: int, max_model_len: int, block_size: int, capture: bool) -> list[int]:
-        """From now on, forward() pads decode-only batches to batch-size buckets and, with `capture` (CUDA
-        backends), replays each bucket's CUDA graph (minisarathi/model/decode_graphs.py). Returns the buckets."""
-        self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len, block_size, capture)
+    def use_decode_buckets(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                           kv_cache: list | None = None) -> list[int]:
+        """From now on, forward() pads decode-only batches to batch-size buckets and, given the KV cache (CUDA
+        backends), replays each bucket's CUDA graph, all captured now (minisarathi/model/decode_graphs.py).
+        Returns the buckets."""
+        self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len, block_size, kv_cache)
         return self.decode_graphs.sizes
 
     def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]], device_logits: bool = False) -> Any:
