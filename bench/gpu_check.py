@@ -579,7 +579,10 @@ ATTENTION_CASES = [
     ("prefill 2048 @0", [(0, 2048)], 350e12, False), ("prefill 2048 @8k", [(8192, 2048)], 350e12, True),
     ("prefill 2048 @30k", [(30720, 2048)], 350e12, False), ("decode 64x4k", [(4095, 1)] * 64, 0.80, True),
     ("decode 1x512", [(511, 1)], None, False), ("decode 1x32k", [(32767, 1)], 0.60, True),
+    # A graph bucket's plan (planned for 128k-key rows, each row's keys cut on the device): near the eager rows.
+    ("decode bucket 64x4k @128k", [(4095, 1)] * 64, 0.70, True), ("decode bucket 1x4k @128k", [(4095, 1)], None, False),
 ]
+BUCKET_CAPACITY = 131072   # the "@128k" cases' plan_context_len
 
 
 def time_attention(report) -> None:
@@ -597,6 +600,10 @@ def time_attention_case(report, ops, label: str, runs: list[tuple[int, int]], ta
         chunks.append(ScheduledChunk([1] * n, history, list(range(first, first + count)), True))
         first += count
     batch = build_batch(chunks, bs)
+    if "bucket" in label:   # as decode_graphs.pad_to_bucket makes it: tables as wide as the capacity
+        tables = np.zeros((batch.num_seqs, BUCKET_CAPACITY // bs), np.int32)   # int32[S, 8192]
+        tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+        batch.block_tables, batch.plan_context_len = tables, BUCKET_CAPACITY
     k_cache, v_cache = random_device(ops, (first, Hk, bs, D)), random_device(ops, (first, Hk, bs, D))
     q = random_device(ops, (batch.num_tokens, Hq, D))
     scale = D ** -0.5
