@@ -6,6 +6,7 @@ head_dim 64, each under two fiber orders. `python -m bench.decode_attention_matr
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import numpy as np
@@ -100,6 +101,62 @@ def test_mixed_batch_launches_over_disjoint_rows(order, dtype, prefill_kernel):
     launched = check(dtype, 8, 2, 64, 16, [1, 600, 33], order, prefills=[(520, 7), (0, 5)])
     assert any(n.startswith("decode_attention_kernel") for n in launched)
     assert any(n.startswith(prefill_kernel) for n in launched)
+
+
+@emulated_only
+def test_a_hybrid_steps_decodes_run_on_a_second_stream_joined_before_the_output_is_read():
+    """bf16 decodes beside tensor-core prefill chunks: the decode kernels go to the side stream, the prefill's
+    stay on the current one, and the output is the reference's. The emulator holds side-stream work until the
+    join, so a step that forgot the join (on a GPU, a race) leaves its decode rows unwritten, and that shows."""
+    ops, rng = cuda_ops.emulated("bfloat16"), np.random.default_rng(5)
+    batch, q, k_cache, v_cache = decode_case(rng, "bfloat16", 8, 2, 64, 16, [(40, 1), (599, 1), (520, 7), (0, 5)])
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    streams, launcher = [], ops.launcher
+    side, kernel = launcher.side_stream, launcher.kernel
+
+    @contextlib.contextmanager
+    def traced_side_stream():
+        streams.append("fork")
+        with side():
+            yield
+        streams.append("side done")
+    launcher.side_stream = traced_side_stream
+    launcher.kernel = lambda file, name: streams.append(name.split("<")[0]) or kernel(file, name)
+    out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE["bfloat16"] * np.abs(expected).max())
+    fork, done = streams.index("fork"), streams.index("side done")
+    assert {"decode_attention_kernel", "decode_attention_reduce_kernel"} == set(streams[fork + 1:done])
+    assert "prefill_attention_kernel" in streams[done + 1:]
+
+    launcher.join_side_stream = lambda: None   # the join forgotten, on new queries
+    q = on_device(rng.standard_normal(q.shape), "bfloat16")
+    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    read = as_float32(ops.paged_attention(q, k_cache, v_cache, batch, 0.3))   # what the next op would read
+    emulator.join_side_stream()                # (runs the held work, so that nothing is left for later tests)
+    assert np.abs(read[2:] - expected[2:]).max() <= TOLERANCE["bfloat16"] * np.abs(expected).max()
+    assert not np.allclose(read[:2], expected[:2], atol=0.05)   # the two decode rows
+
+
+def test_the_emulators_side_stream_holds_its_work_until_the_join():
+    ran = []
+    with emulator.side_stream():
+        emulator.submit(lambda: ran.append("side"))
+    emulator.submit(lambda: ran.append("current"))
+    assert ran == ["current"]
+    with pytest.raises(RuntimeError, match="never joined"):
+        with emulator.side_stream():
+            pass
+    emulator.join_side_stream()
+    assert ran == ["current", "side"]
+    with pytest.raises(RuntimeError, match="no side stream"):
+        emulator.join_side_stream()
+    with pytest.raises(ValueError):   # a step that fails while issuing drops its side work
+        with emulator.side_stream():
+            emulator.submit(lambda: ran.append("dropped"))
+            raise ValueError
+    with pytest.raises(RuntimeError, match="no side stream"):
+        emulator.join_side_stream()
+    assert ran == ["current", "side"]
 
 
 @emulated_only

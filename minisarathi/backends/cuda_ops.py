@@ -16,6 +16,7 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16 (
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
@@ -150,6 +151,13 @@ class EmulatorLauncher:
             self._captured_arrays += [x, w, out]
         return out
 
+    def side_stream(self):
+        """CupyLauncher.side_stream: the launches inside are held until join_side_stream() (emulator.side_stream)."""
+        return emulator.side_stream()
+
+    def join_side_stream(self) -> None:
+        emulator.join_side_stream()
+
     def capture(self, fn):
         """(graph, fn()): fn's launches recorded as a graph (emulator.capture); graph.launch() replays them.
         The graph holds the arrays its GEMMs address by pointer, as a graph's memory pool does on a GPU."""
@@ -179,6 +187,7 @@ class CupyLauncher:
         self._graph_pool = self._capture_stream = None   # made at the first capture
         self._gemm = self._workspace = None               # made at the first matmul
         self._staging = PinnedStaging(cupy)
+        self._side = self._forked = self._side_done = None   # side_stream(): made at its first use
 
     def kernel(self, file: str, name: str):
         kernel = self._kernels.get((file, name))
@@ -200,6 +209,24 @@ class CupyLauncher:
 
     def copy_to_device(self, device, array: np.ndarray) -> None:
         self._staging.copy(device, array)   # on the current stream, ordered before the launches after it
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Launches inside go to a second stream, after everything issued on the current one so far (an event);
+        join_side_stream() makes the current stream wait for them. What is allocated inside comes from the
+        side stream's share of CuPy's pool, so its memory is reused only in that stream's order."""
+        cp = self.xp
+        if self._side is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+            self._forked, self._side_done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        self._forked.record()
+        self._side.wait_event(self._forked)
+        with self._side:
+            yield
+        self._side_done.record(self._side)
+
+    def join_side_stream(self) -> None:
+        self.xp.cuda.get_current_stream().wait_event(self._side_done)
 
     def capture(self, fn):
         """(graph, fn()): fn's launches captured as a CUDA graph; graph.launch() replays them on the current
@@ -478,9 +505,16 @@ class CudaOps:
         prefills = q_lens > 1
         if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):
             prefills[:] = False
-        if decodes.any():
+        if decodes.any() and prefills.any():
+            # A hybrid step: the decodes' output rows are disjoint from the chunks', so their K/V reads run on a
+            # second stream, under the prefill's tensor-core work, and the step joins them before going on.
+            with self.launcher.side_stream():
+                self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+            self.launcher.join_side_stream()
+        elif decodes.any():
             self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
-        if prefills.any():
+        elif prefills.any():
             self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
         rest = ~(decodes | prefills)
         if rest.any():

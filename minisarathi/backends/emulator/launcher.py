@@ -44,6 +44,7 @@ class CUDADriverError(RuntimeError):
 
 _schedule = threading.local()
 _capture = threading.local()   # .launches: the list a capture records into; absent or None when not capturing
+_side = threading.local()      # .launches: side-stream work not yet joined; .open: issuing to the side stream
 
 
 class Graph:
@@ -77,10 +78,40 @@ def capturing() -> bool:
     return getattr(_capture, "launches", None) is not None
 
 
+@contextlib.contextmanager
+def side_stream():
+    """Launches issued inside go to a second stream, which starts after what was issued before. Here they are
+    held and run only at join_side_stream(): a result read before the join (a missing event wait on a GPU,
+    where it would be a race) reads what its array held before."""
+    if capturing():
+        raise RuntimeError("side_stream: not inside a capture (a graph's work stays on one stream here)")
+    if getattr(_side, "launches", None) is not None:
+        raise RuntimeError("side_stream: the previous side stream's work was never joined (join_side_stream)")
+    _side.launches, _side.open = [], True
+    try:
+        yield
+    except BaseException:
+        _side.launches = None   # the step failed: its side work is dropped with it
+        raise
+    finally:
+        _side.open = False
+
+
+def join_side_stream() -> None:
+    """The current stream waits for the side stream's work: here, that work runs now."""
+    launches, _side.launches = getattr(_side, "launches", None), None
+    if launches is None:
+        raise RuntimeError("join_side_stream: no side stream's work to join")
+    for run in launches:
+        run()
+
+
 def submit(run) -> None:
-    """Runs a launch now, or records it while capturing."""
+    """Runs a launch now, or records it while capturing, or holds it while issuing to the side stream."""
     if capturing():
         _capture.launches.append(run)
+    elif getattr(_side, "open", False):
+        _side.launches.append(run)
     else:
         run()
 
