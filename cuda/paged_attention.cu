@@ -27,6 +27,9 @@ constexpr int PA_ROWS_PER_WARP = 4;
 constexpr int PA_MAX_ROWS = PA_WARPS * PA_ROWS_PER_WARP;    // 16 (query token, head) rows per CTA
 constexpr int PA_MAX_HEAD_DIM = 256;
 constexpr int PA_DIMS_PER_LANE = PA_MAX_HEAD_DIM / 32;
+// CTAs per SM that ptxas must fit (<= 72 registers). With PA_THREADS alone ptxas may trim registers to reach
+// the next CTA count on its own, and did: 64 (sm_80) / 72 (sm_90) with the row positions spilled under NVRTC.
+constexpr int PA_MIN_CTAS_PER_SM = 7;
 
 // Shared memory, in this order (cuda_ops._attention_tiling adds up its size; the host reads the constants
 // above from this file, so they are written only here):
@@ -74,7 +77,7 @@ __device__ __forceinline__ void stage_kv_tile(const T* __restrict__ k_cache, con
 }
 
 template <typename T>
-__global__ void __launch_bounds__(PA_THREADS) paged_attention_kernel(
+__global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attention_kernel(
     const T* __restrict__ q,               // [num_tokens, num_q_heads, head_dim], rows q_stride apart
     const T* __restrict__ k_cache,         // [num_blocks, num_kv_heads, block_size, head_dim]
     const T* __restrict__ v_cache,         // same layout
@@ -113,16 +116,18 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_kernel(
     const int key_end = min(key_begin + partition_size, last_position + 1);
 
     float row_max[PA_ROWS_PER_WARP], row_sum[PA_ROWS_PER_WARP], acc[PA_ROWS_PER_WARP][PA_DIMS_PER_LANE];
-    int row_position[PA_ROWS_PER_WARP];
 #pragma unroll
     for (int w = 0; w < PA_ROWS_PER_WARP; ++w) {
-        const int r = warp + w * PA_WARPS;
-        row_position[w] = r < rows ? positions[first_token + r / group] : -1;
         row_max[w] = negative_infinity();
         row_sum[w] = 0.0f;
 #pragma unroll
         for (int i = 0; i < PA_DIMS_PER_LANE; ++i) acc[w][i] = 0.0f;
     }
+    // Lane w holds the position of the warp's row w (-1: no row), shuffled out per row and tile: one register
+    // instead of four held through the tile loop.
+    const int lane_row = warp + lane * PA_WARPS;
+    const int row_positions = lane < PA_ROWS_PER_WARP && lane_row < rows ? positions[first_token + lane_row / group] : -1;
+    const int lane_dims = head_dim - lane;   // this lane's dimensions d = lane + 32 i are those with 32 i < lane_dims
     __syncthreads();   // q_s complete
 
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
@@ -135,8 +140,9 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_kernel(
         for (int w = 0; w < PA_ROWS_PER_WARP; ++w) {
             const int r = warp + w * PA_WARPS;
             if (r >= rows) continue;   // uniform across the warp, so the shuffles below see all lanes
+            const int row_position = __shfl_sync(FULL_WARP, row_positions, w);
             float score = negative_infinity();
-            if (lane < n && tile + lane <= row_position[w]) {
+            if (lane < n && tile + lane <= row_position) {
                 const float* qr = q_s + r * head_dim;
                 const T* kr = k_s + lane * k_pitch;
                 float dot = 0.0f;
@@ -156,13 +162,17 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_kernel(
             if (lane < key_tile) p_s[r * key_tile + lane] = p;
             __syncwarp();   // p_s row visible to all lanes
 #pragma unroll
-            for (int i = 0; i < PA_DIMS_PER_LANE; ++i) {
-                const int d = lane + 32 * i;
-                if (d >= head_dim) break;
-                float a = acc[w][i] * correction;
+            for (int i = 0; i < PA_DIMS_PER_LANE; ++i) acc[w][i] *= correction;
+            // Keys outer, dimensions inner: p_j is loaded once for all of the lane's dimensions, and key j's values
+            // sit at fixed offsets 32 i from one pointer. Each acc still adds p_j v_j in key order.
+            const float* pr = p_s + r * key_tile;
+            const T* vr = v_s + lane;
 #pragma unroll 1
-                for (int j = 0; j < n; ++j) a += p_s[r * key_tile + j] * to_float(v_s[j * head_dim + d]);
-                acc[w][i] = a;
+            for (int j = 0; j < n; ++j, vr += head_dim) {
+                const float pj = pr[j];
+#pragma unroll
+                for (int i = 0; i < PA_DIMS_PER_LANE; ++i)
+                    if (32 * i < lane_dims) acc[w][i] += pj * to_float(vr[32 * i]);
             }
             __syncwarp();   // all lanes done reading p_s before the next row or tile writes it
         }
