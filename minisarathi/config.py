@@ -25,7 +25,7 @@ def read_json_object(path: Path) -> dict:
 
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
-DEVICES = ("auto", "cpu", "cuda", "cuda-emulated")
+DEVICES = ("auto", "cpu", "cuda", "cuda-emulated", "reference")   # reference: backends/reference.py
 ENGINE_DTYPES = ("auto", *DTYPES)
 
 

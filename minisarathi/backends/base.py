@@ -1,8 +1,9 @@
 """The one interface every backend implements: what the model and the engine may ask of it.
 
-Two backends implement it: NumpyOps (minisarathi/backends/numpy_ops.py, the float32 reference on the CPU)
-and CudaOps (minisarathi/backends/cuda_ops.py, the kernels of cuda/*.cu on a GPU or on the CPU emulator).
-docs/architecture.md has the same list as a table with the shapes; tests/test_backends.py checks that both
+Three backends implement it: ReferenceOps (minisarathi/backends/reference.py, the plain float32 reference
+the others are tested against), NumpyOps (minisarathi/backends/numpy_ops.py, the fast CPU backend) and CudaOps
+(minisarathi/backends/cuda_ops.py, the kernels of cuda/*.cu on a GPU or on the CPU emulator).
+docs/architecture.md has the same list as a table with the shapes; tests/test_backends.py checks that the
 backends have every name listed here.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ Array = Any   # a NumPy array on the CPU and the emulator, a CuPy array on a GPU
 
 
 class Backend(Protocol):
-    device: str                   # "cpu", "cuda" or "cuda-emulated"
+    device: str                   # "cpu", "reference", "cuda" or "cuda-emulated"
     activation_dtype: np.dtype    # of activations and the KV cache (uint16 holds bfloat16 bits)
 
     # placement
@@ -59,6 +60,6 @@ class Backend(Protocol):
 
 
 def interface_names() -> list[str]:
-    """Every attribute and method of Backend, for the test that holds both backends to it."""
+    """Every attribute and method of Backend, for the tests that hold every backend to it."""
     methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
     return sorted([*Backend.__annotations__, *methods])

@@ -134,13 +134,13 @@ class LLMEngine:
         self.num_generated_tokens = 0
 
     def _use_decode_buckets(self, config: EngineConfig) -> None:
-        capture = self.model.ops.device != "cpu"
+        capture = self.model.ops.device in ("cuda", "cuda-emulated")   # the host backends have no graphs
         if config.cuda_graphs if config.cuda_graphs is not None else capture:
             buckets = self.model.use_decode_buckets(config.max_num_seqs, self.max_model_len, config.block_size,
                                                     self.kv_cache if capture else None)
             graphs = self.model.decode_graphs.buckets
             log.info("decode steps padded to batch-size buckets %s%s", buckets,
-                     " (no graphs on cpu)" if not capture else
+                     f" (no graphs on {self.model.ops.device})" if not capture else
                      ", CUDA graphs captured for each" if graphs else ", CUDA graphs off: capture failed")
 
     # requests ---------------------------------------------------------------------------------------------
