@@ -2,9 +2,10 @@
 
 The wrappers are written once against a launcher that says where kernels run:
   - CupyLauncher: a real GPU. Kernels are CuPy RawModules compiled once per process with NVRTC, arrays
-    are CuPy arrays, `x @ w.T` is cuBLAS. CuPy is imported only here (cupy-cuda12x or cupy-cuda13x).
+    are CuPy arrays, matmuls cublasGemmEx on a handle of our own (cublas.py: CuPy's own refuses to be
+    captured). CuPy is imported only here (cupy-cuda12x or cupy-cuda13x).
   - EmulatorLauncher: the same .cu sources built with g++ and run on the CPU (device "cuda-emulated");
-    arrays are NumPy, matmuls NumPy.
+    arrays are NumPy, matmuls the same cuBLAS calls over the emulator's libcublas (emulator/cublas.py).
 Both launch with CuPy's RawKernel convention `kernel(grid, block, args, shared_mem=n)`, with scalars
 passed as exact NumPy types (np.int32, np.float32, np.int64), which the emulator checks.
 
