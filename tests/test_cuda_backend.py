@@ -385,3 +385,18 @@ def test_parallel_sampling_on_emulated_kernels(monkeypatch):
                         lambda path, **kwargs: build_model(Path(path), cuda_ops.emulated()))
     assert generate() == expected
     assert len({tuple(c) for c in expected[0]}) > 1
+
+
+def test_a_steps_uploads_live_until_the_next_step():
+    """The upload cache is emptied only by upload_batch, between steps: emptied mid-step, it would free arrays
+    (the packed metadata) that a hybrid step's side-stream kernels may still read on a GPU."""
+    ops = cuda_ops.emulated()
+    batch = build_batch([ScheduledChunk([5] * 3, 0, [0], True), ScheduledChunk([7], 4, [1], True)], 8)
+    ops.upload_batch(batch)
+    step = dict(ops._uploads)
+    extras = [np.zeros(1, np.int32) for _ in range(40)]   # more derived arrays than any step makes
+    for extra in extras:
+        ops._upload_once(extra, lambda: extra, "derived")
+    assert all(ops._uploads.get(key) is value for key, value in step.items())
+    ops.upload_batch(build_batch([ScheduledChunk([9], 2, [2], True)], 8))   # the next step: the old ones go
+    assert not any(key in ops._uploads for key in step)

@@ -134,11 +134,13 @@ def test_a_capture_that_fails_is_logged_once_and_steps_run_eagerly(monkeypatch, 
             emulator.submit(lambda: np.add(out, bias, out=out))
         return out
     monkeypatch.setattr(cuda_ops.EmulatorLauncher, "matmul_t", cupy_matmul_t)
+    freed = []
+    monkeypatch.setattr(cuda_ops.EmulatorLauncher, "free_graph_memory", lambda self: freed.append(self))
     with caplog.at_level("WARNING", logger="minisarathi.engine"):
         graphs, llm = generate("cuda-emulated", True)
     failures = [r for r in caplog.records if "capture" in r.getMessage()]
     assert len(failures) == 1 and "NotImplementedError" in failures[0].getMessage()
-    assert llm.engine.model.decode_graphs.buckets == {}
+    assert llm.engine.model.decode_graphs.buckets == {} and freed == [llm.engine.model.ops.launcher]
     assert graphs == eager
 
 
@@ -273,3 +275,42 @@ def test_graphs_through_decode_attention_give_the_eager_tokens():
     assert {"decode_attention_kernel", "decode_attention_reduce_kernel"} <= launched
     assert graph_tokens == eager_tokens
     np.testing.assert_allclose(graph_logits, eager_logits, rtol=0, atol=0.03 * np.abs(eager_logits).max())
+
+
+def test_a_failed_capture_reports_its_own_error_and_ends_the_capture():
+    """CupyLauncher.capture over a stand-in for CuPy's streams: when fn raises, the capture is ended, and an
+    end_capture that fails too (as an invalidated capture's does) does not hide fn's error."""
+    import contextlib
+    import types
+    calls = []
+
+    class Stream:
+        def __init__(self, non_blocking):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            calls.append("begin")
+
+        def end_capture(self):
+            calls.append("end")
+            raise RuntimeError("cudaErrorStreamCaptureInvalidated")
+
+    class Pool:
+        malloc = None
+
+    def refused():
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+
+    launcher = object.__new__(cuda_ops.CupyLauncher)   # no GPU here: only capture() is exercised
+    launcher.xp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        MemoryPool=Pool, Stream=Stream, using_allocator=lambda malloc: contextlib.nullcontext()))
+    launcher._graph_pool = None
+    with pytest.raises(NotImplementedError, match="during stream capture"):
+        launcher.capture(refused)
+    assert calls == ["begin", "end"]

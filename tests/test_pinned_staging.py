@@ -77,3 +77,10 @@ def test_a_slot_grows_for_a_larger_array_and_weights_are_not_staged():
     weight = np.ones(pinned_staging.LARGEST_STAGED // 4 + 1, np.float32)
     staging.copy(DeviceArray(recorder, weight.shape, np.float32), weight)
     assert recorder.log == [("set", False)]   # straight from the array: one copy at load time
+
+
+def test_an_empty_array_copies_nothing():
+    recorder = Recorder()
+    staging = PinnedStaging(FakeCupy(recorder), slots=2)
+    staging.copy(DeviceArray(recorder, (0, 4), np.int32), np.zeros((0, 4), np.int32))   # e.g. a plan with no split rows
+    assert recorder.log == []

@@ -30,12 +30,16 @@ def address(array) -> int:
 
 
 def load_library() -> ctypes.CDLL:
-    """libcublas as CuPy's binding loaded it (cupy-cuda12x: libcublas.so.12, cupy-cuda13x: .so.13)."""
-    import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads libcublas into the process)
+    """libcublas as CuPy loaded it (cupy-cuda12x: libcublas.so.12, cupy-cuda13x: .so.13)."""
+    from cupy.cuda import runtime
+    # The attribute access, not a plain import: CuPy 14 finds libcublas (pip or system) through
+    # cuda.pathfinder in the package's __getattr__ before it imports the binding.
+    from cupy_backends.cuda.libs import cublas  # noqa: F401
+    name = f"/libcublas.so.{runtime.runtimeGetVersion() // 1000}"   # the major CuPy was built for
     with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+        paths = sorted({line.split()[-1] for line in maps if name in line})
     if not paths:
-        raise RuntimeError("CuPy's cuBLAS binding is imported but no libcublas.so is mapped into the process")
+        raise RuntimeError(f"CuPy's cuBLAS binding is imported but no {name[1:]} is mapped into the process")
     return declare(ctypes.CDLL(paths[0]))
 
 

@@ -49,7 +49,7 @@ TEMPLATED_KERNELS = {
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
 # Files whose kernels' CTAs wait for each other (sample_kernel's split rows): launched cooperatively, so that a
 # grid the device cannot hold at once fails to launch instead of hanging.
-COOPERATIVE_FILES = {"sampling.cu"}
+COOPERATIVE_KERNELS = {"sample_kernel"}
 # Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
 PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
 TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
@@ -122,7 +122,7 @@ class EmulatorLauncher:
 
     def kernel(self, file: str, name: str):
         return emulator.load_module(cuda_dir() / file, name_expressions(file),
-                                    enable_cooperative_groups=file in COOPERATIVE_FILES).get_function(name)
+                                    enable_cooperative_groups=name in COOPERATIVE_KERNELS).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         _refuse_copy_while_capturing("host-to-device")
@@ -159,6 +159,9 @@ class EmulatorLauncher:
     def join_side_stream(self) -> None:
         emulator.join_side_stream()
 
+    def free_graph_memory(self) -> None:
+        """CupyLauncher.free_graph_memory: the emulator's graphs hold host arrays, freed with the graphs."""
+
     def capture(self, fn):
         """(graph, fn()): fn's launches recorded as a graph (emulator.capture); graph.launch() replays them.
         The graph holds the arrays its GEMMs address by pointer, as a graph's memory pool does on a GPU."""
@@ -193,13 +196,16 @@ class CupyLauncher:
     def kernel(self, file: str, name: str):
         kernel = self._kernels.get((file, name))
         if kernel is None:
-            module = self._modules.get(file)
+            # CuPy launches every kernel of a cooperative module cooperatively, and cuts a 1-D grid that is not
+            # co-resident to what is (a warning only): only the kernels whose CTAs wait for each other get one.
+            cooperative = name in COOPERATIVE_KERNELS
+            module = self._modules.get((file, cooperative))
             if module is None:
                 source = (cuda_dir() / file).read_text()
                 module = self.xp.RawModule(code=source, options=nvrtc_options(file),
                                            name_expressions=name_expressions(file),
-                                           enable_cooperative_groups=file in COOPERATIVE_FILES)
-                self._modules[file] = module
+                                           enable_cooperative_groups=cooperative)
+                self._modules[(file, cooperative)] = module
             kernel = self._kernels[(file, name)] = module.get_function(name)
         return kernel
 
@@ -222,9 +228,11 @@ class CupyLauncher:
             self._forked, self._side_done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         self._forked.record()
         self._side.wait_event(self._forked)
-        with self._side:
-            yield
-        self._side_done.record(self._side)
+        try:
+            with self._side:
+                yield
+        finally:
+            self._side_done.record(self._side)
 
     def join_side_stream(self) -> None:
         self.xp.cuda.get_current_stream().wait_event(self._side_done)
@@ -244,9 +252,19 @@ class CupyLauncher:
             stream.begin_capture()
             try:
                 result = fn()
-            finally:
-                graph = stream.end_capture()
+            except BaseException:
+                try:
+                    stream.end_capture()   # ends the capture; fn's error is the one to report
+                except Exception:
+                    pass
+                raise
+            graph = stream.end_capture()
         return graph, result
+
+    def free_graph_memory(self) -> None:
+        """Hands the memory the graphs' pool keeps cached back to the device, once no graph is kept."""
+        if self._graph_pool is not None:
+            self._graph_pool.free_all_blocks()
 
     def to_host(self, array) -> np.ndarray:
         return self.xp.asnumpy(array)
@@ -365,7 +383,7 @@ class CudaOps:
                   batch.block_tables, batch.logits_indices]
         if batch.previous_rows is not None:
             arrays += [batch.previous_rows, batch.previous_sources]
-        if len(self._uploads) > 32 - len(arrays):   # room for all of them: none is evicted before it is read
+        if len(self._uploads) > 32 - len(arrays):   # only between steps: a step's arrays live through the step
             self._uploads.clear()
         starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in arrays])     # int32 elements, 16-byte aligned
         packed = np.zeros(int(starts[-1]), np.int32)                        # int32[sum of padded sizes]
@@ -393,8 +411,8 @@ class CudaOps:
         cached = self._uploads.get((id(source), what))
         if cached is not None and cached[0] is source:   # holding `source` keeps its id from being reused
             return cached[1]
-        if len(self._uploads) >= 32:
-            self._uploads.clear()
+        if len(self._uploads) >= 256:   # ops called without upload_batch (tests, benchmarks): the engine's
+            self._uploads.clear()        # steps empty it in upload_batch, never while a step's kernels may read it
         device = view if view is not None else self.launcher.to_device(make())
         self._uploads[(id(source), what)] = (source, device)
         return device

@@ -29,6 +29,8 @@ class PinnedStaging:
     def copy(self, device, array: np.ndarray) -> None:
         """device[...] = array, which must match device's shape and dtype; the host array may be reused at once."""
         array = np.ascontiguousarray(array)
+        if array.nbytes == 0:
+            return
         if array.nbytes > LARGEST_STAGED:
             device.set(array)
             return

@@ -97,6 +97,7 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of the decode bucket of %d rows failed (%s: %s); decode steps run "
                             "eagerly", size, type(exc).__name__, exc)
                 self.buckets.clear()
+                ops.launcher.free_graph_memory()
                 self.kv_cache = None
                 return
             self.buckets[size] = CapturedBucket(metadata, graph, logits)
