@@ -21,7 +21,7 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_COMPUTE_32F = 68            # float32 accumulation for every type, as CuPy's own matmuls
 CUBLAS_GEMM_DEFAULT = -1
 DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}   # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
-WORKSPACE_BYTES = 32 * 1024 * 1024  # what the cuBLAS docs advise for Hopper (4 MiB is enough before it)
+WORKSPACE_BYTES = 32 * 1024 * 1024  # the cuBLAS docs' advice for Hopper (docs/cuda.md)
 
 
 def address(array) -> int:

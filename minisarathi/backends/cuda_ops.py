@@ -47,7 +47,7 @@ TEMPLATED_KERNELS = {
     "copy_blocks.cu": ["copy_blocks_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
-# Files whose kernels' CTAs wait for each other (sample_kernel's split rows): launched cooperatively, so that a
+# Kernels whose CTAs wait for each other (sample_kernel's split rows): launched cooperatively, so that a
 # grid the device cannot hold at once fails to launch instead of hanging.
 COOPERATIVE_KERNELS = {"sample_kernel"}
 # Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
@@ -115,7 +115,7 @@ class EmulatorLauncher:
 
     def __init__(self):
         # The GPU's cuBLAS calls, over the emulator's libcublas; its workspace is host memory.
-        self._workspace = np.empty(cublas.WORKSPACE_BYTES, np.uint8)   # uint8[32 MiB]
+        self._workspace = np.empty(cublas.WORKSPACE_BYTES, np.uint8)   # uint8[WORKSPACE_BYTES], never touched
         self._gemm = cublas.CublasGemm(emulated_cublas.EmulatedCublas(), self._workspace.ctypes.data,
                                        cublas.WORKSPACE_BYTES)
         self._captured_arrays: list | None = None   # while capturing: what the graph's GEMMs address
@@ -758,7 +758,7 @@ def _grid_stride_blocks(elements: int) -> int:
 def _aligned(array, what: str):
     """The kernels' 16-byte vector loads assume their weights, caches and tables start 16-byte aligned
     (CuPy's allocations are 256-byte aligned, NumPy's 16 or more): refuse one that is not."""
-    address = array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
+    address = cublas.address(array)
     if address % VECTOR_BYTES:
         raise ValueError(f"{what}: device array at {address:#x} is not {VECTOR_BYTES}-byte aligned")
     return array
@@ -811,7 +811,7 @@ def _prefill_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
 
 def _is_16_byte_aligned(x) -> bool:
     """Rows of x[T, H, D] start on 16-byte boundaries (decode_attention.cu loads Q in 16-byte vectors)."""
-    address = x.data.ptr if hasattr(x.data, "ptr") else x.ctypes.data
+    address = cublas.address(x)
     return address % 16 == 0 and x.strides[0] % 16 == 0
 
 
