@@ -1,4 +1,5 @@
-"""Batches built by hand, for tests and benchmark scripts that drive the model without the engine."""
+"""Batches built by hand and the checks on them, for tests and benchmark scripts that drive the model without the
+engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,3 +37,28 @@ def scattered_batch(rng: np.random.Generator, runs: list[tuple[int, int]], block
         chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used:used + need]], True))
         used += need
     return build_batch(chunks, block_size), len(pool)
+
+
+def forward_rows(model, cache, chunk: ScheduledChunk, block_size: int) -> np.ndarray:
+    """Logits of every token of one sequence's chunk (the engine only asks for the last)."""
+    batch = build_batch([chunk], block_size)
+    batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
+    return model.forward(batch, cache)
+
+
+def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=None):
+    """(logits float32[P, V] of the prompt, greedy tokens) for one sequence in contiguous blocks."""
+    chunk_size = chunk_size or len(prompt)
+    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
+    cache = model.new_kv_cache(len(table), block_size)
+    logits = np.concatenate([forward_rows(model, cache, ScheduledChunk(prompt[i:i + chunk_size], i, table, True),
+                                          block_size) for i in range(0, len(prompt), chunk_size)])
+    ids = list(prompt) + [int(logits[-1].argmax())]
+    while len(ids) < len(prompt) + new_tokens:
+        step = model.forward(build_batch([ScheduledChunk(ids[-1:], len(ids) - 1, table, True)], block_size), cache)
+        ids.append(int(step[0].argmax()))
+    return logits, ids[len(prompt):]
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())

@@ -1,4 +1,7 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and the two tiers: every test under tests/system is marked `system` (servers,
+subprocesses, compilers, the CUDA emulator), so `python -m pytest -m "not system"` runs the fast tier."""
+from pathlib import Path
+
 import pytest
 
 from minisarathi.backends import numpy_ops
@@ -15,3 +18,12 @@ def blas_core(request, monkeypatch):
     core = LINEAR_FORMS[request.param]
     monkeypatch.setattr(numpy_ops, "openblas_core", lambda: core)
     return core
+
+
+SYSTEM_DIR = Path(__file__).parent / "system"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SYSTEM_DIR in Path(item.path).parents:
+            item.add_marker(pytest.mark.system)

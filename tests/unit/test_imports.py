@@ -3,7 +3,7 @@
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "minisarathi"
+PACKAGE = Path(__file__).resolve().parents[2] / "minisarathi"
 
 
 def module_name(path: Path) -> str:

@@ -138,7 +138,7 @@ def test_the_ctypes_prototypes_pass_each_argument_with_its_c_type(tmp_path):
         pytest.skip("no C compiler")
     stub = tmp_path / "libcublas_stub.so"
     subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(stub),
-                    str(Path(__file__).parent / "native" / "cublas_stub.c")], check=True)
+                    str(Path(__file__).parents[1] / "native" / "cublas_stub.c")], check=True)
     library = cublas.declare(ctypes.CDLL(str(stub)))
     for name in ("stub_stream", "stub_workspace", "stub_workspace_bytes"):
         getattr(library, name).restype = ctypes.c_size_t

@@ -17,7 +17,7 @@ from minisarathi.bench.targets import EngineTarget, OpenAITarget, ServerTarget, 
 from minisarathi.bench.workloads import WorkloadConfig, make_workload
 from minisarathi.config import SCHEDULERS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_workload(n=8, qps=50.0, arrivals="poisson"):

@@ -17,7 +17,7 @@ from minisarathi.paths import cuda_dir
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
 
-SOURCE = Path(__file__).parent / "kernels" / "cp_async_checks.cu"
+SOURCE = Path(__file__).parents[1] / "kernels" / "cp_async_checks.cu"
 VARIANTS = {  # name -> (bytes per chunk, zero-filled tail)
     "double_buffered_copy<16, false, NONE>": (16, True),
     "double_buffered_copy<16, true, NONE>": (16, False),

@@ -19,7 +19,7 @@ from minisarathi.config import rope_cos_sin_table
 from minisarathi.testing import scattered_batch
 from minisarathi.paths import cuda_dir
 
-CHECKS = Path(__file__).parent / "kernels" / "emulator_checks.cu"
+CHECKS = Path(__file__).parents[1] / "kernels" / "emulator_checks.cu"
 CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum",
                  "round_trip_16bit", "flush_to_zero"]
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")

@@ -18,7 +18,7 @@ from minisarathi.paths import cuda_dir
 from test_sass import local_memory_users, resources
 
 ARCHITECTURES = ["sm_80", "sm_90"]
-CHECK_KERNELS = Path(__file__).parent / "kernels"
+CHECK_KERNELS = Path(__file__).parents[1] / "kernels"
 
 
 @pytest.fixture(scope="module")

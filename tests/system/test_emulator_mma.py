@@ -16,7 +16,7 @@ from minisarathi.backends import emulator
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.paths import cuda_dir
 
-CHECKS = Path(__file__).parent / "kernels" / "mma_checks.cu"
+CHECKS = Path(__file__).parents[1] / "kernels" / "mma_checks.cu"
 TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 KERNELS = [f"{k}<{t}>" for k in ("mma_from_global", "ldmatrix_mma", "pack_pairs") for t in TYPES.values()]
 KERNELS.append("ldmatrix_registers")

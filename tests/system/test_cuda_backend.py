@@ -17,7 +17,7 @@ from minisarathi.dtypes import bf16_to_float32
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
 
 

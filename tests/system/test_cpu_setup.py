@@ -85,7 +85,7 @@ def kernels_in_a_fresh_process(coretype: str | None, cpuinfo: Path) -> str:
         env["OPENBLAS_CORETYPE"] = coretype
     code = ("import numpy\nfrom minisarathi.backends.cpu_setup import blas_kernels\n"
             f"print(blas_kernels({str(cpuinfo)!r}))")
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, env=env,
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, check=True).stdout.strip()
 
 

@@ -19,7 +19,7 @@ from minisarathi.paths import cuda_dir
 from minisarathi.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-BLOCKS_WAIT = Path(__file__).parent / "kernels" / "blocks_wait_checks.cu"
+BLOCKS_WAIT = Path(__file__).parents[1] / "kernels" / "blocks_wait_checks.cu"
 
 
 @pytest.fixture(params=["forward", "reverse"])

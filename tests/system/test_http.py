@@ -34,7 +34,7 @@ from minisarathi.sampling_params import SamplingParams  # noqa: E402
 from minisarathi.server.chat_template import load_chat_template  # noqa: E402
 from minisarathi.tokenizer import Tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "tests" / "golden" / "chat_templates" / "chatml.jinja"
 API_KEY = "test-key-123"
 MAX_BODY = 1 << 16

@@ -199,7 +199,7 @@ print(resident_bytes() - before, DECODE_GROUP_BYTES, memory.nbytes)
 def test_kept_memory_is_resident_for_the_switch_and_room_beyond():
     """Resident from the start for what the first kept step copies (so that step faults in no page), the rest
     of the room not until used (else the pool's resident memory would double)."""
-    done = subprocess.run([sys.executable, "-c", MEASURE_KEPT_MEMORY], cwd=Path(__file__).resolve().parent.parent,
+    done = subprocess.run([sys.executable, "-c", MEASURE_KEPT_MEMORY], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, check=True)
     grown, written, room = map(int, done.stdout.split())
     assert room == 64 << 20

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,11 +18,12 @@ from minisarathi.llm import LLM
 from minisarathi.model.llama import load_model
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
-from test_model import GOLDEN, prefill_then_greedy, relative_error
+from minisarathi.testing import prefill_then_greedy, relative_error
 
 pytest.importorskip("mpi4py", reason="tensor parallelism needs MPI: pip install 'minisarathi[mpi]'")
 from minisarathi.parallel.group import MPI_INSTALL, TensorParallelError, TensorParallelModel  # noqa: E402
 
+GOLDEN = Path(__file__).parents[1] / "golden"
 CASES = [("stories260K", 2), ("stories260K", 4), ("mistral_mha", 2), ("mistral_mha", 4), ("llama_gqa_bf16", 2),
          ("llama_linear_rope_bias", 2), ("qwen2_tied", 2)]
 

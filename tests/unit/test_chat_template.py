@@ -12,7 +12,7 @@ from minisarathi.paths import default_model_dir
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from minisarathi.tokenizer import Tokenizer
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "chat_templates"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "chat_templates"
 GOLDENS = json.loads((GOLDEN_DIR / "goldens.json").read_text(encoding="utf-8"))
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 

@@ -25,7 +25,7 @@ from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, INVALID_MESSAGE, INVALID_PARAMS,
                                          OVERLOADED, PROMPT_TOO_LONG, UNKNOWN_METHOD)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_KV_BLOCKS = 512
 MAX_INFLIGHT = 8           # per connection, small so the overloaded test is cheap
 MAX_MESSAGE_BYTES = 1 << 16

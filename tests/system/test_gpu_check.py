@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 sys.path.insert(0, str(REPO))
 from bench.gpu_runner import (CPU, DUMP_GRACE_S, STAGES, Report, Result, Section, advice, exit_code,  # noqa: E402

@@ -16,7 +16,7 @@ from minisarathi.paths import cuda_dir
 from minisarathi.testing import scattered_batch
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-CHECKS = Path(__file__).parent / "kernels" / "shared_memory_checks.cu"
+CHECKS = Path(__file__).parents[1] / "kernels" / "shared_memory_checks.cu"
 STATIC = 16 * 1024   # the check kernel's __shared__ float scratch[4096]
 EXPECTED = list(range(32, 0, -1))   # out[t] = scratch[31 - t] + 1
 

@@ -9,42 +9,17 @@ from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.config import rope_cos_sin_table
 from minisarathi.model.llama import load_model
 from minisarathi.paths import default_model_dir
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch, forward_rows, prefill_then_greedy, relative_error
 
 ops = NumpyOps()
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
 
 
 @pytest.fixture(scope="module")
 def stories():
     return load_model(default_model_dir())
-
-
-def forward_rows(model, cache, chunk: ScheduledChunk, block_size: int) -> np.ndarray:
-    """Logits of every token of one sequence's chunk (the engine only asks for the last)."""
-    batch = build_batch([chunk], block_size)
-    batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
-    return model.forward(batch, cache)
-
-
-def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=None):
-    """(logits float32[P, V] of the prompt, greedy tokens) for one sequence in contiguous blocks."""
-    chunk_size = chunk_size or len(prompt)
-    table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
-    cache = model.new_kv_cache(len(table), block_size)
-    logits = np.concatenate([forward_rows(model, cache, ScheduledChunk(prompt[i:i + chunk_size], i, table, True),
-                                          block_size) for i in range(0, len(prompt), chunk_size)])
-    ids = list(prompt) + [int(logits[-1].argmax())]
-    while len(ids) < len(prompt) + new_tokens:
-        step = model.forward(build_batch([ScheduledChunk(ids[-1:], len(ids) - 1, table, True)], block_size), cache)
-        ids.append(int(step[0].argmax()))
-    return logits, ids[len(prompt):]
-
-
-def relative_error(got, want) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def test_bundled_model_reproduces_the_readme_story(stories):

@@ -10,7 +10,7 @@ from minisarathi.config import ModelConfig
 from minisarathi.dtypes import bf16_to_float32, to_float32
 from minisarathi.model.loader import load_weights, read_checkpoint
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 
 
 def float_from_bits(bits: np.ndarray, exponent_bits: int, mantissa_bits: int) -> np.ndarray:
