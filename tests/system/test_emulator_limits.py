@@ -32,6 +32,7 @@ def run(kernel, dynamic: int) -> np.ndarray:
     return out
 
 
+@pytest.mark.needs_nvrtc
 @pytest.mark.parametrize("device", [emulator.H100, emulator.A100], ids=["sm_90", "sm_80"])
 def test_static_shared_memory_is_the_cubins(device):
     """sm_90 cubins count the system's 1 KiB per block in the section: not static memory of the kernel."""
@@ -49,6 +50,7 @@ def test_sample_kernels_largest_chunk_fits_an_a100():
     kernel.max_dynamic_shared_size_bytes = 4 * SAMPLING["SAMPLE_MAX_CHUNK"]
 
 
+@pytest.mark.needs_nvrtc
 def test_static_plus_dynamic_over_48_kib_needs_the_opt_in():
     kernel = emulator.EmulatedModule(CHECKS, ["static_and_dynamic_shared"]).get_function("static_and_dynamic_shared")
     assert kernel.max_dynamic_shared_size_bytes == 48 * 1024 - STATIC
@@ -59,6 +61,7 @@ def test_static_plus_dynamic_over_48_kib_needs_the_opt_in():
     assert run(kernel, 48 * 1024 - STATIC + 16).tolist() == EXPECTED
 
 
+@pytest.mark.needs_nvrtc
 @pytest.mark.parametrize("device, optin", [(emulator.H100, 232448), (emulator.A100, 166912)], ids=["sm_90", "sm_80"])
 def test_opt_in_stops_at_the_device_maximum_minus_static(device, optin):
     kernel = emulator.EmulatedModule(CHECKS, ["static_and_dynamic_shared"], device=device).get_function(
@@ -79,6 +82,7 @@ def count_attribute_sets(monkeypatch) -> list[str]:
     return sets
 
 
+@pytest.mark.needs_nvrtc
 def test_allow_shared_mem_counts_static_memory_opts_in_once_and_never_lowers(monkeypatch):
     sets = count_attribute_sets(monkeypatch)
     kernel = emulator.EmulatedModule(CHECKS, ["static_and_dynamic_shared"]).get_function("static_and_dynamic_shared")

@@ -160,6 +160,7 @@ def test_negative_control_a_merge_without_its_barrier_is_caught(monkeypatch):
 
 # sample_kernel's static scratch (~17 KiB) plus its chunk above 48 KiB needs the opt-in, though the chunk
 # alone may be under it: vocabularies of about 8k-12k at any batch, and 64k-98k split 8 ways at small batches.
+@pytest.mark.needs_nvrtc
 @pytest.mark.parametrize("rows, vocab", [(3, 8192), (2, 10007), (1, 12288), (2, 65024), (1, 65536), (1, 92544)])
 def test_sample_opts_in_to_static_plus_dynamic_shared_memory_over_48_kib(rows, vocab):
     ops = cuda_ops.emulated()
@@ -214,6 +215,7 @@ def test_sampling_module_launches_cooperatively_on_both_launchers(monkeypatch):
     assert not emulated.kernel("sampling.cu", "argmax_kernel").cooperative
 
 
+@pytest.mark.needs_nvrtc
 def test_sample_kernel_grid_beyond_what_the_gpu_holds_is_refused():
     """A cooperative launch of more CTAs than are co-resident (here 1 per SM: 100 KiB of shared memory each)
     is refused before it runs, as cuLaunchCooperativeKernel refuses it."""

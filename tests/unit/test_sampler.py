@@ -38,13 +38,15 @@ def sampler_without_the_native_cdf(vocab_size, seed=0, eos_token_ids=()):
     return sampler
 
 
-X86_ONLY = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+# The emulated GPU sampler runs every test too, in the slow tier.
+EMULATED = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"),
+            pytest.mark.system]
 NEEDS_NATIVE_CDF = pytest.mark.skipif(cpu_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
 
 
 @pytest.fixture(params=[Sampler, sampler_without_the_native_cdf,
-                        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=X86_ONLY),
-                        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=X86_ONLY)],
+                        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=EMULATED),
+                        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=EMULATED)],
                 ids=lambda p: getattr(p, "__name__", p))
 def make_sampler(request):
     """Sampler(vocab_size, seed=0, eos_token_ids=()) or the GpuSampler on emulated kernels."""

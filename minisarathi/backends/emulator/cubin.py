@@ -54,6 +54,15 @@ def _nvrtc():
                    f"-I{Path(cupy.__file__).parent / '_core' / 'include'}"]
 
 
+def nvrtc_missing() -> str | None:
+    """Why NVRTC cannot compile here (so modules load only with MINISARATHI_SKIP_NVRTC=1), or None."""
+    try:
+        _nvrtc()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def kernel_resources(source: Path, name_expressions: list[str], include_dirs: list[Path], options: tuple[str, ...],
                      arch: str) -> dict[str, KernelResources]:
     """Name expression -> its KernelResources compiled for `arch` with `options` (CuPy's RawModule options)."""
