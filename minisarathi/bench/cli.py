@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.cli_args import API_KEY_ENV, add_engine_arguments, engine_options_from_args, read_api_key
+from minisarathi.cli_args import (API_KEY_ENV, HelpFormatter, add_engine_arguments, check_engine_arguments,
+                                  engine_flags, engine_options_from_args, read_api_key, refuse_unneeded)
 from minisarathi.config import SCHEDULERS
 from minisarathi.client import DEFAULT_PORT
 from minisarathi.bench.capacity import Slo, find_capacity, judge
@@ -32,20 +34,30 @@ MAX_ERRORS_SHOWN = 5         # distinct errors of a run's failed requests printe
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{run,capacity,compare,plot,random-model}")
-    run = sub.add_parser("run", help="replay one workload against one target and report its metrics")
-    capacity = sub.add_parser("capacity", help="highest Poisson QPS within the TBT and scheduling-delay SLOs")
-    compare = sub.add_parser("compare", help="the same workload under several policies, side by side")
+    sub = parser.add_subparsers(dest="bench_command", required=True,
+                                metavar="{run,capacity,compare,plot,random-model}")
+
+    def command(name: str, help_text: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=f"{help_text}. {description}".strip(),
+                              formatter_class=HelpFormatter)
+
+    in_process = "MODEL (default: the bundled stories260K) runs in this process"
+    run = command("run", "replay one workload against one target and report its metrics",
+                  f"With --target engine (the default), {in_process}.")
+    capacity = command("capacity", "highest Poisson QPS within the TBT and scheduling-delay SLOs",
+                       f"With --target engine (the default), {in_process}.")
+    compare = command("compare", "the same workload under several policies, side by side", f"{in_process}.")
     for p in (run, capacity):
         _add_target_arguments(p)
     for p in (run, capacity, compare):
         _add_workload_arguments(p)
-        add_engine_arguments(p, positional_model=False)
+        add_engine_arguments(p)
         p.add_argument("--out", type=Path, default=None,
                        help="results folder (default: bench/out/<date>-<command>)")
         p.add_argument("--time-limit", type=float, default=None,
                        help="seconds a run (a capacity trial) may take; what is unfinished then is aborted "
                             "(default: run 600; trial 2x the arrival span + 30)")
+        p.set_defaults(check=functools.partial(_check_arguments, p))
     for p in (capacity, compare):
         _add_slo_arguments(p)
     compare.add_argument("--policies", default="sarathi,vllm,orca,simple_chunking",
@@ -56,20 +68,50 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument("--slo-driven", action="store_true",
                          help="add sarathi-slo: sarathi with --tbt-slo-ms set to the capacity SLO")
     run.add_argument("--label", default=None, help="the run's name in the results (default: the scheduler)")
-    compare.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
-    plot = sub.add_parser("plot", help="redraw the plots of a `bench compare` results folder")
+    plot = command("plot", "redraw the plots of a `bench compare` results folder")
     plot.add_argument("results", type=Path, help="the folder holding compare.json")
-    plot.add_argument("--plots", type=Path, default=None, help="write the PNG plots here too (e.g. docs/plots)")
-    random_model = sub.add_parser("random-model", help="write a seeded random-weight Llama folder of a chosen shape")
-    random_model.add_argument("path", type=Path)
-    random_model.add_argument("--hidden-size", type=int, default=512)
-    random_model.add_argument("--num-layers", type=int, default=4)
-    random_model.add_argument("--num-heads", type=int, default=8)
-    random_model.add_argument("--num-kv-heads", type=int, default=4)
-    random_model.add_argument("--intermediate-size", type=int, default=1408)
-    random_model.add_argument("--max-position-embeddings", type=int, default=2048)
-    random_model.add_argument("--seed", type=int, default=0)
-    random_model.add_argument("--vocab-size", type=int, default=512, help="the model's (the tokenizer keeps 512)")
+    for p in (compare, plot):
+        p.add_argument("--plots", type=Path, default=None,
+                       help="write the PNG plots here too (e.g. docs/plots)")
+    random_model = command("random-model", "write a seeded random-weight Llama folder of a chosen shape")
+    random_model.add_argument("path", type=Path, help="the folder to write")
+    for flag, default in (("--hidden-size", 512), ("--num-layers", 4), ("--num-heads", 8),
+                          ("--num-kv-heads", 4), ("--intermediate-size", 1408),
+                          ("--max-position-embeddings", 2048)):
+        random_model.add_argument(flag, type=int, default=default, help="the model's config.json field")
+    random_model.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    random_model.add_argument("--vocab-size", type=int, default=512,
+                              help="the model's (the tokenizer keeps 512)")
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses the flags of run, capacity and compare that would not take effect."""
+    target = getattr(args, "target", "engine")   # compare runs engines only
+    if target == "engine":
+        check_engine_arguments(parser, args)
+    remote = "needs --target engine (a remote target runs its own model)"
+    rules = [(flag, target == "engine", remote) for flag in engine_flags(args) if flag != "--max-model-len"]
+    if hasattr(args, "target"):
+        rules += [("--host", target == "server", "needs --target server"),
+                  ("--port", target == "server", "needs --target server"),
+                  ("--url", target == "openai", "needs --target openai"),
+                  ("--openai-model", target == "openai", "needs --target openai"),
+                  ("--api-key-file", target != "engine", "needs --target server or openai")]
+    lengths, arrivals = args.lengths, args.arrivals
+    rules += [("--prompt-len", lengths == "fixed", "needs --lengths fixed"),
+              ("--decode-len", lengths == "fixed", "needs --lengths fixed"),
+              *((flag, lengths in ("uniform", "zipf"), "needs --lengths uniform or zipf")
+                for flag in ("--min-total-tokens", "--max-total-tokens", "--pd-ratio")),
+              ("--zipf-theta", lengths == "zipf", "needs --lengths zipf"),
+              ("--trace", lengths == "trace", "needs --lengths trace"),
+              ("--trace-scale", lengths == "trace", "needs --lengths trace"),
+              ("--cv", arrivals == "gamma", "needs --arrivals gamma"),
+              ("--arrival-trace", arrivals == "trace", "needs --arrivals trace"),
+              ("--long-factor", args.long_fraction > 0, "needs --long-fraction above 0")]
+    if hasattr(args, "slo_tbt"):
+        rules.append(("--slo-scale", args.slo_tbt is None,
+                      "scales the measured decode step: not with --slo-tbt"))
+    refuse_unneeded(parser, args, rules)
 
 
 def _add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +128,7 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     g.add_argument("--lengths", choices=LENGTHS, default="trace",
                    help="request lengths: fixed, uniform, zipf, or trace rows (default: the bundled ShareGPT trace)")
     g.add_argument("--prompt-len", type=int, default=128, help="fixed: prompt tokens")
@@ -94,17 +136,17 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-total-tokens", type=int, default=64, help="uniform, zipf: least prompt + output tokens")
     g.add_argument("--max-total-tokens", type=int, default=512, help="uniform, zipf: most prompt + output tokens")
     g.add_argument("--pd-ratio", type=float, default=4.0, help="uniform, zipf: prefill:decode token ratio")
-    g.add_argument("--zipf-theta", type=float, default=0.6)
+    g.add_argument("--zipf-theta", type=float, default=0.6, help="zipf: skew of the total lengths")
     g.add_argument("--trace", default=None, help="CSV with num_prefill_tokens,num_decode_tokens (default: ShareGPT)")
     g.add_argument("--trace-scale", type=float, default=1.0, help="multiply trace lengths (before the max-length cut)")
-    g.add_argument("--arrivals", choices=ARRIVALS, default="poisson")
+    g.add_argument("--arrivals", choices=ARRIVALS, default="poisson", help="arrival process")
     g.add_argument("--qps", type=float, default=1.0, help="requests per second (capacity: the first QPS tried)")
     g.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
     g.add_argument("--arrival-trace", default=None, help="trace arrivals: CSV with an arrived_at column (s)")
-    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of lengths, arrivals and prompts")
     g.add_argument("--long-fraction", type=float, default=0.0,
                    help="share of requests with prompts --long-factor x the median (metrics also per short/long)")
-    g.add_argument("--long-factor", type=float, default=16.0)
+    g.add_argument("--long-factor", type=float, default=16.0, help="long prompts: this many x the median")
     g.add_argument("--high-priority-fraction", type=float, default=0.0,
                    help="share of requests sent with priority 0, the others with 1 (metrics also per high/low)")
 
@@ -116,7 +158,7 @@ def _add_slo_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-scale", type=float, default=5.0, help="(default %(default)s: Sarathi-Serve's strict SLO)")
     g.add_argument("--max-sched-delay", type=float, default=2.0, help="bound on the median scheduling delay (s)")
     g.add_argument("--granularity", type=float, default=0.1, help="relative precision of the capacity")
-    g.add_argument("--max-trials", type=int, default=10)
+    g.add_argument("--max-trials", type=int, default=10, help="trials of the capacity search at most")
     g.add_argument("--trial-seconds", type=float, default=None,
                    help=f"fewer requests per trial where --num-requests would arrive over more than this "
                         f"many seconds (at least {MIN_TRIAL_REQUESTS})")

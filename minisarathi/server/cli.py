@@ -4,14 +4,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import json
 import ssl
 import sys
 from pathlib import Path
 
-from minisarathi.cli_args import (API_KEY_ENV, add_engine_arguments, add_sampling_arguments, engine_options_from_args,
-                                  port_number, read_api_key, sampling_options_from_args)
+from minisarathi.cli_args import (API_KEY_ENV, HelpFormatter, add_engine_arguments, add_sampling_arguments,
+                                  check_engine_arguments, check_sampling_arguments, engine_options_from_args,
+                                  port_number, read_api_key, refuse_unneeded, sampling_options_from_args)
 from minisarathi.client import DEFAULT_PORT, Client
 from minisarathi.server.auth import KeyStore, add_key, limit_rule_broken
 from minisarathi.server.protocol import RPCError, ServerLimits
@@ -26,12 +28,14 @@ def _limit_flag(field: dataclasses.Field) -> str:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Serve MODEL (default: the bundled stories260K) over MessagePack-RPC, and over "
+                          "HTTP with --http-port. A request's sampling defaults are SamplingParams' "
+                          "(temperature 1.0, max_tokens 16), not the greedy ones of `generate` and `client`.")
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
-                   help="TCP address to listen on (default 127.0.0.1); beyond loopback a key is required")
-    g.add_argument("--port", type=port_number, default=DEFAULT_PORT,
-                   help=f"TCP port; 0 picks a free one (default {DEFAULT_PORT})")
+                   help="TCP address to listen on; beyond loopback a key is required")
+    g.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
     g.add_argument("--unix-socket", default=None, help="also listen on this Unix socket path")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="DEBUG adds one line per engine step")
@@ -64,8 +68,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(ServerLimits):
         default = getattr(ServerLimits, field.name)
         kind = float if "float" in str(field.type) else int
+        shown = "--idle-timeout" if default is None else default   # ServerLimits' None: the idle timeout
         limits.add_argument(_limit_flag(field), dest=f"limit_{field.name}", type=kind, default=default,
-                            metavar="SECONDS" if field.name.endswith("_s") else "N")
+                            metavar="SECONDS" if field.name.endswith("_s") else "N",
+                            help=f"(default: {shown})")
+    parser.set_defaults(check=functools.partial(check_serve_arguments, parser))
+
+
+def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    check_engine_arguments(parser, args)
+    if args.no_msgpack and args.unix_socket is None and args.http_port is None:
+        raise ValueError("--no-msgpack: with no --http-port and no --unix-socket nothing would be served")
+    http, door = args.http_port is not None, args.http_port is not None or args.metrics_port is not None
+    refuse_unneeded(parser, args, [("--http-host", door, "needs --http-port or --metrics-port"),
+                                   ("--served-model-name", door, "needs --http-port or --metrics-port"),
+                                   ("--chat-template", http, "needs --http-port")])
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -78,8 +95,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from minisarathi.server.server import ListenError, Server
 
     configure_logging(args.log_level, args.log_format)
-    if args.no_msgpack and args.unix_socket is None and args.http_port is None:
-        raise ValueError("--no-msgpack: with no --http-port and no --unix-socket nothing would be served")
     if args.http_port is not None or args.metrics_port is not None:
         try:
             import aiohttp  # noqa: F401  (the check only)
@@ -100,7 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_exposure("--http-host", args.http_host, keys, args.insecure_no_auth)
     tls = server_tls_context(args.tls_cert, args.tls_key, args.tls_client_ca)
     options = engine_options_from_args(args)
-    model_dir = Path(args.model or default_model_dir())
+    model_dir = Path(options["model"] or default_model_dir())
     template = None
     if args.http_port is not None:   # read before the model loads: a wrong path fails in a second, not minutes
         from minisarathi.server.chat_template import load_chat_template
@@ -222,12 +237,15 @@ def _ssl_reason(error: OSError, expected: str) -> str:
 
 def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="keys_command", required=True)
-    add = sub.add_parser("add", help="add a named key to a keys file; prints the new secret once")
+    add_help = "add a named key to a keys file; prints the new secret once"
+    add = sub.add_parser("add", help=add_help, description=add_help, formatter_class=HelpFormatter)
     add.add_argument("name", metavar="NAME")
     add.add_argument("--file", required=True, help="the TOML keys file (created if missing)")
-    for name, help_text in (("rpm", "requests per minute"), ("tpm", "tokens per minute (prompt + max_tokens)"),
-                            ("concurrent", "requests in flight at once"), ("max-tokens", "cap on max_tokens"),
-                            ("priority", "scheduling priority")):
+    for name, help_text in (("rpm", "requests per minute (default: no limit)"),
+                            ("tpm", "tokens per minute, prompt + max_tokens (default: no limit)"),
+                            ("concurrent", "requests in flight at once (default: no limit)"),
+                            ("max-tokens", "cap on max_tokens (default: no limit)"),
+                            ("priority", "scheduling priority, lower runs first (default 0)")):
         add.add_argument(f"--{name}", type=int, default=None, help=help_text)
 
 
@@ -246,11 +264,14 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
+    parser.description = ("Send PROMPT to a running `minisarathi serve` and print the prompt, then the text "
+                          "generated (the server answers the continuation alone, as --json shows). Sampling "
+                          "is greedy unless --temperature is above 0.")
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     c = parser.add_argument_group("connection")
-    c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=port_number, default=DEFAULT_PORT)
-    c.add_argument("--unix-socket", default=None)
+    c.add_argument("--host", default="127.0.0.1", help="the server's address")
+    c.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="the server's TCP port")
+    c.add_argument("--unix-socket", default=None, help="connect to this Unix socket instead of --host/--port")
     c.add_argument("--api-key-file", default=None, help=f"(or set ${API_KEY_ENV})")
     c.add_argument("--tls", action="store_true", help="connect with TLS (system CAs unless --tls-ca)")
     c.add_argument("--tls-ca", default=None, help="PEM CA bundle that signed the server's certificate")
@@ -259,6 +280,14 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     add_sampling_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the whole result map as JSON")
+    parser.set_defaults(check=functools.partial(check_client_arguments, parser))
+
+
+def check_client_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    tcp = args.unix_socket is None
+    refuse_unneeded(parser, args, [(flag, tcp, "is not used with --unix-socket, which is the address")
+                                   for flag in ("--host", "--port")])
+    check_sampling_arguments(parser, args)
 
 
 def run_client(args: argparse.Namespace) -> int:

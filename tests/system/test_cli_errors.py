@@ -102,6 +102,16 @@ def test_serve_names_the_listener_that_failed(tmp_path):
         assert "--http-port" not in result.stderr
 
 
+def test_a_flag_that_would_not_take_effect_is_refused_before_any_work():
+    """In a real process: one line, exit 2, before the model loads or a port opens."""
+    for argv, message in ((["serve", "--port", "0", "--chat-template", "t.jinja"],
+                           "--chat-template needs --http-port"),
+                          (["generate", "hi", "--top-p", "0.9"], "--top-p needs --temperature above 0")):
+        result = run_cli(*argv)
+        check_refused(result, f"minisarathi {argv[0]}: error: {message}")
+        assert result.stderr.count("\n") == 1 and not result.stdout, result.stderr
+
+
 def test_serve_http_flags_name_themselves(tmp_path):
     pytest.importorskip("aiohttp")
     check_refused(run_cli("serve", "--port", "0", "--http-port", "0", "--http-host", "0.0.0.0"),
