@@ -13,9 +13,9 @@ torch.set_num_threads; vLLM: OMP_NUM_THREADS, no core binding; llama-server: -t)
 this process's nice value. With --cpus, every engine (all its processes) runs on those CPUs and the
 benchmark client on the others: on a shared machine, engines that run more processes (vLLM runs three,
 polling) or threads would otherwise take a larger share of the CPUs, and wall-clock rates would measure
-that share. vLLM and llama-server get the same work as minisarathi's defaults (float32,
-512-token chunked prefill, no prefix caching, no prompt cache; docs/cpu_performance.md). A model an engine cannot run (vLLM needs
-head_dim in its supported set: not stories260K) is tried once and reported as such.
+that share. vLLM and llama-server get the same work as minisarathi's defaults (float32, 512-token chunked
+prefill, no prefix caching, no prompt cache; docs/cpu_performance.md). A model an engine cannot run (vLLM
+needs head_dim in its supported set: not stories260K) is tried once and reported as such.
 
 Per model and repeat: the burst (32 requests x 128 prompt tokens x 64 output tokens, greedy, EOS ignored,
 all at t = 0) against every server (streamed) and through the two offline paths (`LLM.generate`, HF's
