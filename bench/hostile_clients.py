@@ -10,7 +10,7 @@ A server with an API key runs the bundled model. A bystander (with the key) time
   stop_lists              one client (connection) keeping 8 generates in flight with maximal legal stop lists
                           (16 strings of 64 characters, each starting with a space) and 64 stop token ids
                           (common ones: a request ends soon after min_tokens), min_tokens 100 of max_tokens 128
-                          (stop ids masked until then): the issue's "eight such requests"
+                          (stop ids masked until then)
   same_load_without_stops the same 8 generates without stop lists: what the load alone costs the bystander
   same_load_streamed      the same 8 again, streamed: each of their tokens a chunk the server sends
   tokenize                4 connections calling maximal tokenize (256 KiB) and detokenize (65536 ids)

