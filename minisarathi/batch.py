@@ -7,7 +7,6 @@ A negative slot in slot_mapping marks a padding token whose K/V is not stored (b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -23,15 +22,6 @@ class Batch:
     logits_indices: np.ndarray  # int32[N]    rows of T whose logits are wanted, sorted
     max_query_len: int
     max_context_len: int
-    # Overlap (engine.py): decode tokens the previous step sampled on the device, not yet known on the host.
-    # Row previous_rows[i] of input_ids (0 on the host) takes previous_ids[previous_sources[i]] there.
-    previous_ids: Any = None                     # int32/int64[N] device array: the previous step's sampled ids
-    previous_rows: np.ndarray | None = None      # int32[P]
-    previous_sources: np.ndarray | None = None   # int32[P]
-    # Set on a CUDA graph bucket's decode batch (minisarathi/model/decode_graphs.py): decode attention is planned
-    # once for rows of up to this many keys (the block tables' capacity) and cuts each row's keys on the device
-    # from its length. None: planned from context_lens, step by step.
-    plan_context_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,8 @@ class Backend(Protocol):
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
     def upload_batch(self, batch: Batch, into: Any = None) -> Any:
         """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it, and
-        fills the rows of input_ids that take the previous step's sampled ids there (batch.previous_ids).
+        fills the rows of input_ids that take the previous step's sampled ids there (the previous_ids of an
+        OverlapBatch, engine/overlap.py).
         Returns the device buffer it wrote (None where the arrays already are where the backend computes);
         into: such a buffer from an earlier batch of the same shapes, reused (a CUDA graph's static input)."""
     def constant(self, array: np.ndarray) -> Array:

@@ -376,12 +376,13 @@ class CudaOps:
         the upload cache. Called once per step, before the layers. Returns the device buffer.
         into: a buffer an earlier call returned for a batch of the same shapes (a CUDA graph bucket's static
         buffer, which the captured kernels read): the copy goes there instead of into a new one.
-        Overlap: the rows of input_ids that take the previous step's sampled ids (batch.previous_ids) get them
-        on the device, after the copy. previous_rows and previous_sources travel in the copy whenever set
-        (a graph bucket's batch always sets them, so that its packed size does not change)."""
+        Overlap: the rows of input_ids that take the previous step's sampled ids (an OverlapBatch's
+        previous_ids, engine/overlap.py) get them on the device, after the copy. previous_rows and
+        previous_sources travel in the copy whenever set (a graph bucket's batch always sets them, so that its
+        packed size does not change)."""
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
                   batch.block_tables, batch.logits_indices]
-        if batch.previous_rows is not None:
+        if getattr(batch, "previous_rows", None) is not None:
             arrays += [batch.previous_rows, batch.previous_sources]
         if len(self._uploads) > 32 - len(arrays):   # only between steps: a step's arrays live through the step
             self._uploads.clear()
@@ -399,7 +400,7 @@ class CudaOps:
         views = [device[start:start + array.size].reshape(array.shape) for array, start in zip(arrays, starts)]
         for array, view in zip(arrays[:7], views):
             self._upload_once(array, lambda: None, view=view)
-        if batch.previous_ids is not None:   # the tokens the host does not know yet, taken on the device
+        if getattr(batch, "previous_ids", None) is not None:   # tokens the host does not know yet, taken there
             input_ids, rows, sources = views[0], views[7], views[8]
             input_ids[rows] = batch.previous_ids[sources]
         return device
@@ -570,18 +571,19 @@ class CudaOps:
     def _decode_plan(self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int,
                      block_size: int):
         """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared by
-        every layer; a graph bucket's batch (batch.plan_context_len set) has one plan for the bucket's life, for
-        rows of up to that many keys (the kernels take each row's keys from context_lens), whose device arrays
-        stay here because its graph reads them."""
-        bucket = batch.plan_context_len is not None
-        key = (("bucket", batch.num_seqs, batch.plan_context_len) if bucket else (id(batch.context_lens),)) + (
+        every layer; a graph bucket's batch (the plan_context_len of a BucketBatch, decode_graphs.py) has
+        one plan for the bucket's life, for rows of up to that many keys (the kernels take each row's keys
+        from context_lens), whose device arrays stay here because its graph reads them."""
+        capacity = getattr(batch, "plan_context_len", None)
+        bucket = capacity is not None
+        key = (("bucket", batch.num_seqs, capacity) if bucket else (id(batch.context_lens),)) + (
             Hq, Hk, D, itemsize, block_size)
         cached = self._decode_plans.get(key)
         if cached is None or not (bucket or cached[0] is batch.context_lens):
             seqs = np.flatnonzero(decodes)
             shape = Hq, Hk, D, self.dtype, itemsize, block_size, self.launcher.multiprocessors
             if bucket:
-                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, batch.plan_context_len, *shape)
+                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, capacity, *shape)
             else:
                 plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], *shape)
             if not bucket and len(self._decode_plans) >= 8:
@@ -597,7 +599,8 @@ class CudaOps:
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         xp = self.xp
         tile_tokens = max(1, PA["PA_MAX_ROWS"] // (Hq // Hk))
-        bucket = batch.plan_context_len is not None
+        capacity = getattr(batch, "plan_context_len", None)   # a BucketBatch's (model/decode_graphs.py)
+        bucket = capacity is not None
         if bucket:   # a graph bucket's run: fixed work, and partitions for the longest context the bucket allows
             key = (batch.num_seqs, tile_tokens)
             if key not in self._bucket_chunk_arrays:
@@ -606,7 +609,7 @@ class CudaOps:
                     self.launcher.to_device(_work_items(batch.query_start, tile_tokens, selected)),
                     self.launcher.to_device(tokens))
             items, tokens = self._bucket_chunk_arrays[key]
-            longest = batch.plan_context_len
+            longest = capacity
         else:
             items = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens,
                                                                              selected), "paged_attention work")

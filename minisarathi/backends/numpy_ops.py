@@ -83,7 +83,7 @@ class NumpyOps:
     def upload_batch(self, batch: Batch, into: None = None) -> None:
         """The batch's arrays are already where this backend computes: only the tokens the previous step
         sampled (batch.previous_ids) go into their rows of input_ids."""
-        if batch.previous_ids is not None:
+        if getattr(batch, "previous_ids", None) is not None:   # an OverlapBatch (engine/overlap.py)
             batch.input_ids[batch.previous_rows] = batch.previous_ids[batch.previous_sources]
 
     def constant(self, array: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ class ReferenceOps:
     def upload_batch(self, batch: Batch, into: None = None) -> None:
         """Nothing to upload: the batch is already where this backend computes. Only overlap's decode tokens,
         sampled by the previous step, go into their rows of input_ids, as the interface asks."""
-        if batch.previous_ids is not None:
+        if getattr(batch, "previous_ids", None) is not None:   # an OverlapBatch (engine/overlap.py)
             batch.input_ids[batch.previous_rows] = np.asarray(batch.previous_ids)[batch.previous_sources]
         return None
 

@@ -175,8 +175,9 @@ class BlockManager:
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Offer seq's newly full blocks among its first `num_tokens` (computed) tokens to the prefix cache.
         The engine passes what the step being updated computed: with overlap, seq.num_computed_tokens already
-        counts the next step's chunk, whose last token may not be on the host yet."""
-        if not self.enable_prefix_caching:
+        counts the next step's chunk, whose last token may not be on the host yet, and seq may have been
+        freed (preempted) since: it then holds no block to offer."""
+        if not self.enable_prefix_caching or seq.block_row < 0:
             return
         num_full = num_tokens // self.block_size
         for i in range(seq.num_registered_blocks, num_full):

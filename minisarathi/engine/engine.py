@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -17,15 +17,17 @@ from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
+from minisarathi.engine.overlap import Overlap, overlaps
 from minisarathi.engine.profile import run_profile
-from minisarathi.engine.scheduler import SchedulerOutput, make_scheduler
+from minisarathi.engine.scheduler import SchedulerOutput
+from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir
-from minisarathi.sampler import PendingSample, make_generator
+from minisarathi.sampler import PendingSample, SamplerOutput, make_generator
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import STREAM_CONTEXT, IncrementalDetokenizer, Tokenizer
 from minisarathi.validation import PRIORITY_RANGE, check_float, check_int
@@ -55,7 +57,7 @@ def load_engine_model(path: Path, config: EngineConfig):
 
 
 @dataclass(eq=False)
-class LaunchedStep:
+class Step:
     """A step whose forward (then sampling) is issued on the backend; its ids are not on the host yet."""
     schedule: SchedulerOutput
     starts: list[int]                 # each scheduled chunk's first position
@@ -69,26 +71,34 @@ class LaunchedStep:
     schedule_time: float              # scheduling and batch building
     issue_time: float                 # issuing the forward, then the sampling
     sampled: PendingSample | None = None
-    rows: dict[Sequence, int] = field(default_factory=dict)   # each sampler's row of sampled.token_ids
 
     @property
     def scheduled(self) -> dict[Sequence, int]:
         return self.schedule.scheduled
 
 
-def overlaps_by_default(config: EngineConfig, model) -> bool:
-    """Overlap where the forward runs asynchronously: the CUDA backend on a GPU. The NumPy backend and the
-    emulator compute on the host while the forward is issued, so there is nothing to overlap; tensor
-    parallelism's ranks take their input ids from the host."""
-    return config.tensor_parallel_size == 1 and model.ops.device == "cuda"
+def engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
+    """config with `options` (EngineConfig fields) replaced, or the defaults with them."""
+    unknown = set(options) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(config, **options) if config else EngineConfig(**options)
 
 
 class LLMEngine:
+    """The synchronous engine: each step() schedules, builds the batch, runs the forward, samples and
+    updates, in that order."""
+
+    overlap = False
+
+    def __new__(cls, model: str | Path | None = None, config: EngineConfig | None = None, **options):
+        """The hook of overlap (engine/overlap.py): an OverlappingEngine where the config asks for one."""
+        if cls is LLMEngine and overlaps(engine_config(config, options)):
+            cls = OverlappingEngine
+        return super().__new__(cls)
+
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options):
-        unknown = set(options) - {f.name for f in dataclasses.fields(EngineConfig)}
-        if unknown:
-            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        config = dataclasses.replace(config, **options) if config else EngineConfig(**options)
+        config = engine_config(config, options)
         path = Path(model) if model is not None else default_model_dir()
         self.config = config
         # Process-wide, before any matmul: BLAS threads (config.blas_threads) and the allocator.
@@ -128,8 +138,6 @@ class LLMEngine:
         self.model_failure: TensorParallelError | None = None   # set once the model's ranks died or hung
         self.step_records = StepLog(STEP_RECORDS_KEPT)
         self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
-        self.overlap = overlaps_by_default(config, self.model) if config.overlap is None else config.overlap
-        self._in_flight: LaunchedStep | None = None   # overlap: the step launched, its ids not yet on the host
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
 
@@ -235,46 +243,35 @@ class LLMEngine:
             self.scheduler.resume(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._aborted or self._in_flight)
+        return bool(self.requests or self._aborted)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do: unfinished requests not all paused, aborts to report, or (overlap)
-        a step in flight to complete."""
-        return bool(self._aborted or self._in_flight or len(self.requests) > len(self.scheduler.paused))
+        """Whether step() has anything to do: unfinished requests not all paused, or aborts to report."""
+        return bool(self._aborted or len(self.requests) > len(self.scheduler.paused))
 
     # the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns a RequestOutput for every request that got a token (stream=False ones: only
-        when they finish), and for every request aborted since the last step.
-
-        With overlap (docs/performance.md, "Overlap of the host with the device"), a call launches step N+1 and returns step N's outputs:
-        it schedules N+1 and issues its forward (whose decode inputs are step N's ids, read on the device),
-        then waits for step N's ids and updates N's sequences while the device runs N+1, and then issues N+1's
-        sampling, without the rows of sequences that N finished. Without it, a call runs one step to the end."""
+        when they finish), and for every request aborted since the last step."""
         if self.model_failure is not None:
             raise self.model_failure
         start = time.monotonic()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
-        launched = self._launch(start)
-        previous, self._in_flight = self._in_flight, None
-        ids_wait = 0.0
-        if previous is not None:
-            ids_wait, done = self._complete(previous)
-            outputs += done
-        if launched is None:
-            return outputs
-        self._sample(launched)
-        if self.overlap:
-            self._in_flight = launched
-        else:
-            ids_wait, done = self._complete(launched)
-            outputs += done
-        self._record(launched, start, ids_wait)
+        return outputs + self._run_step(start)
+
+    def _run_step(self, start: float) -> list[RequestOutput]:
+        """Schedule, build the batch, issue the forward and the sampling, wait for the ids, update."""
+        step = self._launch(start)
+        if step is None:
+            return []
+        self._sample(step)
+        ids_wait, outputs = self._complete(step)
+        self._record(step, start, ids_wait)
         return outputs
 
-    def _launch(self, start: float) -> LaunchedStep | None:
+    def _launch(self, start: float) -> Step | None:
         """Schedule, advance, build the batch, issue its forward; None when nothing is scheduled."""
         schedule = self.scheduler.schedule()
         for seq in schedule.preempted:
@@ -287,7 +284,7 @@ class LLMEngine:
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
         scheduled = time.monotonic()
         logits = self._forward(batch)
-        return LaunchedStep(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
+        return Step(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
                             batch.num_tokens - num_prefill, schedule_time=scheduled - start,
                             issue_time=time.monotonic() - scheduled)
 
@@ -302,27 +299,19 @@ class LLMEngine:
             self.model_failure = e
             raise
 
-    def _sample(self, step: LaunchedStep) -> None:
-        """Issue the step's sampling. A sequence finished since its batch was built (with overlap: by the step
-        before, or aborted) wastes its row: the row is not sampled, so it draws no random number and gets no
-        token. New n > 1 requests fork their choices here."""
+    def _sample(self, step: Step) -> None:
+        """Issue the step's sampling; new n > 1 requests fork their choices here."""
         began = time.monotonic()
         logits, samplers = step.logits, step.samplers
-        if any(seq.is_finished for seq in samplers):
-            keep = [row for row, seq in enumerate(samplers) if not seq.is_finished]
-            logits, samplers = logits[keep], [samplers[row] for row in keep]
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
         step.samplers, step.logits = samplers, None
         step.sampled = self.sampler.launch(logits, [s.params for s in samplers], [s.generator for s in samplers],
                                            [s.prompt_token_ids for s in samplers],
                                            [s.output_token_ids for s in samplers])
-        step.rows = {seq: row for row, seq in enumerate(samplers)}
-        for seq in samplers:   # the token in flight is its last: no further step may be scheduled for it
-            seq.final_token_in_flight = seq.num_tokens + 1 > seq.max_kv_tokens
         step.issue_time += time.monotonic() - began
 
-    def _complete(self, step: LaunchedStep) -> tuple[float, list[RequestOutput]]:
+    def _complete(self, step: Step) -> tuple[float, list[RequestOutput]]:
         """Wait for the step's sampled ids on the host (the only wait on the device), then update its
         sequences; returns the seconds waited and the outputs."""
         began = time.monotonic()
@@ -330,14 +319,12 @@ class LLMEngine:
         now = time.monotonic()
         return now - began, self._update(step, sampled, now)
 
-    def _record(self, step: LaunchedStep, start: float, ids_wait: float) -> None:
-        """The call's StepRecord, and its time for the cost model (with overlap a call's time is the step's
-        period: its host work plus the wait for the previous step's ids)."""
+    def _record(self, step: Step, start: float, ids_wait: float) -> None:
+        """The call's StepRecord, and its time for the cost model and the scheduler."""
         step_time = time.monotonic() - start
         self.cost_model.add(step.shape, step_time, step.predicted)
         schedule = step.schedule
-        if self.scheduler.slo is not None:
-            self.scheduler.slo.observe(step.predicted, step_time)
+        self.scheduler.observe(step.predicted, step_time)
         self.step_records.append(StepRecord(
             start, step.num_seqs, step.num_prefill_tokens, step.num_decode_tokens, len(schedule.preempted),
             step.schedule_time, step.issue_time + ids_wait, step_time, step.shape.prefill_attention,
@@ -361,11 +348,8 @@ class LLMEngine:
 
     def _make_batch(self, scheduled: dict[Sequence, int], starts: list[int]) -> tuple[Batch, list[Sequence], int]:
         """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
-        A chunk samples when it reaches the sequence's end. A decode whose token the step in flight samples
-        takes it from that step's ids on the device."""
+        A chunk samples when it reaches the sequence's end."""
         token_ids, rows, sample, samplers = [], [], [], []
-        in_flight = self._in_flight.rows if self._in_flight is not None else {}
-        previous_rows, previous_sources = [], []
         num_prefill = max_end = 0
         for (seq, n), begin in zip(scheduled.items(), starts):
             end = begin + n
@@ -373,11 +357,7 @@ class LLMEngine:
                 max_end = end
             rows.append(seq.block_row)
             if begin >= seq.num_prefill_tokens:   # a decode: its one uncomputed token is the last sampled one
-                source = in_flight.get(seq)
-                if source is not None:   # sampled by the step in flight: the forward takes it on the device
-                    previous_rows.append(len(token_ids))
-                    previous_sources.append(source)
-                token_ids.append(seq.output_token_ids[-1] if source is None else 0)
+                token_ids.append(self._decode_token(seq, len(token_ids)))
                 ends = True
             else:
                 num_prefill += n
@@ -390,11 +370,11 @@ class LLMEngine:
         width = max(self.block_manager.blocks_for(max_end), 1)
         tables = self.block_manager.tables[rows, :width]      # int32[S, width]
         batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
-        if previous_rows:
-            batch.previous_ids = self._in_flight.sampled.token_ids
-            batch.previous_rows = np.array(previous_rows, np.int32)
-            batch.previous_sources = np.array(previous_sources, np.int32)
         return batch, samplers, num_prefill
+
+    def _decode_token(self, seq: Sequence, row: int) -> int:
+        """Hook: the token a decode at `row` of input_ids feeds, its last sampled one."""
+        return seq.output_token_ids[-1]
 
     def _fork(self, logits, samplers: list[Sequence]):
         """n > 1: a request whose prompt was just computed becomes n choices sharing its blocks, each sampling
@@ -427,21 +407,15 @@ class LLMEngine:
             seq_id=next(self._arrivals), output_token_ids=[], logprobs=None if params.logprobs is None else [],
             block_table=[], block_row=-1, block_hashes=[], index=index)
 
-    def _update(self, step: LaunchedStep, sampled, now: float) -> list[RequestOutput]:
+    def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
         if self.block_manager.enable_prefix_caching:
             for (seq, n), begin in zip(step.scheduled.items(), step.starts):
-                if seq.block_row >= 0:   # (with overlap it may have been preempted since)
-                    self.block_manager.register_computed(seq, begin + n)
+                self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = [], [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
-            if seq.is_finished:   # aborted while its token was in flight: the token is dropped
-                continue
-            queued = seq.status is not SequenceStatus.RUNNING   # overlap: preempted or paused since
             done = self._append_token(seq, token, sampled, row, now)
-            if done and queued:
-                self.scheduler.remove_queued(seq)
-            elif done:
+            if done:
                 finished.append(seq)
             self.num_generated_tokens += 1
             if seq.choices is not None:   # n > 1: one output per request, with every choice, after the loop
@@ -453,7 +427,7 @@ class LLMEngine:
         self.scheduler.remove_finished(finished)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, sampled, row: int, now: float) -> bool:
+    def _append_token(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int, now: float) -> bool:
         """Add a sampled token to seq; returns whether it finished seq."""
         seq.output_token_ids.append(token)
         metrics = seq.metrics
@@ -541,7 +515,7 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "ranks": self.model.rank_info(),    # one process per rank: rank, pid, host, device
             "cost_model": self.cost_model.summary(),    # coefficients (s per unit), fits, predicted/actual histogram
-            "tbt_slo": None if self.scheduler.slo is None else self.scheduler.slo.summary(),
+            "tbt_slo": self.scheduler.summary(),
         }
 
     def check_invariants(self) -> None:
@@ -551,3 +525,7 @@ class LLMEngine:
         holding = self.scheduler.running + [s for s in self.scheduler.paused if s.block_table]
         self.block_manager.check_invariants(holding)
         self.scheduler.check_invariants()
+
+
+class OverlappingEngine(Overlap, LLMEngine):
+    """LLMEngine with each step launched before the previous one's ids are on the host (engine/overlap.py)."""

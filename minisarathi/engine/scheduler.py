@@ -15,9 +15,7 @@ from operator import attrgetter
 
 from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
-from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.sequence import Sequence, SequenceStatus
-from minisarathi.engine.tbt_slo import TbtSlo
 
 WATERMARK_FRACTION = 0.01   # blocks kept free at admission so running decodes rarely hit a preemption
 LONG_PREFILL_FRACTION = 0.04   # of max_model_len: the default long_prefill_threshold (vLLM's)
@@ -25,7 +23,6 @@ LONG_PREFILL_FRACTION = 0.04   # of max_model_len: the default long_prefill_thre
 ADMISSION_STOPS = ("budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted")
 
 queue_key = attrgetter("queue_key")
-ONE_DECODE = StepShape(decode_seqs=1, decode_attention=1)   # the cheapest step with a decode
 
 
 @dataclass
@@ -33,8 +30,9 @@ class SchedulerOutput:
     scheduled: dict[Sequence, int] = field(default_factory=dict)   # sequence -> tokens computed this step
     preempted: list[Sequence] = field(default_factory=list)
     admission_stop: str | None = None   # one of ADMISSION_STOPS, or None when nothing was left waiting
-    time_limit: float | None = None     # tbt_slo mode: seconds the step's predicted time may reach
-    overloaded: bool = False            # tbt_slo mode: the running decodes alone are predicted over the target
+    # set by the SLO scheduler (slo_scheduler.py), kept in every step's record
+    time_limit: float | None = None     # seconds the step's predicted time may reach
+    overloaded: bool = False            # the running decodes alone are predicted over the TBT target
 
     @property
     def num_tokens(self) -> int:
@@ -46,8 +44,6 @@ class PrefillBudget:
     """What the prefills of one step may still take."""
     tokens: int                          # tokens in all
     token_share: int = 1 << 30           # tokens per prompt (max_partial_prefills: the budget split evenly)
-    seconds: float | None = None         # tbt_slo mode: predicted time in all
-    time_share: float | None = None      # ... and per prompt
 
 
 class Scheduler:
@@ -55,8 +51,7 @@ class Scheduler:
 
     reserve_final_length = False   # True: blocks for the whole final length at admission (never preempts)
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 cost_model: CostModel | None = None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.blocks = block_manager
         self.token_budget = config.chunk_size
@@ -67,10 +62,6 @@ class Scheduler:
         self.running: list[Sequence] = []    # sorted by queue_key
         self.paused: list[Sequence] = []     # taken out of scheduling by pause(), oldest pause first
         self.num_preemptions = 0
-        self.cost_model = cost_model or CostModel()
-        self.slo = None if config.tbt_slo_ms is None else TbtSlo(config.tbt_slo_ms / 1e3)
-        # liveness in tbt_slo mode: the first prompt mid-prefill gets at least one block's worth of tokens per step
-        self.min_chunk = block_manager.block_size
         self.max_partial_prefills = config.max_partial_prefills
         self.long_prefill_threshold = config.long_prefill_threshold or max(1, int(LONG_PREFILL_FRACTION
                                                                                   * max_model_len))
@@ -142,15 +133,6 @@ class Scheduler:
             for seq in finished:
                 self.blocks.free(seq)
 
-    def remove_queued(self, seq: Sequence) -> None:
-        """Drop a finished sequence that was waiting or paused, and free its blocks: with the engine's overlap,
-        one preempted or paused while its last token was in flight finishes there."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.paused:
-            self.paused.remove(seq)
-        self.blocks.free(seq)
-
     def schedule(self) -> SchedulerOutput:
         self._decoding, self._prefilling = [], []
         for seq in self.running:
@@ -161,6 +143,13 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput) -> None:
         raise NotImplementedError
+
+    def observe(self, predicted: float | None, actual: float) -> None:
+        """Hook: after every step, its predicted and measured seconds (the SLO scheduler adapts to them)."""
+
+    def summary(self) -> dict | None:
+        """Hook: the state of a budget beyond tokens, for the engine's stats (None: tokens only)."""
+        return None
 
     def is_long(self, seq: Sequence) -> bool:
         """A prompt with more uncomputed tokens than long_prefill_threshold (vLLM's classification)."""
@@ -190,8 +179,8 @@ class Scheduler:
         scheduled = out.scheduled
         running = SequenceStatus.RUNNING   # one enum lookup, not one per sequence (slow in Python 3.11)
         for seq in self._decoding:
-            if seq.status is not running or seq.final_token_in_flight:
-                continue   # preempted earlier in this pass, or finishing with the step in flight
+            if seq.status is not running or seq.num_computed_tokens >= seq.max_kv_tokens:
+                continue   # preempted earlier in this pass, or its cache holds all it ever will
             # most decodes write into the free slots of their last block and need no allocation
             if (seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.fork_tail) \
                     or self._fit(seq, 1, out):
@@ -200,53 +189,34 @@ class Scheduler:
                 self._preempt(seq, out)
 
     def _prefills(self, out: SchedulerOutput, tokens: int) -> None:
-        """Chunks of admitted, unfinished prefills, then new requests, within `tokens` tokens; in tbt_slo mode
-        also within the step's predicted-time limit; with max_partial_prefills, each prompt that will prefill
-        gets an even share of both (vLLM's rule)."""
-        budget = PrefillBudget(tokens)
-        if self.slo is not None and self.cost_model.fitted:
-            decode_time = self.cost_model.predict(step_shape(out.scheduled))   # the decodes so far
-            # with no decode the step is the overhead alone: a new prompt must still be able to start
-            out.overloaded = bool(out.scheduled) and decode_time > self.slo.target
-            self.slo.set_overloaded(out.overloaded, decode_time)
-            # a target not even one decode meets: stopping admission would only serialize the requests, so
-            # the step gets the fixed chunk_size budget (the overload metric still counts it)
-            if not (out.overloaded and self.slo.is_infeasible(self.cost_model.predict(ONE_DECODE))):
-                out.time_limit = self.slo.limit
-                budget.seconds = budget.time_share = out.time_limit - decode_time
-        if self.max_partial_prefills is not None:
-            shares = self._num_prefill_shares()
-            budget.token_share = max(tokens // shares, 1)
-            if budget.seconds is not None:
-                budget.time_share = budget.seconds / shares
-        floor = self.min_chunk
+        """Chunks of admitted, unfinished prefills, then new requests, within the step's prefill budget."""
+        budget = self._prefill_budget(out, tokens)
         for seq in self._prefilling:
             if budget.tokens <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this step
-                # liveness: the first prompt mid-prefill in queue order gets a block's worth whatever the margin
-                # or the load, so each one in turn completes
-                want = self._grantable(budget, seq.num_computed_tokens, seq.num_uncomputed_tokens, floor)
-                floor = 0
-                n = self._fit(seq, want, out)
+                start = seq.num_computed_tokens
+                n = self._fit(seq, self._grantable(budget, start, seq.num_uncomputed_tokens), out)
                 if n:
-                    self._spend(budget, seq.num_computed_tokens, n)
+                    self._spend(budget, start, n)
                     out.scheduled[seq] = n
         self._admit(out, budget, chunked=True)
 
-    def _grantable(self, budget: PrefillBudget, start: int, remaining: int, floor: int) -> int:
-        """Tokens a prompt at position `start` with `remaining` tokens to compute may take; in tbt_slo mode at
-        least `floor` of them (within the token budget) whatever the predicted time."""
-        n = min(remaining, budget.tokens, budget.token_share)
-        if budget.seconds is not None:
-            timed = self.cost_model.max_prefill_tokens(start, min(budget.seconds, budget.time_share))
-            n = min(n, max(timed, floor))
-        return n
+    def _prefill_budget(self, out: SchedulerOutput, tokens: int) -> PrefillBudget:
+        """Hook: what the prefills of this step may take, `tokens` in all; with max_partial_prefills each
+        prompt that will prefill gets an even share (vLLM's rule)."""
+        budget = PrefillBudget(tokens)
+        if self.max_partial_prefills is not None:
+            budget.token_share = max(tokens // self._num_prefill_shares(), 1)
+        return budget
+
+    def _grantable(self, budget: PrefillBudget, start: int, remaining: int) -> int:
+        """Hook: tokens a prompt at position `start` with `remaining` tokens to compute may take."""
+        return min(remaining, budget.tokens, budget.token_share)
 
     def _spend(self, budget: PrefillBudget, start: int, n: int) -> None:
+        """Hook: a prompt at position `start` was granted n tokens."""
         budget.tokens -= n
-        if budget.seconds is not None:
-            budget.seconds -= self.cost_model.prefill_time(start, n)
 
     def _num_prefill_shares(self) -> int:
         """How many prompts will prefill this step, counted as vLLM does: those mid-prefill, then the waiting
@@ -272,9 +242,6 @@ class Scheduler:
             return
         if out.preempted:   # blocks are short right now: let the preempted ones settle first
             out.admission_stop = "preempted"
-            return
-        if out.overloaded and budget.seconds is not None:   # (an infeasible target: fixed budget, no stop)
-            out.admission_stop = "overload"
             return
         fair = self.max_partial_prefills is not None
         if fair:
@@ -303,8 +270,8 @@ class Scheduler:
             cached = self.blocks.lookup_prefix(seq)
             start = len(cached) * self.blocks.block_size
             remaining = seq.num_tokens - start
-            if chunked:   # the first prompt of an otherwise empty step always gets a block's worth (liveness)
-                n = self._grantable(budget, start, remaining, 0 if out.scheduled else self.min_chunk)
+            if chunked:
+                n = self._grantable(budget, start, remaining)
             else:
                 n = remaining if remaining <= budget.tokens else 0
             if n <= 0:
@@ -421,7 +388,3 @@ POLICIES = {
     "faster_transformer": FasterTransformerScheduler,
 }
 
-
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                   cost_model: CostModel | None = None) -> Scheduler:
-    return POLICIES[config.scheduler](config, block_manager, max_model_len, cost_model)

@@ -44,9 +44,6 @@ class Sequence:
     num_registered_blocks: int = 0    # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0        # prompt tokens the prefix cache served at first admission
     fork_tail: bool = False           # n > 1: its partial last block may still be shared with another choice
-    # overlap (engine.py): the token in flight (sampled, not yet on the host) is its last by length, so the
-    # scheduler gives it no further step: one would compute a position it never reaches
-    final_token_in_flight: bool = False
     # n > 1: the request's choices in index order (this one included), shared by all of them; None when n == 1
     choices: list | None = None
     index: int = 0                    # its choice index

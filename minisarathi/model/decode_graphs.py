@@ -38,12 +38,22 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
         max_num_seqs]
 
 
-def pad_to_bucket(batch: Batch, size: int, table_width: int, plan_context_len: int) -> Batch:
+@dataclass
+class BucketBatch(Batch):
+    """A bucket's decode batch. Decode attention is planned once for rows of up to plan_context_len keys (the
+    block tables' capacity) and cuts each row's keys on the device from its length (CudaOps reads it).
+    It always carries the overlap's index arrays (engine/overlap.py's OverlapBatch), zeros when no row takes
+    the previous step's ids, so that the bucket's packed metadata keeps one size (CudaOps.upload_batch)."""
+    plan_context_len: int = 0
+    previous_ids: Any = None                     # the previous step's sampled ids (device); None: none
+    previous_rows: np.ndarray | None = None      # int32[bucket]
+    previous_sources: np.ndarray | None = None   # int32[bucket]
+
+
+def pad_to_bucket(batch: Batch, size: int, table_width: int, plan_context_len: int) -> BucketBatch:
     """A decode-only batch as `size` rows over block tables `table_width` wide (see the module's docstring).
     With overlap, the rows that take the previous step's ids on the device keep them; their index arrays are
-    padded to `size` entries by repeating the first (the same id written twice), or are zeros when there are
-    none, so that the bucket's packed metadata keeps one size (CudaOps.upload_batch)."""
-    pad = size - batch.num_seqs
+    padded to `size` entries by repeating the first (the same id written twice)."""
 
     def padded(array: np.ndarray, fill: int, length: int = size) -> np.ndarray:   # int32[length]
         return np.concatenate([array, np.full(length - len(array), fill, np.int32)])
@@ -51,15 +61,17 @@ def pad_to_bucket(batch: Batch, size: int, table_width: int, plan_context_len: i
     tables = np.zeros((size, table_width), np.int32)                   # int32[size, table_width]
     tables[:batch.num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
     rows = np.arange(size + 1, dtype=np.int32)                         # one token per row
-    if batch.previous_ids is None:
+    previous_ids = getattr(batch, "previous_ids", None)
+    if previous_ids is None:
         previous_rows = previous_sources = np.zeros(size, np.int32)
     else:
         previous_rows = padded(batch.previous_rows, batch.previous_rows[0])
         previous_sources = padded(batch.previous_sources, batch.previous_sources[0])
-    return Batch(padded(batch.input_ids, 0), padded(batch.positions, 0), padded(batch.slot_mapping, -1), rows,
-                 padded(batch.context_lens, 1), tables, rows[:-1], max_query_len=1,
-                 max_context_len=batch.max_context_len, previous_ids=batch.previous_ids,
-                 previous_rows=previous_rows, previous_sources=previous_sources, plan_context_len=plan_context_len)
+    return BucketBatch(padded(batch.input_ids, 0), padded(batch.positions, 0), padded(batch.slot_mapping, -1),
+                       rows, padded(batch.context_lens, 1), tables, rows[:-1], max_query_len=1,
+                       max_context_len=batch.max_context_len, plan_context_len=plan_context_len,
+                       previous_ids=previous_ids, previous_rows=previous_rows,
+                       previous_sources=previous_sources)
 
 
 @dataclass

@@ -155,7 +155,8 @@ def test_sarathi_is_stall_free(requests, overlap):
     seen = []
 
     def schedule():
-        decoding = [s for s in scheduler.running if not s.in_prefill and not s.final_token_in_flight]
+        decoding = [s for s in scheduler.running
+                    if not s.in_prefill and s.num_computed_tokens < s.max_kv_tokens]
         out = original()
         has_prefill = any(s.in_prefill for s in out.scheduled)
         seen.append((decoding, dict(out.scheduled), has_prefill))

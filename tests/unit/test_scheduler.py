@@ -8,7 +8,8 @@ import pytest
 from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.cost_model import CostModel, step_shape
-from minisarathi.engine.scheduler import POLICIES, make_scheduler
+from minisarathi.engine.scheduler import POLICIES
+from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.outputs import RequestMetrics
 from minisarathi.sampling_params import SamplingParams
