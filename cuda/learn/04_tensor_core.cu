@@ -20,8 +20,8 @@ constexpr int TC_WARPS = 4;
 constexpr int TC_ROWS = TC_WARPS * 16;   // (token, head) rows per CTA
 constexpr int TC_KEYS = 16;              // keys per tile: S of a warp is 16 x 16, one k16 step of P V
 constexpr int TC_PAD = 8;                // elements of padding per shared row (16 bytes)
-// Resident CTAs per SM that ptxas budgets registers for (at most 168 a thread). Given no count, it kept
-// head_dim 64 to 72 registers and spilled.
+// Resident CTAs per SM that ptxas budgets registers for (at most 168 a thread): without a count, ptxas
+// holds head_dim 64 to 72 registers and spills.
 constexpr int TC_MIN_CTAS_PER_SM = 3;
 
 // Two consecutive elements of a row as one fragment register (the lower index in the low half).
