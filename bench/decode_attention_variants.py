@@ -8,7 +8,7 @@ over a shuffled pool of [num_blocks, Hk, block_size, D] caches; all are checked 
 timing, then timed in turns (best of --repeats, CPU time of this thread, one BLAS thread, the process set up as
 the engine sets it up) so
 that load from other processes falls on all alike. A step is NUM_LAYERS calls on one batch. The last
-variants are the backend's (NumpyOps.store_kv of one token per sequence, then paged_attention, per layer):
+variants are the backend's (CpuOps.store_kv of one token per sequence, then paged_attention, per layer):
 on its first step (everything copied) and on the steps after (decode K/V kept; only the blocks written
 since are copied again), with its decodes on the native kernel where it runs here (cpu_attention.py; "first
 step" and "next steps"), and on NumPy's path ("NumPy decodes, next steps"). Prints one JSON line per shape and
@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from minisarathi.backends import cpu_attention
-from minisarathi.backends.cpu_setup import configure_cpu
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu import native_attention
+from minisarathi.backends.cpu.ops import CpuOps
+from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.testing import ScheduledChunk, build_batch
 
 # name: (Hk, G, D, S, context)
@@ -151,24 +151,24 @@ def main():
             return run
 
         new_token = rng.standard_normal((S, Hk, D), dtype=np.float32)
-        kept_ops = NumpyOps()
+        kept_ops = CpuOps()
 
         def backend_step(ops=None):
             """A decode step: every layer writes one token per sequence (store_kv), then attends.
             ops None: a fresh backend (all K/V copied); else the same one from step to step (K/V kept)."""
-            ops, step_batch = ops or NumpyOps(), dataclasses.replace(batch)   # a new batch: a new plan
+            ops, step_batch = ops or CpuOps(), dataclasses.replace(batch)   # a new batch: a new plan
             for k, v in caches:
                 ops.store_kv(new_token, new_token, k, v, step_batch.slot_mapping)
                 ops.paged_attention(q.reshape(S, Hk * G, D), k, v, step_batch, 1.0)
-        numpy_ops = NumpyOps()
+        numpy_ops = CpuOps()
 
         def numpy_backend_step():
             """backend_step(kept ops) with NumPy's decode path, as where the native kernel does not run."""
-            runs, cpu_attention.runs = cpu_attention.runs, lambda head_dim: False
+            runs, native_attention.runs = native_attention.runs, lambda head_dim: False
             try:
                 backend_step(numpy_ops)
             finally:
-                cpu_attention.runs = runs
+                native_attention.runs = runs
         variants = {
             "blockwise (original)": (blockwise, {}, False),
             "head-major gather": (head_major, {}, False),
@@ -180,7 +180,7 @@ def main():
         for label, (fn, kw, planned) in variants.items():
             got = fn(*args_, plan=Plan(k_cache, tables, context_lens), **kw) if planned else fn(*args_, **kw)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=label)
-        got = NumpyOps().paged_attention(q.reshape(S, Hk * G, D), k_cache, v_cache, batch, 1.0)
+        got = CpuOps().paged_attention(q.reshape(S, Hk * G, D), k_cache, v_cache, batch, 1.0)
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6, err_msg="backend")
         fns = [per_step(fn, planned, **kw) for fn, kw, planned in variants.values()]
         fns += [backend_step, lambda: backend_step(kept_ops), numpy_backend_step]

@@ -9,10 +9,10 @@ Weights are stored [N, K] as HF stores them; a linear layer of M token rows can 
   w@x.T+copy the same, copied back to C order;
   w@xfm      w @ x_fm for an input already feature-major (x_fm[K, M] C order: the view the form above gives
              to the next layer, e.g. the MLP's down projection after silu_and_mul);
-  numpy      NumpyOps.linear on the weight as stored: NumPy's product as transposed_linear chooses it
-             (minisarathi/backends/numpy_ops.py), so the rule can be checked against the table;
-  packed     the packed matmul kernel on the weight packed once (minisarathi/backends/packed_gemm.py), what
-             NumpyOps.linear runs where the kernel builds and BLAS runs one thread (absent where it cannot).
+  numpy      CpuOps.linear on the weight as stored: NumPy's product as transposed_linear chooses it
+             (minisarathi/backends/cpu/ops.py), so the rule can be checked against the table;
+  packed     the packed matmul kernel on the weight packed once (minisarathi/backends/cpu/packed_gemm.py), what
+             CpuOps.linear runs where the kernel builds and BLAS runs one thread (absent where it cannot).
 With --cold each call reads its weight from memory, as a forward of a model larger than the caches does (the tiny
 model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is checked against the first; all
 are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread, the process set up as the engine
@@ -29,9 +29,9 @@ import time
 
 import numpy as np
 
-from minisarathi.backends import packed_gemm
-from minisarathi.backends.cpu_setup import configure_cpu
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu import packed_gemm
+from minisarathi.backends.cpu.ops import CpuOps
+from minisarathi.backends.cpu.process_setup import configure_cpu
 
 # model: (hidden H, heads Hq, KV heads Hk, head_dim D, intermediate I, vocab V)
 MODELS = {"stories260K": (64, 8, 4, 8, 172, 512), "tiny": (256, 8, 4, 32, 2048, 512),
@@ -46,7 +46,7 @@ def op_shapes(H: int, Hq: int, Hk: int, D: int, I: int, V: int) -> dict[str, tup
             "lm_head": (V, H)}
 
 
-def forms(x: np.ndarray, weight, packed_weight, ops: NumpyOps) -> dict:
+def forms(x: np.ndarray, weight, packed_weight, ops: CpuOps) -> dict:
     """name: a function computing x's product with weight() (packed_weight(): the same packed) in that form."""
     x_fm = np.ascontiguousarray(x.T)   # float32[K, M]
     named = {"x@w.T": lambda: x @ weight().T,
@@ -92,7 +92,7 @@ def main():
     args = parser.parse_args()
     setup = configure_cpu(1)   # as the engine sets the process up; one thread: its CPU time is the work
     print(setup.describe(), file=sys.stderr, flush=True)
-    ops, rng = NumpyOps(), np.random.default_rng(0)
+    ops, rng = CpuOps(), np.random.default_rng(0)
     table = []
     for model in args.models.split(","):
         shapes = op_shapes(*MODELS[model])

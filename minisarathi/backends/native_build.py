@@ -1,15 +1,13 @@
 """Compiles C++ into a shared library in a per-user cache, named by a hash of everything that goes into it.
 
-Used by the CUDA emulator (every .cu file) and the NumPy backend's native kernels (packed_gemm.cpp,
-cpu_attention.cpp, cpu_sampling.cpp: load_cpu_library, their one way to be built, loaded or turned off). A library is built once per content, compiler and flags; later processes find it by name.
-Threads and processes that race to build the same library each compile to a unique temporary name and rename it
-into place atomically.
+Used by the CUDA emulator (every .cu file) and the fast CPU backend's native kernels (through
+minisarathi/backends/cpu/native.py). A library is built once per content, compiler and flags; later processes
+find it by name. Threads and processes that race to build the same library each compile to a unique temporary
+name and rename it into place atomically.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import logging
 import os
 import shlex
 import stat
@@ -17,8 +15,6 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-
-from minisarathi.backends.cpu_setup import cpu_flags
 
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -92,37 +88,3 @@ def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: li
                 if os.path.exists(leftover) and leftover != str(target):
                     os.unlink(leftover)
     return target
-
-
-def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
-    """`source` (a .cpp file) built with CXX (default g++) and `flags` for this CPU (cached); RuntimeError or
-    OSError where it cannot be."""
-    return build_shared_library("cpu_kernels", source.stem, f'#include "{source}"\n', [source],
-                                os.environ.get("CXX", "g++"), flags, purpose)
-
-
-def load_cpu_library(source: Path, flags: list[str], name: str, switch: str, needs_avx512: bool, hold_gil: bool,
-                     log: logging.Logger) -> ctypes.CDLL | None:
-    """A NumPy-backend kernel's library, built at first use and loaded; None where it cannot run here, `log`
-    saying why ("NAME off ..."): the environment variable `switch` set to 0 (to measure against NumPy), a CPU
-    without AVX-512 where the kernel needs it, no compiler or a failed build, no safe cache folder, a library that
-    cannot be loaded (a noexec mount, a corrupt cached file). The caller then keeps its NumPy code.
-    hold_gil: load with ctypes.PyDLL, whose calls keep the GIL: a call of a few us that released it (CDLL) could
-    hand the GIL to the server's event loop and wait for it back."""
-    if os.environ.get(switch) == "0":
-        return None
-    if needs_avx512:
-        try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-                features = cpu_flags(f.read(1 << 16))
-        except OSError:
-            features = frozenset()
-        if "avx512f" not in features:
-            log.info("%s off: the CPU has no AVX-512; NumPy's instead", name)
-            return None
-    try:
-        path = cpu_library_path(source, flags, f"the {name}")
-        return (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
-    except (RuntimeError, OSError) as exc:
-        log.warning("%s off, NumPy's instead: %s", name, exc)
-        return None

@@ -25,7 +25,7 @@ from typing import Callable
 
 import msgpack
 
-from minisarathi.backends.cpu_setup import release_free_memory
+from minisarathi.backends.cpu.process_setup import release_free_memory
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
 from minisarathi.server.protocol import (

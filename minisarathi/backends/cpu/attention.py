@@ -1,7 +1,7 @@
-"""Paged attention for the NumPy backend: the K/V tiles a batch reads, gathered head-major into reused buffers.
+"""Paged attention for the CPU backend: the K/V tiles a batch reads, gathered head-major into reused buffers.
 
-Prefill chunks always run here. Decodes run on the native kernel (cpu_attention.py) where it runs for the
-model (cpu_attention.runs; the plan then holds only its DecodeRows); what follows is their path elsewhere,
+Prefill chunks always run here. Decodes run on the native kernel (native_attention.py) where it runs for the
+model (native_attention.runs; the plan then holds only its DecodeRows); what follows is their path elsewhere,
 which is also the reference the kernel is tested beside.
 
 The cache is [num_blocks, Hk, block_size, D], so the [block_size, D] tile of block b and KV head h is row
@@ -23,25 +23,20 @@ import mmap
 
 import numpy as np
 
-from minisarathi.backends.cpu_attention import CpuAttention, DecodeRows
+from minisarathi.backends.cpu.native_attention import CpuAttention, DecodeRows
 from minisarathi.batch import Batch
 
 # Decodes whose K/V is not kept (it fits one group, or it has more padded blocks than the pool has) are
 # gathered each step, in groups whose K and V take about this many bytes: a group's tiles are still in the
-# cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
-# sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
+# CPU's last-level cache when its two products read them (bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20
 # From this many keys on, decode scores are computed transposed, as K @ q^T (n rows by G columns) rather than
-# q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 (SkylakeX) kernels
-# do the few-rows product 1.9x slower than the transposed one at G = 4, D = 64 and 384-1024 keys, 1.3x at
-# G = 2 with 512 keys (the 2048 model's decode attention at context 512: 2.1x faster); below 384 keys the
-# few-rows product is as fast or faster, and with the Haswell kernels both forms cost the same
-# (docs/performance.md, "Calls per layer and step").
+# q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 kernels do the
+# few-rows product slower there; below it the few-rows product is as fast or faster.
 TRANSPOSED_SCORES_KEYS = 384
 # Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
-# (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
-# 64 rows: 10-15% faster than 128 from head_dim 8 to 64 and chunks of 128 to 512 tokens (fewer masked
-# scores computed, scores that stay in L2), and still few calls per chunk (32 rows: no faster).
+# (a fresh chunk does about half the work of the full square) and its scores stay in L2 for long prompts,
+# with still few calls per chunk.
 QUERY_TILE = 64
 _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
 
@@ -57,7 +52,7 @@ class AttentionPlan:
 
     def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  native_query_heads: int | None = None):
-        """native_query_heads: Hq, where the decodes run on the native kernel (cpu_attention.py), which reads
+        """native_query_heads: Hq, where the decodes run on the native kernel (native_attention.py), which reads
         the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
         self.batch = batch
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
@@ -85,12 +80,11 @@ class AttentionPlan:
             self.decode_mask = None if (context_lens == longest).all() else np.where(
                 np.arange(longest) >= context_lens[:, None], np.float32(-np.inf), np.float32(0))[:, None, None, :]
             # Decode K/V that fits one group is gathered again each step: the copy brings it into the CPU's
-            # cache just before the products read it (kept across steps instead, the products read it from
-            # memory: the tiny model's decode attention took 13% longer in its burst, stories260K's 3%,
-            # docs/performance.md). Larger, it is kept across steps (DecodeKV:
-            # a step copies only the blocks written since, each sequence's last one) while its padded blocks
-            # are no more than the pool holds (the copy costs at most the KV cache's memory again); past that,
-            # it is gathered each step, group by group.
+            # cache just before the products read it (kept across steps, the products would read it from
+            # memory). Larger, it is kept across steps (DecodeKV: a step copies only the blocks written
+            # since, each sequence's last one) while its padded blocks are no more than the pool holds (the
+            # copy costs at most the KV cache's memory again); past that, it is gathered each step, group by
+            # group.
             decode_bytes = 2 * self.decode_blocks.size * num_kv_heads * block_size * head_dim * 4
             self.keeps_decode_kv = DECODE_GROUP_BYTES < decode_bytes and self.decode_blocks.size <= num_blocks
             self.decode_tiles = cache_tiles(self.decode_blocks, num_kv_heads).ravel()
@@ -140,7 +134,7 @@ class DecodeKV:
     (the longest context enters a new block: at most every block_size steps), all is laid out anew in the same
     memory and copied in one take per cache: the products read contiguous [B * block_size, D] matrices
     (strided ones with room for more blocks cost 5% more). The cache must be written only through
-    NumpyOps.store_kv or copy_blocks, which report the blocks they write (written()).
+    CpuOps.store_kv or copy_blocks, which report the blocks they write (written()).
 
     memory: two float32[k_cache.size] from kept_memory(), for K and V: room for as many blocks as the pool
     (AttentionPlan keeps decode K/V only when its S * B blocks fit the pool); no step allocates."""
@@ -197,16 +191,15 @@ class DecodeKV:
 
 def kept_memory(size: int) -> np.ndarray:
     """float32[size] of zeros for DecodeKV, in an anonymous mapping of its own, its first DECODE_GROUP_BYTES
-    written now (NumpyOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
+    written now (CpuOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
     K/V first grows into it, a few blocks at a time (a column when B grows, a row when a decode joins).
 
     Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the
     K and V memories (more where decodes joined several at a time; the prefix written now is twice that).
-    Into memory allocated in that step, the small model's burst had its slowest step there (290-330 ms
-    against 190-210 for its neighbours): page faults on the kept K/V's own pages (25 ms), and buffers taken
-    from the heap in a step push the forward's temporaries onto fresh pages (the rest). Writing it all now
-    would double the KV pool's resident memory for the rare batch that fills the pool. Transparent huge
-    pages, as NumPy asks for its own large arrays: the products read them 10-20% faster."""
+    Memory allocated in that step would make it the slowest of its burst: page faults on the kept K/V's own
+    pages, and buffers taken from the heap in a step push the forward's temporaries onto fresh pages.
+    Writing it all now would double the KV pool's resident memory for the rare batch that fills the pool.
+    Transparent huge pages, as NumPy asks for its own large arrays: the products read them faster."""
     mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
         mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -291,4 +284,4 @@ def _exp_in_place(scores: np.ndarray) -> np.ndarray:
     after the product with V (on D numbers per row instead of n)."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    return np.einsum("...n->...", scores)[..., None]   # the sum: 2.5-3x faster than .sum(axis=-1) here
+    return np.einsum("...n->...", scores)[..., None]   # the sum: einsum is faster than .sum(axis=-1) here
