@@ -11,8 +11,9 @@ Weights are stored [N, K] as HF stores them; a linear layer of M token rows can 
              to the next layer, e.g. the MLP's down projection after silu_and_mul);
   numpy      CpuOps.linear on the weight as stored: NumPy's product as transposed_linear chooses it
              (minisarathi/backends/cpu/ops.py), so the rule can be checked against the table;
-  packed     the packed matmul kernel on the weight packed once (minisarathi/backends/cpu/packed_gemm.py), what
-             CpuOps.linear runs where the kernel builds and BLAS runs one thread (absent where it cannot).
+  packed     the packed matmul kernel on the weight packed once (minisarathi/backends/cpu/packed_gemm.py),
+             what CpuOps.linear runs where the kernel builds and BLAS runs one thread (absent where it
+             cannot).
 With --cold each call reads its weight from memory, as a forward of a model larger than the caches does (the tiny
 model's 28 MB and larger; the bundled model's 1 MB stays in cache). Each form is checked against the first; all
 are timed in turns (best of --repeats, this thread's CPU time, one BLAS thread, the process set up as the engine

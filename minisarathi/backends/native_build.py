@@ -37,27 +37,28 @@ def cache_dir(kind: str) -> Path:
         path.mkdir(mode=0o700, exist_ok=True)
         check_private_dir(path)
     except OSError as exc:
-        raise RuntimeError(f"no cache folder for compiled libraries ({base / kind} cannot be written): {exc}") \
-            from exc
+        raise RuntimeError(f"no cache folder for compiled libraries ({base / kind} cannot be written): "
+                           f"{exc}") from exc
     return path
 
 
 def check_private_dir(path: Path) -> None:
     """Raises RuntimeError unless `path` is a real directory of this user that no one else can write: in a
-    shared temporary folder, another user could have made it first and planted a library that we would load."""
+    shared temporary folder, another user could have made it first and planted a library we would load."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RuntimeError(f"cache folder {path} is not a directory of this user writable only by it "
-                           f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): not loading libraries "
-                           f"from it; set MINISARATHI_CACHE_DIR to a private folder")
+                           f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): not loading "
+                           f"libraries from it; set MINISARATHI_CACHE_DIR to a private folder")
 
 
 def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: list[Path], compiler: str,
                          flags: list[str], purpose: str) -> Path:
-    """The path of `translation_unit` (C++ text) compiled with `compiler` and `flags` into <stem>-<hash>.so under
-    cache_dir(kind). inputs: the files it includes, whose bytes go into the hash (editing one rebuilds).
+    """The path of `translation_unit` (C++ text) compiled with `compiler` and `flags` into <stem>-<hash>.so
+    under cache_dir(kind). inputs: the files it includes, whose bytes go into the hash (editing one rebuilds).
     purpose names the user of the library in errors ("the CUDA emulator"). compiler is a command line, as CXX
-    ("ccache g++"). Raises RuntimeError when the compiler is missing or fails, or no safe cache folder exists."""
+    ("ccache g++"). Raises RuntimeError when the compiler is missing or fails, or no safe cache folder
+    exists."""
     digest = hashlib.sha256()
     for part in (translation_unit, " ".join(flags), compiler):
         digest.update(part.encode() + b"\0")
@@ -79,7 +80,8 @@ def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: li
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError as exc:
-                raise RuntimeError(f"{purpose} needs a C++ compiler ({compiler!r} not found; set CXX)") from exc
+                raise RuntimeError(f"{purpose} needs a C++ compiler ({compiler!r} not found; "
+                                   "set CXX)") from exc
             if result.returncode != 0:
                 raise RuntimeError(f"{purpose}: build of {stem} failed:\n{' '.join(cmd)}\n{result.stderr}")
             os.replace(tmp_so, target)

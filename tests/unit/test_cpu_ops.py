@@ -86,9 +86,9 @@ def test_the_mlp_runs_feature_major_without_a_copy():
 
 
 def test_rope_store_kv_is_the_pairwise_float32_formula_bit_for_bit_batch_after_batch():
-    """x1 * cos - x2 * sin | x2 * cos + x1 * sin in float32, exactly, over a run of batches as a forward makes them:
-    new positions (a new batch: the column tables are remade), the same positions layer after layer (kept), q and
-    k with different head counts, a batch of one row, feature-major (F-order) activations."""
+    """x1 * cos - x2 * sin | x2 * cos + x1 * sin in float32, exactly, over a run of batches as a forward makes
+    them: new positions (a new batch: the column tables are remade), the same positions layer after layer
+    (kept), q and k with different head counts, a batch of one row, feature-major (F-order) activations."""
     ops, rng = CpuOps(), np.random.default_rng(7)
     Hq, Hk, D, block_size = 4, 2, 8, 4
     cos_sin = rng.standard_normal((64, D)).astype(np.float32)
@@ -112,7 +112,8 @@ def test_rope_store_kv_is_the_pairwise_float32_formula_bit_for_bit_batch_after_b
             assert np.array_equal(q, pairwise(original[:, :Hq * D].reshape(T, Hq, D), positions))
             assert np.array_equal(qkv[:, Hq * D:], original[:, Hq * D:])
             stored = k_cache[slots // block_size, :, slots % block_size]
-            assert np.array_equal(stored, pairwise(original[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), positions))
+            k_original = original[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
+            assert np.array_equal(stored, pairwise(k_original, positions))
             assert np.array_equal(v_cache[slots // block_size, :, slots % block_size], v)
 
 
@@ -137,7 +138,8 @@ def test_paged_attention_matches_dense_float64(Hq, Hk, D, block_size, runs):
     v_cache = rng.standard_normal((num_blocks, Hk, block_size, D)).astype(np.float32)
     keys = [rng.standard_normal((h + q, Hk, D)).astype(np.float32) for h, q in runs]
     values = [rng.standard_normal((h + q, Hk, D)).astype(np.float32) for h, q in runs]
-    whole = build_batch([ScheduledChunk([0] * (h + q), 0, t, True) for (h, q), t in zip(runs, tables)], block_size)
+    whole = build_batch([ScheduledChunk([0] * (h + q), 0, t, True) for (h, q), t in zip(runs, tables)],
+                        block_size)
     ops.store_kv(np.concatenate(keys), np.concatenate(values), k_cache, v_cache, whole.slot_mapping)
 
     batch = build_batch([ScheduledChunk([0] * q, h, t, True) for (h, q), t in zip(runs, tables)], block_size)
@@ -166,7 +168,7 @@ def test_store_kv_writes_the_mapped_slots():
     assert np.array_equal(k_cache[2, :, 1], k[0]) and np.array_equal(k_cache[0, :, 2], k[1])
     assert np.array_equal(v_cache[2, :, 1], -k[0]) and np.count_nonzero(k_cache) == np.count_nonzero(k)
     before = k_cache.copy()
-    ops.store_kv(k + 100, k, k_cache, v_cache, np.array([-1, 5], dtype=np.int32))   # a negative slot is padding
+    ops.store_kv(k + 100, k, k_cache, v_cache, np.array([-1, 5], dtype=np.int32))   # negative slot: padding
     assert np.array_equal(k_cache[1, :, 1], k[1] + 100)
     k_cache[1, :, 1] = before[1, :, 1]
     assert np.array_equal(k_cache, before)
@@ -207,12 +209,14 @@ def test_rope_store_kv_rotates_q_in_place_and_stores_rotated_k_and_v():
     slots = np.array([3, 0, 9, -1, 4, 11], dtype=np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
     k_cache, v_cache = ops.zeros((3, Hk, block_size, D)), ops.zeros((3, Hk, block_size, D))
-    ops.rope_store_kv(q, k, v, k_cache, v_cache, positions, slots, ops.constant(rope_cos_sin_table(inv_freq, 100001)))
+    cos_sin = ops.constant(rope_cos_sin_table(inv_freq, 100001))
+    ops.rope_store_kv(q, k, v, k_cache, v_cache, positions, slots, cos_sin)
     angle = positions[:, None, None].astype(np.float64) * inv_freq.astype(np.float64)  # [T, 1, D/2]
 
     def rotated(start, heads):
         x = original[:, start:start + heads * D].reshape(T, heads, D)
-        want = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * angle)   # half-split pairs as complex numbers
+        # half-split pairs as complex numbers
+        want = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * angle)
         return np.concatenate([want.real, want.imag], axis=-1)
 
     assert np.abs(q - rotated(0, Hq)).max() < 1e-4          # exact to float32 even at position 100000

@@ -143,7 +143,8 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
     monkeypatch.setattr(attention, "kept_memory", no_allocation_in_a_step)
     kept_views = []
     gather = attention.DecodeKV.gather
-    monkeypatch.setattr(attention.DecodeKV, "gather", lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
+    monkeypatch.setattr(attention.DecodeKV, "gather",
+                        lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
 
     rng = np.random.default_rng(3)
     free = list(rng.permutation(num_blocks))

@@ -9,7 +9,8 @@ from minisarathi.backends.cpu import native_attention
 from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
-needs_kernel = pytest.mark.skipif(native_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
+needs_kernel = pytest.mark.skipif(native_attention.kernel() is None,
+                                  reason="no AVX-512 CPU or no C++ compiler here")
 
 
 @pytest.fixture(autouse=True)
@@ -196,7 +197,8 @@ def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_CPU_ATTENTION", "0")
     assert native_attention.kernel() is None and not native_attention.runs(8)
     batch, q, k_cache, v_cache = case(6, DECODES_BETWEEN, 8, 4, 8, 16)
-    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
+                reference(q, k_cache, v_cache, batch, 0.3))
 
 
 def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
@@ -207,7 +209,8 @@ def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_ke
         assert native_attention.kernel() is None
     assert "native decode attention off" in caplog.text
     batch, q, k_cache, v_cache = case(7, DECODES_FIRST, 8, 4, 8, 16)
-    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
+                reference(q, k_cache, v_cache, batch, 0.3))
 
 
 @needs_kernel

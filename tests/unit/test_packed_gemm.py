@@ -1,5 +1,5 @@
-"""The packed matmul kernel (minisarathi/backends/cpu/packed_gemm.py) against float64 NumPy, its batch invariance,
-and CpuOps' fallback to NumPy's matmul where the kernel cannot be built."""
+"""The packed matmul kernel (minisarathi/backends/cpu/packed_gemm.py) against float64 NumPy, its batch
+invariance, and CpuOps' fallback to NumPy's matmul where the kernel cannot be built."""
 import logging
 import tempfile
 import threading
@@ -95,7 +95,8 @@ def test_cpu_ops_linear_runs_packed_weights():
 
 @needs_kernel
 def test_packed_only_where_blas_runs_one_thread():
-    """The kernel runs one thread: where NumPy may use more, its matmul is kept (process_setup's count in force)."""
+    """The kernel runs one thread: where NumPy may use more, its matmul is kept (process_setup's count in
+    force)."""
     w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     with threadpool_limits(limits=2, user_api="blas"):
         assert CpuOps().linear_weight(w) is w

@@ -44,7 +44,8 @@ _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float
 def cache_tiles(block_table: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """int[..., Hk, B]: the rows of the [num_blocks * Hk, block_size, D] cache view holding each head's keys
     of the blocks in block_table[..., B], head by head."""
-    return block_table[..., None, :] * num_kv_heads + np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]
+    heads = np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]   # int[Hk, 1]
+    return block_table[..., None, :] * num_kv_heads + heads
 
 
 class AttentionPlan:
@@ -52,8 +53,8 @@ class AttentionPlan:
 
     def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  native_query_heads: int | None = None):
-        """native_query_heads: Hq, where the decodes run on the native kernel (native_attention.py), which reads
-        the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
+        """native_query_heads: Hq, where the decodes run on the native kernel (native_attention.py), which
+        reads the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
         self.batch = batch
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
@@ -78,7 +79,8 @@ class AttentionPlan:
             # block-table entries past a context name, so the cache must hold finite numbers); None when
             # every context is the longest (a burst of equal requests)
             self.decode_mask = None if (context_lens == longest).all() else np.where(
-                np.arange(longest) >= context_lens[:, None], np.float32(-np.inf), np.float32(0))[:, None, None, :]
+                np.arange(longest) >= context_lens[:, None], np.float32(-np.inf),
+                np.float32(0))[:, None, None, :]
             # Decode K/V that fits one group is gathered again each step: the copy brings it into the CPU's
             # cache just before the products read it (kept across steps, the products would read it from
             # memory). Larger, it is kept across steps (DecodeKV: a step copies only the blocks written
@@ -99,7 +101,8 @@ class AttentionPlan:
 
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
-        """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like k_cache."""
+        """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like
+        k_cache."""
         query_start, context_lens, block_tables = self._arrays
         return (batch is self.batch and k_cache.shape == self.cache_shape and batch.query_start is query_start
                 and batch.context_lens is context_lens and batch.block_tables is block_tables)
@@ -111,8 +114,10 @@ class GatherBuffers:
     def __init__(self):
         self._k = self._v = np.empty(0, np.float32)
 
-    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32[len(tiles), block_size, D] each: the K and V tiles, in the buffers (valid until the next call)."""
+    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray,
+               tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32[len(tiles), block_size, D] each: the K and V tiles, in the buffers (valid until the next
+        call)."""
         num_blocks, Hk, block_size, D = k_cache.shape
         size = len(tiles) * block_size * D
         if self._k.size < size:
@@ -143,7 +148,7 @@ class DecodeKV:
         num_blocks, Hk, block_size, D = k_cache.shape
         self._clock = 0                                         # counts this layer's reported writes
         self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
-        self._held = np.empty((0, 0), np.int64)                 # [rows, B]: the block each place holds, -1 none
+        self._held = np.empty((0, 0), np.int64)   # [rows, B]: the block each place holds, -1 none
         self._copied = np.empty((0, 0), np.int64)               # [rows, B]: the clock when it was copied
         self._memory = memory
         self._k = self._v = np.empty((0, Hk, 0, block_size, D), np.float32)
@@ -247,7 +252,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
                 shape = (-1, Hk, tiles_per_seq // Hk * block_size, D)
                 k, v = k.reshape(shape), v.reshape(shape)
             k, v = k[:, :, :plan.decode_keys], v[:, :, :plan.decode_keys]
-            if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:   # [s, Hk, n, D] @ [s, Hk, D, G], then [s, Hk, G, n]
+            # transposed: [s, Hk, n, D] @ [s, Hk, D, G], then laid out [s, Hk, G, n]
+            if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
                 scores = np.ascontiguousarray((k @ q_decode_t[rows]).swapaxes(-1, -2))
             else:
                 scores = q_decode[rows] @ k.swapaxes(-1, -2)  # float32[s, Hk, G, n]
@@ -265,13 +271,15 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     return out.reshape(T, Hq, D)
 
 
-def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int, out: np.ndarray) -> None:
+def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int,
+                       out: np.ndarray) -> None:
     q_len = q.shape[0]
     history = context_len - q_len  # keys every query of the chunk sees
     for start in range(0, q_len, QUERY_TILE):
         end = min(start + QUERY_TILE, q_len)
         visible = history + end
-        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)  # [Hk, G, t, visible]
+        # float32[Hk, G, t, visible]
+        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)
         scores[..., history + start:] += _CAUSAL_TILE[:end - start, :end - start]
         denominator = _exp_in_place(scores)
         tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]

@@ -18,14 +18,14 @@ def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
                                 os.environ.get("CXX", "g++"), flags, purpose)
 
 
-def load_cpu_library(source: Path, flags: list[str], name: str, switch: str, needs_avx512: bool, hold_gil: bool,
-                     log: logging.Logger) -> ctypes.CDLL | None:
-    """A NumPy-backend kernel's library, built at first use and loaded; None where it cannot run here, `log`
+def load_cpu_library(source: Path, flags: list[str], name: str, switch: str, needs_avx512: bool,
+                     hold_gil: bool, log: logging.Logger) -> ctypes.CDLL | None:
+    """A CPU-backend kernel's library, built at first use and loaded; None where it cannot run here, `log`
     saying why ("NAME off ..."): the environment variable `switch` set to 0 (to measure against NumPy), a CPU
-    without AVX-512 where the kernel needs it, no compiler or a failed build, no safe cache folder, a library that
-    cannot be loaded (a noexec mount, a corrupt cached file). The caller then keeps its NumPy code.
-    hold_gil: load with ctypes.PyDLL, whose calls keep the GIL: a call of a few us that released it (CDLL) could
-    hand the GIL to the server's event loop and wait for it back."""
+    without AVX-512 where the kernel needs it, no compiler or a failed build, no safe cache folder, a library
+    that cannot be loaded (a noexec mount, a corrupt cached file). The caller then keeps its NumPy code.
+    hold_gil: load with ctypes.PyDLL, whose calls keep the GIL: a call of a few us that released it (CDLL)
+    could hand the GIL to the server's event loop and wait for it back."""
     if os.environ.get(switch) == "0":
         return None
     if needs_avx512:

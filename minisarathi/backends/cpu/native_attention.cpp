@@ -246,7 +246,8 @@ void* scratch(int64_t bytes) {
 
 extern "C" {
 
-// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/unit/test_native_attention.py measures its accuracy.
+// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/unit/test_native_attention.py measures its
+// accuracy.
 __attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i += LANES) {
         const __mmask16 lanes = first_lanes(n - i);

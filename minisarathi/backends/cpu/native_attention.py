@@ -23,7 +23,7 @@ from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
 from minisarathi.batch import Batch
 
 SOURCE = Path(__file__).resolve().parent / "native_attention.cpp"
-# No -ffast-math: every sum keeps the order written in the source (a row's result must not depend on its batch).
+# No -ffast-math: every sum keeps its written order (a row's result must not depend on its batch).
 FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
 log = logging.getLogger(__name__)
@@ -31,18 +31,20 @@ log = logging.getLogger(__name__)
 
 class DecodeRows:
     """What the kernel reads besides q, the caches and out: a batch's decodes and the cache's shape, laid out
-    as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so that
-    a layer's call passes 7 arguments and reads 2 addresses (.ctypes.data is slow)."""
+    as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so
+    that a layer's call passes 7 arguments and reads 2 addresses (.ctypes.data is slow)."""
 
-    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int], query_heads: int):
+    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int],
+                 query_heads: int):
         num_blocks, Hk, block_size, D = cache_shape
         self.seqs = decodes.astype(np.int64)                                   # int64[S]: decode sequences
         self.rows = batch.query_start[decodes].astype(np.int64)               # int64[S]: their token rows
         self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)   # int32[num_seqs, B]
         self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)   # int32[num_seqs]
-        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1], self.context_lens.ctypes.data,
-                                self.seqs.ctypes.data, self.rows.ctypes.data, len(self.seqs), num_blocks, Hk,
-                                query_heads // Hk, D, block_size], np.int64)   # DecodeBatch
+        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1],
+                                self.context_lens.ctypes.data, self.seqs.ctypes.data, self.rows.ctypes.data,
+                                len(self.seqs), num_blocks, Hk, query_heads // Hk, D, block_size],
+                               np.int64)   # DecodeBatch
         self.address = self.fields.ctypes.data
         self.query_shape = (query_heads, D)
         self.head_strides = (D * 4, 4)   # of q's rows as the kernel reads them: [Hq, D] contiguous

@@ -41,7 +41,8 @@ class InverseCdf:
         u = np.ascontiguousarray(u, dtype=np.float64)
         rows = len(probs)
         if probs.shape != (rows, self.vocab_size) or u.shape != (rows,):
-            raise ValueError(f"probs must be [R, {self.vocab_size}] and u [R], got {probs.shape} and {u.shape}")
+            raise ValueError(f"probs must be [R, {self.vocab_size}] and u [R], "
+                             f"got {probs.shape} and {u.shape}")
         if len(self._out) < rows:
             self._out = np.empty(2 * rows, np.int64)
             self._out_address = self._out.ctypes.data
@@ -58,8 +59,8 @@ def library_path() -> Path:
 def _library() -> ctypes.CDLL | None:
     """Called with the GIL held: the call takes a few us, and releasing the GIL around it could hand it to the
     server's event loop and hold the engine thread up. Needs no AVX-512 (plain float64 arithmetic)."""
-    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING", needs_avx512=False,
-                           hold_gil=True, log=log)
+    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING",
+                           needs_avx512=False, hold_gil=True, log=log)
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]
@@ -68,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def kernel(vocab_size: int, block: int) -> InverseCdf | None:
-    """The inverse CDF for rows of vocab_size tokens in blocks of `block`, the library built at first use; None
-    where it cannot be (the log says why) or is turned off."""
+    """The inverse CDF for rows of vocab_size tokens in blocks of `block`, the library built at first use;
+    None where it cannot be (the log says why) or is turned off."""
     lib = _library()
     return None if lib is None else InverseCdf(lib.inverse_cdf, vocab_size, block)

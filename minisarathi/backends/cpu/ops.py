@@ -65,9 +65,9 @@ class CpuOps:
 
     def linear_weight(self, placed: np.ndarray) -> PackedWeight | np.ndarray:
         """Packed once for the packed matmul kernel where packed_gemm.packs says so (the kernel runs here, the
-        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed at
-        load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch it is
-        in."""
+        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed
+        at load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch
+        it is in."""
         if not packed_gemm.packs(placed.shape[1]):
             return placed
         return packed_gemm.kernel().pack(placed)
@@ -112,7 +112,8 @@ class CpuOps:
         residual += x
         return self.rms_norm(residual, w, eps), residual
 
-    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray,
+               bias: np.ndarray | None = None) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
         transposed_linear chooses the transposed product of an unpacked weight."""
         if isinstance(w, PackedWeight):
@@ -156,7 +157,8 @@ class CpuOps:
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
             native_query_heads = q.shape[1] if native_attention.runs(k_cache.shape[-1]) else None
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape, native_query_heads=native_query_heads)
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape,
+                                                        native_query_heads=native_query_heads)
         if plan.native_decodes is not None:
             native = native_attention.kernel(), self._addresses(k_cache, v_cache)
             return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
@@ -178,7 +180,8 @@ class CpuOps:
         return known[2]
 
     def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
-        """Every write into a cache goes through here, so that a layer's kept decode K/V knows what changed."""
+        """Every write into a cache goes through here, so that a layer's kept decode K/V knows what
+        changed."""
         kept = self._decode_kv.get(id(k_cache))
         if kept is not None and kept[0]() is k_cache:
             kept[1].written(blocks)
@@ -193,28 +196,29 @@ class CpuOps:
             weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
         return kept[1]
 
-    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                      positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
-        """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
-        (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
-        pairs are (i, i + D/2) as in HF's rotate_half.
+    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray,
+                      v_cache: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                      cos_sin: np.ndarray) -> None:
+        """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
+        slot_mapping (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin()
+        (float32[P, D]); pairs are (i, i + D/2) as in HF's rotate_half.
 
-        Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid out
-        per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with long
-        inner loops rather than many with loops of D/2 numbers, bit for bit the same results. The column tables
-        are contiguous for each head count (q's and k's): a product with a strided slice of a wider table takes
-        NumPy's slower general loop."""
+        Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid
+        out per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with
+        long inner loops rather than many with loops of D/2 numbers, bit for bit the same results. The column
+        tables are contiguous for each head count (q's and k's): a product with a strided slice of a wider
+        table takes NumPy's slower general loop."""
         last_positions, last_cos_sin, tables = self._rope_tables
         if positions is not last_positions or cos_sin is not last_cos_sin:
             tables = {}
             self._rope_tables = positions, cos_sin, tables
         q[...] = self._rotated(q, self._rope_columns(tables, q.shape[1], positions, cos_sin))
-        self.store_kv(self._rotated(k, self._rope_columns(tables, k.shape[1], positions, cos_sin)), v, k_cache,
-                      v_cache, slot_mapping)
+        k_rotated = self._rotated(k, self._rope_columns(tables, k.shape[1], positions, cos_sin))
+        self.store_kv(k_rotated, v, k_cache, v_cache, slot_mapping)
 
     def _rope_columns(self, tables: dict, heads: int, positions: np.ndarray, cos_sin: np.ndarray):
         """(cos, -sin | sin) per column (float32[T, heads * D] each) and rotate_half's source column of each
-        column, made at the batch's first layer: broadcast into place (fewer calls than np.tile, concatenate)."""
+        column, made at the batch's first layer: broadcast into place (fewer calls than np.tile)."""
         columns = tables.get(heads)
         if columns is None:
             table = cos_sin.take(positions, axis=0)                              # float32[T, D]: cos | sin
@@ -227,7 +231,8 @@ class CpuOps:
             sin[:, :, 1] = table[:, None, half:]
             partner = self._rope_partners.get((heads, D))
             if partner is None:   # the other half of the same head
-                partner = self._rope_partners[heads, D] = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()
+                partner = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()   # int[heads * D]
+                self._rope_partners[heads, D] = partner
             columns = tables[heads] = cos.reshape(T, heads * D), sin.reshape(T, heads * D), partner
         return columns
 
@@ -254,7 +259,7 @@ class CpuOps:
         inter = x.shape[1] // 2
         gate, up = x[:, :inter], x[:, inter:]
         out = np.negative(gate)
-        with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0, correctly
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for a very negative gate: silu = -0, correctly
             np.exp(out, out=out)
         out += 1
         np.divide(gate, out, out=out)

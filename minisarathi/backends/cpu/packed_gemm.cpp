@@ -5,11 +5,11 @@
 // oneDNN brgemm does, and the panels are streamed from memory with prefetch ahead.
 //
 // Layout (minisarathi/backends/cpu/packed_gemm.py packs it): w[N, K] becomes ceil(N / NR) panels of NR
-// consecutive output features, each float32[K][NR], the last one padded with zeros. A register tile of up to MR rows x NR
-// outputs keeps 2 * MR accumulators in zmm registers; each k step loads one panel row (2 vectors) and
-// broadcasts one input per row (the inputs are first copied to [k][MR] order, so the broadcasts read one
-// stream instead of MR rows a large power of two apart that evict each other from L1). Loop order and cache
-// blocking as BLIS's (K blocks, groups of panels in L2, a row tile's inputs in L1).
+// consecutive output features, each float32[K][NR], the last one padded with zeros. A register tile of up
+// to MR rows x NR outputs keeps 2 * MR accumulators in zmm registers; each k step loads one panel row (2
+// vectors) and broadcasts one input per row (the inputs are first copied to [k][MR] order, so the broadcasts
+// read one stream instead of MR rows a large power of two apart that evict each other from L1). Loop order
+// and cache blocking as BLIS's (K blocks, groups of panels in L2, a row tile's inputs in L1).
 //
 // Determinism: every output element is one chain of fused multiply-adds over k = 0 .. K-1, in that order,
 // from 0, whatever the number of rows, the row's place in its tile, or the K blocking (a later K block resumes

@@ -68,7 +68,8 @@ def set_blas_threads(threads: int) -> bool:
 
 
 def blas_threads_in_force() -> int | None:
-    """The most threads any loaded BLAS library will use now; None where that is unknown (no threadpoolctl)."""
+    """The most threads any loaded BLAS library will use now; None where that is unknown (no
+    threadpoolctl)."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -143,5 +144,6 @@ def configure_cpu(blas_threads: int | None) -> CpuSetup:
     if not set_blas_threads(threads):
         threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
         if blas_threads is not None:
-            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: pip install 'minisarathi[cpu]'")
+            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: "
+                             "pip install 'minisarathi[cpu]'")
     return CpuSetup(threads, how, tune_allocator(), blas_kernels())
