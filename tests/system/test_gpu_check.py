@@ -85,7 +85,8 @@ def test_an_exception_names_the_op_and_the_line_that_called_it(planted):
     assert failure["error"].startswith("ValueError")
     assert failure["where"].startswith("minisarathi/backends/cpu/ops.py:") and "rms_norm" in failure["where"]
     assert failure["op"] == "CpuOps.rms_norm"
-    assert failure["caller"].startswith("tests/test_gpu_check.py:") and "raises_in_an_op" in failure["caller"]
+    assert failure["caller"].startswith("tests/system/test_gpu_check.py:")
+    assert "raises_in_an_op" in failure["caller"]
     assert planted[0]["raise"].rows[0] == ("before the error", "ok", "")
 
 
@@ -99,7 +100,7 @@ def test_a_crash_or_a_hang_keeps_its_rows_and_where_it_was(planted):
     results = planted[0]
     segfault, hang = results["segfault"], results["hang"]
     assert segfault.failure["error"].startswith("killed by SIGSEGV")
-    assert segfault.failure["where"].startswith("tests/test_gpu_check.py:") and \
+    assert segfault.failure["where"].startswith("tests/system/test_gpu_check.py:") and \
         "in segfaults: ctypes.string_at(0)" in segfault.failure["where"]
     assert segfault.rows == [("before the crash", "ok", "")]
     assert hang.failure["error"].startswith(f"TIMEOUT after {HANG_S} s")
@@ -112,7 +113,7 @@ def test_the_summary_gives_the_fallback_and_each_first_failure(planted):
     text = (out / "summary.txt").read_text()
     assert "engine: do not serve on device='cuda' (raise, check failed): use device='cpu'" in text
     assert "segfaults: ctypes.string_at(0)" in text and "hangs: time.sleep(60)" in text
-    assert "(op CpuOps.rms_norm, called from tests/test_gpu_check.py:" in text
+    assert "(op CpuOps.rms_norm, called from tests/system/test_gpu_check.py:" in text
     saved = json.loads((out / "summary.json").read_text())
     assert [s["status"] for s in saved["sections"]] == [r.status for r in results.values()]
     assert exit_code(list(results.values())) == 1
