@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from minisarathi.backends import cuda_ops, emulator
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.testing import ScheduledChunk, build_batch
 
@@ -66,7 +66,7 @@ def main() -> int:
         batch, q, k_cache, v_cache = case(total, dtype, Hq, Hk, D, block_size, runs)
         widen = bf16_to_float32 if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
         scale = 1 / np.sqrt(D)
-        expected = NumpyOps().paged_attention(widen(q), widen(k_cache), widen(v_cache), batch, scale)
+        expected = CpuOps().paged_attention(widen(q), widen(k_cache), widen(v_cache), batch, scale)
         tolerance = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
         ops = cuda_ops.emulated(dtype)
         for order in orders:

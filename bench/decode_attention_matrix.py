@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from minisarathi.backends import cuda_ops, decode_plan, emulator
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.testing import ScheduledChunk, build_batch
 
@@ -62,7 +62,7 @@ def run_case(dtype: str, head_dim: int, heads: tuple[int, int], block_size: int,
     with emulator.schedule(order, seed=seed):
         out = ops.paged_attention(q, k_cache, v_cache, batch, 1.0 / np.sqrt(head_dim))
     seconds = time.perf_counter() - start
-    expected = NumpyOps().paged_attention(host(q), host(k_cache), host(v_cache), batch, 1.0 / np.sqrt(head_dim))
+    expected = CpuOps().paged_attention(host(q), host(k_cache), host(v_cache), batch, 1.0 / np.sqrt(head_dim))
     error = float(np.abs(host(out) - expected).max()) / max(1.0, float(np.abs(expected).max()))
     return {"dtype": dtype, "head_dim": head_dim, "q_heads": Hq, "kv_heads": Hk, "block_size": block_size,
             "order": order, "contexts": lens, "error": error, "ok": error <= TOLERANCE[dtype],

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import configure_cpu
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu.ops import CpuOps
+from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.config import ModelConfig
-from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.model.llama import LlamaModel
+from minisarathi.testing import ScheduledChunk, build_batch
 
 SMALL = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=4096, prefill_tokens=128,
              decode_batches="1,8", context=64)
@@ -47,7 +47,7 @@ def random_model(args) -> LlamaModel:
                     f"layers.{i}.qkv_proj": w(qkv_rows, H), f"layers.{i}.o_proj": w(H, config.num_attention_heads * D),
                     f"layers.{i}.post_attention_layernorm": np.ones(H, np.float32),
                     f"layers.{i}.gate_up_proj": w(2 * I, H), f"layers.{i}.down_proj": w(H, I)}
-    return LlamaModel(config, weights, NumpyOps())
+    return LlamaModel(config, weights, CpuOps())
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.gpu_runner import CPU, Section, exit_code, run_sections  # noqa: E402
 from minisarathi.backends import cuda_ops  # noqa: E402
-from minisarathi.backends.numpy_ops import NumpyOps  # noqa: E402
+from minisarathi.backends.cpu.ops import CpuOps  # noqa: E402
 from minisarathi.config import rope_cos_sin_table  # noqa: E402
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16  # noqa: E402
 from minisarathi.paths import default_model_dir  # noqa: E402
@@ -171,8 +171,8 @@ CHECKED_OPS = {"embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv
 
 
 def check_ops(report, dtype: str) -> None:
-    """Each op of CudaOps in `dtype` against NumpyOps (float32) on inputs rounded to `dtype`."""
-    rng, ops, ref = np.random.default_rng(0), make_ops(dtype), NumpyOps()
+    """Each op of CudaOps in `dtype` against CpuOps (float32) on inputs rounded to `dtype`."""
+    rng, ops, ref = np.random.default_rng(0), make_ops(dtype), CpuOps()
     methods = {m for m in dir(cuda_ops.CudaOps) if not m.startswith("_") and callable(getattr(cuda_ops.CudaOps, m))}
     unchecked = sorted(methods - PLACEMENT - CHECKED_OPS)
     report.row(f"ops {dtype} covered", "ok" if not unchecked else "unchecked",
@@ -364,7 +364,7 @@ def check_models(report) -> None:
 
 
 def check_model(report, label: str, path: Path, prompt: list[int], new_tokens: int) -> None:
-    ref_ids, ref_logits = generate(build_model(path, NumpyOps()), prompt, new_tokens)
+    ref_ids, ref_logits = generate(build_model(path, CpuOps()), prompt, new_tokens)
     model = build_model(path, make_ops("float32"))
     ids, logits = generate(model, prompt, new_tokens)
     error = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
@@ -618,7 +618,7 @@ def time_attention_case(report, ops, label: str, runs: list[tuple[int, int]], ta
             slice(n - m, n), blocks[0]
     else:
         sample, rows, used = build_batch(chunks[:2], bs), slice(0, min(2, len(runs))), sum(blocks[:2])
-    want = NumpyOps().paged_attention(ops.to_numpy(q[rows]), ops.to_numpy(k_cache[:used]),
+    want = CpuOps().paged_attention(ops.to_numpy(q[rows]), ops.to_numpy(k_cache[:used]),
                                      ops.to_numpy(v_cache[:used]), sample, scale)
     error = float(np.abs(ops.to_numpy(out[rows]) - want).max() / max(1.0, np.abs(want).max()))
     verdict = None if error <= TOLERANCE["bfloat16"] else "MISMATCH"

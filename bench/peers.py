@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import auto_blas_threads, set_blas_threads
+from minisarathi.backends.cpu.process_setup import auto_blas_threads, set_blas_threads
 from minisarathi.bench.workloads import WorkloadConfig, make_workload
 
 BURST = dict(num_requests=32, prompt_len=128, decode_len=64)

@@ -63,7 +63,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     rank_timeout_s: float = 120.0
     # BLAS threads of the process (the NumPy backend's matmuls, the sampler). None: the CPUs other processes
-    # leave idle at start-up, at least 1 (minisarathi/backends/cpu_setup.py).
+    # leave idle at start-up, at least 1 (minisarathi/backends/cpu/process_setup.py).
     blas_threads: int | None = None
     # Overlap the host with the device (docs/performance.md, "Overlap"): each step is scheduled and its forward
     # issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend on a

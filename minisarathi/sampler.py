@@ -13,7 +13,7 @@ Per row, in vLLM's order:
 4. One uniform draw per non-greedy row, from the request's own generator when it has a seed (so its
    tokens do not depend on what else is in the batch) or from the sampler's generator otherwise, mapped
    through the inverse CDF of the kept probabilities renormalized (in token id order); that search runs in one
-   native call where it can be built (minisarathi/backends/cpu_sampling.py), with the same tokens.
+   native call where it can be built (minisarathi/backends/cpu/native_sampling.py), with the same tokens.
 
 Logprobs are the log-softmax of the raw logits, before penalties and temperature (vLLM's "raw_logprobs").
 """
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minisarathi.backends import cpu_sampling
+from minisarathi.backends.cpu import native_sampling
 from minisarathi.sampling_params import SamplingParams
 
 _NUCLEUS_CANDIDATES = 1024   # most likely tokens searched for the top-p nucleus before a full sort
@@ -115,7 +115,7 @@ class Sampler:
         while (2 * self._cdf_block) ** 2 <= vocab_size and vocab_size % (2 * self._cdf_block) == 0:
             self._cdf_block *= 2
         # _inverse_cdf in one native call where it can be built: the same tokens, bit for bit, in a few us
-        self._draw = cpu_sampling.kernel(vocab_size, self._cdf_block) or self._inverse_cdf
+        self._draw = native_sampling.kernel(vocab_size, self._cdf_block) or self._inverse_cdf
 
     def sample(self, logits: np.ndarray, params: list[SamplingParams],
                generators: list[np.random.Generator | None],

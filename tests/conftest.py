@@ -5,20 +5,20 @@ from pathlib import Path
 
 import pytest
 
-from minisarathi.backends import numpy_ops
+from minisarathi.backends.cpu import ops
 from minisarathi.backends.emulator import cubin
 
-# NumpyOps.linear's two products (numpy_ops.transposed_linear), each chosen by an OpenBLAS core: tests that
+# CpuOps.linear's two products (ops.transposed_linear), each chosen by an OpenBLAS core: tests that
 # run the model take both, whatever kernels this machine's OpenBLAS uses.
 LINEAR_FORMS = {"x@w.T": None, "(w@x.T).T": "SkylakeX"}
 
 
 @pytest.fixture(params=list(LINEAR_FORMS))
 def blas_core(request, monkeypatch):
-    """The OpenBLAS core that NumpyOps made from now on believe in force (set it on older ones): x @ w.T at
+    """The OpenBLAS core that CpuOps made from now on believe in force (set it on older ones): x @ w.T at
     every row count, or the transposed product at the rows transposed_linear gives it."""
     core = LINEAR_FORMS[request.param]
-    monkeypatch.setattr(numpy_ops, "openblas_core", lambda: core)
+    monkeypatch.setattr(ops, "openblas_core", lambda: core)
     return core
 
 

@@ -1,9 +1,9 @@
 """The one interface every backend implements: what the model and the engine may ask of it.
 
 Three backends implement it: ReferenceOps (minisarathi/backends/reference.py, the plain float32 reference
-the others are tested against), NumpyOps (minisarathi/backends/numpy_ops.py, the fast CPU backend) and CudaOps
+the others are tested against), CpuOps (minisarathi/backends/cpu/ops.py, the fast CPU backend) and CudaOps
 (minisarathi/backends/cuda_ops.py, the kernels of cuda/*.cu on a GPU or on the CPU emulator).
-docs/architecture.md has the same list as a table with the shapes; tests/test_backends.py checks that the
+docs/architecture.md has the same list as a table with the shapes; tests/unit/test_backends.py checks that the
 backends have every name listed here.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Backend(Protocol):
         """A loader CheckpointTensor (or a float32 array) placed on the device in the activation dtype."""
     def linear_weight(self, placed: Array) -> Any:
         """A weight that weight() placed, in the form linear reads fastest, for the weights linear reads
-        (NumpyOps: packed for its packed matmul kernel where that runs; CudaOps: the array itself)."""
+        (CpuOps: packed for its packed matmul kernel where that runs; CudaOps: the array itself)."""
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
     def upload_batch(self, batch: Batch, into: Any = None) -> Any:
         """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it, and
@@ -48,8 +48,8 @@ class Backend(Protocol):
     def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
     def add_rms_norm(self, x: Array, residual: Array, w: Array, eps: float) -> tuple[Array, Array]: ...
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
-        """x[T, K] @ w[N, K].T (+ bias[N]): [T, N]. NumpyOps may hand on the transposed product's F-order
-        view, so NumpyOps' ops take any memory layout; CudaOps returns C order, which its kernels need."""
+        """x[T, K] @ w[N, K].T (+ bias[N]): [T, N]. CpuOps may hand on the transposed product's F-order
+        view, so CpuOps' ops take any memory layout; CudaOps returns C order, which its kernels need."""
     def rope_store_kv(self, q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: np.ndarray,
                       slot_mapping: np.ndarray, cos_sin: Array) -> None:
         """RoPE on q in place; rotated k and v written into the cache (negative slot: not stored)."""

@@ -5,7 +5,7 @@ import importlib.util
 
 from minisarathi.backends import cuda_ops
 from minisarathi.backends.base import Backend
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import DEVICES
 from minisarathi.dtypes import DTYPES
@@ -36,7 +36,7 @@ def make_backend(device: str, dtype: str, explicit_dtype: bool = False) -> Backe
         if explicit_dtype and dtype != "float32":
             raise ValueError(f"dtype {dtype!r} needs a CUDA device ('cuda' or 'cuda-emulated'); device {device!r} "
                              "computes in float32")
-        return NumpyOps() if device == "cpu" else ReferenceOps()   # reference: plain, slow, what tests trust
+        return CpuOps() if device == "cpu" else ReferenceOps()   # reference: plain, slow, what tests trust
     if device == "cuda-emulated":
         return cuda_ops.emulated(dtype)   # the very kernels a GPU runs for this dtype, on the CPU
     if resolve_device("auto") != "cuda":

@@ -1,8 +1,8 @@
 """The reference backend: every name of the Backend interface (backends/base.py), written the obvious way.
 
-Every other backend (NumpyOps, the fast CPU one; CudaOps on a GPU or the emulator) is tested against this
-one, op by op and on whole models (tests/test_reference_backend.py). So it is plain NumPy in float32, with
-loops where a loop reads clearest, and it keeps nothing between calls: no caches, no native code, no
+Every other backend (CpuOps, the fast CPU one; CudaOps on a GPU or the emulator) is tested against this
+one, op by op and on whole models (tests/unit/test_reference_backend.py). So it is plain NumPy in float32,
+with loops where a loop reads clearest, and it keeps nothing between calls: no caches, no native code, no
 environment switches, no tuning. It is slow, and that is fine: it only has to be easy to believe.
 
 The shapes and the rules (the batch contract, the KV cache layout) are in docs/architecture.md. Rows of `x`

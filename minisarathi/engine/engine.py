@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import configure_cpu
+from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
 from minisarathi.engine.block_manager import BlockManager

@@ -50,7 +50,7 @@ class LlamaModel:
         self.comm = comm
         self.embed_tokens = ops.weight(weights["embed_tokens"])
         self.norm = ops.weight(weights["norm"])
-        # tied: the embedding table in linear's form (NumpyOps packs a copy of it; CudaOps shares it)
+        # tied: the embedding table in linear's form (CpuOps packs a copy of it; CudaOps shares it)
         self.lm_head = ops.linear_weight(self.embed_tokens if config.tie_word_embeddings
                                          else ops.weight(weights["lm_head"]))
         self.layers = [LayerWeights(**{name: self._place(name, weights.get(f"layers.{i}.{name}"))

@@ -30,7 +30,7 @@ STORED_DTYPES = {"F32": ("float32", np.dtype("<f4")), "F16": ("float16", np.dtyp
 @dataclass(frozen=True)
 class CheckpointTensor:
     """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
-    (np.asarray(tensor) widens it), which is how NumpyOps.weight places it."""
+    (np.asarray(tensor) widens it), which is how CpuOps.weight places it."""
     dtype: str          # "float32", "float16" or "bfloat16"
     data: np.ndarray    # float32, float16, or bfloat16 bits as uint16; read-only memory map unless fused
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import msgpack
 
-from minisarathi.backends.cpu_setup import release_free_memory
+from minisarathi.backends.cpu.process_setup import release_free_memory
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
 from minisarathi.server.protocol import (
@@ -112,7 +112,7 @@ class EngineWorker:
 
     def _next_command_when_idle(self):
         """The next command; if none comes within IDLE_RELEASE_S, the memory glibc keeps free for steps is
-        given back first (cpu_setup.release_free_memory): an idle server's RSS is then what it holds, not its
+        given back first (process_setup.release_free_memory): an idle server's RSS is then what it holds, not its
         highest peak so far (over a soak's rounds RSS crept up with each new peak). Back-to-back requests keep
         the kept memory, and with it steps free of page faults."""
         try:

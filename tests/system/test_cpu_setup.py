@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from minisarathi.backends import cpu_setup
+from minisarathi.backends.cpu import process_setup
 from minisarathi.engine.engine import LLMEngine
 
 
@@ -38,8 +38,8 @@ def test_the_set_count_is_applied_and_logged(threads, caplog):
 
 @pytest.mark.parametrize("cpus, load, expected", [(2, 0.1, 2), (2, 0.7, 1), (2, 6.5, 1), (8, 2.2, 6), (4, 0.0, 4)])
 def test_auto_gives_blas_the_idle_cpus(monkeypatch, cpus, load, expected):
-    monkeypatch.setattr(cpu_setup, "available_cpus", lambda: cpus)
-    monkeypatch.setattr(cpu_setup.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(process_setup, "available_cpus", lambda: cpus)
+    monkeypatch.setattr(process_setup.os, "getloadavg", lambda: (load, load, load))
     engine = LLMEngine()
     assert engine.cpu_setup.blas_threads == expected
     assert blas_threads_in_force() == {expected}
@@ -62,7 +62,7 @@ def test_without_threadpoolctl(monkeypatch):
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_allocator_thresholds_are_accepted_by_glibc():
-    assert cpu_setup.tune_allocator()
+    assert process_setup.tune_allocator()
 
 
 ZEN4_CPUINFO = """processor\t: 0
@@ -74,8 +74,8 @@ flags\t\t: fpu sse2
 
 
 def test_cpu_flags_are_the_first_processors():
-    assert cpu_setup.AVX512_FLAGS <= cpu_setup.cpu_flags(ZEN4_CPUINFO)
-    assert cpu_setup.cpu_flags("processor: 0\n") == frozenset()
+    assert process_setup.AVX512_FLAGS <= process_setup.cpu_flags(ZEN4_CPUINFO)
+    assert process_setup.cpu_flags("processor: 0\n") == frozenset()
 
 
 def kernels_in_a_fresh_process(coretype: str | None, cpuinfo: Path) -> str:
@@ -83,7 +83,7 @@ def kernels_in_a_fresh_process(coretype: str | None, cpuinfo: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     if coretype is not None:
         env["OPENBLAS_CORETYPE"] = coretype
-    code = ("import numpy\nfrom minisarathi.backends.cpu_setup import blas_kernels\n"
+    code = ("import numpy\nfrom minisarathi.backends.cpu.process_setup import blas_kernels\n"
             f"print(blas_kernels({str(cpuinfo)!r}))")
     return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import cuda_ops
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu.ops import CpuOps
+from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import ModelConfig
 from minisarathi.testing import ScheduledChunk, build_batch
 from minisarathi.model.llama import LlamaModel, load_model
@@ -76,8 +77,9 @@ ON_GPU = pytest.mark.skipif(_gpu_available() is not None, reason=str(_gpu_availa
 
 
 @emulator_only
-def test_bundled_model_on_emulated_kernels_matches_numpy():
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS, 12, chunk_size=7)
+def test_bundled_model_on_emulated_kernels_matches_the_reference():
+    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS, 12,
+                                            chunk_size=7)
     tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated()), PROMPTS, 12, chunk_size=7)
     assert tokens == reference
     np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
@@ -85,7 +87,8 @@ def test_bundled_model_on_emulated_kernels_matches_numpy():
 
 @emulator_only
 def test_bundled_model_in_bfloat16_stays_close():
-    _, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS[:2], 3, chunk_size=16)
+    _, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS[:2], 3,
+                                    chunk_size=16)
     _, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated("bfloat16")), PROMPTS[:2], 3,
                                 chunk_size=16)
     # bf16 keeps 8 bits of mantissa through 5 layers: logits agree to about 1.5% of their range (measured).
@@ -190,7 +193,7 @@ def test_engine_hybrid_batches_on_emulated_kernels():
         llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64, device=device)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.model.ops
     expected, ops = generate("cpu")
-    assert isinstance(ops, NumpyOps)
+    assert isinstance(ops, CpuOps)
     tokens, ops = generate("cuda-emulated")
     assert isinstance(ops, cuda_ops.CudaOps) and ops.dtype == "float32"
     assert tokens == expected
@@ -198,7 +201,7 @@ def test_engine_hybrid_batches_on_emulated_kernels():
 
 def test_a_steps_metadata_goes_up_in_one_copy(monkeypatch):
     """The batch's arrays travel in one packed copy per step, and no upload repeats per layer: the same step
-    with one layer or all of them makes the same copies, and gives the NumPy backend's logits."""
+    with one layer or all of them makes the same copies, and gives the reference backend's logits."""
     model = build_model(default_model_dir(), cuda_ops.emulated())
     uploads = []
     to_device = model.ops.launcher.to_device
@@ -216,7 +219,7 @@ def test_a_steps_metadata_goes_up_in_one_copy(monkeypatch):
     model.layers = model.layers[:1]
     model.forward(build_batch(chunks, 4), model.new_kv_cache(5, 4))
     assert uploads == all_layers
-    reference = build_model(default_model_dir(), NumpyOps())
+    reference = build_model(default_model_dir(), ReferenceOps())
     np.testing.assert_allclose(logits, reference.forward(batch, reference.new_kv_cache(5, 4)), atol=1e-4)
 
 
@@ -228,7 +231,8 @@ def test_emulated_ops_reject_a_bad_dtype():
 @ON_GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_model_on_gpu(dtype):
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), NumpyOps()), PROMPTS, 6, chunk_size=7)
+    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS, 6,
+                                            chunk_size=7)
     tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.gpu(dtype)), PROMPTS, 6, chunk_size=7)
     if dtype == "float32":
         assert tokens == reference
@@ -324,7 +328,7 @@ def test_gpu_sampler_rejects_a_wrong_shape():
 
 
 @emulator_only
-def test_generation_with_device_logits_and_the_models_sampler_matches_numpy():
+def test_generation_with_device_logits_and_the_models_sampler_matches_the_reference():
     """forward(device_logits=True) + model.new_sampler(): the engine's loop on either backend, same tokens."""
     from minisarathi.backends.gpu_sampling import GpuSampler
     from minisarathi.sampler import Sampler, make_generator
@@ -345,7 +349,7 @@ def test_generation_with_device_logits_and_the_models_sampler_matches_numpy():
             for t, token in zip(tokens, out.token_ids):
                 t.append(int(token))
         return tokens, type(sampler)
-    expected, kind = generate(NumpyOps())
+    expected, kind = generate(ReferenceOps())
     assert kind is Sampler
     tokens, kind = generate(cuda_ops.emulated())
     assert kind is GpuSampler and tokens == expected
@@ -362,7 +366,7 @@ def test_copy_blocks_on_emulated_kernels(dtype):
     kv_cache = [(ops.launcher.to_device(k), ops.launcher.to_device(v)) for k, v in host]
     ops.copy_blocks(kv_cache, [1, 4], [3, 0])
     reference = [(k.copy(), v.copy()) for k, v in host]
-    NumpyOps().copy_blocks(reference, [1, 4], [3, 0])
+    ReferenceOps().copy_blocks(reference, [1, 4], [3, 0])
     for (k, v), (k_ref, v_ref), (k_old, _) in zip(kv_cache, reference, host):
         np.testing.assert_array_equal(ops.launcher.to_host(k), k_ref)
         np.testing.assert_array_equal(ops.launcher.to_host(v), v_ref)

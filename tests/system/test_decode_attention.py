@@ -1,4 +1,5 @@
-"""cuda/decode_attention.cu (flash-decoding over the paged cache) on the emulator against NumPy, and its plan.
+"""cuda/decode_attention.cu (flash-decoding over the paged cache) on the emulator against ReferenceOps, and
+its plan.
 
 CI runs a subset of the edge-size matrix: every head_dim and dtype once, the edge sizes (context 1, block
 boundaries, uneven splits, GQA 1/4/6/8/16, block sizes 1/8/16/32, scattered block tables) on bf16 at
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import cuda_ops, decode_plan, emulator
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.reference import ReferenceOps
 from minisarathi.batch import make_batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.testing import scattered_batch
@@ -50,7 +51,8 @@ def check(dtype, Hq, Hk, D, block_size, contexts, order, seed=0, fused_qkv=False
     ops.launcher.kernel = lambda file, name: launched.append(name) or kernel(file, name)
     with emulator.schedule(order, seed=seed):
         out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, 0.3)
     scale = max(1.0, float(np.abs(expected).max()))
     np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
     return launched
@@ -110,7 +112,8 @@ def test_a_hybrid_steps_decodes_run_on_a_second_stream_joined_before_the_output_
     join, so a step that forgot the join (on a GPU, a race) leaves its decode rows unwritten, and that shows."""
     ops, rng = cuda_ops.emulated("bfloat16"), np.random.default_rng(5)
     batch, q, k_cache, v_cache = decode_case(rng, "bfloat16", 8, 2, 64, 16, [(40, 1), (599, 1), (520, 7), (0, 5)])
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, 0.3)
     streams, launcher = [], ops.launcher
     side, kernel = launcher.side_stream, launcher.kernel
 
@@ -130,7 +133,8 @@ def test_a_hybrid_steps_decodes_run_on_a_second_stream_joined_before_the_output_
 
     launcher.join_side_stream = lambda: None   # the join forgotten, on new queries
     q = on_device(rng.standard_normal(q.shape), "bfloat16")
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, 0.3)
     read = as_float32(ops.paged_attention(q, k_cache, v_cache, batch, 0.3))   # what the next op would read
     emulator.join_side_stream()                # (runs the held work, so that nothing is left for later tests)
     assert np.abs(read[2:] - expected[2:]).max() <= TOLERANCE["bfloat16"] * np.abs(expected).max()

@@ -30,14 +30,14 @@ def gpu_check():
 # ---- planted sections: module-level, as the runner loads a section by its file and name ----------------------
 
 def raises_in_an_op(report):
-    from minisarathi.backends.numpy_ops import NumpyOps
+    from minisarathi.backends.cpu.ops import CpuOps
     report.row("before the error", "ok")
-    NumpyOps().rms_norm(np.ones((2, 3), np.float32), np.ones(4, np.float32), 1e-5)   # shapes differ: ValueError
+    CpuOps().rms_norm(np.ones((2, 3), np.float32), np.ones(4, np.float32), 1e-5)   # shapes differ: ValueError
 
 
 def fails_a_check_and_goes_on(report):
-    from minisarathi.backends.numpy_ops import NumpyOps
-    report.check("wrong shapes", NumpyOps().silu_and_mul, np.ones(3, np.float32))   # 1-d: IndexError
+    from minisarathi.backends.cpu.ops import CpuOps
+    report.check("wrong shapes", CpuOps().silu_and_mul, np.ones(3, np.float32))   # 1-d: IndexError
     report.data["ceiling"] = 4.3e12
     report.row("tokens", "MISMATCH", "request 3 differs")
 
@@ -83,8 +83,8 @@ def test_every_planted_section_runs_and_fails_alone(planted):
 def test_an_exception_names_the_op_and_the_line_that_called_it(planted):
     failure = planted[0]["raise"].failure
     assert failure["error"].startswith("ValueError")
-    assert failure["where"].startswith("minisarathi/backends/numpy_ops.py:") and "rms_norm" in failure["where"]
-    assert failure["op"] == "NumpyOps.rms_norm"
+    assert failure["where"].startswith("minisarathi/backends/cpu/ops.py:") and "rms_norm" in failure["where"]
+    assert failure["op"] == "CpuOps.rms_norm"
     assert failure["caller"].startswith("tests/system/test_gpu_check.py:")
     assert "raises_in_an_op" in failure["caller"]
     assert planted[0]["raise"].rows[0] == ("before the error", "ok", "")
@@ -93,7 +93,7 @@ def test_an_exception_names_the_op_and_the_line_that_called_it(planted):
 def test_a_failed_check_is_a_row_and_the_section_goes_on(planted):
     result = planted[0]["check"]
     assert [row[:2] for row in result.rows] == [("wrong shapes", "ERROR"), ("tokens", "MISMATCH")]
-    assert result.failure["check"] == "wrong shapes" and result.failure["op"] == "NumpyOps.silu_and_mul"
+    assert result.failure["check"] == "wrong shapes" and result.failure["op"] == "CpuOps.silu_and_mul"
 
 
 def test_a_crash_or_a_hang_keeps_its_rows_and_where_it_was(planted):
@@ -113,7 +113,7 @@ def test_the_summary_gives_the_fallback_and_each_first_failure(planted):
     text = (out / "summary.txt").read_text()
     assert "engine: do not serve on device='cuda' (raise, check failed): use device='cpu'" in text
     assert "segfaults: ctypes.string_at(0)" in text and "hangs: time.sleep(60)" in text
-    assert "(op NumpyOps.rms_norm, called from tests/system/test_gpu_check.py:" in text
+    assert "(op CpuOps.rms_norm, called from tests/system/test_gpu_check.py:" in text
     saved = json.loads((out / "summary.json").read_text())
     assert [s["status"] for s in saved["sections"]] == [r.status for r in results.values()]
     assert exit_code(list(results.values())) == 1

@@ -1,4 +1,4 @@
-"""The kernels of cuda/*.cu on the CPU emulator against the NumPy reference ops (float32) or float64.
+"""The kernels of cuda/*.cu on the CPU emulator against ReferenceOps (float32) or float64.
 
 Every kernel runs under two fiber orders (forward, reverse) so a missing barrier shows up, on small odd
 shapes, in float32, float16 and bfloat16 (inputs rounded to the type, reference computed from them).
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import cuda_ops, emulator
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.reference import ReferenceOps
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.config import rope_cos_sin_table
 from minisarathi.testing import scattered_batch
@@ -72,10 +72,10 @@ def test_rms_norm_and_fused_residual_add(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(1)
     x, residual = on_device(rng.standard_normal((5, hidden)) * 3, dtype), on_device(rng.standard_normal((5, hidden)), dtype)
     w = on_device(rng.standard_normal(hidden), dtype)
-    assert_close(ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
+    assert_close(ops.rms_norm(x, w, 1e-5), ReferenceOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
 
     expected_residual = as_float32(residual) + as_float32(x)
-    expected = NumpyOps().rms_norm(as_float32(on_device(expected_residual, dtype)), as_float32(w), 1e-5)
+    expected = ReferenceOps().rms_norm(as_float32(on_device(expected_residual, dtype)), as_float32(w), 1e-5)
     out, new_residual = ops.add_rms_norm(x, residual, w, 1e-5)
     assert new_residual is residual   # updated in place
     assert_close(residual, expected_residual, dtype)
@@ -90,8 +90,8 @@ def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
     x = buffer[1:].reshape(3, 128)                       # contiguous, but 2 or 4 bytes past alignment
     assert x.ctypes.data % 16
     w = on_device(rng.standard_normal(128), dtype)
-    assert_close(ops.rms_norm(x, w, 1e-5), NumpyOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
-    assert_close(ops.silu_and_mul(x), NumpyOps().silu_and_mul(as_float32(x)), dtype)
+    assert_close(ops.rms_norm(x, w, 1e-5), ReferenceOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
+    assert_close(ops.silu_and_mul(x), ReferenceOps().silu_and_mul(as_float32(x)), dtype)
     np.testing.assert_array_equal(ops.embedding(x, np.array([2, 0], np.int32)), x[[2, 0]])
 
 
@@ -121,7 +121,7 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
 
     reference = as_float32(before)
     ref_k_cache, ref_v_cache = np.zeros(k_cache.shape, np.float32), np.zeros(v_cache.shape, np.float32)
-    NumpyOps().rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
+    ReferenceOps().rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
     assert_close(qkv[:, :Hq * D], as_float32(on_device(reference[:, :Hq * D], dtype)), dtype)
     np.testing.assert_array_equal(qkv[:, Hq * D:], before[:, Hq * D:])   # k and v are read only
     assert_close(k_cache, as_float32(on_device(ref_k_cache, dtype)), dtype)
@@ -163,7 +163,8 @@ def test_paged_attention_mixed_batch(order, dtype, shape):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(4)
     batch, q, k_cache, v_cache = attention_case(rng, dtype, *shape, MIXED_RUNS)
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, 0.3)
     assert_close(out, expected, dtype)
 
 
@@ -174,12 +175,13 @@ def test_paged_attention_long_contexts_split_into_partitions(order, dtype):
     batch, q, k_cache, v_cache = attention_case(rng, dtype, 4, 2, 8, 16, runs)
     assert batch.max_context_len > cuda_ops.PA_PARTITION_SIZE
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.5)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.5)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, 0.5)
     assert_close(out, expected, dtype)
 
 
 def test_paged_attention_float64_reference_with_strided_query():
-    """Independent of NumpyOps: a direct float64 loop over positions, q a view into a QKV row."""
+    """Independent of ReferenceOps: a direct float64 loop over positions, q a view into a QKV row."""
     ops, rng = cuda_ops.emulated("float32"), np.random.default_rng(6)
     Hq, Hk, D, bs = 4, 2, 8, 3
     batch, _, k_cache, v_cache = attention_case(rng, "float32", Hq, Hk, D, bs, [(2, 3), (6, 1)])
@@ -204,7 +206,7 @@ def test_paged_attention_float64_reference_with_strided_query():
 def test_silu_and_mul(order, dtype, width):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(7)
     x = on_device(rng.standard_normal((3, width)) * 6, dtype)
-    assert_close(ops.silu_and_mul(x), NumpyOps().silu_and_mul(as_float32(x)), dtype)
+    assert_close(ops.silu_and_mul(x), ReferenceOps().silu_and_mul(as_float32(x)), dtype)
 
 
 def test_linear_with_bias_in_bfloat16():

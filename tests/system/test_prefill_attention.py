@@ -1,5 +1,5 @@
 """cuda/prefill_attention.cu (tensor cores: ldmatrix + mma.sync, 128-row tiles, cp.async stages, key splits
-merged by paged_attention_reduce_kernel) on the CPU emulator against the NumPy reference, at the edge sizes.
+merged by paged_attention_reduce_kernel) on the CPU emulator against ReferenceOps, at the edge sizes.
 
 CI runs a subset (every head_dim and both 16-bit types once; the edge sizes on bfloat16, head_dim 64) under
 two fiber orders; `python bench/attention_matrix.py` runs the whole matrix.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minisarathi.backends import cuda_ops, emulator
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.reference import ReferenceOps
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.testing import scattered_batch
 
@@ -49,11 +49,12 @@ def attention_case(seed: int, dtype: str, Hq: int, Hk: int, D: int, block_size: 
 def check(dtype, Hq, Hk, D, block_size, runs, seed=0, splits=None):
     """Prefill rows from the prefill kernel alone (other rows must stay untouched; `splits` key splits, or
     the kernel's choice), then the whole mixed batch through CudaOps.paged_attention (prefill + decode
-    launches), both against NumPy."""
+    launches), both against ReferenceOps."""
     batch, q, k_cache, v_cache = attention_case(seed, dtype, Hq, Hk, D, block_size, runs)
     ops = cuda_ops.emulated(dtype)
     scale = 1 / np.sqrt(D)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, scale)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
+                                              batch, scale)
     atol = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
 
@@ -154,7 +155,8 @@ def test_cache_rows_past_int32():
     k_cache[base:], v_cache[base:] = k_small, v_small
     far = dataclasses.replace(batch, block_tables=batch.block_tables + np.int32(base))
     scale = 1 / np.sqrt(D)
-    expected = NumpyOps().paged_attention(as_float32(q), as_float32(k_small), as_float32(v_small), batch, scale)
+    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_small), as_float32(v_small),
+                                              batch, scale)
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
     out = on_device(np.full(q.shape, np.nan, np.float32), dtype)
     cuda_ops.emulated(dtype)._prefill_attention(q, k_cache, v_cache, far, scale, out)

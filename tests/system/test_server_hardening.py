@@ -603,10 +603,10 @@ def _rss_mb() -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_memory_kept_free_for_steps_is_given_back():
-    """The engine keeps up to 256 MiB of freed memory in the process (cpu_setup: no page faults per step), so a
+    """The engine keeps up to 256 MiB of freed memory in the process (process_setup: no page faults per step), so a
     server's RSS only ever rose, to its highest peak so far: over a soak's rounds it crept up ~1.5 MB a
     round with no object kept. release_free_memory gives it back."""
-    from minisarathi.backends.cpu_setup import release_free_memory, tune_allocator
+    from minisarathi.backends.cpu.process_setup import release_free_memory, tune_allocator
     if not tune_allocator():
         pytest.skip("not glibc")
     blocks = [bytearray(1 << 20) for _ in range(128)]   # 128 MiB on the heap (below the raised mmap threshold)

@@ -3,8 +3,8 @@ import pytest
 
 from minisarathi.backends import cuda_ops
 from minisarathi.backends.base import interface_names
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.devices import make_backend, resolve_device
-from minisarathi.backends.numpy_ops import NumpyOps
 
 
 def test_the_interface_lists_placement_and_the_ops_of_the_forward_pass():
@@ -14,7 +14,7 @@ def test_the_interface_lists_placement_and_the_ops_of_the_forward_pass():
             "silu_and_mul"} <= set(names)
 
 
-@pytest.mark.parametrize("backend", [NumpyOps(), cuda_ops.emulated()], ids=["numpy", "cuda-emulated"])
+@pytest.mark.parametrize("backend", [CpuOps(), cuda_ops.emulated()], ids=["cpu", "cuda-emulated"])
 def test_every_backend_has_every_name_of_the_interface(backend):
     missing = [name for name in interface_names() if not hasattr(backend, name)]
     assert not missing, f"{type(backend).__name__} lacks {missing}"
@@ -22,7 +22,7 @@ def test_every_backend_has_every_name_of_the_interface(backend):
 
 
 def test_devices_build_their_backends():
-    assert isinstance(make_backend("cpu", "bfloat16"), NumpyOps)
+    assert isinstance(make_backend("cpu", "bfloat16"), CpuOps)
     emulated = make_backend("cuda-emulated", "bfloat16")
     assert isinstance(emulated, cuda_ops.CudaOps) and emulated.device == "cuda-emulated"
     with pytest.raises(ValueError, match="device must be one of"):

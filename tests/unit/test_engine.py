@@ -274,12 +274,12 @@ def test_default_kv_pool_follows_the_device(monkeypatch):
     assert LLMEngine(block_size=16, max_num_seqs=4, max_model_len=100).block_manager.num_blocks == 4 * 7
     assert LLMEngine(block_size=16, num_kv_blocks=9000).block_manager.num_blocks == 9000   # explicit: as asked
     # A backend that reports its free device memory (the CUDA one) gets 90% of it; an explicit budget wins.
-    from minisarathi.backends.numpy_ops import NumpyOps
-    monkeypatch.setattr(NumpyOps, "free_memory_bytes", lambda self: 100 * block_bytes)
+    from minisarathi.backends.cpu.ops import CpuOps
+    monkeypatch.setattr(CpuOps, "free_memory_bytes", lambda self: 100 * block_bytes)
     assert LLMEngine(block_size=16).block_manager.num_blocks == 90
     assert LLMEngine(block_size=16, kv_cache_bytes=7 * block_bytes).block_manager.num_blocks == 7
     assert LLMEngine(block_size=16, num_kv_blocks=3).block_manager.num_blocks == 3
-    monkeypatch.setattr(NumpyOps, "free_memory_bytes", lambda self: None)   # no device memory to report
+    monkeypatch.setattr(CpuOps, "free_memory_bytes", lambda self: None)   # no device memory to report
     assert LLMEngine(block_size=16, max_num_seqs=1024).block_manager.num_blocks == (256 << 20) // block_bytes
 
 

@@ -1,5 +1,5 @@
-"""The packed matmul kernel (minisarathi/backends/packed_gemm.py) against float64 NumPy, its batch invariance,
-and NumpyOps' fallback to NumPy's matmul where the kernel cannot be built."""
+"""The packed matmul kernel (minisarathi/backends/cpu/packed_gemm.py) against float64 NumPy, its batch
+invariance, and CpuOps' fallback to NumPy's matmul where the kernel cannot be built."""
 import logging
 import tempfile
 import threading
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from minisarathi.backends import packed_gemm
-from minisarathi.backends.cpu_setup import configure_cpu
-from minisarathi.backends.numpy_ops import NumpyOps
-from minisarathi.backends.packed_gemm import PackedWeight
+from minisarathi.backends.cpu import packed_gemm
+from minisarathi.backends.cpu.ops import CpuOps
+from minisarathi.backends.cpu.packed_gemm import PackedWeight
+from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.bench.random_model import write_random_model
 from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
 from minisarathi.testing import ScheduledChunk, build_batch
@@ -80,8 +80,8 @@ def test_a_row_is_bit_identical_whatever_its_batch():
 
 
 @needs_kernel
-def test_numpy_ops_linear_runs_packed_weights():
-    ops, rng = NumpyOps(), np.random.default_rng(2)
+def test_cpu_ops_linear_runs_packed_weights():
+    ops, rng = CpuOps(), np.random.default_rng(2)
     K = packed_gemm.MIN_IN_FEATURES
     w, bias = rng.standard_normal((45, K), dtype=np.float32), rng.standard_normal(45, dtype=np.float32)
     x = np.asfortranarray(rng.standard_normal((19, K), dtype=np.float32))   # as a transposed product hands it on
@@ -95,12 +95,13 @@ def test_numpy_ops_linear_runs_packed_weights():
 
 @needs_kernel
 def test_packed_only_where_blas_runs_one_thread():
-    """The kernel runs one thread: where NumPy may use more, its matmul is kept (cpu_setup's count in force)."""
+    """The kernel runs one thread: where NumPy may use more, its matmul is kept (process_setup's count in
+    force)."""
     w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     with threadpool_limits(limits=2, user_api="blas"):
-        assert NumpyOps().linear_weight(w) is w
+        assert CpuOps().linear_weight(w) is w
     configure_cpu(1)   # as LLMEngine does before the model loads, blas_threads=1
-    assert isinstance(NumpyOps().linear_weight(w), PackedWeight)
+    assert isinstance(CpuOps().linear_weight(w), PackedWeight)
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def fresh_kernel():
 
 def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_PACKED_GEMM", "0")
-    ops, w = NumpyOps(), np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
+    ops, w = CpuOps(), np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
     assert ops.linear_weight(w) is w
     assert np.array_equal(ops.linear(np.ones((3, w.shape[1]), dtype=np.float32), w), np.full((3, 8), w.shape[1]))
 
@@ -121,11 +122,11 @@ def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_ke
     monkeypatch.delenv("MINISARATHI_PACKED_GEMM", raising=False)
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.INFO, logger="minisarathi.backends.packed_gemm"):
+    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu.packed_gemm"):
         assert packed_gemm.kernel() is None
     assert "packed matmul off" in caplog.text
     w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
-    assert NumpyOps().linear_weight(w) is w
+    assert CpuOps().linear_weight(w) is w
 
 
 @needs_kernel
@@ -136,11 +137,11 @@ def test_a_library_that_cannot_load_falls_back_to_numpy(monkeypatch, tmp_path, c
     library = packed_gemm.library_path()   # built into tmp_path, not loaded
     assert library.parent == tmp_path / "cpu_kernels"
     library.write_bytes(b"junk")
-    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.packed_gemm"):
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.packed_gemm"):
         assert packed_gemm.kernel() is None
     assert "packed matmul off" in caplog.text and str(library) in caplog.text
     w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)   # deep enough to pack
-    assert NumpyOps().linear_weight(w) is w
+    assert CpuOps().linear_weight(w) is w
 
 
 @needs_kernel
@@ -150,7 +151,7 @@ def test_no_safe_cache_folder_falls_back_to_numpy(monkeypatch, tmp_path, caplog,
     blocker.write_text("")
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(blocker / "cache"))   # cannot be made
     monkeypatch.setattr(tempfile, "tempdir", str(blocker))                 # nor can the temporary folder
-    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.packed_gemm"):
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.packed_gemm"):
         assert packed_gemm.kernel() is None
     assert "no cache folder" in caplog.text
 

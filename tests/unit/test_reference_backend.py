@@ -1,9 +1,9 @@
 """ReferenceOps (minisarathi/backends/reference.py) against float64 NumPy, and every other backend against it.
 
 (a) each op of ReferenceOps against the same op in float64, written another way (dense masks, slots from the
-    block table position by position); (b) NumpyOps and (c) the CUDA kernels on the emulator (float32), op by
+    block table position by position); (b) CpuOps and (c) the CUDA kernels on the emulator (float32), op by
     op against ReferenceOps on the same inputs; (d) the bundled model greedy-generating the same tokens on
-    ReferenceOps as on NumpyOps. The batches mix prefill chunks with decodes over scattered block tables, with
+    ReferenceOps as on CpuOps. The batches mix prefill chunks with decodes over scattered block tables, with
     GQA, a padding row (slot -1) and tables wider than any sequence needs.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from minisarathi import LLM, SamplingParams
 from minisarathi.backends import cuda_ops
 from minisarathi.backends.base import interface_names
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.devices import make_backend
-from minisarathi.backends.numpy_ops import NumpyOps
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.batch import Batch, make_batch
 from minisarathi.config import EngineConfig, ModelConfig, rope_cos_sin_table
@@ -31,7 +31,7 @@ EPS = 1e-5
 # (tokens already in the cache, new tokens) per sequence: prefill chunks from scratch and after a history,
 # decodes after a history and at position 0.
 RUNS = [(0, 9), (6, 5), (13, 1), (4, 1), (0, 1), (2, 3)]
-# (query heads, KV heads, head_dim, block_size): GQA groups of 2 and 4 and MHA; head_dim 8 and 16 take NumpyOps'
+# (query heads, KV heads, head_dim, block_size): GQA groups of 2 and 4 and MHA; head_dim 8 and 16 take CpuOps'
 # native decode kernel, 32 its NumPy path and the emulator's decode_attention.cu; block size 1 puts every key
 # in a block of its own.
 SHAPES = [(4, 2, 8, 4), (8, 2, 32, 16), (2, 2, 16, 1)]
@@ -64,7 +64,7 @@ class Case:
     norm_w: np.ndarray     # float32[H]
     lin_w: np.ndarray      # float32[N, H]
     lin_b: np.ndarray      # float32[N]
-    lin_x2: np.ndarray     # float32[T, 320]: deep enough for NumpyOps' packed matmul, where it runs
+    lin_x2: np.ndarray     # float32[T, 320]: deep enough for CpuOps' packed matmul, where it runs
     lin_w2: np.ndarray     # float32[N, 320]
     gate_up: np.ndarray    # float32[T, 2I], a few very negative gates (exp overflows)
     qkv: np.ndarray        # float32[T, (Hq + 2 Hk) D]
@@ -93,7 +93,7 @@ def make_case(shape, seed: int = 0) -> Case:
 
 def every_op(ops, c: Case) -> dict[str, np.ndarray]:
     """Each op of the interface run on `ops` from the case's host inputs; float32 NumPy copies, by name."""
-    put = lambda a: ops.weight(np.array(a))   # noqa: E731  a copy: NumpyOps.weight may hand back its input
+    put = lambda a: ops.weight(np.array(a))   # noqa: E731  a copy: CpuOps.weight may hand back its input
     Hq, Hk, D = c.heads
     T = c.batch.num_tokens
     out = {"embedding": ops.embedding(put(c.table), c.batch.input_ids)}
@@ -209,7 +209,7 @@ def test_padding_token_stores_nothing_and_the_rest_of_the_cache_is_untouched(cas
 
 def test_block_table_entries_past_a_context_never_read(case, reference):
     """The tables' zero tails pointed at a block of NaN instead: no result changes (the contract's rule, held
-    strictly here; NumpyOps may read the tail and mask it, so it needs finite numbers there)."""
+    strictly here; CpuOps may read the tail and mask it, so it needs finite numbers there)."""
     b, block_size = case.batch, case.k_cache.shape[2]
     tables = b.block_tables.copy()
     nan_block = len(case.k_cache)
@@ -239,8 +239,8 @@ def test_has_the_whole_interface_and_is_a_device():
 
 # (b), (c) every other backend against ReferenceOps, op by op -----------------------------------------------------
 
-def test_numpy_ops_match_the_reference(case, reference, blas_core):
-    bad = mismatches(every_op(NumpyOps(), case), reference, 1e-5)
+def test_cpu_ops_match_the_reference(case, reference, blas_core):
+    bad = mismatches(every_op(CpuOps(), case), reference, 1e-5)
     assert not bad, "\n".join(bad)
 
 
@@ -256,7 +256,7 @@ PROMPTS = ["Once upon a time", "Tom had a red ball. He", "Lily and Tom went to t
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def test_bundled_model_generates_the_same_tokens_as_numpy_ops():
+def test_bundled_model_generates_the_same_tokens_as_cpu_ops():
     """Through the engine (chunks of 8 tokens: prefill chunks and decodes share steps), device "reference"."""
     runs = {}
     for device in ("reference", "cpu"):
@@ -268,7 +268,7 @@ def test_bundled_model_generates_the_same_tokens_as_numpy_ops():
 
 def test_bundled_model_tells_llama2c_story_on_the_reference():
     """The 200-token greedy story from BOS of models/stories260K/README.md, llama2.c's: a golden that does not
-    come from NumpyOps."""
+    come from CpuOps."""
     readme = (default_model_dir() / "README.md").read_text()
     story = readme.split("```text\n", 1)[1].split("\n```", 1)[0]
     llm = LLM(device="reference", chunk_size=16, block_size=8, num_kv_blocks=32)
@@ -276,14 +276,14 @@ def test_bundled_model_tells_llama2c_story_on_the_reference():
     assert out.outputs[0].text == story
 
 
-def test_bundled_model_logits_match_numpy_ops_over_mixed_steps():
+def test_bundled_model_logits_match_cpu_ops_over_mixed_steps():
     """A plain forward loop: three sequences prefilled in chunks of 5 beside the others' decodes, over blocks
-    handed out in reverse; every step's logits within 1e-5 of NumpyOps', greedy tokens the same."""
+    handed out in reverse; every step's logits within 1e-5 of CpuOps', greedy tokens the same."""
     config = ModelConfig.from_pretrained(default_model_dir())
     weights = load_weights(default_model_dir(), config)
     prompts = [[1, 403, 407, 261, 378, 10, 65, 2], [1, 9], [1, *range(300, 312)]]
     results = []
-    for ops in (ReferenceOps(), NumpyOps()):
+    for ops in (ReferenceOps(), CpuOps()):
         model, block_size = LlamaModel(config, weights, ops), 4
         cache = model.new_kv_cache(24, block_size)
         tables = [list(range(23 - 8 * s, 15 - 8 * s, -1)) for s in range(3)]   # 8 blocks each, reversed

@@ -10,7 +10,7 @@ import platform
 import numpy as np
 import pytest
 
-from minisarathi.backends import cpu_sampling
+from minisarathi.backends.cpu import native_sampling
 from minisarathi.sampler import Sampler, draw_uniforms, is_penalized, make_generator, stop_token_indexes
 from minisarathi.sampling_params import SamplingParams as SP
 
@@ -34,14 +34,14 @@ def gpu_sampler_with_split_rows(vocab_size, seed=0, eos_token_ids=()):
 
 def sampler_without_the_native_cdf(vocab_size, seed=0, eos_token_ids=()):
     sampler = Sampler(vocab_size, seed, eos_token_ids)
-    sampler._draw = sampler._inverse_cdf   # what runs where cpu_sampling.cpp cannot be built
+    sampler._draw = sampler._inverse_cdf   # what runs where native_sampling.cpp cannot be built
     return sampler
 
 
 # The emulated GPU sampler runs every test too, in the slow tier.
 EMULATED = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"),
             pytest.mark.system]
-NEEDS_NATIVE_CDF = pytest.mark.skipif(cpu_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
+NEEDS_NATIVE_CDF = pytest.mark.skipif(native_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
 
 
 @pytest.fixture(params=[Sampler, sampler_without_the_native_cdf,
@@ -319,7 +319,7 @@ def test_large_vocab_top_k_and_top_p_match_reference():
 def inverse_cdfs(vocab):
     """Sampler(vocab)'s inverse CDF in NumPy, and the native one (None where it cannot be built)."""
     sampler = Sampler(vocab)
-    return sampler._inverse_cdf, cpu_sampling.kernel(vocab, sampler._cdf_block)
+    return sampler._inverse_cdf, native_sampling.kernel(vocab, sampler._cdf_block)
 
 
 @pytest.mark.parametrize("implementation", [0, pytest.param(1, id="native", marks=NEEDS_NATIVE_CDF)],
@@ -397,9 +397,9 @@ def test_native_inverse_cdf_picks_numpys_tokens_bit_for_bit(vocab):
 
 @pytest.fixture
 def fresh_library():
-    cpu_sampling._library.cache_clear()
+    native_sampling._library.cache_clear()
     yield
-    cpu_sampling._library.cache_clear()
+    native_sampling._library.cache_clear()
 
 
 def test_native_cdf_turned_off_or_without_a_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog,
@@ -407,15 +407,15 @@ def test_native_cdf_turned_off_or_without_a_compiler_falls_back_to_numpy(monkeyp
     logits, params = rand_logits(32, seed=2), [SP(temperature=1.0)] * 32
     expected = run(sampler_without_the_native_cdf(V, seed=3), logits, params).token_ids.tolist()
     monkeypatch.setenv("MINISARATHI_CPU_SAMPLING", "0")
-    cpu_sampling._library.cache_clear()
-    assert cpu_sampling.kernel(V, 4) is None
+    native_sampling._library.cache_clear()
+    assert native_sampling.kernel(V, 4) is None
     sampler = Sampler(V, seed=3)
     assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
-    cpu_sampling._library.cache_clear()
+    native_sampling._library.cache_clear()
     monkeypatch.delenv("MINISARATHI_CPU_SAMPLING")
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu_sampling"):
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.native_sampling"):
         sampler = Sampler(V, seed=3)
     assert "native inverse CDF off" in caplog.text and "no-such-compiler" in caplog.text
     assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected

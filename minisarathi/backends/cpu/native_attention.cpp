@@ -2,8 +2,7 @@
 // paged KV cache through its block table (no gather copy), for all decodes of a batch in one call.
 //
 // Why: NumPy's batched matmul makes one tiny BLAS call per (sequence, KV head) plus a gather, a mask, an exp
-// and a sum pass over the scores; at small head_dim that overhead is most of a decode step's attention
-// (docs/performance.md, "A native decode attention kernel").
+// and a sum pass over the scores; at small head_dim that overhead is most of a decode step's attention.
 //
 // Per decode: the key offsets of the context are computed once (shared by the KV heads, and by K and V, which
 // have the same layout); its keys are scored 16 at a time for every KV head in turn (a block's K tiles are
@@ -29,7 +28,7 @@ constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weigh
 
 // e^x for x <= 0 (scores minus their max), 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-7
 // polynomial for e^r, then 2^n by vscalefps, which goes through the subnormals to 0 for very negative x);
-// within 2 ulp of e^x (tests/test_cpu_attention.py checks it against float64). NaN stays NaN.
+// within 2 ulp of e^x (tests/unit/test_native_attention.py checks it against float64). NaN stays NaN.
 inline __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);   // e^-104 is 0 in float32; keeps n within vscalefps' range
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -77,8 +76,7 @@ inline __m512 sum_each(const __m512 a[16]) {
 }
 
 // Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
-// tiles apart, a pattern the hardware prefetchers miss (decodes of 512 keys at head_dim 32 stalled on those
-// loads most of their time, docs/performance.md).
+// tiles apart, a pattern the hardware prefetchers miss (long decodes stalled on those loads).
 constexpr int64_t PREFETCH_KEYS = 64;
 
 // Asks for the K rows of keys [t, t + 16) (clipped to n) into L1, and the V rows of [t - PREFETCH_KEYS, ...)
@@ -248,7 +246,8 @@ void* scratch(int64_t bytes) {
 
 extern "C" {
 
-// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/test_cpu_attention.py measures its accuracy.
+// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/unit/test_native_attention.py measures its
+// accuracy.
 __attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i += LANES) {
         const __mmask16 lanes = first_lanes(n - i);
@@ -256,7 +255,7 @@ __attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, i
     }
 }
 
-// A batch's decodes and the cache's shape, as cpu_attention.DecodeRows lays them out (int64 fields).
+// A batch's decodes and the cache's shape, as native_attention.py's DecodeRows lays them out (int64 fields).
 struct DecodeBatch {
     const int32_t* block_tables;   // int32 rows of table_stride entries
     int64_t table_stride;

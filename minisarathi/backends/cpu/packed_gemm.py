@@ -1,11 +1,10 @@
-"""The CPU's weight matmul with weights packed once at load: packed_gemm.cpp, compiled at first use, via ctypes.
+"""The CPU's weight matmul with weights packed once at load: packed_gemm.cpp, compiled at first use (ctypes).
 
 NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repacks it on every call; this
-kernel reads panels packed once (docs/performance.md, "A prepacked weight matmul"). It needs AVX-512 and a
-C++ compiler (CXX, default g++) the first time; the library is cached by content
-(minisarathi/backends/native_build.py). Where either is missing, or MINISARATHI_PACKED_GEMM=0 is set (to
-measure against NumPy), `kernel()` is None and NumpyOps keeps NumPy's matmul. The kernel runs one thread, so
-weights are packed only where BLAS runs one thread too (`packs`).
+kernel reads panels packed once. It needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the
+library is cached by content (minisarathi/backends/cpu/native.py). Where either is missing, or
+MINISARATHI_PACKED_GEMM=0 is set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's
+matmul. The kernel runs one thread, so weights are packed only where BLAS runs one thread too (`packs`).
 """
 from __future__ import annotations
 
@@ -17,17 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu_setup import blas_threads_in_force
-from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.process_setup import blas_threads_in_force
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
 FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
-# Weights shallower than this (K) are not packed: they lose at every row count (stories260K's K = 64 and 172:
-# 0.3-0.9x of NumPy's): the fixed costs of a call (~2.5 us from Python) and of a register tile (24 accumulators
-# loaded and stored) outweigh its few k steps. From K = 256 (the tiny and small models) the kernel gains at
-# decode batch sizes (docs/performance.md, "A prepacked weight matmul", has the table).
+# Weights shallower than this (K) are not packed: the fixed costs of a call from Python and of a register tile
+# (24 accumulators loaded and stored) outweigh its few k steps, and they lose to NumPy at every row count.
 MIN_IN_FEATURES = 256
 
 log = logging.getLogger(__name__)
@@ -38,7 +35,7 @@ class PackedWeight:
     """A weight w[N, K] as the kernel reads it."""
     panels: np.ndarray   # float32[ceil(N / NR), K, NR], C order, 64-byte aligned; features past N are zeros
     out_features: int    # N
-    address: int         # of panels' data, read once (each .ctypes.data costs ~0.8 us)
+    address: int         # of panels' data, read once (.ctypes.data is slow)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,7 +82,7 @@ class PackedGemm:
 
 
 def packs(in_features: int) -> bool:
-    """The rule for which weights NumpyOps packs: where the kernel runs here, the weight is at least
+    """The rule for which weights CpuOps packs: where the kernel runs here, the weight is at least
     MIN_IN_FEATURES deep, and BLAS runs one thread (EngineConfig.blas_threads = 1, or the auto rule's 1 on a
     busy or pinned machine). The kernel runs one thread; where NumPy may use several cores, its matmul is kept
     (the kernel against multi-threaded BLAS is unmeasured)."""

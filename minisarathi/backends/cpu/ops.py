@@ -1,7 +1,8 @@
-"""The reference backend: the ops of docs/architecture.md in float32 NumPy on the CPU.
+"""The fast CPU backend: the ops of docs/architecture.md in float32 NumPy, with native kernels where they run.
 
-Rows of `x` are tokens. A linear layer's weight is packed at load for the packed matmul kernel where it runs
-(AVX-512 and a C++ compiler: minisarathi/backends/packed_gemm.py); elsewhere weights keep HF's [out, in]
+It is held to the plain reference (minisarathi/backends/reference.py) op by op and on whole models. Rows of
+`x` are tokens. A linear layer's weight is packed at load for the packed matmul kernel where it runs
+(AVX-512 and a C++ compiler: minisarathi/backends/cpu/packed_gemm.py); elsewhere weights keep HF's [out, in]
 layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
 transposed product `w @ x.T` (transposed_linear).
 """
@@ -11,39 +12,30 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends import cpu_attention, numpy_attention, packed_gemm
-from minisarathi.backends.cpu_setup import AVX512_CORES, openblas_core
-from minisarathi.backends.numpy_attention import AttentionPlan, DecodeKV, GatherBuffers
-from minisarathi.backends.packed_gemm import PackedWeight
+from minisarathi.backends.cpu import attention, native_attention, packed_gemm
+from minisarathi.backends.cpu.attention import AttentionPlan, DecodeKV, GatherBuffers
+from minisarathi.backends.cpu.packed_gemm import PackedWeight
+from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
-
-# Where NumpyOps.linear computes the transposed product. For x[M, K] and a weight w[N, K], BLAS computes
-# x @ w.T, or w @ x.T ([N, M], handed on as its [M, N] transposed view, no copy; the next linear then gets
-# an F-order input, so the MLP runs feature-major: gate/up, SiLU, down without a copy). Which is faster
-# depends on the kernels, measured with bench/matmul_layouts.py (one thread, GFLOP/s; docs/performance.md,
-# "Weight matmuls: which product"). OpenBLAS's AVX-512 kernels: the transposed product is 1.3-2.8x faster at
-# 4-64 rows on the tiny/small/2048 models' shapes (small gate_up at 32 rows: 101 -> 194), 1.1-1.3x at 128;
-# at 1 row both are the same gemv; past 128 rows the gain is a few percent and strided reads after it cost
-# more (RoPE, norms), and the stories260K model's 64-wide matrices run up to 1.4x slower with it. Its Haswell
-# (AVX2) kernels: 1.05-1.3x faster on the tiny/small shapes at 8-64 rows, up to 1.4x slower on the 2048-hidden
-# model's MLP and lm_head, no faster in the small model's burst; so they keep x @ w.T, as does any other BLAS
-# (unmeasured).
+# Where CpuOps.linear computes the transposed product w @ x.T ([N, M], handed on as its [M, N] view, no copy;
+# the MLP then runs feature-major without a copy) instead of x @ w.T: OpenBLAS's AVX-512 kernels do that
+# product faster at these row counts (bench/matmul_layouts.py); other kernels and other BLAS keep x @ w.T.
 TRANSPOSED_ROWS = range(2, 129)
 
 
 def transposed_linear(rows: int, blas_core: str | None) -> bool:
-    """Whether NumpyOps.linear computes x[rows, K] @ w.T as (w @ x.T).T, for OpenBLAS kernels `blas_core`."""
+    """Whether CpuOps.linear computes x[rows, K] @ w.T as (w @ x.T).T, for OpenBLAS kernels `blas_core`."""
     return blas_core in AVX512_CORES and rows in TRANSPOSED_ROWS
 
 
-class NumpyOps:
+class CpuOps:
     """The Backend interface (minisarathi/backends/base.py) on the CPU.
 
     Every layer of a forward pass sees the same batch, so what the ops derive from the batch alone (RoPE's
     cos/sin, the cache slots, attention's tile indices and padding mask) is computed by the first layer and
-    kept until the batch changes; at small models each NumPy call costs as much as the arithmetic. An
+    kept until the batch changes: at small models each NumPy call costs as much as the arithmetic. An
     instance serves one forward at a time.
     """
 
@@ -52,9 +44,9 @@ class NumpyOps:
 
     def __init__(self):
         self.blas_core = openblas_core()   # the OpenBLAS kernels in force, which choose linear's product
-        self._rope_tables = (None, None, {})        # (positions, cos_sin, column tables by head count), last call
+        self._rope_tables = (None, None, {})   # (positions, cos_sin, column tables by head count), last call
         self._rope_partners: dict[tuple[int, int], np.ndarray] = {}   # rotate_half's columns, by (heads, D)
-        self._slots = (None,) * 5                   # (slot_mapping, block_size, stored, blocks, offsets), last store
+        self._slots = (None,) * 5   # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
         self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
@@ -73,9 +65,9 @@ class NumpyOps:
 
     def linear_weight(self, placed: np.ndarray) -> PackedWeight | np.ndarray:
         """Packed once for the packed matmul kernel where packed_gemm.packs says so (the kernel runs here, the
-        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed at
-        load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch it is
-        in."""
+        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed
+        at load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch
+        it is in."""
         if not packed_gemm.packs(placed.shape[1]):
             return placed
         return packed_gemm.kernel().pack(placed)
@@ -90,16 +82,15 @@ class NumpyOps:
         return np.asarray(array, dtype=np.float32)
 
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        # Written now: np.zeros' pages are mapped on first write, so a KV cache's blocks would page-fault (and be
-        # zeroed by the kernel) inside the steps that first use them, ~130 ms of the small model's first burst
-        # (docs/performance.md); the peers touch their pools at start-up too.
+        # Written now: np.zeros' pages are mapped on first write, so a KV cache's blocks would page-fault (and
+        # be zeroed by the kernel) inside the steps that first use them.
         out = np.empty(shape, dtype=np.float32)
         out.fill(0)
-        # and, for the same reason, the memory a layer's decode K/V is kept in (numpy_attention.kept_memory),
+        # and, for the same reason, the memory a layer's decode K/V is kept in (attention.kept_memory),
         # where the cache is large enough for its decode K/V ever to be kept (AttentionPlan.keeps_decode_kv)
-        # and decodes run on NumPy (the native kernel reads the cache in place: cpu_attention.runs)
-        if 2 * out.nbytes > numpy_attention.DECODE_GROUP_BYTES and not cpu_attention.runs(shape[-1]):
-            self._kept_memory[id(out)] = numpy_attention.kept_memory(out.size)
+        # and decodes run on NumPy (the native kernel reads the cache in place: native_attention.runs)
+        if 2 * out.nbytes > attention.DECODE_GROUP_BYTES and not native_attention.runs(shape[-1]):
+            self._kept_memory[id(out)] = attention.kept_memory(out.size)
             weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
 
@@ -121,7 +112,8 @@ class NumpyOps:
         residual += x
         return self.rms_norm(residual, w, eps), residual
 
-    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray,
+               bias: np.ndarray | None = None) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
         transposed_linear chooses the transposed product of an unpacked weight."""
         if isinstance(w, PackedWeight):
@@ -156,25 +148,26 @@ class NumpyOps:
         """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
         Single-token runs (decodes) are done together: by the native kernel, which reads the cache in place,
-        where cpu_attention.runs says so for the model's head_dim (fixed per model, so a row's result never
+        where native_attention.runs says so for the model's head_dim (fixed per model, so a row's result never
         depends on its batch); else on NumPy, padded to the longest context (the padding reads block-table
         entries past a context and masks them out, so the cache must hold finite numbers, as zeros() and a
         finite model keep it). Longer runs (prefill chunks) one sequence at a time, on NumPy. How: see
-        minisarathi/backends/numpy_attention.py and cpu_attention.py.
+        minisarathi/backends/cpu/attention.py and native_attention.py.
         """
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
-            native_query_heads = q.shape[1] if cpu_attention.runs(k_cache.shape[-1]) else None
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape, native_query_heads=native_query_heads)
+            native_query_heads = q.shape[1] if native_attention.runs(k_cache.shape[-1]) else None
+            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape,
+                                                        native_query_heads=native_query_heads)
         if plan.native_decodes is not None:
-            native = cpu_attention.kernel(), self._addresses(k_cache, v_cache)
-            return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
+            native = native_attention.kernel(), self._addresses(k_cache, v_cache)
+            return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
                                                    native=native)
         decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
-        return numpy_attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
+        return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
 
     def _addresses(self, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[int, int]:
-        """k_cache's and v_cache's data addresses, read once per layer's caches (each costs ~0.8 us)."""
+        """k_cache's and v_cache's data addresses, read once per layer's caches (.ctypes.data is slow)."""
         known = self._cache_addresses.get(id(k_cache))
         if known is None or known[0]() is not k_cache or known[1]() is not v_cache:
             if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
@@ -187,7 +180,8 @@ class NumpyOps:
         return known[2]
 
     def _report_written(self, k_cache: np.ndarray, blocks: np.ndarray) -> None:
-        """Every write into a cache goes through here, so that a layer's kept decode K/V knows what changed."""
+        """Every write into a cache goes through here, so that a layer's kept decode K/V knows what
+        changed."""
         kept = self._decode_kv.get(id(k_cache))
         if kept is not None and kept[0]() is k_cache:
             kept[1].written(blocks)
@@ -197,33 +191,34 @@ class NumpyOps:
         if kept is None or kept[0]() is not k_cache:
             # caches made elsewhere than zeros() (tests) get their memory now
             memory = tuple(self._kept_memory.pop(id(cache), None) for cache in (k_cache, v_cache))
-            memory = tuple(numpy_attention.kept_memory(k_cache.size) if m is None else m for m in memory)
+            memory = tuple(attention.kept_memory(k_cache.size) if m is None else m for m in memory)
             kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache, memory)
             weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
         return kept[1]
 
-    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                      positions: np.ndarray, slot_mapping: np.ndarray, cos_sin: np.ndarray) -> None:
-        """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at slot_mapping
-        (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin() (float32[P, D]);
-        pairs are (i, i + D/2) as in HF's rotate_half.
+    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray,
+                      v_cache: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                      cos_sin: np.ndarray) -> None:
+        """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
+        slot_mapping (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin()
+        (float32[P, D]); pairs are (i, i + D/2) as in HF's rotate_half.
 
-        Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid out
-        per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with long
-        inner loops rather than many with loops of D/2 numbers, bit for bit the same results. The column tables
-        are contiguous for each head count (q's and k's): a product with a strided slice of a wider table takes
-        NumPy's general loop, ~1 us more a call at any batch of more than one row."""
+        Whole rows at a time: x * cos + rotate_half(x) * sin over [T, H * D], with cos and (-sin | sin) laid
+        out per column once per batch, instead of the pairwise formula on [T, H, D/2] views: a few calls with
+        long inner loops rather than many with loops of D/2 numbers, bit for bit the same results. The column
+        tables are contiguous for each head count (q's and k's): a product with a strided slice of a wider
+        table takes NumPy's slower general loop."""
         last_positions, last_cos_sin, tables = self._rope_tables
         if positions is not last_positions or cos_sin is not last_cos_sin:
             tables = {}
             self._rope_tables = positions, cos_sin, tables
         q[...] = self._rotated(q, self._rope_columns(tables, q.shape[1], positions, cos_sin))
-        self.store_kv(self._rotated(k, self._rope_columns(tables, k.shape[1], positions, cos_sin)), v, k_cache,
-                      v_cache, slot_mapping)
+        k_rotated = self._rotated(k, self._rope_columns(tables, k.shape[1], positions, cos_sin))
+        self.store_kv(k_rotated, v, k_cache, v_cache, slot_mapping)
 
     def _rope_columns(self, tables: dict, heads: int, positions: np.ndarray, cos_sin: np.ndarray):
-        """(cos, -sin | sin) per column (float32[T, heads * D] each) and rotate_half's source column of each column,
-        made at the batch's first layer: broadcast into place (np.tile and np.concatenate cost ~10 us more)."""
+        """(cos, -sin | sin) per column (float32[T, heads * D] each) and rotate_half's source column of each
+        column, made at the batch's first layer: broadcast into place (fewer calls than np.tile)."""
         columns = tables.get(heads)
         if columns is None:
             table = cos_sin.take(positions, axis=0)                              # float32[T, D]: cos | sin
@@ -236,7 +231,8 @@ class NumpyOps:
             sin[:, :, 1] = table[:, None, half:]
             partner = self._rope_partners.get((heads, D))
             if partner is None:   # the other half of the same head
-                partner = self._rope_partners[heads, D] = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()
+                partner = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()   # int[heads * D]
+                self._rope_partners[heads, D] = partner
             columns = tables[heads] = cos.reshape(T, heads * D), sin.reshape(T, heads * D), partner
         return columns
 
@@ -263,7 +259,7 @@ class NumpyOps:
         inter = x.shape[1] // 2
         gate, up = x[:, :inter], x[:, inter:]
         out = np.negative(gate)
-        with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0, correctly
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for a very negative gate: silu = -0, correctly
             np.exp(out, out=out)
         out += 1
         np.divide(gate, out, out=out)

@@ -1,23 +1,20 @@
-"""How the process is set up for NumPy work: the BLAS thread count and the allocator's thresholds.
+"""How the process is set up for the CPU backend: the BLAS thread count and the allocator's thresholds.
 
 BLAS threads: OpenBLAS starts one thread per CPU, and its threads spin and wait for each other at every
-matmul. On a machine whose CPUs are busy with other processes that collapses (on the shared 2-core VM, 4-10x
-slower with two threads than with one; 1.4x faster while it was quiet: docs/performance.md). So the default
-("auto", None) gives BLAS the CPUs that are idle when the engine starts: the CPUs this process may run on
-minus the 1-minute load average, at least one. blas_threads=N sets N. Choosing needs threadpoolctl (the
-`cpu` extra); without it the BLAS library keeps its own default and the log says so.
+matmul, which collapses on a machine whose CPUs are busy with other processes. So the default ("auto",
+None) gives BLAS the CPUs that are idle when the engine starts: the CPUs this process may run on minus the
+1-minute load average, at least one. blas_threads=N sets N. Choosing needs threadpoolctl (the `cpu` extra);
+without it the BLAS library keeps its own default and the log says so.
 
 BLAS kernels: OpenBLAS picks its kernels for the CPU when it loads, unless OPENBLAS_CORETYPE names a core. An
-environment that names an older core than the CPU's slows every matmul (our VMs set Haswell, AVX2, on an
-AVX-512 CPU: 1.3-1.4x longer bursts on the tiny and small models, docs/performance.md, "OpenBLAS kernels").
-The library is loaded by then, so the engine only reads back the core in force and logs it, with a hint when
-the environment held back an AVX-512 CPU; it never overrides a user's setting.
+environment that names an older core than the CPU's (some VMs set Haswell, AVX2, on an AVX-512 CPU) slows
+every matmul. The library is loaded by then, so the engine only reads back the core in force and logs it,
+with a hint when the environment held back an AVX-512 CPU; it never overrides a user's setting.
 
 Allocator: glibc serves every allocation above 128 KiB with a fresh mmap and gives freed memory back at once,
 so each step's large temporaries (a layer's activations, the gathered K/V) are page-faulted in again, step
-after step: that was more than half of a decode step of the bundled model (4.9 ms of CPU time, 1.9 ms
-without the faults, with the attention of the time). Keeping allocations up to 32 MiB on the heap and freed
-memory in the process (up to 256 MiB) removes those faults; other allocators are left alone.
+after step, a large part of a small model's decode step. Keeping allocations up to 32 MiB on the heap and
+freed memory in the process (up to 256 MiB) removes those faults; other allocators are left alone.
 """
 from __future__ import annotations
 
@@ -71,7 +68,8 @@ def set_blas_threads(threads: int) -> bool:
 
 
 def blas_threads_in_force() -> int | None:
-    """The most threads any loaded BLAS library will use now; None where that is unknown (no threadpoolctl)."""
+    """The most threads any loaded BLAS library will use now; None where that is unknown (no
+    threadpoolctl)."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -146,5 +144,6 @@ def configure_cpu(blas_threads: int | None) -> CpuSetup:
     if not set_blas_threads(threads):
         threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
         if blas_threads is not None:
-            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: pip install 'minisarathi[cpu]'")
+            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: "
+                             "pip install 'minisarathi[cpu]'")
     return CpuSetup(threads, how, tune_allocator(), blas_kernels())

@@ -1,10 +1,10 @@
-"""The sampler's inverse CDF in one native call: cpu_sampling.cpp, compiled at first use, via ctypes.
+"""The sampler's inverse CDF in one native call: native_sampling.cpp, compiled at first use, via ctypes.
 
-Sampler._inverse_cdf in NumPy costs ~25 array calls and a float64 reduction per block of every row (~23 us for
-8 rows of a 512-token vocabulary, ~45 us for 32); the kernel picks the same tokens, bit for bit, in a few us
-(docs/performance.md, "The sampler's inverse CDF"). It needs a C++ compiler (CXX, default g++) the first time;
-the library is cached by content (minisarathi/backends/native_build.py). Where it cannot be built, or
-MINISARATHI_CPU_SAMPLING=0 is set (to measure against NumPy), `kernel()` is None and the Sampler keeps NumPy's.
+Sampler._inverse_cdf in NumPy costs a few dozen array calls and a float64 reduction per block of every row;
+the kernel picks the same tokens, bit for bit, in one call. It needs a C++ compiler (CXX, default g++) the
+first time; the library is cached by content (minisarathi/backends/cpu/native.py). Where it cannot be built,
+or MINISARATHI_CPU_SAMPLING=0 is set (to measure against NumPy), `kernel()` is None and the Sampler keeps
+NumPy's.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
 
-SOURCE = Path(__file__).resolve().parent / "cpu_sampling.cpp"
+SOURCE = Path(__file__).resolve().parent / "native_sampling.cpp"
 # No -ffast-math, no FMA contraction: every float64 operation must round as NumPy's does (see the source).
 FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall",
          "-Wl,-z,defs"]
@@ -31,7 +31,7 @@ class InverseCdf:
     def __init__(self, function, vocab_size: int, block: int):
         self._function = function   # the library's inverse_cdf
         self.vocab_size, self.block = vocab_size, block
-        self._out = np.empty(0, np.int64)   # the tokens, written in place (each .ctypes.data costs ~1 us)
+        self._out = np.empty(0, np.int64)   # the tokens, written in place (.ctypes.data is slow)
         self._out_address = self._out.ctypes.data
 
     def __call__(self, probs: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -41,7 +41,8 @@ class InverseCdf:
         u = np.ascontiguousarray(u, dtype=np.float64)
         rows = len(probs)
         if probs.shape != (rows, self.vocab_size) or u.shape != (rows,):
-            raise ValueError(f"probs must be [R, {self.vocab_size}] and u [R], got {probs.shape} and {u.shape}")
+            raise ValueError(f"probs must be [R, {self.vocab_size}] and u [R], "
+                             f"got {probs.shape} and {u.shape}")
         if len(self._out) < rows:
             self._out = np.empty(2 * rows, np.int64)
             self._out_address = self._out.ctypes.data
@@ -50,7 +51,7 @@ class InverseCdf:
 
 
 def library_path() -> Path:
-    """cpu_sampling.cpp built (cached); RuntimeError or OSError where it cannot be."""
+    """native_sampling.cpp built (cached); RuntimeError or OSError where it cannot be."""
     return cpu_library_path(SOURCE, FLAGS, "the native inverse CDF")
 
 
@@ -58,8 +59,8 @@ def library_path() -> Path:
 def _library() -> ctypes.CDLL | None:
     """Called with the GIL held: the call takes a few us, and releasing the GIL around it could hand it to the
     server's event loop and hold the engine thread up. Needs no AVX-512 (plain float64 arithmetic)."""
-    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING", needs_avx512=False,
-                           hold_gil=True, log=log)
+    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING",
+                           needs_avx512=False, hold_gil=True, log=log)
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]
@@ -68,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def kernel(vocab_size: int, block: int) -> InverseCdf | None:
-    """The inverse CDF for rows of vocab_size tokens in blocks of `block`, the library built at first use; None
-    where it cannot be (the log says why) or is turned off."""
+    """The inverse CDF for rows of vocab_size tokens in blocks of `block`, the library built at first use;
+    None where it cannot be (the log says why) or is turned off."""
     lib = _library()
     return None if lib is None else InverseCdf(lib.inverse_cdf, vocab_size, block)

@@ -1,7 +1,7 @@
-"""Paged attention for the NumPy backend: the K/V tiles a batch reads, gathered head-major into reused buffers.
+"""Paged attention for the CPU backend: the K/V tiles a batch reads, gathered head-major into reused buffers.
 
-Prefill chunks always run here. Decodes run on the native kernel (cpu_attention.py) where it runs for the
-model (cpu_attention.runs; the plan then holds only its DecodeRows); what follows is their path elsewhere,
+Prefill chunks always run here. Decodes run on the native kernel (native_attention.py) where it runs for the
+model (native_attention.runs; the plan then holds only its DecodeRows); what follows is their path elsewhere,
 which is also the reference the kernel is tested beside.
 
 The cache is [num_blocks, Hk, block_size, D], so the [block_size, D] tile of block b and KV head h is row
@@ -23,25 +23,20 @@ import mmap
 
 import numpy as np
 
-from minisarathi.backends.cpu_attention import CpuAttention, DecodeRows
+from minisarathi.backends.cpu.native_attention import CpuAttention, DecodeRows
 from minisarathi.batch import Batch
 
 # Decodes whose K/V is not kept (it fits one group, or it has more padded blocks than the pool has) are
 # gathered each step, in groups whose K and V take about this many bytes: a group's tiles are still in the
-# cache when its two products read them (on the 2-core EPYC VM, 32 MiB L3: 21% faster at 2 MiB of K/V per
-# sequence than one group of 32, no change for short contexts; bench/decode_attention_variants.py).
+# CPU's last-level cache when its two products read them (bench/decode_attention_variants.py).
 DECODE_GROUP_BYTES = 6 << 20
 # From this many keys on, decode scores are computed transposed, as K @ q^T (n rows by G columns) rather than
-# q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 (SkylakeX) kernels
-# do the few-rows product 1.9x slower than the transposed one at G = 4, D = 64 and 384-1024 keys, 1.3x at
-# G = 2 with 512 keys (the 2048 model's decode attention at context 512: 2.1x faster); below 384 keys the
-# few-rows product is as fast or faster, and with the Haswell kernels both forms cost the same
-# (docs/performance.md, "Calls per layer and step").
+# q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 kernels do the
+# few-rows product slower there; below it the few-rows product is as fast or faster.
 TRANSPOSED_SCORES_KEYS = 384
 # Prefill attention runs this many query rows at a time: a tile skips the keys none of its rows can see
-# (a fresh chunk does about half the work of the full square) and its scores stay small for long prompts.
-# 64 rows: 10-15% faster than 128 from head_dim 8 to 64 and chunks of 128 to 512 tokens (fewer masked
-# scores computed, scores that stay in L2), and still few calls per chunk (32 rows: no faster).
+# (a fresh chunk does about half the work of the full square) and its scores stay in L2 for long prompts,
+# with still few calls per chunk.
 QUERY_TILE = 64
 _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
 
@@ -49,7 +44,8 @@ _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float
 def cache_tiles(block_table: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """int[..., Hk, B]: the rows of the [num_blocks * Hk, block_size, D] cache view holding each head's keys
     of the blocks in block_table[..., B], head by head."""
-    return block_table[..., None, :] * num_kv_heads + np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]
+    heads = np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]   # int[Hk, 1]
+    return block_table[..., None, :] * num_kv_heads + heads
 
 
 class AttentionPlan:
@@ -57,8 +53,8 @@ class AttentionPlan:
 
     def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  native_query_heads: int | None = None):
-        """native_query_heads: Hq, where the decodes run on the native kernel (cpu_attention.py), which reads
-        the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
+        """native_query_heads: Hq, where the decodes run on the native kernel (native_attention.py), which
+        reads the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
         self.batch = batch
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
@@ -83,14 +79,14 @@ class AttentionPlan:
             # block-table entries past a context name, so the cache must hold finite numbers); None when
             # every context is the longest (a burst of equal requests)
             self.decode_mask = None if (context_lens == longest).all() else np.where(
-                np.arange(longest) >= context_lens[:, None], np.float32(-np.inf), np.float32(0))[:, None, None, :]
+                np.arange(longest) >= context_lens[:, None], np.float32(-np.inf),
+                np.float32(0))[:, None, None, :]
             # Decode K/V that fits one group is gathered again each step: the copy brings it into the CPU's
-            # cache just before the products read it (kept across steps instead, the products read it from
-            # memory: the tiny model's decode attention took 13% longer in its burst, stories260K's 3%,
-            # docs/performance.md). Larger, it is kept across steps (DecodeKV:
-            # a step copies only the blocks written since, each sequence's last one) while its padded blocks
-            # are no more than the pool holds (the copy costs at most the KV cache's memory again); past that,
-            # it is gathered each step, group by group.
+            # cache just before the products read it (kept across steps, the products would read it from
+            # memory). Larger, it is kept across steps (DecodeKV: a step copies only the blocks written
+            # since, each sequence's last one) while its padded blocks are no more than the pool holds (the
+            # copy costs at most the KV cache's memory again); past that, it is gathered each step, group by
+            # group.
             decode_bytes = 2 * self.decode_blocks.size * num_kv_heads * block_size * head_dim * 4
             self.keeps_decode_kv = DECODE_GROUP_BYTES < decode_bytes and self.decode_blocks.size <= num_blocks
             self.decode_tiles = cache_tiles(self.decode_blocks, num_kv_heads).ravel()
@@ -105,7 +101,8 @@ class AttentionPlan:
 
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
-        """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like k_cache."""
+        """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like
+        k_cache."""
         query_start, context_lens, block_tables = self._arrays
         return (batch is self.batch and k_cache.shape == self.cache_shape and batch.query_start is query_start
                 and batch.context_lens is context_lens and batch.block_tables is block_tables)
@@ -117,8 +114,10 @@ class GatherBuffers:
     def __init__(self):
         self._k = self._v = np.empty(0, np.float32)
 
-    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32[len(tiles), block_size, D] each: the K and V tiles, in the buffers (valid until the next call)."""
+    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray,
+               tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32[len(tiles), block_size, D] each: the K and V tiles, in the buffers (valid until the next
+        call)."""
         num_blocks, Hk, block_size, D = k_cache.shape
         size = len(tiles) * block_size * D
         if self._k.size < size:
@@ -140,7 +139,7 @@ class DecodeKV:
     (the longest context enters a new block: at most every block_size steps), all is laid out anew in the same
     memory and copied in one take per cache: the products read contiguous [B * block_size, D] matrices
     (strided ones with room for more blocks cost 5% more). The cache must be written only through
-    NumpyOps.store_kv or copy_blocks, which report the blocks they write (written()).
+    CpuOps.store_kv or copy_blocks, which report the blocks they write (written()).
 
     memory: two float32[k_cache.size] from kept_memory(), for K and V: room for as many blocks as the pool
     (AttentionPlan keeps decode K/V only when its S * B blocks fit the pool); no step allocates."""
@@ -149,7 +148,7 @@ class DecodeKV:
         num_blocks, Hk, block_size, D = k_cache.shape
         self._clock = 0                                         # counts this layer's reported writes
         self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
-        self._held = np.empty((0, 0), np.int64)                 # [rows, B]: the block each place holds, -1 none
+        self._held = np.empty((0, 0), np.int64)   # [rows, B]: the block each place holds, -1 none
         self._copied = np.empty((0, 0), np.int64)               # [rows, B]: the clock when it was copied
         self._memory = memory
         self._k = self._v = np.empty((0, Hk, 0, block_size, D), np.float32)
@@ -197,16 +196,15 @@ class DecodeKV:
 
 def kept_memory(size: int) -> np.ndarray:
     """float32[size] of zeros for DecodeKV, in an anonymous mapping of its own, its first DECODE_GROUP_BYTES
-    written now (NumpyOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
+    written now (CpuOps.zeros makes one with each KV-cache array); the rest is faulted in where kept decode
     K/V first grows into it, a few blocks at a time (a column when B grows, a row when a decode joins).
 
     Why: the step that first keeps decode K/V copies all of it, over DECODE_GROUP_BYTES / 2 into each of the
     K and V memories (more where decodes joined several at a time; the prefix written now is twice that).
-    Into memory allocated in that step, the small model's burst had its slowest step there (290-330 ms
-    against 190-210 for its neighbours): page faults on the kept K/V's own pages (25 ms), and buffers taken
-    from the heap in a step push the forward's temporaries onto fresh pages (the rest). Writing it all now
-    would double the KV pool's resident memory for the rare batch that fills the pool. Transparent huge
-    pages, as NumPy asks for its own large arrays: the products read them 10-20% faster."""
+    Memory allocated in that step would make it the slowest of its burst: page faults on the kept K/V's own
+    pages, and buffers taken from the heap in a step push the forward's temporaries onto fresh pages.
+    Writing it all now would double the KV pool's resident memory for the rare batch that fills the pool.
+    Transparent huge pages, as NumPy asks for its own large arrays: the products read them faster."""
     mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
         mapping.madvise(mmap.MADV_HUGEPAGE)
@@ -254,7 +252,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
                 shape = (-1, Hk, tiles_per_seq // Hk * block_size, D)
                 k, v = k.reshape(shape), v.reshape(shape)
             k, v = k[:, :, :plan.decode_keys], v[:, :, :plan.decode_keys]
-            if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:   # [s, Hk, n, D] @ [s, Hk, D, G], then [s, Hk, G, n]
+            # transposed: [s, Hk, n, D] @ [s, Hk, D, G], then laid out [s, Hk, G, n]
+            if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
                 scores = np.ascontiguousarray((k @ q_decode_t[rows]).swapaxes(-1, -2))
             else:
                 scores = q_decode[rows] @ k.swapaxes(-1, -2)  # float32[s, Hk, G, n]
@@ -272,13 +271,15 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     return out.reshape(T, Hq, D)
 
 
-def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int, out: np.ndarray) -> None:
+def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int,
+                       out: np.ndarray) -> None:
     q_len = q.shape[0]
     history = context_len - q_len  # keys every query of the chunk sees
     for start in range(0, q_len, QUERY_TILE):
         end = min(start + QUERY_TILE, q_len)
         visible = history + end
-        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)  # [Hk, G, t, visible]
+        # float32[Hk, G, t, visible]
+        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)
         scores[..., history + start:] += _CAUSAL_TILE[:end - start, :end - start]
         denominator = _exp_in_place(scores)
         tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
@@ -291,4 +292,4 @@ def _exp_in_place(scores: np.ndarray) -> np.ndarray:
     after the product with V (on D numbers per row instead of n)."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    return np.einsum("...n->...", scores)[..., None]   # the sum: 2.5-3x faster than .sum(axis=-1) here
+    return np.einsum("...n->...", scores)[..., None]   # the sum: einsum is faster than .sum(axis=-1) here

@@ -1,31 +1,32 @@
-"""The native decode attention (minisarathi/backends/cpu_attention.py) against float64 NumPy, its batch
-invariance, NumpyOps' rule for it, and the fallback to NumPy's attention where it cannot run."""
+"""The native decode attention (minisarathi/backends/cpu/native_attention.py) against float64 NumPy, its batch
+invariance, CpuOps' rule for it, and the fallback to NumPy's attention where it cannot run."""
 import logging
 
 import numpy as np
 import pytest
 
-from minisarathi.backends import cpu_attention
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu import native_attention
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
-needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here")
+needs_kernel = pytest.mark.skipif(native_attention.kernel() is None,
+                                  reason="no AVX-512 CPU or no C++ compiler here")
 
 
 @pytest.fixture(autouse=True)
 def kernel_at_every_head_dim(monkeypatch):
     """The kernel handles any head_dim; the rule sends only small ones to it (MAX_HEAD_DIM, tested below). The
     tests here exercise it at every head_dim."""
-    monkeypatch.setattr(cpu_attention, "MAX_HEAD_DIM", 1 << 20)
+    monkeypatch.setattr(native_attention, "MAX_HEAD_DIM", 1 << 20)
 
 
 @needs_kernel
 def test_the_rule_keeps_numpys_path_past_small_head_dims(monkeypatch):
     """Measured in the whole forward, the kernel lost to NumPy's kept decode K/V at head_dim 32 and 64 once
-    contexts were long (cpu_attention.MAX_HEAD_DIM's comment): those models keep NumPy's path."""
+    contexts were long (native_attention.MAX_HEAD_DIM's comment): those models keep NumPy's path."""
     monkeypatch.undo()
-    assert cpu_attention.runs(8) and cpu_attention.runs(cpu_attention.MAX_HEAD_DIM)
-    assert not cpu_attention.runs(cpu_attention.MAX_HEAD_DIM + 1) and not cpu_attention.runs(64)
+    assert native_attention.runs(8) and native_attention.runs(native_attention.MAX_HEAD_DIM)
+    assert not native_attention.runs(native_attention.MAX_HEAD_DIM + 1) and not native_attention.runs(64)
 
 
 def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
@@ -75,11 +76,11 @@ def test_exp_within_one_ulp_of_float64():
     subnormals and to 0; NaN stays NaN."""
     x = np.concatenate([-np.logspace(-8, np.log10(110), 100_000), np.linspace(-110, 0, 200_001),
                         [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45]]).astype(np.float32)
-    got = cpu_attention.kernel().exp(x).astype(np.float64)
+    got = native_attention.kernel().exp(x).astype(np.float64)
     ref = np.exp(x.astype(np.float64))
     ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
     assert np.all(np.abs(got - ref) <= ulp)
-    assert np.isnan(cpu_attention.kernel().exp(np.array([np.nan, -1], np.float32))[0])
+    assert np.isnan(native_attention.kernel().exp(np.array([np.nan, -1], np.float32))[0])
 
 
 DECODES_FIRST = [(9, 1), (30, 1), (0, 1), (17, 1), (3, 1), (12, 6), (0, 9)]
@@ -94,9 +95,9 @@ LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)
                                                    (6, 2, 10, 3), (3, 3, 6, 5), (4, 1, 8, 1), (4, 4, 17, 7),
                                                    (6, 2, 200, 32), (2, 1, 1, 2), (16, 2, 16, 4)])
 def test_matches_float64(runs, Hq, Hk, D, block_size):
-    """NumpyOps.paged_attention as the engine calls it (decodes on the kernel, prefill chunks on NumPy)."""
+    """CpuOps.paged_attention as the engine calls it (decodes on the kernel, prefill chunks on NumPy)."""
     batch, q, k_cache, v_cache = case(Hq * 1000 + D * 10 + block_size, runs, Hq, Hk, D, block_size)
-    out = NumpyOps().paged_attention(q, k_cache, v_cache, batch, D ** -0.5)
+    out = CpuOps().paged_attention(q, k_cache, v_cache, batch, D ** -0.5)
     assert out.shape == q.shape
     check_close(out, reference(q, k_cache, v_cache, batch, D ** -0.5))
 
@@ -107,8 +108,8 @@ def test_strided_query_rows():
     Hq, Hk, D = 8, 4, 8
     batch, q, k_cache, v_cache = case(5, DECODES_BETWEEN, Hq, Hk, D, 16)
     qkv = np.concatenate([q, np.full((len(q), 2 * Hk, D), np.nan, np.float32)], axis=1)
-    out = NumpyOps().paged_attention(qkv[:, :Hq], k_cache, v_cache, batch, 0.35)
-    np.testing.assert_array_equal(out, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.35))
+    out = CpuOps().paged_attention(qkv[:, :Hq], k_cache, v_cache, batch, 0.35)
+    np.testing.assert_array_equal(out, CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.35))
     check_close(out, reference(q, k_cache, v_cache, batch, 0.35))
 
 
@@ -121,7 +122,7 @@ def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
     batch, q, k_cache, v_cache = case(11, runs, Hq, Hk, D, block_size)
     tables = [batch.block_tables[s, :-(-int(batch.context_lens[s]) // block_size)].tolist()
               for s in range(batch.num_seqs)]
-    ops = NumpyOps()
+    ops = CpuOps()
     whole = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
 
     def alone_in(order):
@@ -139,25 +140,25 @@ def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
 
 
 @needs_kernel
-def test_numpy_ops_runs_it_and_keeps_no_decode_kv_memory(monkeypatch):
+def test_cpu_ops_runs_it_and_keeps_no_decode_kv_memory(monkeypatch):
     """Where the kernel runs, decodes go to it and the caches get no kept decode K/V memory (+48-96 MiB of RSS
     on the peers' models that nothing would read); where it does not, NumPy's path keeps its memory."""
     calls = []
-    decode = cpu_attention.CpuAttention.decode
-    monkeypatch.setattr(cpu_attention.CpuAttention, "decode", lambda *a: calls.append(1) or decode(*a))
+    decode = native_attention.CpuAttention.decode
+    monkeypatch.setattr(native_attention.CpuAttention, "decode", lambda *a: calls.append(1) or decode(*a))
     big = (4096, 4, 16, 64)   # 2 x 16 MiB: a cache whose decode K/V NumPy's path would keep
-    ops = NumpyOps()
-    assert cpu_attention.runs(big[-1])
+    ops = CpuOps()
+    assert native_attention.runs(big[-1])
     ops.zeros(big)
     assert ops._kept_memory == {}
     batch, q, k_cache, v_cache = case(3, DECODES_FIRST, 8, 4, 8, 16)
     ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
     assert calls == [1]
-    monkeypatch.setattr(cpu_attention, "runs", lambda head_dim: False)
-    numpy_ops = NumpyOps()
-    cache = numpy_ops.zeros(big)
-    assert list(numpy_ops._kept_memory) == [id(cache)]
-    out = numpy_ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    monkeypatch.setattr(native_attention, "runs", lambda head_dim: False)
+    cpu_ops = CpuOps()
+    cache = cpu_ops.zeros(big)
+    assert list(cpu_ops._kept_memory) == [id(cache)]
+    out = cpu_ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
     assert calls == [1]
     check_close(out, reference(q, k_cache, v_cache, batch, 0.3))
 
@@ -167,7 +168,7 @@ def test_a_block_outside_the_cache_is_an_error():
     batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
     batch.block_tables[1, 0] = len(k_cache)
     with pytest.raises(IndexError, match="block table"):
-        NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
+        CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
 
 
 @needs_kernel
@@ -177,37 +178,39 @@ def test_a_context_longer_than_its_table_and_other_dtypes_are_errors():
     batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
     batch.context_lens[0] = batch.block_tables.shape[1] * 16 + 1
     with pytest.raises(IndexError, match="longer than its block-table row"):
-        NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
+        CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3)
     batch, q, k_cache, v_cache = case(4, [(20, 1), (3, 1)], 8, 4, 8, 16)
     with pytest.raises(TypeError, match="float32"):
-        NumpyOps().paged_attention(q.astype(np.float16), k_cache, v_cache, batch, 0.3)
+        CpuOps().paged_attention(q.astype(np.float16), k_cache, v_cache, batch, 0.3)
     with pytest.raises(TypeError, match="float32"):
-        NumpyOps().paged_attention(q, k_cache.astype(np.float16), v_cache.astype(np.float16), batch, 0.3)
+        CpuOps().paged_attention(q, k_cache.astype(np.float16), v_cache.astype(np.float16), batch, 0.3)
 
 
 @pytest.fixture
 def fresh_kernel():
-    cpu_attention.kernel.cache_clear()
+    native_attention.kernel.cache_clear()
     yield
-    cpu_attention.kernel.cache_clear()
+    native_attention.kernel.cache_clear()
 
 
 def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_CPU_ATTENTION", "0")
-    assert cpu_attention.kernel() is None and not cpu_attention.runs(8)
+    assert native_attention.kernel() is None and not native_attention.runs(8)
     batch, q, k_cache, v_cache = case(6, DECODES_BETWEEN, 8, 4, 8, 16)
-    check_close(NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
+                reference(q, k_cache, v_cache, batch, 0.3))
 
 
 def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
     monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu_attention"):
-        assert cpu_attention.kernel() is None
+    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu.native_attention"):
+        assert native_attention.kernel() is None
     assert "native decode attention off" in caplog.text
     batch, q, k_cache, v_cache = case(7, DECODES_FIRST, 8, 4, 8, 16)
-    check_close(NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
+                reference(q, k_cache, v_cache, batch, 0.3))
 
 
 @needs_kernel
@@ -215,8 +218,8 @@ def test_a_library_that_cannot_load_falls_back_to_numpy(monkeypatch, tmp_path, c
     """A corrupt cached library (or one on a noexec mount) makes ctypes raise OSError: NumPy, a warning."""
     monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))
-    library = cpu_attention.library_path()   # built into tmp_path, not loaded
+    library = native_attention.library_path()   # built into tmp_path, not loaded
     library.write_bytes(b"junk")
-    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu_attention"):
-        assert cpu_attention.kernel() is None
+    with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.native_attention"):
+        assert native_attention.kernel() is None
     assert "native decode attention off" in caplog.text and str(library) in caplog.text

@@ -1,6 +1,6 @@
-// The sampler's inverse CDF (minisarathi/sampler.py, Sampler._inverse_cdf) in one call for all rows, bit for bit
-// the same tokens as the NumPy version: the same float64 operations in the same order. NumPy spends ~25 array
-// calls on it, and its per-block sums loop over the rows' blocks one short reduction at a time (~15 ns a block).
+// The sampler's inverse CDF (minisarathi/sampler.py, Sampler._inverse_cdf) in one call for all rows, bit for
+// bit the same tokens as the NumPy version: the same float64 operations in the same order. NumPy spends a few
+// dozen array calls on it, and its per-block sums loop over the rows' blocks one short reduction at a time.
 //
 // Exactness rests on three orders, which the tests check against the NumPy version on every block size:
 // - a block's sum is NumPy's pairwise sum of the float32 probabilities converted to float64 (numpy/_core/src/

@@ -1,7 +1,8 @@
-"""The NumPy backend's paged attention on NumPy's decode path (where the native decode kernel does not run):
+"""The CPU backend's paged attention on NumPy's decode path (where the native decode kernel does not run):
 decode groups, per-batch plans and kept decode K/V change nothing but speed; kept decode K/V's memory is made
 with the cache, not in a step. (Exactness against a float64 dense reference:
-tests/test_model.py::test_paged_attention_matches_dense_float64; the native kernel: tests/test_cpu_attention.py.)"""
+tests/unit/test_cpu_ops.py::test_paged_attention_matches_dense_float64; the native kernel:
+tests/unit/test_native_attention.py.)"""
 import dataclasses
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minisarathi.backends import cpu_attention, numpy_attention
-from minisarathi.backends.numpy_ops import NumpyOps
+from minisarathi.backends.cpu import attention, native_attention
+from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
 Hq, Hk, D, BLOCK_SIZE = 8, 2, 16, 4
@@ -19,8 +20,8 @@ Hq, Hk, D, BLOCK_SIZE = 8, 2, 16, 4
 
 @pytest.fixture(autouse=True)
 def numpy_decodes(monkeypatch):
-    """NumpyOps' decodes on NumPy, as where the native kernel cannot run."""
-    monkeypatch.setattr(cpu_attention, "runs", lambda head_dim: False)
+    """CpuOps' decodes on NumPy, as where the native kernel cannot run."""
+    monkeypatch.setattr(native_attention, "runs", lambda head_dim: False)
 
 
 def case(seed: int, runs):
@@ -45,27 +46,27 @@ DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1)]
 def test_decode_groups_give_the_same_output(monkeypatch, runs, group_bytes):
     """Decodes gathered group by group each step (the path when their K/V is not kept across steps)."""
     batch, q, k_cache, v_cache = case(1, runs)
-    whole = NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
-    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", group_bytes)
-    plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
-    grouped = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.25)
+    whole = CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.25)
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
+    plan = attention.AttentionPlan(batch, *k_cache.shape)
+    grouped = attention.paged_attention(q, k_cache, v_cache, plan, attention.GatherBuffers(), 0.25)
     np.testing.assert_array_equal(grouped, whole)
 
 
 def test_a_plan_serves_only_its_batch():
     """One backend over batches that follow each other (as engine steps do), against a fresh one for each."""
-    ops = NumpyOps()
+    ops = CpuOps()
     for seed, runs in enumerate([DECODES_FIRST, DECODES_BETWEEN, DECODES_FIRST[:3], [(40, 1), (5, 1)]]):
         batch, q, k_cache, v_cache = case(seed, runs)
         for step_batch in (batch, dataclasses.replace(batch, context_lens=batch.context_lens.copy())):
             got = ops.paged_attention(q, k_cache, v_cache, step_batch, 0.3)
-            np.testing.assert_array_equal(got, NumpyOps().paged_attention(q, k_cache, v_cache, step_batch, 0.3))
+            np.testing.assert_array_equal(got, CpuOps().paged_attention(q, k_cache, v_cache, step_batch, 0.3))
         # the same batch object with an array replaced is another batch: shorter decode contexts here
         shorter = batch.context_lens - (np.diff(batch.query_start) == 1) * (batch.context_lens > 1)
         before = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
         batch.context_lens = shorter
         after = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-        np.testing.assert_array_equal(after, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        np.testing.assert_array_equal(after, CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
         assert not np.array_equal(after, before)
 
 
@@ -79,7 +80,7 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
     block. Each step's output must equal a fresh backend's, which copies everything, and the path that
     gathers every step."""
-    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
     monkeypatch.setattr(np, "empty", born_full_of_nan)   # whatever is read of a buffer (padding too) was written
     kept_steps = 0
     rng = np.random.default_rng(7)
@@ -95,7 +96,7 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
         ops.store_kv(kv, -kv, k_cache, v_cache, prompt.slot_mapping)
         seqs.append([length, blocks])
 
-    ops = NumpyOps()
+    ops = CpuOps()
     for length in (5, 13, 2, 9):
         admit(length)
     for step in range(14):
@@ -109,11 +110,11 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
         kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
         ops.store_kv(kv, kv * 2, k_cache, v_cache, batch.slot_mapping)
         q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
-        kept_steps += numpy_attention.AttentionPlan(batch, *k_cache.shape).keeps_decode_kv
+        kept_steps += attention.AttentionPlan(batch, *k_cache.shape).keeps_decode_kv
         got = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-        np.testing.assert_array_equal(got, NumpyOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
-        plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
-        gathered = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.3)
+        np.testing.assert_array_equal(got, CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3))
+        plan = attention.AttentionPlan(batch, *k_cache.shape)
+        gathered = attention.paged_attention(q, k_cache, v_cache, plan, attention.GatherBuffers(), 0.3)
         np.testing.assert_array_equal(got, gathered)
         for s in seqs:
             s[0] += 1
@@ -121,16 +122,16 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
 
 
 def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
-    """The memory decode K/V is kept in is made by NumpyOps.zeros with each cache, not in a step: engine-like
+    """The memory decode K/V is kept in is made by CpuOps.zeros with each cache, not in a step: engine-like
     steps in which the decode K/V grows past DECODE_GROUP_BYTES (gathered each step, then kept), its longest
     context enters new blocks (kept K/V laid out anew) and sequences join, against the path that gathers every
     step; the kept K/V handed to the products lies in the memory made with the caches."""
     made = []
-    monkeypatch.setattr(numpy_attention, "kept_memory", lambda size, make=numpy_attention.kept_memory:
+    monkeypatch.setattr(attention, "kept_memory", lambda size, make=attention.kept_memory:
                         made.append(make(size)) or made[-1])
     tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4             # K and V of one block
-    monkeypatch.setattr(numpy_attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
-    ops = NumpyOps()
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
+    ops = CpuOps()
     assert ops.zeros((5, Hk, BLOCK_SIZE, D)) is not None and made == []   # too small ever to keep: none made
     num_blocks = 40
     k_cache, v_cache = ops.zeros((num_blocks, Hk, BLOCK_SIZE, D)), ops.zeros((num_blocks, Hk, BLOCK_SIZE, D))
@@ -139,10 +140,11 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
 
     def no_allocation_in_a_step(size):
         raise AssertionError("kept_memory called in a step")
-    monkeypatch.setattr(numpy_attention, "kept_memory", no_allocation_in_a_step)
+    monkeypatch.setattr(attention, "kept_memory", no_allocation_in_a_step)
     kept_views = []
-    gather = numpy_attention.DecodeKV.gather
-    monkeypatch.setattr(numpy_attention.DecodeKV, "gather", lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
+    gather = attention.DecodeKV.gather
+    monkeypatch.setattr(attention.DecodeKV, "gather",
+                        lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
 
     rng = np.random.default_rng(3)
     free = list(rng.permutation(num_blocks))
@@ -165,10 +167,10 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
         kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
         ops.store_kv(kv, kv * 3, k_cache, v_cache, batch.slot_mapping)
         q = rng.standard_normal((len(seqs), Hq, D)).astype(np.float32)
-        plan = numpy_attention.AttentionPlan(batch, *k_cache.shape)
+        plan = attention.AttentionPlan(batch, *k_cache.shape)
         keeps.append((plan.keeps_decode_kv, plan.decode_blocks.shape[1]))
         got = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-        gathered = numpy_attention.paged_attention(q, k_cache, v_cache, plan, numpy_attention.GatherBuffers(), 0.3)
+        gathered = attention.paged_attention(q, k_cache, v_cache, plan, attention.GatherBuffers(), 0.3)
         np.testing.assert_array_equal(got, gathered)
         for s in seqs:
             s[0] += 1
@@ -180,10 +182,10 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
             assert np.shares_memory(view, memory)
 
 
-# In a fresh interpreter, as tests/test_numpy_ops.py measures the cache's own memory.
+# In a fresh interpreter, as tests/unit/test_cpu_ops.py measures the cache's own memory.
 MEASURE_KEPT_MEMORY = """
 import os
-from minisarathi.backends.numpy_attention import DECODE_GROUP_BYTES, kept_memory
+from minisarathi.backends.cpu.attention import DECODE_GROUP_BYTES, kept_memory
 
 def resident_bytes():
     with open("/proc/self/statm") as f:

@@ -1,17 +1,15 @@
 // out = x @ w.T in float32 with the weight w packed once, at load, into the layout this kernel streams.
 //
 // Why: OpenBLAS copies ("packs") the weight into its panel layout inside every sgemm call; at the decode
-// batch's 32 rows that copy is more than half of the call. Packing once at load, as vLLM-CPU's oneDNN brgemm
-// does, and streaming the panels from memory with prefetch ahead makes the tiny and small models' matmuls
-// 1.45-1.8x faster at 32 rows, weights read from memory (the table per op and row count: docs/performance.md,
-// "A prepacked weight matmul").
+// batch's row counts that copy is most of the call. So the weight is packed once at load, as vLLM-CPU's
+// oneDNN brgemm does, and the panels are streamed from memory with prefetch ahead.
 //
-// Layout (minisarathi/backends/packed_gemm.py packs it): w[N, K] becomes ceil(N / NR) panels of NR consecutive
-// output features, each float32[K][NR], the last one padded with zeros. A register tile of up to MR rows x NR
-// outputs keeps 2 * MR accumulators in zmm registers; each k step loads one panel row (2 vectors) and
-// broadcasts one input per row (the inputs are first copied to [k][MR] order, so the broadcasts read one
-// stream instead of MR rows a large power of two apart that evict each other from L1). Loop order and cache
-// blocking as BLIS's (K blocks, groups of panels in L2, a row tile's inputs in L1).
+// Layout (minisarathi/backends/cpu/packed_gemm.py packs it): w[N, K] becomes ceil(N / NR) panels of NR
+// consecutive output features, each float32[K][NR], the last one padded with zeros. A register tile of up
+// to MR rows x NR outputs keeps 2 * MR accumulators in zmm registers; each k step loads one panel row (2
+// vectors) and broadcasts one input per row (the inputs are first copied to [k][MR] order, so the broadcasts
+// read one stream instead of MR rows a large power of two apart that evict each other from L1). Loop order
+// and cache blocking as BLIS's (K blocks, groups of panels in L2, a row tile's inputs in L1).
 //
 // Determinism: every output element is one chain of fused multiply-adds over k = 0 .. K-1, in that order,
 // from 0, whatever the number of rows, the row's place in its tile, or the K blocking (a later K block resumes

@@ -1,11 +1,11 @@
-"""The NumPy backend's decode attention as native code: cpu_attention.cpp, compiled at first use, via ctypes.
+"""The CPU backend's decode attention as native code: native_attention.cpp, compiled at first use, via ctypes.
 
 The decodes of a batch (single-token runs) attend to the paged KV cache read in place, through their block
-tables, in one call per layer; prefill chunks keep NumPy's tiled attention (numpy_attention.py), which also
-stays the decode path where the kernel does not run. Built and loaded like the packed matmul
-(packed_gemm.py): it needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the library is cached
-by content (native_build.py). Where either is missing, or MINISARATHI_CPU_ATTENTION=0 is set (to measure
-against NumPy), `kernel()` is None and decodes run on NumPy.
+tables, in one call per layer; prefill chunks keep NumPy's tiled attention (attention.py), which also stays
+the decode path where the kernel does not run. Built and loaded like the packed matmul (packed_gemm.py,
+through native.py): it needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the library is
+cached by content. Where either is missing, or MINISARATHI_CPU_ATTENTION=0 is set (to measure against
+NumPy), `kernel()` is None and decodes run on NumPy.
 
 Whether a model's decodes use it is decided once, from the model's shapes (`runs`), never per batch: its
 results differ from NumPy's in the last bits, and a row's output must not depend on the batch it is in.
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.native_build import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
 from minisarathi.batch import Batch
 
-SOURCE = Path(__file__).resolve().parent / "cpu_attention.cpp"
-# No -ffast-math: every sum keeps the order written in the source (a row's result must not depend on its batch).
+SOURCE = Path(__file__).resolve().parent / "native_attention.cpp"
+# No -ffast-math: every sum keeps its written order (a row's result must not depend on its batch).
 FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
 log = logging.getLogger(__name__)
@@ -31,18 +31,20 @@ log = logging.getLogger(__name__)
 
 class DecodeRows:
     """What the kernel reads besides q, the caches and out: a batch's decodes and the cache's shape, laid out
-    as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so that
-    a layer's call passes 7 arguments and reads 2 addresses (each .ctypes.data costs ~0.8 us)."""
+    as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so
+    that a layer's call passes 7 arguments and reads 2 addresses (.ctypes.data is slow)."""
 
-    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int], query_heads: int):
+    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int],
+                 query_heads: int):
         num_blocks, Hk, block_size, D = cache_shape
         self.seqs = decodes.astype(np.int64)                                   # int64[S]: decode sequences
         self.rows = batch.query_start[decodes].astype(np.int64)               # int64[S]: their token rows
         self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)   # int32[num_seqs, B]
         self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)   # int32[num_seqs]
-        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1], self.context_lens.ctypes.data,
-                                self.seqs.ctypes.data, self.rows.ctypes.data, len(self.seqs), num_blocks, Hk,
-                                query_heads // Hk, D, block_size], np.int64)   # DecodeBatch
+        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1],
+                                self.context_lens.ctypes.data, self.seqs.ctypes.data, self.rows.ctypes.data,
+                                len(self.seqs), num_blocks, Hk, query_heads // Hk, D, block_size],
+                               np.int64)   # DecodeBatch
         self.address = self.fields.ctypes.data
         self.query_shape = (query_heads, D)
         self.head_strides = (D * 4, 4)   # of q's rows as the kernel reads them: [Hq, D] contiguous
@@ -86,14 +88,10 @@ class CpuAttention:
                              f"{decodes.fields[6]}, or a context is longer than its block-table row")
 
 
-# Models whose decodes use the kernel: head_dim up to this. In the whole decode forward (bench.forward, batch 32,
-# CPU ms with the kernel / NumPy's path, 2026-12-01, docs/performance.md) it wins at head_dim 8 (the bundled
-# model: 0.78 / 1.18 at 160 keys, 2.37 / 2.85 at 512, its longest context); at head_dim 32 (the peers' tiny
-# model) 7.8 / 8.5 at 512 keys but 11.75 / 8.65 at 1024, at head_dim 64 (small) 25.3 / 24.1 at 512 and
-# 40.3 / 33.4 at 1024: once a layer's decode K/V outgrows the L3 cache, NumPy's kept contiguous copy (DecodeKV)
-# is read faster than the cache's blocks one by one (why is not yet measured). The rule is per model, never per
-# batch (a row's result must not depend on its batch), so it cannot follow the context: it keeps NumPy's path
-# wherever long contexts lose.
+# Models whose decodes use the kernel: head_dim up to this. It wins the whole decode forward at small head_dim
+# (the bundled model's 8); at 32 and 64, once a layer's decode K/V outgrows the L3 cache, NumPy's kept
+# contiguous copy (DecodeKV) is read faster. The rule is per model, never per batch (a row's result must not
+# depend on its batch), so it cannot follow the context: it keeps NumPy's path wherever long contexts lose.
 MAX_HEAD_DIM = 16
 
 
@@ -103,7 +101,7 @@ def runs(head_dim: int) -> bool:
 
 
 def library_path() -> Path:
-    """cpu_attention.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
+    """native_attention.cpp built for this CPU (cached); RuntimeError or OSError where it cannot be."""
     return cpu_library_path(SOURCE, FLAGS, "the native decode attention")
 
 
