@@ -109,7 +109,8 @@ class EngineWorker:
 
 def _log_step(engine) -> None:
     step = engine.step_records[-1]
-    log.debug("step", extra={"fields": {"decodes": step.num_decode_tokens, "prefill_tokens": step.num_prefill_tokens,
+    log.debug("step", extra={"fields": {"decodes": step.num_decode_tokens,
+                                        "prefill_tokens": step.num_prefill_tokens,
                                         "preempted": step.num_preempted,
                                         "kv_blocks_free": engine.block_manager.num_free_blocks,
                                         "step_s": round(step.step_time, 6)}})

@@ -155,7 +155,8 @@ class HttpDoor:
     async def _middleware(self, request: web.Request, handler):
         try:
             if request.path.startswith("/v1/"):
-                accepted, request["key"], delay = self.hub.authenticate(_bearer(request), request.remote or "")
+                accepted, request["key"], delay = self.hub.authenticate(_bearer(request),
+                                                                        request.remote or "")
                 if not accepted:
                     await asyncio.sleep(delay)   # failed keys slow their address down, as on the msgpack door
                     raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
@@ -167,8 +168,9 @@ class HttpDoor:
                 response.headers[REQUEST_ID_HEADER] = request["request_id"]
             return response
         except web.HTTPRequestEntityTooLarge:
-            return _error_response(OpenAIError(413, f"the request body exceeds {self.hub.limits.max_message_bytes} "
-                                                    "bytes", code="request_too_large"))
+            return _error_response(OpenAIError(
+                413, f"the request body exceeds {self.hub.limits.max_message_bytes} bytes",
+                code="request_too_large"))
         except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
             response = _error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
             if "Allow" in e.headers:     # RFC 9110: a 405 says which methods the path takes

@@ -1,26 +1,20 @@
-"""The serving hub: what every door shares. A door speaks one protocol (msgpack_door.py, http.py) and calls
-into the hub, which owns the engine thread, admission, keys and quotas, the one registry of requests in flight,
-drain, the request log and the security stats. No door imports another.
+"""The serving hub: what every door shares. A door (msgpack_door.py, http.py) speaks one protocol and calls
+into the hub, which owns the engine thread, admission, keys and quotas, the one registry of requests in
+flight, drain, the request log and the security stats. No door imports another. Its API, on the event loop:
 
-The door-facing API, all on the event loop:
-
-- Lifecycle. `hub.doors` holds objects with `await start()` (-> their addresses), `await stop_accepting()`
-  (drain began: close the listeners) and `await stop()` (every request is answered or aborted).
-  `accepting` is False once the drain began; `shutting_down` once requests are refused.
-- Keys. `authenticate(secret, address)` -> (accepted, key, seconds to wait before refusing);
-  `admit(key, max_tokens, tokens)` charges the key's quota and returns it (None without keys), and the door
-  calls `quota.finish(...)` once when its request ends.
-- Connections, for doors that keep them: `connect(conn)` (-> why it is refused, or None), `grant(conn, key)`
-  after a good auth, `revoke(conn)`, `disconnect(conn)`. A connection has `address`, `authenticated`, `key`,
-  `opened`, `closed` and `close()`; at a key reload the hub revokes those whose key is gone.
-- Prompts. `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
-  coroutine for big ones, which run on the tokenizer thread.
-- Requests. `open(request_id, on_output)` takes a place in the registry (the id must not be `in_use`);
-  `submit(...)` hands its token ids to the engine; `cancel(request_id)` aborts it. on_output is called with
-  each RequestOutput (the last one finished) or once with an RPCError; after either the id is free again.
-  `pause(request_ids, paused)` stops and restarts the requests of a client that does not read.
-- Reporting. `report_finished(FinishedRequest)` once per request (log line, then `finish_listeners`),
-  `engine_call(fn)` runs fn on the engine thread, `security_stats()`.
+- `doors`: objects with `await start()` (-> addresses), `await stop_accepting()` (the drain began: close
+  the listeners) and `await stop()` (every request answered or aborted); `accepting`, `shutting_down`.
+- `authenticate(secret, address)` -> (accepted, key, seconds to wait before a refusal); `admit(key,
+  max_tokens, tokens)` charges the key's quota and returns it, for the door's one `quota.finish(...)`.
+- Doors that keep connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a good auth,
+  `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key reload
+  revokes the connections whose key is gone.
+- `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
+  coroutine (on the tokenizer thread) for big ones.
+- `open(request_id, on_output)` registers a request (its id not `in_use`), `submit(...)` hands it to the
+  engine, `cancel(request_id)` aborts it, `pause(request_ids, paused)`. on_output gets each RequestOutput
+  (the last one finished) or one RPCError; the id is free again after either.
+- `report_finished(FinishedRequest)` once per request, `engine_call(fn)`, `security_stats()`.
 """
 from __future__ import annotations
 
@@ -126,7 +120,8 @@ class Hub:
         would have to retry."""
         self._leaving = True
         if self.limits.drain_delay_s > 0:
-            log.info("shutting down: /ready answers 503; serving on for %.1fs first", self.limits.drain_delay_s)
+            log.info("shutting down: /ready answers 503; serving on for %.1fs first",
+                     self.limits.drain_delay_s)
             await asyncio.sleep(self.limits.drain_delay_s)
         self.shutting_down = True
         for door in self.doors:
@@ -150,7 +145,8 @@ class Hub:
         SIGHUP reloads the keys file."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):   # before the addresses are printed: a supervisor may signal then
+        # before the addresses are printed: a supervisor may signal then
+        for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         addresses = await self.start()
@@ -205,7 +201,8 @@ class Hub:
     def check_max_tokens(key: Key | None, max_tokens: int) -> None:
         """RPCError(INVALID_PARAMS) if the key caps max_tokens below the request's."""
         if key is not None and key.max_tokens is not None and max_tokens > key.max_tokens:
-            raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}")
+            raise RPCError(INVALID_PARAMS,
+                           f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}")
 
     def admit(self, key: Key | None, max_tokens: int, tokens: int) -> Quota | None:
         """A request of `tokens` (prompts + max_tokens of every choice) against its key's quota; RPCError
@@ -216,8 +213,8 @@ class Hub:
         self.check_max_tokens(key, max_tokens)
         quota = self.keys.quota(key)
         if key.tpm is not None and tokens > key.tpm:
-            raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({tokens}) must be <= the key's tokens per "
-                                           f"minute ({key.tpm})")
+            raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({tokens}) must be <= the key's "
+                                           f"tokens per minute ({key.tpm})")
         wait = quota.admit(tokens)
         if wait is not None:
             raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
@@ -284,7 +281,8 @@ class Hub:
                                                 f"{self.max_prompt_tokens} tokens allowed can hold")
 
     async def encode_prompt(self, text: str, name: str, add_special_tokens: bool = True) -> list[int]:
-        """A prompt text as token ids: its bytes checked first, a big one tokenized on the tokenizer thread."""
+        """A prompt text as token ids: its bytes checked first, a big one tokenized on the tokenizer
+        thread."""
         self.check_prompt_bytes(text, name)
         token_ids = self.encode(text, add_special_tokens)
         return token_ids if isinstance(token_ids, list) else await token_ids
@@ -332,8 +330,8 @@ class Hub:
         def add():
             # stream=False: a request answered once, at its end, costs no output per step (on the engine
             # thread and on the loop).
-            self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time, priority=priority,
-                                    stream=stream)
+            self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time,
+                                    priority=priority, stream=stream)
             if paused:
                 self.engine.pause_request(request_id)
         if not confirm:
@@ -397,9 +395,10 @@ class Hub:
 
     def _on_step_error(self, error: Exception):
         # The engine's state is suspect after a failed step: fail everything it holds. A failed model (its
-        # tensor-parallel ranks died) says so, in words written for clients; any other exception stays in the log.
+        # tensor-parallel ranks died) says so, in words written for clients; other exceptions stay in the log.
         failure = self.engine.model_failure
-        self._fail_all(internal_error() if failure is None else RPCError(INTERNAL, f"engine step failed: {failure}"))
+        self._fail_all(internal_error() if failure is None
+                       else RPCError(INTERNAL, f"engine step failed: {failure}"))
 
     def _fail_all(self, error: RPCError):
         for request_id, on_output in list(self._requests.items()):

@@ -19,9 +19,10 @@ from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.hub import Hub, ListenError, internal_error
 from minisarathi.server.protocol import (
-    ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION, OVERLOADED,
-    PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError, UNPACKER_READ_SIZE, ServerLimits,
-    as_text, make_unpacker, pack, parse_generate, short, single_param, text_params, token_id_list)
+    ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
+    OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
+    UNPACKER_READ_SIZE, ServerLimits, as_text, make_unpacker, pack, parse_generate, short, single_param,
+    text_params, token_id_list)
 from minisarathi.server.request_log import FinishedRequest
 
 log = logging.getLogger("minisarathi.server")
@@ -58,14 +59,15 @@ class _Connection:
         self.address = peer.rpartition(":")[0] if peer != "unix" else peer   # its IP, for per-address limits
         self.limits = limits
         self.authenticated = authenticated
-        self.opened = time.monotonic()        # also reset when an auth is revoked: the auth deadline runs from it
+        self.opened = time.monotonic()        # the auth deadline runs from it (reset when an auth is revoked)
         self.key: Key | None = None           # the key it authenticated with (None without keys)
         self.inflight: dict[int, _Pending] = {}   # msgid -> its generate
         self.default_priority = 0             # of its requests that give none: its API key's
         self.pending_calls = 0                # other calls being answered (tokenize, stats, ...)
         self.call_done = asyncio.Event()      # set when pending_calls drops
-        self.tasks: set[asyncio.Task] = set()  # its calls being answered and prompts being tokenized: cancelled
-                                               # when it closes, so its queued tokenizer work goes with it
+        # its calls being answered and prompts being tokenized: cancelled when it closes, so its queued
+        # tokenizer work goes with it
+        self.tasks: set[asyncio.Task] = set()
         self.auth_failures = 0
         self.auth_delay = 0.0                 # seconds to wait before reading on, after a failed auth
         self.stalled = False                  # its output waits unread: its requests are paused
@@ -126,8 +128,8 @@ class _Connection:
             self.respond(msgid, error)
 
     def end_output(self) -> bool:
-        """Send the end of the stream after what was written (the socket stays open for reading); False where the
-        transport cannot (TLS)."""
+        """Send the end of the stream after what was written (the socket stays open for reading); False where
+        the transport cannot (TLS)."""
         if self.closed or not self.writer.can_write_eof():
             return False
         self.uncork()
@@ -184,7 +186,8 @@ class _BadMessage(Exception):
 class MsgpackDoor:
     """A hub's msgpack-RPC door: listens on TCP (host None: not) and on a Unix socket (if given)."""
 
-    def __init__(self, hub: Hub, host: str | None = "127.0.0.1", port: int = 7000, unix_socket: str | None = None):
+    def __init__(self, hub: Hub, host: str | None = "127.0.0.1", port: int = 7000,
+                 unix_socket: str | None = None):
         self.hub = hub
         self.host, self.port, self.unix_socket = host, port, unix_socket
         self.limits = hub.limits
@@ -207,16 +210,17 @@ class MsgpackDoor:
             # The listen backlog holds a burst of connections as large as the server takes (asyncio's default,
             # 100, is too short for a burst the loop is busy accepting).
             try:
-                server = await asyncio.start_server(self._serve_connection, self.host, self.port, limit=_READ_SIZE,
-                                                    backlog=min(self.limits.max_connections, socket.SOMAXCONN), **tls)
+                server = await asyncio.start_server(
+                    self._serve_connection, self.host, self.port, limit=_READ_SIZE,
+                    backlog=min(self.limits.max_connections, socket.SOMAXCONN), **tls)
             except OSError as e:
                 raise ListenError("tcp", e) from None
             self._servers.append(server)
             addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
         if self.unix_socket is not None:
             try:
-                server = await asyncio.start_unix_server(self._serve_connection, self.unix_socket, limit=_READ_SIZE,
-                                                         **tls)
+                server = await asyncio.start_unix_server(self._serve_connection, self.unix_socket,
+                                                         limit=_READ_SIZE, **tls)
             except OSError as e:
                 raise ListenError("unix", e) from None
             self._servers.append(server)
@@ -247,7 +251,8 @@ class MsgpackDoor:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         peer = writer.get_extra_info("peername")
         conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self.hub.keys is None,
-                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix", on_stall=self._on_stall)
+                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix",
+                           on_stall=self._on_stall)
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         if self.hub.shutting_down:   # accepted just before the listener closed: the client will go elsewhere
             conn.close()
@@ -264,8 +269,9 @@ class MsgpackDoor:
         try:
             while not conn.closed:
                 try:
-                    # asyncio.timeout, not wait_for: the read runs in this task, not in one made per read, so a
-                    # message costs the loop two iterations (each a GIL hand-over with the engine thread) less
+                    # asyncio.timeout, not wait_for: the read runs in this task, not in one made per read,
+                    # so a message costs the loop two iterations (each a GIL hand-over with the engine
+                    # thread) less
                     async with asyncio.timeout(reading.timeout()):
                         data = await reader.read(reading.read_size)
                 except TimeoutError:
@@ -295,10 +301,11 @@ class MsgpackDoor:
             self._close_connection(conn)
 
     async def _linger(self, conn: _Connection, reader: asyncio.StreamReader):
-        """Before a connection closes on a bad message: the error, then the end of the stream, and what the client
-        still sends read and dropped, up to 2 x max_message_bytes for _CLOSE_LINGER_S at most. A socket closed with
-        unread input is reset: a client still sending its (say oversized) message would get the reset, not the
-        error, and one reading would see a reset after the error instead of the end of the stream."""
+        """Before a connection closes on a bad message: the error, then the end of the stream, and what the
+        client still sends read and dropped, up to 2 x max_message_bytes for _CLOSE_LINGER_S at most. A socket
+        closed with unread input is reset: a client still sending its (say oversized) message would get the
+        reset, not the error, and one reading would see a reset after the error instead of the end of the
+        stream."""
         if not conn.end_output():
             return
         self._drop_requests(conn)   # their outputs could not be sent any more
@@ -330,7 +337,8 @@ class MsgpackDoor:
         try:
             await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.unread_timeout_s)
+            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id,
+                        self.limits.unread_timeout_s)
             conn.close()
         except (ConnectionError, OSError):
             conn.close()
@@ -348,8 +356,8 @@ class MsgpackDoor:
         try:
             await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("conn=%d left %d requests unread for %.0fs; aborting them", conn.id, len(conn.inflight),
-                        self.limits.unread_timeout_s)
+            log.warning("conn=%d left %d requests unread for %.0fs; aborting them", conn.id,
+                        len(conn.inflight), self.limits.unread_timeout_s)
             self.hub.counters["unread_aborts"] += len(conn.inflight)
             conn.close()
             return
@@ -397,13 +405,8 @@ class MsgpackDoor:
             if handler is None:
                 raise RPCError(UNKNOWN_METHOD, f"unknown method {short(repr(method))}")
             result = handler(self, conn, msgid, _params_array(params))
-        except RPCError as e:
-            if e.code != UNAUTHORIZED:   # those are counted and summarized by the throttle
-                log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
-            conn.respond(msgid, e)
-        except Exception:
-            log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
-            conn.respond(msgid, internal_error())
+        except Exception as e:
+            self._respond_error(conn, msgid, method, e)
         else:
             if asyncio.iscoroutine(result):
                 conn.pending_calls += 1
@@ -424,6 +427,17 @@ class MsgpackDoor:
             if e.code != UNAUTHORIZED:
                 log.info("conn=%d notification %s failed: %s", conn.id, method, e)
 
+    @staticmethod
+    def _respond_error(conn: _Connection, msgid: int, method: str, error: Exception):
+        """Called in the except clause: an RPCError as it is, any other exception logged and answered as an
+        internal error."""
+        if not isinstance(error, RPCError):
+            log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
+            error = internal_error()
+        elif error.code != UNAUTHORIZED:   # those are counted and summarized by the throttle
+            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), error)
+        conn.respond(msgid, error)
+
     def _start_task(self, conn: _Connection, coroutine):
         task = asyncio.ensure_future(coroutine)
         conn.tasks.add(task)
@@ -432,12 +446,8 @@ class MsgpackDoor:
     async def _respond_later(self, conn, msgid, method, coroutine):
         try:
             result = await coroutine
-        except RPCError as e:
-            log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), e)
-            conn.respond(msgid, e)
-        except Exception:
-            log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
-            conn.respond(msgid, internal_error())
+        except Exception as e:
+            self._respond_error(conn, msgid, method, e)
         else:
             conn.respond(msgid, None, result)
         finally:
@@ -448,15 +458,16 @@ class MsgpackDoor:
 
     def _generate(self, conn: _Connection, msgid: int, params: list):
         hub = self.hub
-        if hub.shutting_down and not conn.inflight:   # not taken: the closed connection sends the client elsewhere
-            conn.close(flush=True)
+        if hub.shutting_down and not conn.inflight:
+            conn.close(flush=True)   # not taken: the closed connection sends the client elsewhere
             return None
         request = parse_generate(params, self.limits)
         hub.check_max_tokens(conn.key, request.params.max_tokens)
         if msgid in conn.inflight:
             raise RPCError(INVALID_PARAMS, f"msgid {msgid} is already in flight on this connection")
         if len(conn.inflight) >= self._max_inflight:
-            raise RPCError(OVERLOADED, f"more than {self._max_inflight} requests in flight on this connection")
+            raise RPCError(OVERLOADED,
+                           f"more than {self._max_inflight} requests in flight on this connection")
         if request.prompt is not None:
             hub.check_prompt_bytes(request.prompt, "prompt")
         if request.request_id is None:
@@ -501,11 +512,12 @@ class MsgpackDoor:
         conn = pending.conn
         pending.prompt_tokens = len(token_ids)
         priority = conn.default_priority if request.priority is None else request.priority
-        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d", pending.request_id,
-                 conn.id, pending.msgid, len(token_ids), request.params.max_tokens, request.stream, priority)
+        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d",
+                 pending.request_id, conn.id, pending.msgid, len(token_ids), request.params.max_tokens,
+                 request.stream, priority)
         # a client that is not reading: its request starts paused
-        self.hub.submit(pending.request_id, token_ids, request.params, pending.received, priority, request.stream,
-                        paused=conn.stalled)
+        self.hub.submit(pending.request_id, token_ids, request.params, pending.received, priority,
+                        request.stream, paused=conn.stalled)
 
     def _abort(self, conn: _Connection, msgid: int, params: list) -> bool:
         """params [msgid] (of the generate call), or [{"request_id": id}] (the id given to generate)."""
@@ -527,8 +539,8 @@ class MsgpackDoor:
         if len(text) > self.limits.max_tokenize_bytes // 4:   # a character is at most 4 bytes
             num_bytes = len(text.encode("utf-8", "surrogatepass"))
             if num_bytes > self.limits.max_tokenize_bytes:
-                raise RPCError(INVALID_PARAMS, f"text must be at most {self.limits.max_tokenize_bytes} bytes, "
-                                               f"got {num_bytes}")
+                raise RPCError(INVALID_PARAMS, f"text must be at most {self.limits.max_tokenize_bytes} "
+                                               f"bytes, got {num_bytes}")
         return self.hub.encode(text)
 
     def _detokenize(self, conn, msgid, params):
@@ -543,8 +555,8 @@ class MsgpackDoor:
         config = engine.config
         return {"model": self.hub.model_name, "vocab_size": engine.tokenizer.vocab_size,
                 "max_model_len": engine.max_model_len, "eos_token_ids": list(engine.tokenizer.eos_token_ids),
-                "scheduler": config.scheduler, "chunk_size": config.chunk_size, "block_size": config.block_size,
-                "max_num_seqs": config.max_num_seqs, "device": config.device,
+                "scheduler": config.scheduler, "chunk_size": config.chunk_size,
+                "block_size": config.block_size, "max_num_seqs": config.max_num_seqs, "device": config.device,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "tensor_parallel_size": config.tensor_parallel_size,
                 "max_prompt_tokens": self.hub.max_prompt_tokens, "max_tokens": self.limits.max_tokens}
@@ -558,16 +570,17 @@ class MsgpackDoor:
         return {"status": "shutting_down" if self.hub.shutting_down else "ok", "uptime_s": uptime}
 
     async def _stats(self, conn, msgid, params) -> dict:
-        """params [] or [{"steps_since": N}]: the latter adds `step_times`, the summary of the steps from step N
-        (stats' `steps` counts them) on, at most the latest STEP_SUMMARY_MAX_STEPS."""
+        """params [] or [{"steps_since": N}]: the latter adds `step_times`, the summary of the steps from
+        step N (stats' `steps` counts them) on, at most the latest STEP_SUMMARY_MAX_STEPS."""
         since = None if not params else single_param(params, "steps_since", int)
         if since is not None and since < 0:
             raise RPCError(INVALID_PARAMS, f"steps_since must be >= 0, got {since}")
         engine = self.hub.engine
 
-        def read():   # on the engine thread: the records only (a list of references); the summary is made here
+        def read():   # on the engine thread: the records only (a list of references), summarized here
             steps = engine.step_records
-            return engine.stats(), None if since is None else steps[max(since, len(steps) - STEP_SUMMARY_MAX_STEPS):]
+            first = None if since is None else max(since, len(steps) - STEP_SUMMARY_MAX_STEPS)
+            return engine.stats(), None if first is None else steps[first:]
         engine_stats, records = await self.hub.engine_call(read)
         if records is not None:
             engine_stats["step_times"] = step_time_summary(records)
@@ -641,13 +654,15 @@ class MsgpackDoor:
         result = {"request_id": _public_id(pending.request_id), **choices[0],
                   "prompt_tokens": pending.prompt_tokens, "completion_tokens": completion_tokens,
                   "cached_tokens": output.num_cached_tokens,
-                  "ttft_s": None if pending.first_token_time is None else pending.first_token_time - pending.received,
+                  "ttft_s": (None if pending.first_token_time is None
+                             else pending.first_token_time - pending.received),
                   "e2e_s": now - pending.received}
         if len(choices) > 1:
             result["choices"] = [{"index": i, **choice} for i, choice in enumerate(choices)]
         self.hub.report_finished(FinishedRequest(
-            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt, pending.prompt_tokens,
-            output.num_cached_tokens, completion_tokens, output.outputs[0].finish_reason, output.metrics))
+            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt,
+            pending.prompt_tokens, output.num_cached_tokens, completion_tokens,
+            output.outputs[0].finish_reason, output.metrics))
         if self._end(pending):
             pending.conn.respond(pending.msgid, None, result)
             self._close_if_drained(pending.conn)
@@ -673,7 +688,8 @@ class MsgpackDoor:
             return False
         del pending.conn.inflight[pending.msgid]
         if pending.quota is not None:
-            pending.quota.finish(pending.charged_tokens, pending.prompt_tokens, sum(t for _, t in pending.sent))
+            pending.quota.finish(pending.charged_tokens, pending.prompt_tokens,
+                                 sum(t for _, t in pending.sent))
         return True
 
     def _close_if_drained(self, conn: _Connection):
@@ -803,7 +819,8 @@ class _Reader:
         now = time.monotonic()
         if not self._conn.authenticated and now >= self._conn.opened + self._limits.auth_timeout_s:
             return f"no successful auth within {self._limits.auth_timeout_s:.0f}s"
-        if self._message_started is not None and now >= self._message_started + self._limits.message_timeout_s:
+        started = self._message_started
+        if started is not None and now >= started + self._limits.message_timeout_s:
             return f"a message took more than {self._limits.message_timeout_s:.0f}s to arrive"
         if not self._conn.inflight and not self._conn.pending_calls:
             return f"idle for {self._limits.idle_timeout_s:.0f}s"

@@ -419,8 +419,8 @@ def test_stop_strings_are_searched_only_where_they_can_start():
 
 @contextlib.contextmanager
 def in_process_server(engine, http: bool = False):
-    """A Hub with a msgpack door on its own event loop thread in this process (so a test can watch its engine);
-    yields (hub, msgpack port, loop), and with http the HTTP door's port after them."""
+    """A Hub with a msgpack door on its own event loop thread in this process (so a test can watch its
+    engine); yields (hub, msgpack port, loop), and with http the HTTP door's port after them."""
     from minisarathi.server.hub import Hub
     from minisarathi.server.msgpack_door import MsgpackDoor
     hub = Hub(engine)
