@@ -17,7 +17,7 @@ import json
 import time
 
 from minisarathi.client import AsyncClient, Client
-from minisarathi.server.server import IDLE_RELEASE_S
+from minisarathi.server.engine_worker import IDLE_RELEASE_S
 
 from bench.server_process import serving
 

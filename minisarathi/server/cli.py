@@ -92,7 +92,8 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def run_serve(args: argparse.Namespace) -> int:
     from minisarathi.engine.engine import LLMEngine
     from minisarathi.paths import default_model_dir
-    from minisarathi.server.server import ListenError, Server
+    from minisarathi.server.hub import Hub, ListenError
+    from minisarathi.server.msgpack_door import MsgpackDoor
 
     configure_logging(args.log_level, args.log_format)
     if args.http_port is not None or args.metrics_port is not None:
@@ -122,18 +123,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
         template = load_chat_template(model_dir, args.chat_template)
     engine = LLMEngine(**options)
-    server = Server(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls)
+    hub = Hub(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls)
+    hub.doors.append(MsgpackDoor(hub, None if args.no_msgpack else args.host, args.port, args.unix_socket))
     if args.http_port is not None or args.metrics_port is not None:
-        _add_http_doors(server, args, model_dir, template)
+        _add_http_doors(hub, args, model_dir, template)
     try:
-        asyncio.run(server.run(None if args.no_msgpack else args.host, args.port, args.unix_socket))
+        asyncio.run(hub.run())
     except ListenError as e:
         raise ValueError(f"{_listener_flags(e.listener, args)}: cannot listen ({e.strerror})") from None
     return 0
 
 
 def _listener_flags(listener, args: argparse.Namespace) -> str:
-    """The flags that chose the address of a listener that could not be opened (Server.start's ListenError)."""
+    """The flags that chose the address of a listener that could not be opened (Hub.start's ListenError)."""
     if listener == "tcp":
         return f"--host {args.host} --port {args.port}"
     if listener == "unix":
@@ -142,20 +144,20 @@ def _listener_flags(listener, args: argparse.Namespace) -> str:
     return f"{host} {'--http-port' if listener.serve_api else '--metrics-port'} {listener.port}"
 
 
-def _add_http_doors(server, args: argparse.Namespace, model_dir: Path, template) -> None:
+def _add_http_doors(hub, args: argparse.Namespace, model_dir: Path, template) -> None:
     from minisarathi.server.http import HttpDoor
     from minisarathi.server.metrics import Metrics
 
     name = args.served_model_name or model_dir.resolve().name
-    engine = server.engine
+    engine = hub.engine
     metrics = Metrics(name, engine.max_model_len, engine.config.chunk_size)
-    server.finish_listeners.append(metrics.request_finished)
-    metrics.watch_server(server)
+    hub.finish_listeners.append(metrics.request_finished)
+    metrics.watch_hub(hub)
     host = args.http_host or args.host
     if args.http_port is not None:
-        server.doors.append(HttpDoor(server, host, args.http_port, name, template, metrics))
+        hub.doors.append(HttpDoor(hub, host, args.http_port, name, template, metrics))
     if args.metrics_port is not None:
-        server.doors.append(HttpDoor(server, host, args.metrics_port, name, None, metrics, serve_api=False))
+        hub.doors.append(HttpDoor(hub, host, args.metrics_port, name, None, metrics, serve_api=False))
 
 
 def _key_store(args) -> KeyStore | None:

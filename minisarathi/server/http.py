@@ -1,11 +1,10 @@
 """The OpenAI-compatible HTTP door: aiohttp on the server's event loop, the same engine thread, limits, API
-key and metrics as the msgpack door (aiohttp because it is asyncio-native: it runs on the loop the
-msgpack server already owns, with no second thread or event loop, and it streams responses with
-backpressure).
+key and metrics as the msgpack door, all the Hub's (aiohttp because it is asyncio-native: it runs on the
+hub's loop, with no second thread or event loop, and it streams responses with backpressure).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the key is required on /v1/
 when one is configured), GET /health, GET /ready, GET /metrics (open, as probes and scrapers expect).
-A request's choices are engine requests whose outputs the Server hands to this door on the loop; a
+A request's choices are engine requests whose outputs the hub hands to this door on the loop; a
 client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
 """
 from __future__ import annotations
@@ -29,6 +28,7 @@ from minisarathi.server.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, DoorL
                                            OpenAIError, chat_logprobs, check_prompt_length, completion_logprobs,
                                            finish_reason, parse_chat, parse_completion, usage)
 from minisarathi.server.auth import Key, Quota
+from minisarathi.server.hub import Hub
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
@@ -105,23 +105,21 @@ class _Call:
 
 
 class HttpDoor:
-    def __init__(self, server, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
+    def __init__(self, hub: Hub, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
                  metrics: Metrics | None, serve_api: bool = True):
         """serve_api=False: only /health, /ready and /metrics (`--metrics-port` with the msgpack door alone)."""
-        self.server = server
+        self.hub = hub
         self.host, self.port = host, port
         self.model_name = model_name
         self.chat_template = chat_template
         self.metrics = metrics
-        engine = server.engine
-        self.limits = DoorLimits(server.max_prompt_tokens, server.limits.max_tokens, server.limits.max_n,
-                                 engine.tokenizer.vocab_size, server.limits)
+        self.limits = DoorLimits(hub.max_prompt_tokens, hub.limits.max_tokens, hub.limits.max_n,
+                                 hub.engine.tokenizer.vocab_size, hub.limits)
         self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._created = int(time.time())
-        self._engine_ids: set[str] = set()   # of the requests in flight: a duplicate X-Request-Id is the client's error
-        app = web.Application(client_max_size=server.limits.max_message_bytes, middlewares=[self._middleware])
+        app = web.Application(client_max_size=hub.limits.max_message_bytes, middlewares=[self._middleware])
         routes = [web.get("/health", self._health), web.get("/ready", self._ready)]
         if metrics is not None:
             routes.append(web.get("/metrics", self._metrics))
@@ -135,9 +133,9 @@ class HttpDoor:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.server.tls)
+        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.hub.tls)
         await self._site.start()
-        scheme = "http" if self.server.tls is None else "https"
+        scheme = "http" if self.hub.tls is None else "https"
         return [f"{scheme}://{address[0]}:{address[1]}" for address in self._runner.addresses]
 
     async def stop_accepting(self) -> None:
@@ -157,7 +155,8 @@ class HttpDoor:
     async def _middleware(self, request: web.Request, handler):
         try:
             if request.path.startswith("/v1/"):
-                accepted, request["key"], delay = self.server.authenticate(_bearer(request), request.remote or "")
+                accepted, request["key"], delay = self.hub.authenticate(_bearer(request),
+                                                                        request.remote or "")
                 if not accepted:
                     await asyncio.sleep(delay)   # failed keys slow their address down, as on the msgpack door
                     raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
@@ -169,8 +168,9 @@ class HttpDoor:
                 response.headers[REQUEST_ID_HEADER] = request["request_id"]
             return response
         except web.HTTPRequestEntityTooLarge:
-            return _error_response(OpenAIError(413, f"the request body exceeds {self.server.limits.max_message_bytes} "
-                                                    "bytes", code="request_too_large"))
+            return _error_response(OpenAIError(
+                413, f"the request body exceeds {self.hub.limits.max_message_bytes} bytes",
+                code="request_too_large"))
         except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
             response = _error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
             if "Allow" in e.headers:     # RFC 9110: a 405 says which methods the path takes
@@ -216,12 +216,12 @@ class HttpDoor:
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request):
-        if not self.server.accepting:
+        if not self.hub.accepting:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ready"})
 
     async def _metrics(self, request):
-        await self.server.engine_call(lambda: self.metrics.read_engine(self.server.engine))
+        await self.hub.engine_call(lambda: self.metrics.read_engine(self.hub.engine))
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request):
@@ -236,7 +236,7 @@ class HttpDoor:
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "minisarathi",
-                "max_model_len": self.server.engine.max_model_len}
+                "max_model_len": self.hub.engine.max_model_len}
 
     async def _completions(self, request):
         request_id = self._request_id(request, "completion")
@@ -267,12 +267,12 @@ class HttpDoor:
 
     async def _encode_prompts(self, parsed: GenerationRequest, param: str, add_special_tokens: bool) -> None:
         """The text prompts as token ids, each refused by its bytes before it is tokenized and by its tokens
-        after; a big one is tokenized off the event loop (Server.encode_prompt, as the msgpack door does)."""
+        after; a big one is tokenized off the event loop (Hub.encode_prompt)."""
         for i, text in enumerate(parsed.prompt_texts):
             if text is None:
                 continue
             try:
-                parsed.prompts[i] = await self.server.encode_prompt(text, param, add_special_tokens)
+                parsed.prompts[i] = await self.hub.encode_prompt(text, param, add_special_tokens)
             except RPCError as e:
                 raise OpenAIError(400, e.message, param=param) from None
             check_prompt_length(parsed.prompts[i], self.limits, param)
@@ -299,10 +299,9 @@ class HttpDoor:
             return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
         finally:
             firsts = _first_of_each_prompt(call)
-            self._engine_ids.difference_update(c.engine_id for c in firsts)
             unfinished = [c for c in firsts if not c.done]
             for choice in unfinished:
-                self.server.cancel(choice.engine_id)
+                self.hub.cancel(choice.engine_id)
             if unfinished:
                 log.info("%s aborted: client disconnected", call.request_id)
             for choice in firsts:
@@ -318,12 +317,12 @@ class HttpDoor:
         params, prompts = call.request.params, call.request.prompts
         # The door's prefix keeps the engine's id space apart from the msgpack door's.
         engine_ids = [f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "") for p in range(len(prompts))]
-        if not self._engine_ids.isdisjoint(engine_ids):
+        if any(self.hub.in_use(engine_id) for engine_id in engine_ids):
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} {call.request_id!r} is already in use by a request in flight",
                               param=REQUEST_ID_HEADER)
         charge = sum(len(p) + params.n * params.max_tokens for p in prompts)
         try:
-            call.quota = self.server.admit(call.key, params.max_tokens, charge)
+            call.quota = self.hub.admit(call.key, params.max_tokens, charge)
         except RPCError as e:
             raise _from_rpc(e) from None
         call.charged_tokens = charge
@@ -335,21 +334,21 @@ class HttpDoor:
                     choice.receive(output)
                 call.wake.set()
             try:
-                priority = call.request.priority
-                if priority is None and call.key is not None:   # the key's, as a msgpack connection's default
-                    priority = call.key.priority
-                call.added.append(self.server.submit(engine_id, prompt, params, on_output, call.received, priority,
-                                                     stream=call.request.stream))
+                self.hub.open(engine_id, on_output)
             except RPCError as e:
                 for earlier in _first_of_each_prompt(call):
-                    self.server.cancel(earlier.engine_id)
+                    self.hub.cancel(earlier.engine_id)
                 call.choices.clear()
                 if call.quota is not None:   # nothing ran: the whole charge comes back
                     call.quota.finish(call.charged_tokens, 0, 0)
                     call.quota = None
-                raise _from_rpc(e, self.server.accepting) from None
+                raise _from_rpc(e, self.hub.accepting) from None
+            priority = call.request.priority
+            if priority is None:   # the key's, as a msgpack connection's default
+                priority = 0 if call.key is None else call.key.priority
+            call.added.append(self.hub.submit(engine_id, prompt, params, call.received, priority,
+                                              stream=call.request.stream, confirm=True))
             call.choices += group
-        self._engine_ids.update(engine_ids)
         log.info("%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
                  call.request_id, call.client, len(prompts), params.n, sum(len(p) for p in prompts),
                  params.max_tokens, call.request.stream)
@@ -369,7 +368,7 @@ class HttpDoor:
             events = []
             for choice in call.choices:
                 if choice.error is not None and choice.slot == 0 and not choice.error_sent:
-                    events.append(_from_rpc(choice.error, self.server.accepting).body())
+                    events.append(_from_rpc(choice.error, self.hub.accepting).body())
                     choice.error_sent = True
                 while choice.deltas:
                     events += self._chunks(call, choice, choice.deltas.popleft())
@@ -392,7 +391,7 @@ class HttpDoor:
             logprobs = (completion_logprobs(new_ids, delta.logprobs, call.request.logprobs, delta.text_offset)
                         if call.kind == "completion" else
                         chat_logprobs(new_ids, delta.logprobs, call.request.logprobs,
-                                      self.server.engine.tokenizer.token_bytes))
+                                      self.hub.engine.tokenizer.token_bytes))
         chunks = []
         if call.kind == "completion":
             body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
@@ -426,7 +425,7 @@ class HttpDoor:
                 logprobs = (completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
                             if call.kind == "completion"
                             else chat_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs,
-                                               self.server.engine.tokenizer.token_bytes))
+                                               self.hub.engine.tokenizer.token_bytes))
             body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(completion)}
             if call.kind == "completion":
                 body["text"] = completion.text
@@ -457,7 +456,7 @@ class HttpDoor:
                 first.engine_id.removeprefix("http:"), "http", call.client, prompt, prompt_tokens,
                 output.num_cached_tokens, sum(len(c.token_ids) for c in output.outputs),
                 output.outputs[0].finish_reason if output.finished else "abort", output.metrics)
-        self.server.report_finished(finished)
+        self.hub.report_finished(finished)
 
 
 def _first_of_each_prompt(call: _Call) -> list[_Choice]:

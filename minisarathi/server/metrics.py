@@ -1,6 +1,6 @@
 """Prometheus metrics under vLLM's names with a `minisarathi:` prefix (one rename adapts a vLLM dashboard).
 
-Two sources. Finished requests of either door (Server.report_finished) feed the request counters and
+Two sources. Finished requests of either door (Hub.report_finished) feed the request counters and
 histograms, when they finish: `prompt_tokens_total` and `generation_tokens_total` count each finished
 request's tokens (aborted ones included). The engine's state is read at scrape time, on the engine thread
 between steps: the gauges, the engine's own counters (preemptions, prefix-cache queries and hits), and
@@ -71,9 +71,9 @@ class Metrics:
         self._next_step = 0
         self.registry.register(_EngineCollector(self))
 
-    def watch_server(self, server) -> None:
-        """Export `server.security_stats()` at every scrape (Server, minisarathi/server/server.py)."""
-        self.registry.register(_SecurityCollector(server, self._labels))
+    def watch_hub(self, hub) -> None:
+        """Export `hub.security_stats()` at every scrape (Hub, minisarathi/server/hub.py)."""
+        self.registry.register(_SecurityCollector(hub, self._labels))
 
     def request_finished(self, r: FinishedRequest) -> None:
         self.request_success.labels(self._labels["model_name"], r.finish_reason).inc()
@@ -157,12 +157,12 @@ class _EngineCollector:
 
 
 class _SecurityCollector:
-    def __init__(self, server, labels: dict):
-        self._server = server
+    def __init__(self, hub, labels: dict):
+        self._hub = hub
         self._labels = labels
 
     def collect(self):
-        state, names, values = self._server.security_stats(), list(self._labels), list(self._labels.values())
+        state, names, values = self._hub.security_stats(), list(self._labels), list(self._labels.values())
         for kind, name, doc, value in (
                 (CounterMetricFamily, "auth_failures", "Failed authentications (both doors).", state["auth_failures"]),
                 (GaugeMetricFamily, "unauthenticated_connections", "msgpack connections not yet authenticated.",

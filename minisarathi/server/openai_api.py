@@ -43,7 +43,7 @@ def bad(param: str, message: str) -> OpenAIError:
 @dataclass
 class DoorLimits:
     """The server-wide limits as the HTTP door applies them."""
-    max_prompt_tokens: int       # Server.max_prompt_tokens: min(ServerLimits.max_prompt_tokens, max_model_len)
+    max_prompt_tokens: int       # Hub.max_prompt_tokens: min(ServerLimits.max_prompt_tokens, max_model_len)
     max_tokens: int              # the largest max_tokens a request may ask for
     max_n: int                   # choices per prompt
     vocab_size: int

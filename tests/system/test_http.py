@@ -579,7 +579,7 @@ def test_an_unexpected_exception_is_an_openai_shaped_500_with_the_request_id(cap
     async def broken(request):
         request["request_id"] = "bug-1"
         raise ZeroDivisionError("division by zero")
-    door = SimpleNamespace(server=SimpleNamespace(authenticate=lambda secret, address: (True, None, 0.0)))
+    door = SimpleNamespace(hub=SimpleNamespace(authenticate=lambda secret, address: (True, None, 0.0)))
     response = asyncio.run(HttpDoor._middleware(door, make_mocked_request("POST", "/v1/completions"), broken))
     error = json.loads(response.body)["error"]
     assert response.status == 500 and response.headers["X-Request-Id"] == "bug-1"

@@ -419,27 +419,29 @@ def test_stop_strings_are_searched_only_where_they_can_start():
 
 @contextlib.contextmanager
 def in_process_server(engine, http: bool = False):
-    """A Server on its own event loop thread in this process (so a test can watch its engine); yields
-    (server, msgpack port, loop), and with http the HTTP door's port after them."""
-    from minisarathi.server.server import Server
-    server = Server(engine)
+    """A Hub with a msgpack door on its own event loop thread in this process (so a test can watch its
+    engine); yields (hub, msgpack port, loop), and with http the HTTP door's port after them."""
+    from minisarathi.server.hub import Hub
+    from minisarathi.server.msgpack_door import MsgpackDoor
+    hub = Hub(engine)
+    hub.doors.append(MsgpackDoor(hub, "127.0.0.1", 0))
     if http:
         from minisarathi.server.http import HttpDoor
-        server.doors.append(HttpDoor(server, "127.0.0.1", 0, "stories260K", None, None))
+        hub.doors.append(HttpDoor(hub, "127.0.0.1", 0, "stories260K", None, None))
     loop = asyncio.new_event_loop()
     started = concurrent.futures.Future()
 
     async def serve():
-        addresses = await server.start("127.0.0.1", 0)
+        addresses = await hub.start()
         started.set_result([int(address.rpartition(":")[2]) for address in addresses])
         while not server_stop.is_set():
             await asyncio.sleep(0.02)
-        await server.shutdown()
+        await hub.shutdown()
     server_stop = threading.Event()
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     try:
-        yield (server, *started.result(timeout=60)[:1 + http], loop)
+        yield (hub, *started.result(timeout=60)[:1 + http], loop)
     finally:
         server_stop.set()
         thread.join(timeout=60)
@@ -538,7 +540,7 @@ def test_the_tokenizer_thread_runs_at_a_lower_cpu_priority():
     3.3-4.3x its idle latency beside them. The tokenizer thread is now TOKENIZER_NICE_INCREMENT nicer than the
     engine thread and the loop, which keep the process's priority."""
     from minisarathi.engine.engine import LLMEngine
-    from minisarathi.server.server import TOKENIZER_NICE_INCREMENT
+    from minisarathi.server.hub import TOKENIZER_NICE_INCREMENT
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
     with in_process_server(LLMEngine()) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as c:
@@ -618,10 +620,10 @@ def test_memory_kept_free_for_steps_is_given_back():
 
 def test_an_idle_engine_thread_gives_back_the_memory_kept_for_steps(monkeypatch):
     """Idle for IDLE_RELEASE_S, the engine thread calls release_free_memory, so a soak's RSS levels off."""
-    import minisarathi.server.server as server_module
+    import minisarathi.server.engine_worker as engine_worker
     from minisarathi.engine.engine import LLMEngine
     releases = []
-    monkeypatch.setattr(server_module, "release_free_memory", lambda: releases.append(time.monotonic()))
+    monkeypatch.setattr(engine_worker, "release_free_memory", lambda: releases.append(time.monotonic()))
     with in_process_server(LLMEngine()) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as c:
             assert c.generate("Zoo", max_tokens=4, ignore_eos=True).completion_tokens == 4
@@ -630,4 +632,4 @@ def test_an_idle_engine_thread_gives_back_the_memory_kept_for_steps(monkeypatch)
                 assert time.monotonic() < finished + 30, releases
                 time.sleep(0.05)
     # not at once: back-to-back requests keep the memory (and steps without page faults)
-    assert min(t for t in releases if t > finished) - finished > server_module.IDLE_RELEASE_S / 2
+    assert min(t for t in releases if t > finished) - finished > engine_worker.IDLE_RELEASE_S / 2

@@ -86,3 +86,11 @@ def test_no_import_cycles_and_no_private_imports():
 def test_the_cycle_finder_finds_a_planted_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c"]]
+
+
+def test_the_doors_import_the_hub_not_each_other():
+    edges, _ = import_graph()
+    doors = {"minisarathi.server.msgpack_door", "minisarathi.server.http"}
+    for door in doors:
+        assert "minisarathi.server.hub" in edges[door], door
+        assert not edges[door] & doors, door

@@ -128,7 +128,7 @@ def test_limits_must_be_positive():
 
 def test_a_connection_past_its_write_buffer_cap_is_dropped():
     from types import SimpleNamespace
-    from minisarathi.server.server import _Connection
+    from minisarathi.server.msgpack_door import _Connection
 
     class Transport:   # the kernel takes nothing: everything written stays buffered
         buffered, aborted = 0, False
@@ -159,7 +159,7 @@ def test_a_corked_connection_writes_what_was_sent_in_one_piece_in_order():
     still enforced on that write; an aborting close drops them."""
     from types import SimpleNamespace
     from minisarathi.server.protocol import pack
-    from minisarathi.server.server import _Connection
+    from minisarathi.server.msgpack_door import _Connection
 
     class Transport:
         buffered, aborted = 0, False

@@ -1,0 +1,454 @@
+"""The serving hub: what every door shares. A door (msgpack_door.py, http.py) speaks one protocol and calls
+into the hub, which owns the engine thread, admission, keys and quotas, the one registry of requests in
+flight, drain, the request log and the security stats. No door imports another. Its API, on the event loop:
+
+- `doors`: objects with `await start()` (-> addresses), `await stop_accepting()` (the drain began: close
+  the listeners) and `await stop()` (every request answered or aborted); `accepting`, `shutting_down`.
+- `authenticate(secret, address)` -> (accepted, key, seconds to wait before a refusal); `admit(key,
+  max_tokens, tokens)` charges the key's quota and returns it, for the door's one `quota.finish(...)`.
+- Doors that keep connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a good auth,
+  `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key reload
+  revokes the connections whose key is gone.
+- `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
+  coroutine (on the tokenizer thread) for big ones.
+- `open(request_id, on_output)` registers a request (its id not `in_use`), `submit(...)` hands it to the
+  engine, `cancel(request_id)` aborts it, `pause(request_ids, paused)`. on_output gets each RequestOutput
+  (the last one finished) or one RPCError; the id is free again after either.
+- `report_finished(FinishedRequest)` once per request, `engine_call(fn)`, `security_stats()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import os
+import signal
+import ssl
+import sys
+import threading
+import time
+from typing import Callable
+
+from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
+from minisarathi.server.engine_worker import EngineWorker
+from minisarathi.server.protocol import (ABORTED, INTERNAL, INVALID_PARAMS, OVERLOADED, PROMPT_TOO_LONG,
+                                         RATE_LIMITED, RPCError, ServerLimits)
+from minisarathi.server.request_log import FinishedRequest, log_finished
+
+log = logging.getLogger("minisarathi.server")
+
+# Text longer than this is tokenized on the tokenizer thread (tokenizers releases the GIL), so the loop is
+# held only briefly; the same for detokenizing more ids.
+_INLINE_TOKENIZE_CHARS = 4096
+_INLINE_DETOKENIZE_TOKENS = 4096
+# Big tokenize/detokenize calls are bulk work for one client: the tokenizer thread runs them this much nicer
+# than the rest of the server, so when the cores are short the engine's steps (every client's tokens), the
+# event loop and the small calls it answers inline go first.
+TOKENIZER_NICE_INCREMENT = 10
+
+
+class ListenError(OSError):
+    """A listener could not be opened; `listener` says which: "tcp", "unix", or the door (in Hub.doors)."""
+
+    def __init__(self, listener, error: OSError):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.listener = listener
+
+
+def internal_error() -> RPCError:
+    # The exception goes to the server's log; the client learns nothing of the server's code.
+    return RPCError(INTERNAL, "internal server error (logged on the server)")
+
+
+class Hub:
+    def __init__(self, engine, limits: ServerLimits | None = None, keys: KeyStore | None = None,
+                 model_name: str = "", tls: ssl.SSLContext | None = None):
+        self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.keys = keys                       # None: no auth
+        self.model_name = model_name           # the model folder's name, never its path
+        self.tls = tls                         # every door's listeners use it
+        self.doors: list = []
+        self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
+        self.connections: set = set()          # the open connections of the doors that keep them
+        self.counters = collections.Counter()  # paused, resumed, unread_aborts, unauthenticated_evicted
+        self.started = time.monotonic()
+        self.shutting_down = False             # requests are refused (drain_delay_s after the drain began)
+        self._leaving = False                  # the drain began: /ready answers 503
+        self._requests: dict[str, Callable] = {}   # engine request id -> its door's on_output
+        self._unauthenticated: dict = {}       # connections not yet authenticated, oldest first
+        self._worker: EngineWorker | None = None
+        self._drained: asyncio.Event | None = None   # set whenever no request is registered
+        # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
+        # queues (holding only its inputs) instead of taking every core; at a lower CPU priority. Small calls
+        # (the bystander's) are answered on the loop, never queued behind big ones.
+        self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer",
+                                                                initializer=_lower_thread_priority)
+        self._throttle = AuthThrottle()
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
+        # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
+        self._max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> list[str]:
+        """Start the engine thread, then every door; returns their addresses. A listener that cannot be
+        opened raises ListenError, which says which one."""
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_outputs,
+                                    self._on_step_error)
+        self._worker.start()
+        addresses = []
+        for door in self.doors:
+            try:
+                addresses += await door.start()
+            except ListenError:
+                raise
+            except OSError as e:
+                raise ListenError(door, e) from None
+        return addresses
+
+    async def shutdown(self):
+        """Stop accepting, give in-flight requests the grace period, abort the rest, close everything.
+
+        The listeners close first, so a load balancer's next connection (or TCP health check) fails and goes
+        to another replica; each door then closes its connections as they fall idle (docs/deploy.md). With a
+        drain delay, /ready first answers 503 while everything else is served as before, long enough for a
+        balancer's health checks to take the replica out: no request of its then meets a refusal that it
+        would have to retry."""
+        self._leaving = True
+        if self.limits.drain_delay_s > 0:
+            log.info("shutting down: /ready answers 503; serving on for %.1fs first",
+                     self.limits.drain_delay_s)
+            await asyncio.sleep(self.limits.drain_delay_s)
+        self.shutting_down = True
+        for door in self.doors:
+            await door.stop_accepting()
+        if self._requests:
+            log.info("shutting down: waiting up to %.1fs for %d requests", self.limits.shutdown_grace_s,
+                     len(self._requests))
+            try:
+                await asyncio.wait_for(self._drained.wait(), self.limits.shutdown_grace_s)
+            except asyncio.TimeoutError:
+                pass
+        self._fail_all(RPCError(ABORTED, "server shutting down"))
+        for door in self.doors:
+            await door.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
+        self._text_pool.shutdown(cancel_futures=True)
+        log.info("server stopped")
+
+    async def run(self):
+        """Serve until SIGINT or SIGTERM, then shut down; prints one 'serving on' line per address.
+        SIGHUP reloads the keys file."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # before the addresses are printed: a supervisor may signal then
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
+        addresses = await self.start()
+        for address in addresses:
+            print(f"minisarathi serving on {address}", flush=True)
+        await stop.wait()
+        log.info("signal received")
+        await self.shutdown()
+        # Closing the loop would put back the default action (death by signal) while the process still exits:
+        # a repeated SIGTERM from a supervisor would then turn a clean drain into exit status -15.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown began or the model failed (the HTTP door's /ready)."""
+        return not self._leaving and self.engine.model_failure is None
+
+    def reload_keys(self):
+        """Re-read the keys file; connections stay, each keeping its key if the file still has it."""
+        if self.keys is None or self.keys.path is None:
+            log.warning("SIGHUP: no keys file to reload")
+            return
+        try:
+            self.keys.reload()
+        except ValueError as e:
+            log.error("keys not reloaded, the old ones stay in force: %s", e)
+            return
+        for conn in list(self.connections):
+            if conn.key is not None:
+                key = self.keys.current(conn.key)
+                if key is None:
+                    self.revoke(conn)
+                conn.key = key
+        log.info("keys reloaded from %s", self.keys.path)
+
+    # ---------------------------------------------------------------- keys and quotas
+
+    def authenticate(self, secret: str | None, address: str) -> tuple[bool, Key | None, float]:
+        """(accepted, the key or None without keys, seconds to wait before answering a refusal: a per-address
+        backoff that grows with each failure)."""
+        if self.keys is None:
+            return True, None, 0.0
+        key = None if secret is None else self.keys.authenticate(secret)
+        if key is None:
+            return False, None, self._throttle.failed(address)
+        self._throttle.succeeded(address)
+        return True, key, 0.0
+
+    @staticmethod
+    def check_max_tokens(key: Key | None, max_tokens: int) -> None:
+        """RPCError(INVALID_PARAMS) if the key caps max_tokens below the request's."""
+        if key is not None and key.max_tokens is not None and max_tokens > key.max_tokens:
+            raise RPCError(INVALID_PARAMS,
+                           f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}")
+
+    def admit(self, key: Key | None, max_tokens: int, tokens: int) -> Quota | None:
+        """A request of `tokens` (prompts + max_tokens of every choice) against its key's quota; RPCError
+        (invalid_params, rate_limited with retry_after_s) if it may not run. Returns the quota charged (None
+        without a key), whose finish() the door calls when the request ends."""
+        if key is None:
+            return None
+        self.check_max_tokens(key, max_tokens)
+        quota = self.keys.quota(key)
+        if key.tpm is not None and tokens > key.tpm:
+            raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({tokens}) must be <= the key's "
+                                           f"tokens per minute ({key.tpm})")
+        wait = quota.admit(tokens)
+        if wait is not None:
+            raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
+        return quota
+
+    # ---------------------------------------------------------------- connections
+
+    def connect(self, conn) -> str | None:
+        """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
+        max_connections. With keys, an unauthenticated connection always gets in, closing the oldest
+        unauthenticated one of its address (or of all) past their limits: a flood of connections without the
+        key never locks a key holder out, and costs the flooder its own oldest."""
+        if conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                return f"more than {self.limits.max_connections} connections"
+        else:
+            same_address = [c for c in self._unauthenticated if c.address == conn.address]
+            if len(same_address) >= self.limits.max_unauthenticated_per_address:
+                self._evict(same_address[0])
+            if len(self._unauthenticated) >= self.limits.max_unauthenticated_connections:
+                self._evict(next(iter(self._unauthenticated)))
+            self._unauthenticated[conn] = None
+        self.connections.add(conn)
+        return None
+
+    def grant(self, conn, key: Key) -> bool:
+        """auth succeeded: the connection leaves the unauthenticated pool, if there is room for it."""
+        if not conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                return False
+            self._unauthenticated.pop(conn, None)
+        conn.authenticated = True
+        conn.key = key
+        return True
+
+    def revoke(self, conn):
+        """Back to the unauthenticated pool; its auth deadline runs again from now."""
+        if conn.authenticated and self.keys is not None:
+            conn.authenticated = False
+            conn.opened = time.monotonic()
+            self._unauthenticated[conn] = None
+
+    def disconnect(self, conn):
+        self.connections.discard(conn)
+        self._unauthenticated.pop(conn, None)
+
+    def _num_authenticated(self) -> int:
+        return sum(1 for c in self.connections if c.authenticated and not c.closed)
+
+    def _evict(self, conn):
+        self.counters["unauthenticated_evicted"] += 1
+        self._unauthenticated.pop(conn, None)
+        conn.close()
+
+    # ---------------------------------------------------------------- prompts and text
+
+    def check_prompt_bytes(self, text: str, name: str) -> None:
+        """RPCError(PROMPT_TOO_LONG) for a text prompt of more bytes than max_prompt_tokens tokens can hold:
+        refused before the tokenizer spends time on it."""
+        if len(text) > self._max_prompt_bytes // 4:   # a character is at most 4 bytes
+            num_bytes = len(text.encode("utf-8", "surrogatepass"))
+            if num_bytes > self._max_prompt_bytes:
+                raise RPCError(PROMPT_TOO_LONG, f"{name} has {num_bytes} bytes, more than the "
+                                                f"{self.max_prompt_tokens} tokens allowed can hold")
+
+    async def encode_prompt(self, text: str, name: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt text as token ids: its bytes checked first, a big one tokenized on the tokenizer
+        thread."""
+        self.check_prompt_bytes(text, name)
+        token_ids = self.encode(text, add_special_tokens)
+        return token_ids if isinstance(token_ids, list) else await token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        """The token ids of a short text, or a coroutine that tokenizes a long one on the tokenizer thread."""
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.engine.tokenizer.encode(text, add_special_tokens)
+        return self._off_loop(self.engine.tokenizer.encode, text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]):
+        """The text of a few token ids, or a coroutine that detokenizes many on the tokenizer thread."""
+        if len(token_ids) <= _INLINE_DETOKENIZE_TOKENS:
+            return self.engine.tokenizer.decode(token_ids)
+        return self._off_loop(self.engine.tokenizer.decode, token_ids)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
+
+    # ---------------------------------------------------------------- requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def open(self, request_id: str, on_output: Callable) -> None:
+        """Register a request (its id not in_use) under the server's limits; RPCError(OVERLOADED) if it may
+        not. From now on drain waits for it."""
+        if self.shutting_down:
+            raise RPCError(OVERLOADED, "server is shutting down")
+        if len(self._requests) >= self.limits.max_queued_requests:
+            raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
+        self._requests[request_id] = on_output
+        self._drained.clear()
+
+    def submit(self, request_id: str, token_ids: list[int], params, arrival_time: float, priority: int = 0,
+               stream: bool = True, paused: bool = False, confirm: bool = False) -> asyncio.Future | None:
+        """Hand an open request to the engine. priority: lower runs first; stream=False: on_output gets only
+        the last output; paused: it starts paused. If the engine refuses it, on_output gets the error.
+        confirm: returns a future done once the engine took or refused it; without, success costs the loop
+        nothing (no wake-up from the engine thread)."""
+        def add():
+            # stream=False: a request answered once, at its end, costs no output per step (on the engine
+            # thread and on the loop).
+            self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time,
+                                    priority=priority, stream=stream)
+            if paused:
+                self.engine.pause_request(request_id)
+        if not confirm:
+            self._worker.post_unless_error(add, lambda error: self._refused(request_id, error))
+            return None
+        added = self._worker.call(add)
+
+        def taken(future):
+            if future.exception() is not None:
+                self._refused(request_id, future.exception())
+        added.add_done_callback(taken)
+        return added
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (its client went away or asked); its outputs are no longer delivered."""
+        if self._requests.pop(request_id, None) is not None:
+            self._worker.post(lambda: self.engine.abort_request(request_id))
+            self._check_drained()
+
+    def pause(self, request_ids: list[str], paused: bool) -> None:
+        """Stop scheduling the requests (their batch slots go to others), or go on with them."""
+        if not request_ids:
+            return
+        self.counters["paused" if paused else "resumed"] += len(request_ids)
+        hook = self.engine.pause_request if paused else self.engine.resume_request
+
+        def apply():
+            for request_id in request_ids:
+                hook(request_id)
+        self._worker.post(apply)
+
+    def engine_call(self, fn) -> asyncio.Future:
+        """Run fn() on the engine thread between steps (e.g. engine.stats for a metrics scrape)."""
+        return self._worker.call(fn)
+
+    def _refused(self, request_id: str, error: Exception):
+        on_output = self._requests.pop(request_id, None)
+        if on_output is None:   # cancelled meanwhile
+            return
+        self._check_drained()
+        if isinstance(error, ValueError):
+            log.info("%s rejected by the engine: %s", request_id, error)
+            on_output(RPCError(INVALID_PARAMS, str(error)))
+        else:
+            log.error("%s add_request failed: %r", request_id, error)
+            on_output(internal_error())
+
+    def _on_outputs(self, outputs):
+        for output in outputs:
+            on_output = self._requests.get(output.request_id)
+            if on_output is None:   # cancelled or failed while the engine was stepping
+                continue
+            if output.finished:
+                del self._requests[output.request_id]
+                self._check_drained()
+            try:
+                on_output(output)
+            except Exception:   # one bad output must not strand the others of this step
+                log.exception("%s delivering output failed", output.request_id)
+                self._fail(output.request_id, on_output, internal_error())
+
+    def _on_step_error(self, error: Exception):
+        # The engine's state is suspect after a failed step: fail everything it holds. A failed model (its
+        # tensor-parallel ranks died) says so, in words written for clients; other exceptions stay in the log.
+        failure = self.engine.model_failure
+        self._fail_all(internal_error() if failure is None
+                       else RPCError(INTERNAL, f"engine step failed: {failure}"))
+
+    def _fail_all(self, error: RPCError):
+        for request_id, on_output in list(self._requests.items()):
+            self._fail(request_id, on_output, error)
+
+    def _fail(self, request_id: str, on_output: Callable, error: RPCError):
+        self._requests.pop(request_id, None)
+        self._worker.post(lambda: self.engine.abort_request(request_id))
+        self._check_drained()
+        on_output(error)
+
+    def _check_drained(self):
+        if not self._requests:
+            self._drained.set()
+
+    # ---------------------------------------------------------------- reporting
+
+    def report_finished(self, finished: FinishedRequest) -> None:
+        """Every door, once per request: its log line, then the listeners (metrics)."""
+        log_finished(finished)
+        for listener in self.finish_listeners:
+            listener(finished)
+
+    def security_stats(self) -> dict:
+        """What `stats` and the metrics report about auth, quotas and paused requests (on the loop)."""
+        stats = {"unauthenticated_connections": len(self._unauthenticated),
+                 "auth_failures": self._throttle.failures_total,
+                 **{name: self.counters[name] for name in ("paused", "resumed", "unread_aborts",
+                                                            "unauthenticated_evicted")}}
+        if self.keys is not None:
+            stats["keys"] = {name: dict(quota.counters, inflight=quota.inflight)
+                             for name, quota in self.keys.quotas.items()}
+        return stats
+
+
+def _lower_thread_priority() -> None:
+    """The calling thread's nice value raised by TOKENIZER_NICE_INCREMENT (Linux sets it per thread; elsewhere
+    it would apply to the whole process, so it is left alone there)."""
+    if sys.platform.startswith("linux"):
+        thread = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread,
+                           min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT))
+        except OSError as e:   # e.g. a seccomp profile: the thread pool must still work (an initializer that
+            log.warning("the tokenizer thread keeps its priority: %s", e)   # raises breaks it for good)
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of prompt text one token covers: 4x (NFKC normalization can fold
+    a 4-byte character to 1 byte before tokenizing) the longest token's text, at least 4."""
+    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+    longest = max((len(token.encode("utf-8")) for token in vocab), default=1)
+    return 4 * max(longest, 1)
