@@ -9,6 +9,7 @@ block boundaries, chunk lengths around the 64-key tile, history 0 / shorter / lo
 with decodes), scattered block tables. Prints one JSON line per case (max error, tolerance, pass) and a
 summary; exits 1 if any case fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.testing import ScheduledChunk, build_batch
 
-TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}   # of the output's scale, as in the tests
-GROUPS = [(8, 8), (8, 4), (8, 2), (8, 1)]           # (Hq, Hk): GQA 1, 2, 4, 8
+TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}  # of the output's scale, as in the tests
+GROUPS = [(8, 8), (8, 4), (8, 2), (8, 1)]  # (Hq, Hk): GQA 1, 2, 4, 8
 BLOCK_SIZES = [1, 5, 16]
 RUN_SETS = {
     "chunk2_at_start": [(0, 2)],
@@ -39,10 +40,12 @@ RUN_SETS = {
 def case(seed, dtype, Hq, Hk, D, block_size, runs):
     rng = np.random.default_rng(seed)
     needs = [-(-(history + n) // block_size) for history, n in runs]
-    pool = rng.permutation(sum(needs) + 3)   # scattered tables, spare blocks
+    pool = rng.permutation(sum(needs) + 3)  # scattered tables, spare blocks
     chunks, used = [], 0
     for (history, n), need in zip(runs, needs):
-        chunks.append(ScheduledChunk(list(range(n)), history, [int(b) for b in pool[used:used + need]], True))
+        chunks.append(
+            ScheduledChunk(list(range(n)), history, [int(b) for b in pool[used : used + need]], True)
+        )
         used += need
     batch = build_batch(chunks, block_size)
 
@@ -50,8 +53,12 @@ def case(seed, dtype, Hq, Hk, D, block_size, runs):
         return float32_to_bf16(x) if dtype == "bfloat16" else x.astype(np.float16)
 
     shape = (len(pool), Hk, block_size, D)
-    return (batch, device(rng.standard_normal((batch.num_tokens, Hq, D))), device(rng.standard_normal(shape)),
-            device(rng.standard_normal(shape)))
+    return (
+        batch,
+        device(rng.standard_normal((batch.num_tokens, Hq, D))),
+        device(rng.standard_normal(shape)),
+        device(rng.standard_normal(shape)),
+    )
 
 
 def main() -> int:
@@ -62,7 +69,8 @@ def main() -> int:
     failures = total = 0
     started = time.perf_counter()
     for dtype, D, (Hq, Hk), block_size, (name, runs) in itertools.product(
-            TOLERANCE, cuda_ops.PREFILL_HEAD_DIMS, GROUPS, BLOCK_SIZES, RUN_SETS.items()):
+        TOLERANCE, cuda_ops.PREFILL_HEAD_DIMS, GROUPS, BLOCK_SIZES, RUN_SETS.items()
+    ):
         batch, q, k_cache, v_cache = case(total, dtype, Hq, Hk, D, block_size, runs)
         widen = bf16_to_float32 if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
         scale = 1 / np.sqrt(D)
@@ -71,13 +79,31 @@ def main() -> int:
         ops = cuda_ops.emulated(dtype)
         for order in orders:
             with emulator.schedule(order, seed=total):
-                error = float(np.abs(widen(ops.paged_attention(q, k_cache, v_cache, batch, scale)) - expected).max())
+                error = float(
+                    np.abs(widen(ops.paged_attention(q, k_cache, v_cache, batch, scale)) - expected).max()
+                )
             ok = error <= tolerance
             failures += not ok
             total += 1
-            print(json.dumps({"dtype": dtype, "head_dim": D, "q_heads": Hq, "kv_heads": Hk, "block_size": block_size,
-                              "runs": name, "order": order, "max_error": error, "tolerance": tolerance, "pass": ok}))
-    print(json.dumps({"cases": total, "failures": failures, "seconds": round(time.perf_counter() - started, 1)}))
+            print(
+                json.dumps(
+                    {
+                        "dtype": dtype,
+                        "head_dim": D,
+                        "q_heads": Hq,
+                        "kv_heads": Hk,
+                        "block_size": block_size,
+                        "runs": name,
+                        "order": order,
+                        "max_error": error,
+                        "tolerance": tolerance,
+                        "pass": ok,
+                    }
+                )
+            )
+    print(
+        json.dumps({"cases": total, "failures": failures, "seconds": round(time.perf_counter() - started, 1)})
+    )
     return 1 if failures else 0
 
 

@@ -9,6 +9,7 @@ recipes of deploy/, then per door a multi-turn run with affinity and one with ro
 restarted in between; each run's conversations are new text), then each replica restarted in turn under load.
 docs/deploy.md records a run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,15 @@ def affinity_runs(cluster: Cluster, executable: str, config: MultiTurnConfig, re
         for affinity in (True, False):
             summary = summarize_turns(records[affinity])
             results[f"{door}/{'affinity' if affinity else 'round_robin'}"] = summary
-            print(f"  {door:8s} {'affinity' if affinity else 'round robin':12s} hit rate (turns 2+) "
-                  f"{summary['hit_rate_later_turns']:.3f}  TTFT (turns 2+) p50 "
-                  f"{summary['ttft_s_later_turns']['p50']:.4f}s mean {summary['ttft_s_later_turns']['mean']:.4f}s  "
-                  f"failed {summary['failed']}", flush=True)
-    for door in ("msgpack", "http"):   # the balancers keep affinity for the restart that follows
+            print(
+                f"  {door:8s} {'affinity' if affinity else 'round robin':12s} hit rate (turns 2+) "
+                f"{summary['hit_rate_later_turns']:.3f}  TTFT (turns 2+) p50 "
+                f"{summary['ttft_s_later_turns']['p50']:.4f}s mean "
+                f"{summary['ttft_s_later_turns']['mean']:.4f}s  "
+                f"failed {summary['failed']}",
+                flush=True,
+            )
+    for door in ("msgpack", "http"):  # the balancers keep affinity for the restart that follows
         cluster.balancers[door].kill()
         cluster.balancers[door].affinity = True
         cluster.balancers[door].start(executable)
@@ -57,50 +62,79 @@ def affinity_runs(cluster: Cluster, executable: str, config: MultiTurnConfig, re
 
 
 def rolling_restart(cluster: Cluster, settle_s: float, model: str | None) -> dict:
-    expected = [o.outputs[0] for o in LLM(model).generate(list(ContinuousLoad.PROMPTS), SamplingParams(
-        temperature=0, max_tokens=ContinuousLoad.MAX_TOKENS))]
+    expected = [
+        o.outputs[0]
+        for o in LLM(model).generate(
+            list(ContinuousLoad.PROMPTS), SamplingParams(temperature=0, max_tokens=ContinuousLoad.MAX_TOKENS)
+        )
+    ]
     started = time.monotonic()
     restarts = []
     with ContinuousLoad(cluster, expected) as load:
         time.sleep(settle_s)
         for index in range(len(cluster.replicas)):
-            restarts.append(cluster.restart(index))   # back in the balancers' rotation before the next one goes
+            restarts.append(
+                cluster.restart(index)
+            )  # back in the balancers' rotation before the next one goes
         time.sleep(settle_s)
-    result = {"requests_ok": load.done, "failed": len(load.failures), "failures": load.failures[:20],
-              "restarts": restarts, "duration_s": time.monotonic() - started}
+    result = {
+        "requests_ok": load.done,
+        "failed": len(load.failures),
+        "failures": load.failures[:20],
+        "restarts": restarts,
+        "duration_s": time.monotonic() - started,
+    }
     print(f"  rolling restart: {load.done} ok, {len(load.failures)} failed", flush=True)
     return result
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--balancers", default="nginx,haproxy")
-    parser.add_argument("--model", default=None, help="model folder the replicas serve (default: the bundled one)")
+    parser.add_argument(
+        "--model", default=None, help="model folder the replicas serve (default: the bundled one)"
+    )
     parser.add_argument("--first-message-words", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=1, help="alternated affinity / round-robin runs per door")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="alternated affinity / round-robin runs per door"
+    )
     parser.add_argument("--sessions", type=int, default=9, help="odd: see tests/test_deploy.py")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--answer-tokens", type=int, default=16)
-    parser.add_argument("--settle-s", type=float, default=2.0, help="load before the first restart and after the last")
+    parser.add_argument(
+        "--settle-s", type=float, default=2.0, help="load before the first restart and after the last"
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
-    report = {"machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "balancers": {}}
+    report = {
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "balancers": {},
+    }
     for kind in args.balancers.split(","):
         executable = find_balancer(kind)
         if executable is None:
             print(f"{kind}: not installed, skipped", flush=True)
             continue
         print(f"{kind} ({executable}), load average {os.getloadavg()[0]:.1f}", flush=True)
-        load_average = {"start": os.getloadavg()}   # 1, 5, 15 minutes: the machine is shared
+        load_average = {"start": os.getloadavg()}  # 1, 5, 15 minutes: the machine is shared
         cluster = Cluster(kind, extra_args=(*([args.model] if args.model else []), "--shutdown-grace", "30"))
         try:
             cluster.start(executable)
-            config = MultiTurnConfig(num_sessions=args.sessions, num_turns=args.turns, answer_tokens=args.answer_tokens,
-                                     first_message_words=args.first_message_words)
-            report["balancers"][kind] = {"affinity": affinity_runs(cluster, executable, config, args.repeats),
-                                         "rolling_restart": rolling_restart(cluster, args.settle_s, args.model),
-                                         "load_average": {**load_average, "end": os.getloadavg()}}
+            config = MultiTurnConfig(
+                num_sessions=args.sessions,
+                num_turns=args.turns,
+                answer_tokens=args.answer_tokens,
+                first_message_words=args.first_message_words,
+            )
+            report["balancers"][kind] = {
+                "affinity": affinity_runs(cluster, executable, config, args.repeats),
+                "rolling_restart": rolling_restart(cluster, args.settle_s, args.model),
+                "load_average": {**load_average, "end": os.getloadavg()},
+            }
         finally:
             cluster.close()
     if args.out:

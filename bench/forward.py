@@ -9,6 +9,7 @@ shapes and layouts; the ratio shows
 what everything else (attention, norms, RoPE, KV writes, Python) costs. Prints one JSON line per case,
 then a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,29 +25,53 @@ from minisarathi.config import ModelConfig
 from minisarathi.model.llama import LlamaModel
 from minisarathi.testing import ScheduledChunk, build_batch
 
-SMALL = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=4096, prefill_tokens=128,
-             decode_batches="1,8", context=64)
+SMALL = dict(
+    hidden=256,
+    layers=4,
+    heads=8,
+    kv_heads=4,
+    intermediate=688,
+    vocab=4096,
+    prefill_tokens=128,
+    decode_batches="1,8",
+    context=64,
+)
 
 
 def random_model(args) -> LlamaModel:
-    config = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": args.vocab, "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": max(4096, args.prefill_tokens, args.context)})
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": args.vocab,
+            "hidden_size": args.hidden,
+            "intermediate_size": args.intermediate,
+            "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads,
+            "num_key_value_heads": args.kv_heads,
+            "max_position_embeddings": max(4096, args.prefill_tokens, args.context),
+        }
+    )
     rng = np.random.default_rng(0)
     H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
     qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * D
 
     def w(*shape):  # float32, scaled so activations stay O(1)
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[-1] ** -0.5))
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[-1] ** -0.5)
 
-    weights = {"embed_tokens": w(config.vocab_size, H), "norm": np.ones(H, np.float32), "lm_head": w(config.vocab_size, H)}
+    weights = {
+        "embed_tokens": w(config.vocab_size, H),
+        "norm": np.ones(H, np.float32),
+        "lm_head": w(config.vocab_size, H),
+    }
     for i in range(config.num_hidden_layers):
-        weights |= {f"layers.{i}.input_layernorm": np.ones(H, np.float32),
-                    f"layers.{i}.qkv_proj": w(qkv_rows, H), f"layers.{i}.o_proj": w(H, config.num_attention_heads * D),
-                    f"layers.{i}.post_attention_layernorm": np.ones(H, np.float32),
-                    f"layers.{i}.gate_up_proj": w(2 * I, H), f"layers.{i}.down_proj": w(H, I)}
+        weights |= {
+            f"layers.{i}.input_layernorm": np.ones(H, np.float32),
+            f"layers.{i}.qkv_proj": w(qkv_rows, H),
+            f"layers.{i}.o_proj": w(H, config.num_attention_heads * D),
+            f"layers.{i}.post_attention_layernorm": np.ones(H, np.float32),
+            f"layers.{i}.gate_up_proj": w(2 * I, H),
+            f"layers.{i}.down_proj": w(H, I),
+        }
     return LlamaModel(config, weights, CpuOps())
 
 
@@ -77,7 +102,7 @@ def matmuls_alone(model: LlamaModel, num_tokens: int, num_logits: int):
     ops, c = model.ops, model.config
     x = rng.standard_normal((num_tokens, c.hidden_size), dtype=np.float32)
     attn = rng.standard_normal((num_tokens, c.num_attention_heads * c.head_dim), dtype=np.float32)
-    act = ops.silu_and_mul(ops.linear(x, model.layers[0].gate_up_proj))   # float32[T, I]
+    act = ops.silu_and_mul(ops.linear(x, model.layers[0].gate_up_proj))  # float32[T, I]
     last = rng.standard_normal((num_logits, c.hidden_size), dtype=np.float32)
 
     def run():
@@ -87,39 +112,63 @@ def matmuls_alone(model: LlamaModel, num_tokens: int, num_logits: int):
             ops.linear(x, layer.gate_up_proj)
             ops.linear(act, layer.down_proj)
         ops.linear(last, model.lm_head)
+
     return run
 
 
-def bench_case(model, phase: str, chunks: list[ScheduledChunk], block_size: int, num_blocks: int, repeats: int,
-               clock) -> dict:
+def bench_case(
+    model, phase: str, chunks: list[ScheduledChunk], block_size: int, num_blocks: int, repeats: int, clock
+) -> dict:
     batch = build_batch(chunks, block_size)
     cache = model.new_kv_cache(num_blocks, block_size)
-    forward_s, matmul_s = best_times([lambda: model.forward(batch, cache),
-                                      matmuls_alone(model, batch.num_tokens, len(batch.logits_indices))],
-                                     repeats, clock)
-    return {"bench": "forward", "phase": phase, "batch": len(chunks), "tokens": batch.num_tokens,
-            "context": batch.max_context_len, "forward_ms": round(forward_s * 1e3, 2),
-            "matmul_ms": round(matmul_s * 1e3, 2), "ratio": round(forward_s / matmul_s, 3),
-            "tokens_per_s": round(batch.num_tokens / forward_s, 1)}
+    forward_s, matmul_s = best_times(
+        [
+            lambda: model.forward(batch, cache),
+            matmuls_alone(model, batch.num_tokens, len(batch.logits_indices)),
+        ],
+        repeats,
+        clock,
+    )
+    return {
+        "bench": "forward",
+        "phase": phase,
+        "batch": len(chunks),
+        "tokens": batch.num_tokens,
+        "context": batch.max_context_len,
+        "forward_ms": round(forward_s * 1e3, 2),
+        "matmul_ms": round(matmul_s * 1e3, 2),
+        "ratio": round(forward_s / matmul_s, 3),
+        "tokens_per_s": round(batch.num_tokens / forward_s, 1),
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the prefill chunk (0: skip)")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=512, help="tokens of the prefill chunk (0: skip)"
+    )
     parser.add_argument("--decode-batches", default="1,32", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=256, help="context length of each decoding sequence")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a small shape for a quick run")
-    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time")
-    parser.add_argument("--blas-threads", type=int, default=None,
-                        help="as the engine's option (default: auto); the process is set up as the engine sets it up")
+    parser.add_argument(
+        "--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time"
+    )
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        help="as the engine's option (default: auto); the process is set up as the engine sets it up",
+    )
     args = parser.parse_args()
     print(configure_cpu(args.blas_threads).describe(), flush=True)
     if args.small:
@@ -129,12 +178,23 @@ def main():
     bs = args.block_size
     blocks_per_seq = -(-max(args.prefill_tokens, args.context) // bs)
     batches = [int(b) for b in args.decode_batches.split(",")]
-    cases = [("prefill", [ScheduledChunk([5] * args.prefill_tokens, 0, list(range(blocks_per_seq)), True)])
-             ] if args.prefill_tokens else []
+    cases = (
+        [("prefill", [ScheduledChunk([5] * args.prefill_tokens, 0, list(range(blocks_per_seq)), True)])]
+        if args.prefill_tokens
+        else []
+    )
     for b in batches:
-        cases.append(("decode", [ScheduledChunk([5], args.context - 1,
-                                                list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)), True)
-                                 for s in range(b)]))
+        cases.append(
+            (
+                "decode",
+                [
+                    ScheduledChunk(
+                        [5], args.context - 1, list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)), True
+                    )
+                    for s in range(b)
+                ],
+            )
+        )
     num_blocks = blocks_per_seq * max(batches + [1])
     rows = []
     for phase, chunks in cases:
@@ -142,14 +202,20 @@ def main():
         print(json.dumps(row), flush=True)
         rows.append(row)
     c = model.config
-    print(f"\nmodel: hidden {c.hidden_size}, {c.num_hidden_layers} layers, heads {c.num_attention_heads}/"
-          f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, float32; "
-          f"block size {bs}; numpy {np.__version__}, {platform.machine()}")
-    print(f"{'phase':8} {'batch':>5} {'tokens':>6} {'context':>7} {'forward ms':>10} {'matmul ms':>9} "
-          f"{'ratio':>6} {'tokens/s':>9}")
+    print(
+        f"\nmodel: hidden {c.hidden_size}, {c.num_hidden_layers} layers, heads {c.num_attention_heads}/"
+        f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, float32; "
+        f"block size {bs}; numpy {np.__version__}, {platform.machine()}"
+    )
+    print(
+        f"{'phase':8} {'batch':>5} {'tokens':>6} {'context':>7} {'forward ms':>10} {'matmul ms':>9} "
+        f"{'ratio':>6} {'tokens/s':>9}"
+    )
     for r in rows:
-        print(f"{r['phase']:8} {r['batch']:5d} {r['tokens']:6d} {r['context']:7d} {r['forward_ms']:10.2f} "
-              f"{r['matmul_ms']:9.2f} {r['ratio']:6.3f} {r['tokens_per_s']:9.1f}")
+        print(
+            f"{r['phase']:8} {r['batch']:5d} {r['tokens']:6d} {r['context']:7d} {r['forward_ms']:10.2f} "
+            f"{r['matmul_ms']:9.2f} {r['ratio']:6.3f} {r['tokens_per_s']:9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ and summary.json, rewritten before and after every section, so a kill of the who
 
     results = run_sections(sections, out=Path("out"), budget_s=480)
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -32,32 +33,32 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 LIBRARY = REPO / "minisarathi"
-STAGES = ("correctness", "graphs", "overlap", "speed")   # the order sections run in
-FAILURES = ("ERROR", "MISMATCH", "MISSING")               # row results that fail a section
-CPU = "device='cpu'"                                      # the fallback of a wrong kernel: no CUDA at all
-DUMP_GRACE_S = 2.0                                        # at most, after SIGUSR1 and before SIGKILL
+STAGES = ("correctness", "graphs", "overlap", "speed")  # the order sections run in
+FAILURES = ("ERROR", "MISMATCH", "MISSING")  # row results that fail a section
+CPU = "device='cpu'"  # the fallback of a wrong kernel: no CUDA at all
+DUMP_GRACE_S = 2.0  # at most, after SIGUSR1 and before SIGKILL
 
 
 @dataclass
 class Section:
     name: str
-    fn: Callable               # a module-level function(report, *args), loaded by name in the child
-    limit_s: float             # in a full run
-    quick_s: float | None      # in --quick; None: not in --quick
-    stage: str                 # one of STAGES
-    fallback: str = ""         # what the engine would serve with if this section fails ("" for speed)
+    fn: Callable  # a module-level function(report, *args), loaded by name in the child
+    limit_s: float  # in a full run
+    quick_s: float | None  # in --quick; None: not in --quick
+    stage: str  # one of STAGES
+    fallback: str = ""  # what the engine would serve with if this section fails ("" for speed)
     args: tuple = ()
     env: dict = field(default_factory=dict)
-    required: bool = False     # if it fails, nothing after it runs (no GPU)
+    required: bool = False  # if it fails, nothing after it runs (no GPU)
 
 
 @dataclass
 class Result:
     section: Section
-    status: str = "pending"    # running, ok, FAILED, ERROR, TIMEOUT, CRASHED, skipped: ...
+    status: str = "pending"  # running, ok, FAILED, ERROR, TIMEOUT, CRASHED, skipped: ...
     seconds: float = 0.0
     limit_s: float = 0.0
-    failure: dict | None = None   # the first failing check or call
+    failure: dict | None = None  # the first failing check or call
     rows: list = field(default_factory=list)
     data: dict = field(default_factory=dict)
 
@@ -67,6 +68,7 @@ class Result:
 
 
 # ---- in the section's process ----------------------------------------------------------------------------
+
 
 class Report:
     """What a section writes: rows (check, result, detail), data for later sections, its first failure.
@@ -98,8 +100,11 @@ class Report:
 
     def error(self, exc: BaseException, check: str) -> None:
         print(f"[{check}] failed:\n{''.join(traceback.format_exception(exc))}", flush=True)
-        failure = {"check": check, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
-                   **first_failing_call(traceback_frames(exc))}
+        failure = {
+            "check": check,
+            "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+            **first_failing_call(traceback_frames(exc)),
+        }
         first = self.failure is None
         self.row(check, "ERROR", f"{failure['error'][:120]} at {failure['where']}")
         if first:
@@ -115,7 +120,9 @@ class Report:
         return next((s["data"] for s in sections if s["name"] == section), {})
 
     def save(self) -> None:
-        write_atomically(self.path, json.dumps({"rows": self.rows, "data": self.data, "failure": self.failure}))
+        write_atomically(
+            self.path, json.dumps({"rows": self.rows, "data": self.data, "failure": self.failure})
+        )
 
 
 class SectionEnded(Exception):
@@ -123,13 +130,15 @@ class SectionEnded(Exception):
 
 
 def child(spec: dict) -> None:
-    stacks = open(spec["stacks"], "w")   # noqa: SIM115 (kept open for faulthandler until the process ends)
+    stacks = open(spec["stacks"], "w")  # noqa: SIM115 (kept open for faulthandler until the process ends)
     faulthandler.enable(stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, stacks, all_threads=True)
     report = Report(Path(spec["result"]), Path(spec["summary"]), Path(spec["scratch"]), spec["quick"])
     report.save()
     try:
-        module_spec = importlib.util.spec_from_file_location(f"gpu_section_{Path(spec['file']).stem}", spec["file"])
+        module_spec = importlib.util.spec_from_file_location(
+            f"gpu_section_{Path(spec['file']).stem}", spec["file"]
+        )
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
         getattr(module, spec["function"])(report, *spec["args"])
@@ -140,10 +149,11 @@ def child(spec: dict) -> None:
     report.save()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)   # no interpreter teardown: after a CUDA error, freeing device memory can crash or hang
+    os._exit(0)  # no interpreter teardown: after a CUDA error, freeing device memory can crash or hang
 
 
 # ---- the first failing call ------------------------------------------------------------------------------
+
 
 def traceback_frames(exc: BaseException) -> list[tuple[str, int, str]]:
     """(file, line, function) of exc's traceback, outermost first; qualified names where Python has them."""
@@ -160,7 +170,7 @@ def stack_frames(dump: str) -> list[tuple[str, int, str]]:
     for block in re.split(r"\n\s*\n", dump):
         frames = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)]
         if any(_in_repo(f) for f, _, _ in frames):
-            return frames[::-1]   # faulthandler lists the most recent call first
+            return frames[::-1]  # faulthandler lists the most recent call first
     return []
 
 
@@ -174,7 +184,7 @@ def first_failing_call(frames: list[tuple[str, int, str]]) -> dict:
     failure = {"where": _frame(library[-1] if library else project[-1])}
     if library:
         failure["op"] = library[0][2]
-        callers = [f for f in project[:project.index(library[0])] if f not in library]
+        callers = [f for f in project[: project.index(library[0])] if f not in library]
         if callers:
             failure["caller"] = _frame(callers[-1])
     return failure
@@ -190,7 +200,8 @@ def _frame(frame: tuple[str, int, str]) -> str:
     path = Path(file).resolve()
     code = linecache.getline(file, line).strip()
     return f"{path.relative_to(REPO) if path.is_relative_to(REPO) else file}:{line} in {function}" + (
-        f": {code[:100]}" if code else "")
+        f": {code[:100]}" if code else ""
+    )
 
 
 def describe(failure: dict | None) -> str:
@@ -200,19 +211,26 @@ def describe(failure: dict | None) -> str:
     if "where" in failure:
         text += f" at {failure['where']}"
     if "op" in failure:
-        text += f" (op {failure['op']}" + (f", called from {failure['caller']}" if "caller" in failure else "") + ")"
+        text += (
+            f" (op {failure['op']}"
+            + (f", called from {failure['caller']}" if "caller" in failure else "")
+            + ")"
+        )
     return text
 
 
 # ---- in the runner's process -----------------------------------------------------------------------------
 
-def run_sections(sections: list[Section], out: Path, budget_s: float, quick: bool = False,
-                 title: str = "gpu_check") -> list[Result]:
+
+def run_sections(
+    sections: list[Section], out: Path, budget_s: float, quick: bool = False, title: str = "gpu_check"
+) -> list[Result]:
     """Every section in order, each in its own process under its limit (the --quick one with `quick`), as
     long as the budget lasts; summary.txt and summary.json in `out` after every section."""
     out.mkdir(parents=True, exist_ok=True)
     results = [Result(s, limit_s=s.quick_s if quick else s.limit_s) for s in sections]
-    # An outer `timeout` sends SIGTERM: exit through the finally clauses, which kill the running section's group.
+    # An outer `timeout` sends SIGTERM: exit through the finally clauses, which kill the running section's
+    # group.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         _run_all(results, out, budget_s, quick, title)
@@ -245,19 +263,30 @@ def _run_all(results: list[Result], out: Path, budget_s: float, quick: bool, tit
 def run_one(result: Result, scratch: Path, summary: Path, quick: bool) -> None:
     section = result.section
     files = {kind: scratch / f"{section.name}.{kind}" for kind in ("result", "stacks")}
-    spec = {"name": section.name, "file": inspect.getfile(section.fn), "function": section.fn.__name__,
-            "args": list(section.args), "quick": quick, "summary": str(summary), "scratch": str(scratch),
-            **{kind: str(path) for kind, path in files.items()}}
+    spec = {
+        "name": section.name,
+        "file": inspect.getfile(section.fn),
+        "function": section.fn.__name__,
+        "args": list(section.args),
+        "quick": quick,
+        "summary": str(summary),
+        "scratch": str(scratch),
+        **{kind: str(path) for kind, path in files.items()},
+    }
     print(f"==== {section.name} (limit {result.limit_s:.0f} s)", flush=True)
     start = time.monotonic()
-    process = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], cwd=REPO, start_new_session=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", **section.env})
+    process = subprocess.Popen(
+        [sys.executable, __file__, json.dumps(spec)],
+        cwd=REPO,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **section.env},
+    )
     timed_out = False
     try:
         process.wait(timeout=result.limit_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        process.send_signal(signal.SIGUSR1)   # faulthandler: where it hangs
+        process.send_signal(signal.SIGUSR1)  # faulthandler: where it hangs
         for _ in range(int(DUMP_GRACE_S / 0.05)):
             time.sleep(0.05)
             if files["stacks"].stat().st_size:
@@ -271,12 +300,18 @@ def run_one(result: Result, scratch: Path, summary: Path, quick: bool) -> None:
     result.data, result.failure = saved.get("data", {}), saved.get("failure")
     stacks = files["stacks"].read_text() if files["stacks"].exists() else ""
     if timed_out or process.returncode:
-        how = (f"TIMEOUT after {result.limit_s:.0f} s" if timed_out else
-               f"killed by {signal.Signals(-process.returncode).name}" if process.returncode < 0 else
-               f"exit code {process.returncode}")
+        how = (
+            f"TIMEOUT after {result.limit_s:.0f} s"
+            if timed_out
+            else f"killed by {signal.Signals(-process.returncode).name}"
+            if process.returncode < 0
+            else f"exit code {process.returncode}"
+        )
         result.status = "TIMEOUT" if timed_out else "CRASHED"
-        result.failure = {"error": how + (f" (rows so far: {len(result.rows)})" if result.rows else ""),
-                          **first_failing_call(stack_frames(stacks))}
+        result.failure = {
+            "error": how + (f" (rows so far: {len(result.rows)})" if result.rows else ""),
+            **first_failing_call(stack_frames(stacks)),
+        }
         print(stacks, flush=True)
     elif any(row[1] == "ERROR" for row in result.rows):
         result.status = "ERROR"
@@ -284,7 +319,10 @@ def run_one(result: Result, scratch: Path, summary: Path, quick: bool) -> None:
         result.status = "FAILED"
     else:
         result.status = "ok"
-    print(f"---- {section.name}: {result.status} in {result.seconds:.1f} s {describe(result.failure)}", flush=True)
+    print(
+        f"---- {section.name}: {result.status} in {result.seconds:.1f} s {describe(result.failure)}",
+        flush=True,
+    )
 
 
 def _kill_group(pid: int) -> None:
@@ -316,7 +354,12 @@ def advice(results: list[Result]) -> str:
 
 
 def summary_text(results: list[Result], title: str) -> str:
-    lines = [title, "engine: " + advice(results), "", f"{'section':16s} {'status':>22s} {'seconds':>8s} {'limit':>6s}"]
+    lines = [
+        title,
+        "engine: " + advice(results),
+        "",
+        f"{'section':16s} {'status':>22s} {'seconds':>8s} {'limit':>6s}",
+    ]
     for r in results:
         lines.append(f"{r.section.name:16s} {r.status:>22s} {r.seconds:8.1f} {r.limit_s:6.0f}")
         if r.failure:
@@ -330,9 +373,29 @@ def summary_text(results: list[Result], title: str) -> str:
 
 def write_summary(out: Path, results: list[Result], title: str) -> None:
     write_atomically(out / "summary.txt", summary_text(results, title) + "\n")
-    write_atomically(out / "summary.json", json.dumps({"title": title, "engine": advice(results), "sections": [
-        {"name": r.section.name, "stage": r.section.stage, "status": r.status, "seconds": round(r.seconds, 2),
-         "limit_s": r.limit_s, "failure": r.failure, "rows": r.rows, "data": r.data} for r in results]}, indent=1))
+    write_atomically(
+        out / "summary.json",
+        json.dumps(
+            {
+                "title": title,
+                "engine": advice(results),
+                "sections": [
+                    {
+                        "name": r.section.name,
+                        "stage": r.section.stage,
+                        "status": r.status,
+                        "seconds": round(r.seconds, 2),
+                        "limit_s": r.limit_s,
+                        "failure": r.failure,
+                        "rows": r.rows,
+                        "data": r.data,
+                    }
+                    for r in results
+                ],
+            },
+            indent=1,
+        ),
+    )
 
 
 def write_atomically(path: Path, text: str) -> None:

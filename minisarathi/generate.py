@@ -1,13 +1,19 @@
 """`minisarathi generate`: one prompt generated offline, its text streamed to the terminal."""
+
 from __future__ import annotations
 
 import argparse
 import functools
 import sys
 
-from minisarathi.cli_args import (add_engine_arguments, add_sampling_arguments, check_engine_arguments,
-                                  check_sampling_arguments, engine_options_from_args,
-                                  sampling_options_from_args)
+from minisarathi.cli_args import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    check_engine_arguments,
+    check_sampling_arguments,
+    engine_options_from_args,
+    sampling_options_from_args,
+)
 from minisarathi.sampling_params import SamplingParams
 
 DESCRIPTION = """Generate a continuation of PROMPT offline and stream it to the terminal, after the prompt
@@ -30,7 +36,7 @@ def check_generate_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from minisarathi.engine.engine import LLMEngine   # the model code loads only for the command that runs it
+    from minisarathi.engine.engine import LLMEngine  # the model code loads only for the command that runs it
 
     params = SamplingParams(**sampling_options_from_args(args))
     engine = LLMEngine(**engine_options_from_args(args))

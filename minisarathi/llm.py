@@ -1,4 +1,5 @@
 """Offline generation, vLLM style: LLM(model).generate(prompts, sampling_params) over an LLMEngine."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,14 +17,21 @@ class LLM:
         self.engine = LLMEngine(model, **options)
         self._request_ids = itertools.count()
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: int | list[int] = 0) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: int | list[int] = 0,
+    ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in prompt order. Every prompt is checked before any runs.
         priority: one for all prompts or one per prompt; lower runs first."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(type(t) is int or isinstance(t, Integral) for t in prompts)):
-            prompts = [prompts]      # one prompt: a text or a list of token ids
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list)
+            and prompts
+            and all(type(t) is int or isinstance(t, Integral) for t in prompts)
+        ):
+            prompts = [prompts]  # one prompt: a text or a list of token ids
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a str, a list of token ids, or a list of those")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -34,9 +42,12 @@ class LLM:
             priority = [priority] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
-        seqs = [self.engine.prepare_request(str(next(self._request_ids)), prompt, params, stream=False,
-                                            priority=p)
-                for prompt, params, p in zip(prompts, sampling_params, priority)]
+        seqs = [
+            self.engine.prepare_request(
+                str(next(self._request_ids)), prompt, params, stream=False, priority=p
+            )
+            for prompt, params, p in zip(prompts, sampling_params, priority)
+        ]
         for seq in seqs:
             self.engine.add_sequence(seq)
         finished = {}
@@ -54,7 +65,7 @@ class LLM:
 
 def _progress_bar(total: int):
     try:
-        from tqdm import tqdm    # optional: not a dependency
+        from tqdm import tqdm  # optional: not a dependency
     except ImportError:
         return None
     return tqdm(total=total, desc="Generating", unit="req")

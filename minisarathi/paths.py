@@ -1,4 +1,5 @@
 """Where the kernel sources and the bundled model are, in a source checkout and in an installed wheel."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -17,6 +17,7 @@ Per row, in vLLM's order:
 
 Logprobs are the log-softmax of the raw logits, before penalties and temperature (vLLM's "raw_logprobs").
 """
+
 from __future__ import annotations
 
 import operator
@@ -29,7 +30,7 @@ import numpy as np
 from minisarathi.backends.cpu import native_sampling
 from minisarathi.sampling_params import SamplingParams
 
-_NUCLEUS_CANDIDATES = 1024   # most likely tokens searched for the top-p nucleus before a full sort
+_NUCLEUS_CANDIDATES = 1024  # most likely tokens searched for the top-p nucleus before a full sort
 
 
 def make_generator(seed: int) -> np.random.Generator:
@@ -40,8 +41,10 @@ def make_generator(seed: int) -> np.random.Generator:
 # The rule shared with the CUDA backend's GpuSampler (minisarathi/backends/gpu_sampling.py), which must pick
 # the same tokens: which ids are masked, which rows are penalized, and the order of the uniform draws.
 
-def stop_token_indexes(params: list[SamplingParams], output_ids: list[list[int]],
-                       eos_token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+
+def stop_token_indexes(
+    params: list[SamplingParams], output_ids: list[list[int]], eos_token_ids: np.ndarray, vocab_size: int
+) -> np.ndarray:
     """int64[M] flat indexes row * vocab_size + id of the ids each row may not sample yet: its stop ids and
     (unless ignore_eos) the EOS ids (int64[E]), while fewer than min_tokens tokens are out. Ids beyond the
     vocabulary are left out: they can never be sampled. Built from each request's stop_token_array with seven
@@ -52,8 +55,9 @@ def stop_token_indexes(params: list[SamplingParams], output_ids: list[list[int]]
     stops = [params[i].stop_token_array for i in rows]
     eos_rows = [i for i in rows if not params[i].ignore_eos]
     ids = np.concatenate([*stops, *[eos_token_ids] * len(eos_rows)])
-    row_of = np.repeat(np.array(rows + eos_rows, np.int64),
-                       [len(s) for s in stops] + [len(eos_token_ids)] * len(eos_rows))
+    row_of = np.repeat(
+        np.array(rows + eos_rows, np.int64), [len(s) for s in stops] + [len(eos_token_ids)] * len(eos_rows)
+    )
     return (row_of * vocab_size + ids)[ids < vocab_size]
 
 
@@ -85,7 +89,7 @@ def draw_uniforms(rng: np.random.Generator, generators: list[np.random.Generator
 
 @dataclass
 class SamplerOutput:
-    token_ids: np.ndarray                              # int64[N]
+    token_ids: np.ndarray  # int64[N]
     # Per row when params.logprobs is not None: [(sampled id, logprob), then the top k (id, logprob) in
     # rank order]; None otherwise.
     logprobs: list[list[tuple[int, float]] | None]
@@ -97,18 +101,22 @@ class SamplerOutput:
 class PendingSample:
     """Sampling issued on the backend, not waited for: the engine's next forward reads `token_ids` where they
     were computed (so the host need not know them to launch it), and result() waits for them on the host."""
-    token_ids: Any                          # int32 or int64[N], on the backend's device
-    result: Callable[[], SamplerOutput]     # waits for the ids (and logprobs) sampled, not for later work
+
+    token_ids: Any  # int32 or int64[N], on the backend's device
+    result: Callable[[], SamplerOutput]  # waits for the ids (and logprobs) sampled, not for later work
 
 
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size
-        self._eos_array = np.array(eos_token_ids, np.int64)   # int64[E]: masked while min_tokens is not reached
+        self._eos_array = np.array(
+            eos_token_ids, np.int64
+        )  # int64[E]: masked while min_tokens is not reached
         self._eos_set = frozenset(eos_token_ids)
-        self._rng = make_generator(seed)             # for the rows without a seed of their own
+        self._rng = make_generator(seed)  # for the rows without a seed of their own
         # The last step's stop/EOS mask and what it was made for: (params, which rows were under min_tokens,
-        # flat indexes). A steady batch keeps it from step to step; the params are held, so ids are not reused.
+        # flat indexes). A steady batch keeps it from step to step; the params are held, so ids are not
+        # reused.
         self._stop_mask: tuple[list[SamplingParams], list[bool], np.ndarray] = ([], [], np.empty(0, np.int64))
         # Tokens per block of the inverse CDF: the largest power of two dividing V and at most sqrt(V).
         self._cdf_block = 1
@@ -117,9 +125,14 @@ class Sampler:
         # _inverse_cdf in one native call where it can be built: the same tokens, bit for bit, in a few us
         self._draw = native_sampling.kernel(vocab_size, self._cdf_block) or self._inverse_cdf
 
-    def sample(self, logits: np.ndarray, params: list[SamplingParams],
-               generators: list[np.random.Generator | None],
-               prompt_ids: list[list[int]], output_ids: list[list[int]]) -> SamplerOutput:
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: list[SamplingParams],
+        generators: list[np.random.Generator | None],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> SamplerOutput:
         """Row i of `logits` (float32[N, vocab]) belongs to the request with params[i], generators[i]
         (its make_generator(seed) generator, or None), prompt_ids[i] and output_ids[i] (tokens so far)."""
         n = len(params)
@@ -129,7 +142,9 @@ class Sampler:
             raise ValueError("generators, prompt_ids and output_ids must have one entry per row of logits")
         # Fast path, the common case of a benchmark or a greedy batch: every row greedy, nothing to penalize,
         # bias or report, so the steps below reduce to argmax with the min_tokens mask; one pass decides it.
-        if not any(p.temperature or p.logprobs is not None or is_penalized(p) or p.logit_bias for p in params):
+        if not any(
+            p.temperature or p.logprobs is not None or is_penalized(p) or p.logit_bias for p in params
+        ):
             return SamplerOutput(self._greedy(logits, params, output_ids), [None] * n, [None] * n)
         x = self._mask_stop_tokens(logits, params, output_ids)
         if any(p.logit_bias for p in params):
@@ -145,44 +160,60 @@ class Sampler:
         else:
             token_ids = x.argmax(axis=1)
             if rows:
-                token_ids[rows] = self._sample_random(x[rows], [params[i] for i in rows],
-                                                      [generators[i] for i in rows])
+                token_ids[rows] = self._sample_random(
+                    x[rows], [params[i] for i in rows], [generators[i] for i in rows]
+                )
         return self._with_logprobs(logits, params, token_ids)
 
-    def launch(self, logits: np.ndarray, params: list[SamplingParams],
-               generators: list[np.random.Generator | None],
-               prompt_ids: list[list[int]], output_ids: list[list[int]]) -> PendingSample:
+    def launch(
+        self,
+        logits: np.ndarray,
+        params: list[SamplingParams],
+        generators: list[np.random.Generator | None],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> PendingSample:
         """sample(), for the engine's step pipeline: on the host it is done when issued."""
         out = self.sample(logits, params, generators, prompt_ids, output_ids)
         return PendingSample(out.token_ids, lambda: out)
 
     def _greedy(self, logits, params, output_ids) -> np.ndarray:
-        """int64[N]: each row's argmax once its stop and EOS ids are masked until min_tokens. Masking only lowers
-        those ids, so a row's plain argmax stands unless it is one of them: only such rows are masked and
-        searched again. Masking every row under min_tokens cost 25-30 us a step beside 8 such requests (8% of
-        a bundled-model step); most steps now copy nothing."""
+        """int64[N]: each row's argmax once its stop and EOS ids are masked until min_tokens. Masking only
+        lowers those ids, so a row's plain argmax stands unless it is one of them: only such rows are masked
+        and searched again. Masking every row under min_tokens cost 25-30 us a step beside 8 such requests (8%
+        of a bundled-model step); most steps now copy nothing."""
         token_ids = logits.argmax(axis=1)
         waiting = [i for i, (p, out) in enumerate(zip(params, output_ids)) if len(out) < p.min_tokens]
         if waiting:
             ids, eos = token_ids.tolist(), self._eos_set
-            redo = [i for i in waiting if ids[i] in params[i].stop_token_set
-                    or (ids[i] in eos and not params[i].ignore_eos)]
+            redo = [
+                i
+                for i in waiting
+                if ids[i] in params[i].stop_token_set or (ids[i] in eos and not params[i].ignore_eos)
+            ]
             if redo:
-                x = np.ascontiguousarray(logits[redo])                       # float32[R, V]
-                x.reshape(-1)[stop_token_indexes([params[i] for i in redo], [output_ids[i] for i in redo],
-                                                 self._eos_array, self.vocab_size)] = -np.inf
+                x = np.ascontiguousarray(logits[redo])  # float32[R, V]
+                x.reshape(-1)[
+                    stop_token_indexes(
+                        [params[i] for i in redo],
+                        [output_ids[i] for i in redo],
+                        self._eos_array,
+                        self.vocab_size,
+                    )
+                ] = -np.inf
                 token_ids[redo] = x.argmax(axis=1)
         return token_ids
 
     def _mask_stop_tokens(self, logits, params, output_ids):
         """logits with each row's stop and EOS ids at -inf while it is under min_tokens (a copy), or logits.
         The flat indexes are the last step's where the same params are under min_tokens in the same rows (the
-        same requests, still in their first min_tokens tokens: ~1.5 us to tell, ~7 us to rebuild at 8 rows)."""
+        same requests, still in their first min_tokens tokens: ~1.5 us to tell, ~7 us to rebuild at 8
+        rows)."""
         waiting = [len(out) < p.min_tokens for p, out in zip(params, output_ids)]
         last_params, last_waiting, flat = self._stop_mask
         if waiting != last_waiting or not all(map(operator.is_, params, last_params)):
             flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
-            self._stop_mask = list(params), waiting, flat   # (a copy: the caller may reuse its list)
+            self._stop_mask = list(params), waiting, flat  # (a copy: the caller may reuse its list)
         if not flat.size:
             return logits
         x = logits.copy()
@@ -193,13 +224,13 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if is_penalized(p)]
         if not rows:
             return x
-        repetition = np.array([[params[i].repetition_penalty] for i in rows], np.float32)    # [R, 1]
+        repetition = np.array([[params[i].repetition_penalty] for i in rows], np.float32)  # [R, 1]
         frequency = np.array([[params[i].frequency_penalty] for i in rows], np.float32)
         presence = np.array([[params[i].presence_penalty] for i in rows], np.float32)
-        counts = self._token_counts([output_ids[i] for i in rows])           # int64[R, V]
+        counts = self._token_counts([output_ids[i] for i in rows])  # int64[R, V]
         in_output = counts > 0
         seen = in_output | (self._token_counts([prompt_ids[i] for i in rows]) > 0)
-        sub = x[rows]                                                        # float32[R, V]
+        sub = x[rows]  # float32[R, V]
         sub = np.where(seen, np.where(sub > 0, sub / repetition, sub * repetition), sub)
         sub = sub - frequency * counts - presence * in_output
         x = x.copy()
@@ -217,8 +248,8 @@ class Sampler:
         x = x.astype(np.float32, copy=False)
         # Unnormalized probabilities scaled so the top one is 1: min-p compares against min_p directly.
         # Shifting before dividing keeps a tiny temperature from overflowing.
-        probs = x - x.max(axis=1, keepdims=True)                             # float32[R, V]
-        if any(p.temperature != 1 for p in params):   # (dividing by 1 changes no number: spared)
+        probs = x - x.max(axis=1, keepdims=True)  # float32[R, V]
+        if any(p.temperature != 1 for p in params):  # (dividing by 1 changes no number: spared)
             probs /= np.array([p.temperature for p in params], np.float32)[:, None]
         np.exp(probs, out=probs)
         if any(p.min_p for p in params):
@@ -237,13 +268,13 @@ class Sampler:
         token of probability 0. Done in two levels, blocks of tokens then the tokens of one block, so the
         float64 running sums (the costly part) cover about 2 sqrt(V) values per row instead of V."""
         rows, size = len(probs), self._cdf_block
-        blocks = probs.reshape(rows, -1, size)                                # float32[R, V / B, B]
-        block_cdf = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)   # float64[R, V / B]
-        target = u * block_cdf[:, -1]        # below the row's mass even after rounding, as u < 1
-        block = (block_cdf <= target[:, None]).sum(axis=1)                   # the first block passing it
+        blocks = probs.reshape(rows, -1, size)  # float32[R, V / B, B]
+        block_cdf = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)  # float64[R, V / B]
+        target = u * block_cdf[:, -1]  # below the row's mass even after rounding, as u < 1
+        block = (block_cdf <= target[:, None]).sum(axis=1)  # the first block passing it
         r = np.arange(rows)
         before = np.where(block > 0, block_cdf[r, block - 1], 0.0)
-        inside = blocks[r, block]                                             # float32[R, B]
+        inside = blocks[r, block]  # float32[R, B]
         cdf = before[:, None] + np.cumsum(inside, axis=1, dtype=np.float64)
         token = (cdf <= target[:, None]).sum(axis=1)
         # This running sum can round below the block's sum: then take the block's last kept token.
@@ -259,20 +290,21 @@ class Sampler:
         undecided = np.flatnonzero(~decided)
         if undecided.size:
             kept[undecided], _ = self._cut_among_top(
-                probs[undecided], top_k[undecided], top_p[undecided], self.vocab_size)
+                probs[undecided], top_k[undecided], top_p[undecided], self.vocab_size
+            )
         return kept
 
     def _cut_among_top(self, probs, top_k, top_p, m):
         """The top-k/top-p cut decided among the m most likely tokens of each row, and whether it could be:
         the top k must lie within them, and (without top-k) the nucleus mass must be reached within them."""
         if m < self.vocab_size:
-            ids = np.argpartition(-probs, m - 1, axis=1)[:, :m]              # int64[R, m], unordered
+            ids = np.argpartition(-probs, m - 1, axis=1)[:, :m]  # int64[R, m], unordered
         else:
             ids = np.broadcast_to(np.arange(self.vocab_size), probs.shape)
         top = np.take_along_axis(probs, ids, axis=1)
-        order = np.argsort(-top, axis=1)                                     # most likely first
+        order = np.argsort(-top, axis=1)  # most likely first
         ids = np.take_along_axis(ids, order, axis=1)
-        top = np.take_along_axis(top, order, axis=1).astype(np.float64)      # float64[R, m]
+        top = np.take_along_axis(top, order, axis=1).astype(np.float64)  # float64[R, m]
         top[np.arange(m) >= top_k[:, None]] = 0
         cdf = np.cumsum(top, axis=1)
         # Top-p renormalizes within the top k; without top-k that is the whole row's mass.
@@ -291,7 +323,7 @@ class Sampler:
         logprobs, ranks = [None] * n, [None] * n
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if rows:
-            raw = logits[rows].astype(np.float32, copy=False)               # float32[R, V]
+            raw = logits[rows].astype(np.float32, copy=False)  # float32[R, V]
             top_raw = raw.max(axis=1)
             # log-softmax = raw - logsumexp(raw), the sum in float64
             lse = top_raw + np.log(np.exp(raw - top_raw[:, None]).sum(axis=1, dtype=np.float64))
@@ -302,10 +334,13 @@ class Sampler:
             top = np.argpartition(-raw, k - 1, axis=1)[:, :k] if k else np.empty((len(rows), 0), np.int64)
             # rank order; equal logits by lowest id
             top = np.sort(top, axis=1)
-            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(raw, top, axis=1), axis=1,
-                                                     kind="stable"), axis=1)
+            top = np.take_along_axis(
+                top, np.argsort(-np.take_along_axis(raw, top, axis=1), axis=1, kind="stable"), axis=1
+            )
             for j, i in enumerate(rows):
-                logprobs[i] = [(int(t), float(raw[j, t]) - float(lse[j]))
-                               for t in (sampled[j], *top[j, :params[i].logprobs])]
+                logprobs[i] = [
+                    (int(t), float(raw[j, t]) - float(lse[j]))
+                    for t in (sampled[j], *top[j, : params[i].logprobs])
+                ]
                 ranks[i] = int(row_ranks[j])
         return SamplerOutput(token_ids, logprobs, ranks)

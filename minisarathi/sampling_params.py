@@ -1,4 +1,5 @@
 """Per-request sampling settings (vLLM's names), validated when built so a bad request fails alone."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,19 +20,19 @@ class SamplingParams:
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                    # 0 or -1: no top-k cut
+    top_k: int = 0  # 0 or -1: no top-k cut
     min_p: float = 0.0
-    repetition_penalty: float = 1.0   # > 1 discourages tokens seen in the prompt or output (CTRL-style)
-    presence_penalty: float = 0.0     # subtracted once from tokens already in the output
-    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output (CTRL-style)
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None       # k: return the sampled token's logprob plus the top k
+    logprobs: int | None = None  # k: return the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
-    detokenize: bool = True           # False: no text (and no stop strings), token ids only; saves CPU per token
-    logit_bias: dict[int, float] | None = None   # added to these token ids' logits (OpenAI's; in [-100, 100])
+    detokenize: bool = True  # False: no text (and no stop strings), token ids only; saves CPU per token
+    logit_bias: dict[int, float] | None = None  # added to these token ids' logits (OpenAI's; in [-100, 100])
 
     def __post_init__(self):
         if self.stop is None:
@@ -52,7 +53,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         check_float("temperature", self.temperature)
         if self.temperature < 0 or 0 < self.temperature < _FLOAT32_TINY:
-            raise ValueError(f"temperature must be 0 or a float32 number >= {_FLOAT32_TINY:.3g}, got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 or a float32 number >= {_FLOAT32_TINY:.3g}, got {self.temperature}"
+            )
         check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -64,8 +67,10 @@ class SamplingParams:
         # The sampler divides and multiplies float32 logits by it: it and its reciprocal must be finite
         # float32 numbers (1e-300 is 0 in float32, and a logit divided by it is inf).
         if not _FLOAT32_TINY <= self.repetition_penalty <= 1 / _FLOAT32_TINY:
-            raise ValueError(f"repetition_penalty must be in [{_FLOAT32_TINY:.3g}, {1 / _FLOAT32_TINY:.3g}] "
-                             f"(float32), got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be in [{_FLOAT32_TINY:.3g}, {1 / _FLOAT32_TINY:.3g}] "
+                f"(float32), got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             check_float(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:
@@ -75,15 +80,15 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         ids = self.stop_token_ids
-        # checked at C speed when all is well (64 ids one by one were a third of validating a request); item by item
-        # only to name the first bad one
+        # checked at C speed when all is well (64 ids one by one were a third of validating a request); item
+        # by item only to name the first bad one
         if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > 2**63 - 1):
             for t in ids:
-                check_int("stop_token_ids", t, lo=0, hi=2**63 - 1)   # int64 below
+                check_int("stop_token_ids", t, lo=0, hi=2**63 - 1)  # int64 below
         # Made once per request (not fields: the doors take fields from clients). int64[S]: the sampler masks
         # these ids until min_tokens, for the whole batch in one assignment.
         self.stop_token_array = np.array(self.stop_token_ids, np.int64)
-        self.stop_token_set = frozenset(self.stop_token_ids)   # checked per token (a list: up to 64 compares)
+        self.stop_token_set = frozenset(self.stop_token_ids)  # checked per token (a list: up to 64 compares)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=20)
         for name in ("ignore_eos", "skip_special_tokens", "detokenize"):
@@ -113,4 +118,3 @@ def _logit_bias(bias) -> dict[int, float] | None:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         result[token] = float(value)
     return result or None
-

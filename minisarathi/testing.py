@@ -1,5 +1,6 @@
-"""Batches built by hand and the checks on them, for tests and benchmark scripts that drive the model without the
-engine."""
+"""Batches built by hand and the checks on them, for tests and benchmark scripts that drive the model without
+the engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,29 +13,38 @@ from minisarathi.batch import Batch, make_batch
 @dataclass
 class ScheduledChunk:
     """One sequence's share of a step: `token_ids` at positions start_pos.. over its block table."""
+
     token_ids: list[int]
-    start_pos: int              # tokens of this sequence already in the cache
-    block_table: list[int]      # must cover start_pos + len(token_ids) tokens
-    sample: bool                # whether this chunk ends where a token is sampled
+    start_pos: int  # tokens of this sequence already in the cache
+    block_table: list[int]  # must cover start_pos + len(token_ids) tokens
+    sample: bool  # whether this chunk ends where a token is sampled
 
 
 def build_batch(chunks: list[ScheduledChunk], block_size: int) -> Batch:
     width = max((len(c.block_table) for c in chunks), default=0)
     block_tables = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
     for s, c in enumerate(chunks):
-        block_tables[s, :len(c.block_table)] = c.block_table
-    return make_batch([t for c in chunks for t in c.token_ids], [c.start_pos for c in chunks],
-                      [len(c.token_ids) for c in chunks], block_tables, [c.sample for c in chunks], block_size)
+        block_tables[s, : len(c.block_table)] = c.block_table
+    return make_batch(
+        [t for c in chunks for t in c.token_ids],
+        [c.start_pos for c in chunks],
+        [len(c.token_ids) for c in chunks],
+        block_tables,
+        [c.sample for c in chunks],
+        block_size,
+    )
 
 
-def scattered_batch(rng: np.random.Generator, runs: list[tuple[int, int]], block_size: int) -> tuple[Batch, int]:
-    """A batch of runs (tokens already cached, new tokens) per sequence whose blocks are scattered over a shuffled
-    pool with a few spare blocks nobody uses; returns it and the pool's number of blocks."""
+def scattered_batch(
+    rng: np.random.Generator, runs: list[tuple[int, int]], block_size: int
+) -> tuple[Batch, int]:
+    """A batch of runs (tokens already cached, new tokens) per sequence whose blocks are scattered over a
+    shuffled pool with a few spare blocks nobody uses; returns it and the pool's number of blocks."""
     needs = [-(-(start + n) // block_size) for start, n in runs]
     pool = rng.permutation(sum(needs) + 3)
     chunks, used = [], 0
     for (start, n), need in zip(runs, needs):
-        chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used:used + need]], True))
+        chunks.append(ScheduledChunk(list(range(n)), start, [int(b) for b in pool[used : used + need]], True))
         used += need
     return build_batch(chunks, block_size), len(pool)
 
@@ -51,13 +61,19 @@ def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=Non
     chunk_size = chunk_size or len(prompt)
     table = list(range(-(-(len(prompt) + new_tokens) // block_size)))
     cache = model.new_kv_cache(len(table), block_size)
-    logits = np.concatenate([forward_rows(model, cache, ScheduledChunk(prompt[i:i + chunk_size], i, table, True),
-                                          block_size) for i in range(0, len(prompt), chunk_size)])
+    logits = np.concatenate(
+        [
+            forward_rows(model, cache, ScheduledChunk(prompt[i : i + chunk_size], i, table, True), block_size)
+            for i in range(0, len(prompt), chunk_size)
+        ]
+    )
     ids = list(prompt) + [int(logits[-1].argmax())]
     while len(ids) < len(prompt) + new_tokens:
-        step = model.forward(build_batch([ScheduledChunk(ids[-1:], len(ids) - 1, table, True)], block_size), cache)
+        step = model.forward(
+            build_batch([ScheduledChunk(ids[-1:], len(ids) - 1, table, True)], block_size), cache
+        )
         ids.append(int(step[0].argmax()))
-    return logits, ids[len(prompt):]
+    return logits, ids[len(prompt) :]
 
 
 def relative_error(got, want) -> float:

@@ -5,6 +5,7 @@ Text rule: the text of a completion is the decoded generated ids *as a continuat
 gives ", there" (the decoder's strip of one leading space applies to the prompt, not to the completion),
 cut before the stop string completed first. It is streamed in pieces that never split a UTF-8 character.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,12 +20,12 @@ from minisarathi.config import read_json_object
 # Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
 # token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
 STREAM_CONTEXT = 8
-_INVALID_PREFIX = "Invalid prefix"   # DecodeStream's error when new bytes rewrite already released text
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
+_INVALID_PREFIX = "Invalid prefix"  # DecodeStream's error when new bytes rewrite already released text
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 # Inputs up to these sizes are (de)tokenized holding the GIL (~80 us at most on the bundled tokenizer), longer
-# ones with it released (Tokenizer._encode). Encoding costs by UTF-8 byte, not by character: 512 ASCII characters
-# take 63-81 us, 512 CJK characters 309 us and 512 emoji 537 us (4 bytes each, byte-fallback tokens), 64 of them
-# 56 us; so text with any non-ASCII character holds the GIL only up to the smaller count.
+# ones with it released (Tokenizer._encode). Encoding costs by UTF-8 byte, not by character: 512 ASCII
+# characters take 63-81 us, 512 CJK characters 309 us and 512 emoji 537 us (4 bytes each, byte-fallback
+# tokens), 64 of them 56 us; so text with any non-ASCII character holds the GIL only up to the smaller count.
 GIL_HOLDING_MAX_CHARS = 512
 GIL_HOLDING_MAX_NON_ASCII_CHARS = 64
 GIL_HOLDING_MAX_IDS = 256
@@ -34,7 +35,15 @@ def _read_json(path: Path) -> dict:
     return read_json_object(path) if path.is_file() else {}
 
 
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def special_tokens(path: Path) -> dict[str, str]:
@@ -53,15 +62,21 @@ def special_tokens(path: Path) -> dict[str, str]:
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
-                 add_bos_token: bool | None, appended_eos_id: int | None):
-        self.hf = tokenizer                   # the tokenizers.Tokenizer underneath
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        add_bos_token: bool | None,
+        appended_eos_id: int | None,
+    ):
+        self.hf = tokenizer  # the tokenizers.Tokenizer underneath
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # None: the tokenizer.json post-processor decides; a bool overrides it (transformers does the same).
         self._add_bos = add_bos_token
-        self._appended_eos = appended_eos_id   # tokenizer_config's add_eos_token (rare)
+        self._appended_eos = appended_eos_id  # tokenizer_config's add_eos_token (rare)
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
@@ -72,7 +87,7 @@ class Tokenizer:
             raise ValueError(f"path: no tokenizer.json in {path}")
         try:
             tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:   # tokenizers raises plain Exception for a malformed file
+        except Exception as e:  # tokenizers raises plain Exception for a malformed file
             raise ValueError(f"{path / 'tokenizer.json'}: cannot be loaded ({e})") from None
         tok_config = _read_json(path / "tokenizer_config.json")
         model_config = _read_json(path / "config.json")
@@ -94,8 +109,13 @@ class Tokenizer:
         eos_ids = [token_id("eos_token"), *(eos if isinstance(eos, list) else [eos])]
         eos_ids = tuple(dict.fromkeys(t for t in eos_ids if t is not None))
         add_bos = tok_config.get("add_bos_token")
-        return cls(tokenizer, bos, eos_ids, add_bos if isinstance(add_bos, bool) else None,
-                   token_id("eos_token") if tok_config.get("add_eos_token") is True else None)
+        return cls(
+            tokenizer,
+            bos,
+            eos_ids,
+            add_bos if isinstance(add_bos, bool) else None,
+            token_id("eos_token") if tok_config.get("add_eos_token") is True else None,
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` with the special tokens the model expects (BOS for Llama: "" -> [bos]);
@@ -115,10 +135,10 @@ class Tokenizer:
 
     # Long inputs go through the batch forms, which release the GIL while they work: encode() and decode() of
     # `tokenizers` hold it for the whole call (a 256 KiB text: ~150 ms), which stalled the server's event loop
-    # and engine thread even when the call ran on a worker thread. Short ones (a prompt, a stream's seed) do not:
-    # a batch call hands its one input to a pool thread and the caller takes the GIL back afterwards, ~30-70 us
-    # of two threads' wake-ups on a busy 2-core server for a 3 us encode, and the GIL's hand-back waits on the
-    # engine thread's step (docs/reliability.md, "Stop lists"). Same results either way.
+    # and engine thread even when the call ran on a worker thread. Short ones (a prompt, a stream's seed) do
+    # not: a batch call hands its one input to a pool thread and the caller takes the GIL back afterwards,
+    # ~30-70 us of two threads' wake-ups on a busy 2-core server for a 3 us encode, and the GIL's hand-back
+    # waits on the engine thread's step (docs/reliability.md, "Stop lists"). Same results either way.
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= (GIL_HOLDING_MAX_CHARS if text.isascii() else GIL_HOLDING_MAX_NON_ASCII_CHARS):
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
@@ -179,8 +199,14 @@ class IncrementalDetokenizer:
     vLLM does; and the bytes of a character left unfinished when the generation ends are dropped.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True, min_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = list(stop or [])
@@ -188,17 +214,18 @@ class IncrementalDetokenizer:
         # the text that could hold their start are searched, so the work per token follows that text's length,
         # not the number of stops (16 stops searched one by one were 15% of a 33-request step).
         self._stops_by_first: dict[str, list[str]] = {}
-        for s in sorted(self._stops):   # sorted: the stops a text is a proper prefix of follow it (bisect)
+        for s in sorted(self._stops):  # sorted: the stops a text is a proper prefix of follow it (bisect)
             self._stops_by_first.setdefault(s[0], []).append(s)
         self._longest_stop = max(map(len, self._stops), default=0)
         self._shortest_stop = min(map(len, self._stops), default=0)
-        self._unchecked_tokens = min_tokens   # tokens still to come whose text cannot end a stop string
-        self._stream = DecodeStream(tokenizer.stream_context(prompt_ids, skip_special_tokens),
-                                    skip_special_tokens=skip_special_tokens)
-        self._held = ""                      # decoded text not yet released: it may start a stop string
-        self.text = ""                       # all text released so far
-        self.stop_hit: str | None = None     # the stop string that ended the text, once one has
-        self.last_piece = ""                 # the text the last token added, before any stop-string cut
+        self._unchecked_tokens = min_tokens  # tokens still to come whose text cannot end a stop string
+        self._stream = DecodeStream(
+            tokenizer.stream_context(prompt_ids, skip_special_tokens), skip_special_tokens=skip_special_tokens
+        )
+        self._held = ""  # decoded text not yet released: it may start a stop string
+        self.text = ""  # all text released so far
+        self.stop_hit: str | None = None  # the stop string that ended the text, once one has
+        self.last_piece = ""  # the text the last token added, before any stop-string cut
 
     def _step(self, token_id: int) -> str:
         try:
@@ -223,11 +250,14 @@ class IncrementalDetokenizer:
         hits = []
         if self._unchecked_tokens > 0:
             self._unchecked_tokens -= 1
-        elif len(pending) >= self._shortest_stop:   # a stop is found within pending: the text before is out
+        elif len(pending) >= self._shortest_stop:  # a stop is found within pending: the text before is out
             old = len(self._held)
-            stops = self._stops_starting_in(pending[max(0, old - self._longest_stop + 1):])
-            hits = [(start + len(s), start, s) for s in stops
-                    if (start := pending.find(s, max(0, old - len(s) + 1))) >= 0]
+            stops = self._stops_starting_in(pending[max(0, old - self._longest_stop + 1) :])
+            hits = [
+                (start + len(s), start, s)
+                for s in stops
+                if (start := pending.find(s, max(0, old - len(s) + 1))) >= 0
+            ]
         if hits:
             _, start, self.stop_hit = min(hits)
             self._held = ""
@@ -244,11 +274,11 @@ class IncrementalDetokenizer:
     def _stop_prefix_start(self, text: str) -> int:
         """Where the longest tail of `text` that is a proper prefix of a stop string starts (len if none)."""
         start = len(text)
-        begin = max(0, start - self._longest_stop + 1)   # a longer tail is a prefix of no stop
+        begin = max(0, start - self._longest_stop + 1)  # a longer tail is a prefix of no stop
         firsts = self._stops_by_first.keys()
-        if len(firsts) > start - begin:   # more first characters than the tail has: only the tail's
+        if len(firsts) > start - begin:  # more first characters than the tail has: only the tail's
             firsts = firsts & set(text[begin:])
-        for first in firsts:   # (a find per first character is cheaper than a set of the tail's)
+        for first in firsts:  # (a find per first character is cheaper than a set of the tail's)
             # Each place of the first character is looked up once among the stops starting with it: maximal
             # lists whose stops all start with a common character (" ") were searched stop by stop.
             stops = self._stops_by_first[first]

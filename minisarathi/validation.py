@@ -1,11 +1,12 @@
 """Checks of user-given numbers, with one wording for every error: the field's name, the rule, the value."""
+
 from __future__ import annotations
 
 import math
 
 # a request's priority: a 32-bit int, as vLLM's and the doors' wire types (a bigger one would overflow the
 # scheduler's float queue key)
-PRIORITY_RANGE = (-2**31, 2**31 - 1)
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:

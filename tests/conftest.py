@@ -1,5 +1,7 @@
-"""Fixtures shared by test modules, and the two tiers: every test under tests/system is marked `system` (servers,
-subprocesses, compilers, the CUDA emulator), so `python -m pytest -m "not system"` runs the fast tier."""
+"""Fixtures shared by test modules, and the two tiers: every test under tests/system is marked `system`
+(servers, subprocesses, compilers, the CUDA emulator), so `python -m pytest -m "not system"` runs the fast
+tier."""
+
 import os
 from pathlib import Path
 
@@ -26,7 +28,9 @@ SYSTEM_DIR = Path(__file__).parent / "system"
 
 
 def pytest_collection_modifyitems(items):
-    no_nvrtc = pytest.mark.skip(reason="NVRTC unavailable (MINISARATHI_SKIP_NVRTC=1): pip install -e \".[test-cuda]\"")
+    no_nvrtc = pytest.mark.skip(
+        reason='NVRTC unavailable (MINISARATHI_SKIP_NVRTC=1): pip install -e ".[test-cuda]"'
+    )
     for item in items:
         if SYSTEM_DIR in Path(item.path).parents:
             item.add_marker(pytest.mark.system)
@@ -43,5 +47,8 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     if os.environ.get("MINISARATHI_SKIP_NVRTC") == "1":
-        return ('NVRTC unavailable: the CUDA emulator runs without kernels\' static shared memory and register limits, '
-                'and the tests of those limits skip (pip install -e ".[test-cuda]")')
+        return (
+            "NVRTC unavailable: the CUDA emulator runs without kernels' static shared memory and register "
+            "limits, "
+            'and the tests of those limits skip (pip install -e ".[test-cuda]")'
+        )

@@ -6,6 +6,7 @@ the others are tested against), CpuOps (minisarathi/backends/cpu/ops.py, the fas
 docs/architecture.md has the same list as a table with the shapes; tests/unit/test_backends.py checks that the
 backends have every name listed here.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -14,32 +15,38 @@ import numpy as np
 
 from minisarathi.batch import Batch
 
-Array = Any   # a NumPy array on the CPU and the emulator, a CuPy array on a GPU
+Array = Any  # a NumPy array on the CPU and the emulator, a CuPy array on a GPU
 
 
 class Backend(Protocol):
-    device: str                   # "cpu", "reference", "cuda" or "cuda-emulated"
-    activation_dtype: np.dtype    # of activations and the KV cache (uint16 holds bfloat16 bits)
+    device: str  # "cpu", "reference", "cuda" or "cuda-emulated"
+    activation_dtype: np.dtype  # of activations and the KV cache (uint16 holds bfloat16 bits)
 
     # placement
     def weight(self, tensor: Any) -> Array:
         """A loader CheckpointTensor (or a float32 array) placed on the device in the activation dtype."""
+
     def linear_weight(self, placed: Array) -> Any:
         """A weight that weight() placed, in the form linear reads fastest, for the weights linear reads
         (CpuOps: packed for its packed matmul kernel where that runs; CudaOps: the array itself)."""
+
     def zeros(self, shape: tuple[int, ...]) -> Array: ...
     def upload_batch(self, batch: Batch, into: Any = None) -> Any:
-        """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it, and
-        fills the rows of input_ids that take the previous step's sampled ids there (the previous_ids of an
-        OverlapBatch, engine/overlap.py).
-        Returns the device buffer it wrote (None where the arrays already are where the backend computes);
-        into: such a buffer from an earlier batch of the same shapes, reused (a CUDA graph's static input)."""
+        """Puts a step's batch metadata on the device at once (one copy), before the forward's ops read it,
+        and fills the rows of input_ids that take the previous step's sampled ids there (the previous_ids of
+        an OverlapBatch, engine/overlap.py). Returns the device buffer it wrote (None where the arrays already
+        are where the backend computes); into: such a buffer from an earlier batch of the same shapes, reused
+        (a CUDA graph's static input)."""
+
     def constant(self, array: np.ndarray) -> Array:
         """A float32 table on the device, float32 whatever the activation dtype (config.rope_cos_sin())."""
+
     def to_numpy(self, x: Array) -> np.ndarray:
         """float32 NumPy copy (the logits' way back to the host)."""
+
     def free_memory_bytes(self) -> int | None:
         """Device memory free now, or None where the backend's arrays are host memory."""
+
     def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Any:
         """The sampler for this backend's logits (same rule on every backend; see minisarathi/sampler.py)."""
 
@@ -50,12 +57,27 @@ class Backend(Protocol):
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x[T, K] @ w[N, K].T (+ bias[N]): [T, N]. CpuOps may hand on the transposed product's F-order
         view, so CpuOps' ops take any memory layout; CudaOps returns C order, which its kernels need."""
-    def rope_store_kv(self, q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: np.ndarray,
-                      slot_mapping: np.ndarray, cos_sin: Array) -> None:
+
+    def rope_store_kv(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        k_cache: Array,
+        v_cache: Array,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        cos_sin: Array,
+    ) -> None:
         """RoPE on q in place; rotated k and v written into the cache (negative slot: not stored)."""
-    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float) -> Array: ...
+
+    def paged_attention(
+        self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float
+    ) -> Array: ...
     def silu_and_mul(self, x: Array) -> Array: ...
-    def copy_blocks(self, kv_cache: list[tuple[Array, Array]], sources: list[int], destinations: list[int]) -> None:
+    def copy_blocks(
+        self, kv_cache: list[tuple[Array, Array]], sources: list[int], destinations: list[int]
+    ) -> None:
         """KV block sources[i] copied onto block destinations[i] in every layer's k and v cache (n > 1:
         copy-on-write of a shared partial block)."""
 

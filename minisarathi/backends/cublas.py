@@ -12,15 +12,16 @@ The emulator runs this same code over its stand-in for libcublas (emulator/cubla
     gemm = CublasGemm(load_library(), workspace_address, WORKSPACE_BYTES)
     gemm.matmul_t(x, w, out, accumulate=False, stream=stream_pointer)   # out[T, N] = x[T, K] @ w[N, K].T
 """
+
 from __future__ import annotations
 
 import ctypes
 
 CUBLAS_STATUS_SUCCESS = 0
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_COMPUTE_32F = 68            # float32 accumulation for every type, as CuPy's own matmuls
+CUBLAS_COMPUTE_32F = 68  # float32 accumulation for every type, as CuPy's own matmuls
 CUBLAS_GEMM_DEFAULT = -1
-DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}   # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
+DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
 WORKSPACE_BYTES = 32 * 1024 * 1024  # the cuBLAS docs' advice for Hopper (docs/cuda.md)
 
 
@@ -32,10 +33,12 @@ def address(array) -> int:
 def load_library() -> ctypes.CDLL:
     """libcublas as CuPy loaded it (cupy-cuda12x: libcublas.so.12, cupy-cuda13x: .so.13)."""
     from cupy.cuda import runtime
+
     # The attribute access, not a plain import: CuPy 14 finds libcublas (pip or system) through
     # cuda.pathfinder in the package's __getattr__ before it imports the binding.
     from cupy_backends.cuda.libs import cublas  # noqa: F401
-    name = f"/libcublas.so.{runtime.runtimeGetVersion() // 1000}"   # the major CuPy was built for
+
+    name = f"/libcublas.so.{runtime.runtimeGetVersion() // 1000}"  # the major CuPy was built for
     with open("/proc/self/maps") as maps:
         paths = sorted({line.split()[-1] for line in maps if name in line})
     if not paths:
@@ -50,8 +53,27 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.cublasCreate_v2.argtypes = [ctypes.POINTER(void_p)]
     library.cublasSetStream_v2.argtypes = [void_p, void_p]
     library.cublasSetWorkspace_v2.argtypes = [void_p, void_p, ctypes.c_size_t]
-    library.cublasGemmEx.argtypes = [void_p, c_int, c_int, c_int, c_int, c_int, void_p, void_p, c_int, c_int,
-                                     void_p, c_int, c_int, void_p, void_p, c_int, c_int, c_int, c_int]
+    library.cublasGemmEx.argtypes = [
+        void_p,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        void_p,
+        void_p,
+        c_int,
+        c_int,
+        void_p,
+        c_int,
+        c_int,
+        void_p,
+        void_p,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+    ]
     for function in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGemmEx"):
         getattr(library, function).restype = c_int
     return library
@@ -77,8 +99,12 @@ class CublasGemm:
     def _bind(self, stream: int) -> None:
         if stream != self.stream:
             _check(self.library.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
-            _check(self.library.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace),
-                                                      self.workspace_bytes), "cublasSetWorkspace")
+            _check(
+                self.library.cublasSetWorkspace_v2(
+                    self.handle, ctypes.c_void_p(self.workspace), self.workspace_bytes
+                ),
+                "cublasSetWorkspace",
+            )
             self.stream = stream
 
     def matmul_t(self, x, w, out, dtype: str, accumulate: bool, stream: int) -> None:
@@ -90,8 +116,27 @@ class CublasGemm:
         N = w.shape[0]
         self._bind(stream)
         kind = DATA_TYPES[dtype]
-        _check(self.library.cublasGemmEx(
-            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, ctypes.byref(self.one),
-            ctypes.c_void_p(address(w)), kind, K, ctypes.c_void_p(address(x)), kind, K,
-            ctypes.byref(self.one if accumulate else self.zero), ctypes.c_void_p(address(out)), kind, N,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+        _check(
+            self.library.cublasGemmEx(
+                self.handle,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                N,
+                T,
+                K,
+                ctypes.byref(self.one),
+                ctypes.c_void_p(address(w)),
+                kind,
+                K,
+                ctypes.c_void_p(address(x)),
+                kind,
+                K,
+                ctypes.byref(self.one if accumulate else self.zero),
+                ctypes.c_void_p(address(out)),
+                kind,
+                N,
+                CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT,
+            ),
+            "cublasGemmEx",
+        )

@@ -15,6 +15,7 @@ bfloat16 has no NumPy (or CuPy) dtype: such arrays hold the raw bits as uint16 (
     ops = cuda_ops.gpu("bfloat16")         # a real GPU
     model = LlamaModel(config, weights, ops)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,33 +53,43 @@ PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sam
 COOPERATIVE_KERNELS = {"sample_kernel"}
 # Tensor-core kernels: 16-bit types only, one instantiation per head_dim.
 PREFILL_HEAD_DIMS = (16, 64, 80, 96, 128)
-TENSOR_CORE_KERNELS = {"prefill_attention.cu": [f"prefill_attention_kernel<{t}, {d}>"
-                                                for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS]}
+TENSOR_CORE_KERNELS = {
+    "prefill_attention.cu": [
+        f"prefill_attention_kernel<{t}, {d}>" for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS
+    ]
+}
 # Kernels with compile-time tiles besides the element type: file -> instantiations.
-TILED_KERNELS = {"decode_attention.cu": [f"decode_attention_kernel<{CXX_TYPES[d]}, {g}, {lanes}>"
-                                         for d, g, lanes in decode_plan.INSTANTIATIONS]}
+TILED_KERNELS = {
+    "decode_attention.cu": [
+        f"decode_attention_kernel<{CXX_TYPES[d]}, {g}, {lanes}>" for d, g, lanes in decode_plan.INSTANTIATIONS
+    ]
+}
 
 # Options for NVRTC at run time; CuPy adds the architecture and its own include path.
 NVRTC_OPTIONS = ("-std=c++17",)
 
-PA_PARTITION_SIZE = 512          # keys per flash-decoding partition (the host's choice, passed to the kernel)
-SMEM_BUDGET = 48 * 1024          # dynamic shared memory a kernel gets without opting in
-GRID_STRIDE_BLOCKS = 1024        # grid of the grid-stride kernels: about 8 blocks per SM on an H100/H200
-VECTOR_BYTES = 16                # the kernels' vector loads (cuda/vec.cuh) need this alignment
+PA_PARTITION_SIZE = 512  # keys per flash-decoding partition (the host's choice, passed to the kernel)
+SMEM_BUDGET = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+GRID_STRIDE_BLOCKS = 1024  # grid of the grid-stride kernels: about 8 blocks per SM on an H100/H200
+VECTOR_BYTES = 16  # the kernels' vector loads (cuda/vec.cuh) need this alignment
 
 
-PA = kernel_constants("paged_attention.cu")    # PA_THREADS, PA_MAX_ROWS, PA_MAX_HEAD_DIM, ...
-PF = kernel_constants("prefill_attention.cu")  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD, ...
-PF_WAVES = 2                     # waves of CTAs a split prefill grid aims at
-PF_MIN_FILL = 0.85               # an unsplit grid whose last wave is at least this full is left alone
-PF_MIN_SPLIT_KEYS = 512          # keys per split at least: fewer would spend more on partials than they win
+PA = kernel_constants("paged_attention.cu")  # PA_THREADS, PA_MAX_ROWS, PA_MAX_HEAD_DIM, ...
+PF = kernel_constants(
+    "prefill_attention.cu"
+)  # PF_THREADS, PF_ROWS (rows per CTA), PF_KEYS (keys per tile), PF_PAD, ...
+PF_WAVES = 2  # waves of CTAs a split prefill grid aims at
+PF_MIN_FILL = 0.85  # an unsplit grid whose last wave is at least this full is left alone
+PF_MIN_SPLIT_KEYS = 512  # keys per split at least: fewer would spend more on partials than they win
 
 
 def name_expressions(file: str) -> list[str]:
-    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `decode_attention_kernel<float, 4, 16>`,
-    `argmax_kernel`."""
+    """Every kernel of a file as NVRTC names it: `rms_norm_kernel<__half>`, `decode_attention_kernel<float, 4,
+    16>`, `argmax_kernel`."""
     if file in TEMPLATED_KERNELS:
-        return TILED_KERNELS.get(file, []) + [f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()]
+        return TILED_KERNELS.get(file, []) + [
+            f"{k}<{t}>" for k in TEMPLATED_KERNELS[file] for t in CXX_TYPES.values()
+        ]
     if file in TENSOR_CORE_KERNELS:
         return list(TENSOR_CORE_KERNELS[file])
     return list(PLAIN_KERNELS[file])
@@ -110,23 +121,26 @@ class EmulatorLauncher:
 
     device = "cuda-emulated"
     xp = np
-    # Grids are sized for the GPU the emulator stands in for (an H100/H200), so emulated runs launch what it runs.
+    # Grids are sized for the GPU the emulator stands in for (an H100/H200), so emulated runs launch what it
+    # runs.
     multiprocessors = 132
 
     def __init__(self):
         # The GPU's cuBLAS calls, over the emulator's libcublas; its workspace is host memory.
-        self._workspace = np.empty(cublas.WORKSPACE_BYTES, np.uint8)   # uint8[WORKSPACE_BYTES], never touched
-        self._gemm = cublas.CublasGemm(emulated_cublas.EmulatedCublas(), self._workspace.ctypes.data,
-                                       cublas.WORKSPACE_BYTES)
-        self._captured_arrays: list | None = None   # while capturing: what the graph's GEMMs address
+        self._workspace = np.empty(cublas.WORKSPACE_BYTES, np.uint8)  # uint8[WORKSPACE_BYTES], never touched
+        self._gemm = cublas.CublasGemm(
+            emulated_cublas.EmulatedCublas(), self._workspace.ctypes.data, cublas.WORKSPACE_BYTES
+        )
+        self._captured_arrays: list | None = None  # while capturing: what the graph's GEMMs address
 
     def kernel(self, file: str, name: str):
-        return emulator.load_module(cuda_dir() / file, name_expressions(file),
-                                    enable_cooperative_groups=name in COOPERATIVE_KERNELS).get_function(name)
+        return emulator.load_module(
+            cuda_dir() / file, name_expressions(file), enable_cooperative_groups=name in COOPERATIVE_KERNELS
+        ).get_function(name)
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         _refuse_copy_while_capturing("host-to-device")
-        return np.array(array, order="C")   # a copy, as an upload is: device arrays never alias host ones
+        return np.array(array, order="C")  # a copy, as an upload is: device arrays never alias host ones
 
     def copy_to_device(self, device: np.ndarray, array: np.ndarray) -> None:
         _refuse_copy_while_capturing("host-to-device")
@@ -144,16 +158,17 @@ class EmulatorLauncher:
     def matmul_t(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """CupyLauncher.matmul_t's calls, run by the emulator's cuBLAS (recorded while capturing)."""
         x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)
-        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)   # [T, N]
+        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)  # [T, N]
         if bias is not None:
-            emulator.submit(lambda: np.copyto(out, bias))   # CuPy's copy kernel, captured with the GEMM
+            emulator.submit(lambda: np.copyto(out, bias))  # CuPy's copy kernel, captured with the GEMM
         self._gemm.matmul_t(x, w, out, dtype_name(x), bias is not None, emulated_cublas.current_stream())
-        if self._captured_arrays is not None:   # the graph keeps what its GEMM reads and writes
+        if self._captured_arrays is not None:  # the graph keeps what its GEMM reads and writes
             self._captured_arrays += [x, w, out]
         return out
 
     def side_stream(self):
-        """CupyLauncher.side_stream: the launches inside are held until join_side_stream() (emulator.side_stream)."""
+        """CupyLauncher.side_stream: the launches inside are held until join_side_stream()
+        (emulator.side_stream)."""
         return emulator.side_stream()
 
     def join_side_stream(self) -> None:
@@ -183,49 +198,60 @@ class CupyLauncher:
         try:
             import cupy
         except ImportError as exc:
-            raise RuntimeError("device 'cuda' needs CuPy: pip install 'minisarathi[cuda12]' or '[cuda13]'") from exc
+            raise RuntimeError(
+                "device 'cuda' needs CuPy: pip install 'minisarathi[cuda12]' or '[cuda13]'"
+            ) from exc
         self.xp = cupy
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._modules: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
-        self._graph_pool = self._capture_stream = None   # made at the first capture
-        self._gemm = self._workspace = None               # made at the first matmul
+        self._graph_pool = self._capture_stream = None  # made at the first capture
+        self._gemm = self._workspace = None  # made at the first matmul
         self._staging = PinnedStaging(cupy)
-        self._side = self._forked = self._side_done = None   # side_stream(): made at its first use
+        self._side = self._forked = self._side_done = None  # side_stream(): made at its first use
 
     def kernel(self, file: str, name: str):
         kernel = self._kernels.get((file, name))
         if kernel is None:
-            # CuPy launches every kernel of a cooperative module cooperatively, and cuts a 1-D grid that is not
-            # co-resident to what is (a warning only): only the kernels whose CTAs wait for each other get one.
+            # CuPy launches every kernel of a cooperative module cooperatively, and cuts a 1-D grid that is
+            # not co-resident to what is (a warning only): only the kernels whose CTAs wait for each other get
+            # one.
             cooperative = name in COOPERATIVE_KERNELS
             module = self._modules.get((file, cooperative))
             if module is None:
                 source = (cuda_dir() / file).read_text()
-                module = self.xp.RawModule(code=source, options=nvrtc_options(file),
-                                           name_expressions=name_expressions(file),
-                                           enable_cooperative_groups=cooperative)
+                module = self.xp.RawModule(
+                    code=source,
+                    options=nvrtc_options(file),
+                    name_expressions=name_expressions(file),
+                    enable_cooperative_groups=cooperative,
+                )
                 self._modules[(file, cooperative)] = module
             kernel = self._kernels[(file, name)] = module.get_function(name)
         return kernel
 
     def to_device(self, array: np.ndarray):
         out = self.xp.empty(array.shape, dtype=array.dtype)
-        self._staging.copy(out, array)   # a step's arrays through pinned memory; weights straight from where they are
+        self._staging.copy(
+            out, array
+        )  # a step's arrays through pinned memory; weights straight from where they are
         return out
 
     def copy_to_device(self, device, array: np.ndarray) -> None:
-        self._staging.copy(device, array)   # on the current stream, ordered before the launches after it
+        self._staging.copy(device, array)  # on the current stream, ordered before the launches after it
 
     @contextlib.contextmanager
     def side_stream(self):
-        """Launches inside go to a second stream, after everything issued on the current one so far (an event);
-        join_side_stream() makes the current stream wait for them. What is allocated inside comes from the
-        side stream's share of CuPy's pool, so its memory is reused only in that stream's order."""
+        """Launches inside go to a second stream, after everything issued on the current one so far (an
+        event); join_side_stream() makes the current stream wait for them. What is allocated inside comes from
+        the side stream's share of CuPy's pool, so its memory is reused only in that stream's order."""
         cp = self.xp
         if self._side is None:
             self._side = cp.cuda.Stream(non_blocking=True)
-            self._forked, self._side_done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+            self._forked, self._side_done = (
+                cp.cuda.Event(disable_timing=True),
+                cp.cuda.Event(disable_timing=True),
+            )
         self._forked.record()
         self._side.wait_event(self._forked)
         try:
@@ -246,7 +272,10 @@ class CupyLauncher:
         kept by the caller) stays allocated."""
         cupy = self.xp
         if self._graph_pool is None:
-            self._graph_pool, self._capture_stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+            self._graph_pool, self._capture_stream = (
+                cupy.cuda.MemoryPool(),
+                cupy.cuda.Stream(non_blocking=True),
+            )
         stream = self._capture_stream
         with cupy.cuda.using_allocator(self._graph_pool.malloc), stream:
             stream.begin_capture()
@@ -254,7 +283,7 @@ class CupyLauncher:
                 result = fn()
             except BaseException:
                 try:
-                    stream.end_capture()   # ends the capture; fn's error is the one to report
+                    stream.end_capture()  # ends the capture; fn's error is the one to report
                 except Exception:
                     pass
                 raise
@@ -270,15 +299,15 @@ class CupyLauncher:
         return self.xp.asnumpy(array)
 
     def to_host_async(self, arrays: list):
-        """Starts copying `arrays` into pinned host memory behind the work queued so far; returns a function that
-        waits for that copy (an event, not the stream: work queued later, such as the next step's forward,
-        keeps running) and returns the host arrays. to_host() would wait for everything queued."""
+        """Starts copying `arrays` into pinned host memory behind the work queued so far; returns a function
+        that waits for that copy (an event, not the stream: work queued later, such as the next step's
+        forward, keeps running) and returns the host arrays. to_host() would wait for everything queued."""
         cp = self.xp
         copies = []
         for array in arrays:
             array = cp.ascontiguousarray(array)
             pinned = cp.cuda.alloc_pinned_memory(max(array.nbytes, 1))
-            host = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)   # keeps `pinned` alive
+            host = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)  # keeps `pinned` alive
             array.get(out=host, blocking=False)
             copies.append(host)
         copied = cp.cuda.Event(disable_timing=True)
@@ -287,19 +316,23 @@ class CupyLauncher:
         def wait() -> list[np.ndarray]:
             copied.synchronize()
             return copies
+
         return wait
 
     def matmul_t(self, x, w, bias):
         """x[T, K] @ w[N, K].T (+ bias) through cuBLAS on this launcher's own handle (minisarathi/backends/
-        cublas.py: CuPy's `@` refuses a capturing stream), accumulated in float32, rounded once to x's type."""
+        cublas.py: CuPy's `@` refuses a capturing stream), accumulated in float32, rounded once to x's
+        type."""
         cp = self.xp
-        if self._gemm is None:   # at the first matmul: cuBLAS loaded, a handle and a workspace for the process
+        if self._gemm is None:  # at the first matmul: cuBLAS loaded, a handle and a workspace for the process
             self._workspace = cp.empty(cublas.WORKSPACE_BYTES, dtype=cp.uint8)
-            self._gemm = cublas.CublasGemm(cublas.load_library(), self._workspace.data.ptr, cublas.WORKSPACE_BYTES)
+            self._gemm = cublas.CublasGemm(
+                cublas.load_library(), self._workspace.data.ptr, cublas.WORKSPACE_BYTES
+            )
         x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)
-        out = cp.empty((x.shape[0], w.shape[0]), dtype=x.dtype)   # [T, N]
+        out = cp.empty((x.shape[0], w.shape[0]), dtype=x.dtype)  # [T, N]
         if bias is not None:
-            out[...] = bias   # a real copy: never let cuBLAS write into the bias itself
+            out[...] = bias  # a real copy: never let cuBLAS write into the bias itself
         self._gemm.matmul_t(x, w, out, dtype_name(x), bias is not None, cp.cuda.get_current_stream().ptr)
         return out
 
@@ -314,15 +347,16 @@ class CudaOps:
         self.device = launcher.device
         self.xp = launcher.xp
         self.dtype = dtype
-        self.activation_dtype = STORAGE_DTYPES[dtype]   # of activations, weights and the KV cache
+        self.activation_dtype = STORAGE_DTYPES[dtype]  # of activations, weights and the KV cache
         self._uploads: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
-        self._checked_positions: np.ndarray | None = None   # the positions array rope_store_kv last checked
-        # (context_lens, plan, items and rows on the device) by batch, or by graph bucket (kept: graphs read them)
+        self._checked_positions: np.ndarray | None = None  # the positions array rope_store_kv last checked
+        # (context_lens, plan, items and rows on the device) by batch, or by graph bucket (kept: graphs read
+        # them)
         self._decode_plans: dict[tuple, tuple] = {}
-        # paged_attention's work items and reduce tokens per graph bucket, kept for the same reason: a captured
-        # graph holds only their addresses, and the upload cache drops what it holds every few steps
+        # paged_attention's work items and reduce tokens per graph bucket, kept for the same reason: a
+        # captured graph holds only their addresses, and the upload cache drops what it holds every few steps
         self._bucket_chunk_arrays: dict[tuple, tuple] = {}
-        self._shared_mem_opt_in: dict[int, int] = {}   # id(kernel) -> dynamic shared memory allowed
+        self._shared_mem_opt_in: dict[int, int] = {}  # id(kernel) -> dynamic shared memory allowed
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
         # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
         self.launches = 0
@@ -337,7 +371,7 @@ class CudaOps:
         return _aligned(convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype), "weight")
 
     def linear_weight(self, placed):
-        return placed   # cuBLAS reads the [N, K] weight as it is
+        return placed  # cuBLAS reads the [N, K] weight as it is
 
     def zeros(self, shape: tuple[int, ...]):
         """A zeroed device array in the activation dtype (the KV cache is made of these)."""
@@ -353,7 +387,7 @@ class CudaOps:
         None on the emulator, whose arrays are host memory."""
         if self.xp is np:
             return None
-        self.xp.get_default_memory_pool().free_all_blocks()   # blocks CuPy keeps cached count as used
+        self.xp.get_default_memory_pool().free_all_blocks()  # blocks CuPy keeps cached count as used
         free, _total = self.xp.cuda.runtime.memGetInfo()
         return int(free)
 
@@ -367,7 +401,7 @@ class CudaOps:
 
     def _metadata(self, array: np.ndarray, dtype=np.int32):
         if not isinstance(array, np.ndarray):
-            return array   # already on the device
+            return array  # already on the device
         return self._upload_once(array, lambda: np.asarray(array, dtype=dtype))
 
     def upload_batch(self, batch: Batch, into=None):
@@ -380,27 +414,38 @@ class CudaOps:
         previous_ids, engine/overlap.py) get them on the device, after the copy. previous_rows and
         previous_sources travel in the copy whenever set (a graph bucket's batch always sets them, so that its
         packed size does not change)."""
-        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
-                  batch.block_tables, batch.logits_indices]
+        arrays = [
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.query_start,
+            batch.context_lens,
+            batch.block_tables,
+            batch.logits_indices,
+        ]
         if getattr(batch, "previous_rows", None) is not None:
             arrays += [batch.previous_rows, batch.previous_sources]
-        if len(self._uploads) > 32 - len(arrays):   # only between steps: a step's arrays live through the step
+        if len(self._uploads) > 32 - len(arrays):  # only between steps: a step's arrays live through the step
             self._uploads.clear()
-        starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in arrays])     # int32 elements, 16-byte aligned
-        packed = np.zeros(int(starts[-1]), np.int32)                        # int32[sum of padded sizes]
+        starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in arrays])  # int32 elements, 16-byte aligned
+        packed = np.zeros(int(starts[-1]), np.int32)  # int32[sum of padded sizes]
         for array, start in zip(arrays, starts):
-            packed[start:start + array.size] = array.ravel()
+            packed[start : start + array.size] = array.ravel()
         if into is None:
             device = self.launcher.to_device(packed)
         else:
             if into.shape != packed.shape:
-                raise ValueError(f"into: a buffer of {packed.size} int32 is needed for this batch, got {into.shape}")
+                raise ValueError(
+                    f"into: a buffer of {packed.size} int32 is needed for this batch, got {into.shape}"
+                )
             device = into
             self.launcher.copy_to_device(device, packed)
-        views = [device[start:start + array.size].reshape(array.shape) for array, start in zip(arrays, starts)]
+        views = [
+            device[start : start + array.size].reshape(array.shape) for array, start in zip(arrays, starts)
+        ]
         for array, view in zip(arrays[:7], views):
             self._upload_once(array, lambda: None, view=view)
-        if getattr(batch, "previous_ids", None) is not None:   # tokens the host does not know yet, taken there
+        if getattr(batch, "previous_ids", None) is not None:  # tokens the host does not know yet, taken there
             input_ids, rows, sources = views[0], views[7], views[8]
             input_ids[rows] = batch.previous_ids[sources]
         return device
@@ -410,10 +455,10 @@ class CudaOps:
         arrays are immutable and shared by every layer of a step, so each is uploaded once per step, not
         once per layer."""
         cached = self._uploads.get((id(source), what))
-        if cached is not None and cached[0] is source:   # holding `source` keeps its id from being reused
+        if cached is not None and cached[0] is source:  # holding `source` keeps its id from being reused
             return cached[1]
-        if len(self._uploads) >= 256:   # ops called without upload_batch (tests, benchmarks): the engine's
-            self._uploads.clear()        # steps empty it in upload_batch, never while a step's kernels may read it
+        if len(self._uploads) >= 256:  # ops called without upload_batch (tests, benchmarks): the engine's
+            self._uploads.clear()  # steps empty it in upload_batch, never while a step's kernels may read it
         device = view if view is not None else self.launcher.to_device(make())
         self._uploads[(id(source), what)] = (source, device)
         return device
@@ -442,8 +487,10 @@ class CudaOps:
         out = self.xp.empty((T, H), dtype=table.dtype)
         if T:
             self._kernel("embedding.cu", "embedding_kernel", table)(
-                (_grid_stride_blocks(T * H),), (256,),
-                (table, self._metadata(ids), out, np.int32(T), np.int32(V), np.int32(H)))
+                (_grid_stride_blocks(T * H),),
+                (256,),
+                (table, self._metadata(ids), out, np.int32(T), np.int32(V), np.int32(H)),
+            )
         return out
 
     def rms_norm(self, x, w, eps: float):
@@ -453,7 +500,8 @@ class CudaOps:
         T, H = x.shape
         if T:
             self._kernel("rms_norm.cu", "rms_norm_kernel", x)(
-                (T,), (_threads(H),), (x, w, out, np.int32(H), np.float32(eps)))
+                (T,), (_threads(H),), (x, w, out, np.int32(H), np.float32(eps))
+            )
         return out
 
     def add_rms_norm(self, x, residual, w, eps: float):
@@ -466,7 +514,8 @@ class CudaOps:
         T, H = x.shape
         if T:
             self._kernel("rms_norm.cu", "add_rms_norm_kernel", x)(
-                (T,), (_threads(H),), (x, residual, w, out, np.int32(H), np.float32(eps)))
+                (T,), (_threads(H),), (x, residual, w, out, np.int32(H), np.float32(eps))
+            )
         return out, residual
 
     def linear(self, x, w, bias=None):
@@ -476,33 +525,51 @@ class CudaOps:
 
     def rope_store_kv(self, q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin) -> None:
         """One launch: rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
-        slot_mapping (negative: not stored); k and v are read only. cos_sin: self.constant(config.rope_cos_sin()).
-        q, k, v may be row-strided views of one QKV array."""
+        slot_mapping (negative: not stored); k and v are read only. cos_sin:
+        self.constant(config.rope_cos_sin()). q, k, v may be row-strided views of one QKV array."""
         T, Hq, D = q.shape
         Hk = k.shape[1]
         if D % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {D}")
         if cos_sin.dtype != np.float32 or cos_sin.ndim != 2 or cos_sin.shape[1] != D:
-            raise ValueError(f"cos_sin must be float32[positions, {D}] (ops.constant(config.rope_cos_sin())), "
-                             f"got {cos_sin.dtype}{list(cos_sin.shape)}")
+            raise ValueError(
+                f"cos_sin must be float32[positions, {D}] (ops.constant(config.rope_cos_sin())), "
+                f"got {cos_sin.dtype}{list(cos_sin.shape)}"
+            )
         if not T:
             return
         if isinstance(positions, np.ndarray):
-            if self._checked_positions is not positions:   # once per step, not once per layer
+            if self._checked_positions is not positions:  # once per step, not once per layer
                 _check_positions(positions, cos_sin.shape[0])
                 self._checked_positions = positions
             positions = self._metadata(positions)
         items = (Hq + Hk) * D // 2 + Hk * D
         vector = VECTOR_BYTES // q.dtype.itemsize if (D // 2) % (VECTOR_BYTES // q.dtype.itemsize) == 0 else 1
         self._kernel("rope_store_kv.cu", "rope_store_kv_kernel", q)(
-            (T,), (_threads(items // vector),),
-            (q, k, v, k_cache, v_cache, positions, self._metadata(slot_mapping), cos_sin, np.int32(Hq),
-             np.int32(Hk), np.int32(D), np.int32(k_cache.shape[2]), np.int64(_row_stride(q, "q")),
-             np.int64(_row_stride(k, "k")), np.int64(_row_stride(v, "v"))))
+            (T,),
+            (_threads(items // vector),),
+            (
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                positions,
+                self._metadata(slot_mapping),
+                cos_sin,
+                np.int32(Hq),
+                np.int32(Hk),
+                np.int32(D),
+                np.int32(k_cache.shape[2]),
+                np.int64(_row_stride(q, "q")),
+                np.int64(_row_stride(k, "k")),
+                np.int64(_row_stride(v, "v")),
+            ),
+        )
 
     def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
-        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind of
-        row, over disjoint rows of one output: decodes (query runs of one token) to decode_attention.cu,
+        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind
+        of row, over disjoint rows of one output: decodes (query runs of one token) to decode_attention.cu,
         longer runs (prefill chunks) of 16-bit models to prefill_attention.cu (tensor cores), and what those
         do not take (float32 prefills, shapes they do not support) to paged_attention.cu."""
         T, Hq, D = q.shape
@@ -512,22 +579,26 @@ class CudaOps:
         group = Hq // Hk
         max_rows, max_head_dim = PA["PA_MAX_ROWS"], PA["PA_MAX_HEAD_DIM"]
         if group > max_rows or D > max_head_dim:
-            raise ValueError(f"paged_attention supports up to {max_rows} query heads per KV head and head_dim "
-                             f"<= {max_head_dim}, got {group} and {D}")
+            raise ValueError(
+                f"paged_attention supports up to {max_rows} query heads per KV head and head_dim "
+                f"<= {max_head_dim}, got {group} and {D}"
+            )
         out = self.xp.empty((T, Hq, D), dtype=q.dtype)
         if T == 0:
             return out
-        q_lens = np.diff(batch.query_start)                                  # int32[S]
+        q_lens = np.diff(batch.query_start)  # int32[S]
         decodes = q_lens == 1
-        if not (decode_plan.supports(self.dtype, q.dtype.itemsize, Hq, Hk, D, block_size, k_cache.shape[0])
-                and _is_16_byte_aligned(q)):
+        if not (
+            decode_plan.supports(self.dtype, q.dtype.itemsize, Hq, Hk, D, block_size, k_cache.shape[0])
+            and _is_16_byte_aligned(q)
+        ):
             decodes[:] = False
         prefills = q_lens > 1
         if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):
             prefills[:] = False
         if decodes.any() and prefills.any():
-            # A hybrid step: the decodes' output rows are disjoint from the chunks', so their K/V reads run on a
-            # second stream, under the prefill's tensor-core work, and the step joins them before going on.
+            # A hybrid step: the decodes' output rows are disjoint from the chunks', so their K/V reads run on
+            # a second stream, under the prefill's tensor-core work, and the step joins them before going on.
             with self.launcher.side_stream():
                 self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
             self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
@@ -541,7 +612,9 @@ class CudaOps:
             self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest)
         return out
 
-    def _decode_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray) -> None:
+    def _decode_attention(
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray
+    ) -> None:
         """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -552,32 +625,68 @@ class CudaOps:
         partial_max = xp.empty((slots, Hq), dtype=np.float32)
         partial_sum = xp.empty((slots, Hq), dtype=np.float32)
         self.launches += 1
-        kernel = self.launcher.kernel("decode_attention.cu",
-                                      f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}, {plan.lanes}>")
+        kernel = self.launcher.kernel(
+            "decode_attention.cu",
+            f"decode_attention_kernel<{CXX_TYPES[self.dtype]}, {plan.group_tile}, {plan.lanes}>",
+        )
         self._allow_shared_mem(kernel, plan.shared_mem)
-        kernel((len(plan.items), Hk * plan.head_chunks), (decode_plan.THREADS,),
-               (q, k_cache, v_cache, items, self._metadata(batch.block_tables), self._metadata(batch.context_lens),
-                out, partial_out, partial_max, partial_sum,
-                np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(block_size.bit_length() - 1),
-                np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")), np.float32(scale),
-                np.int32(plan.table_capacity)),
-               shared_mem=plan.shared_mem)
+        kernel(
+            (len(plan.items), Hk * plan.head_chunks),
+            (decode_plan.THREADS,),
+            (
+                q,
+                k_cache,
+                v_cache,
+                items,
+                self._metadata(batch.block_tables),
+                self._metadata(batch.context_lens),
+                out,
+                partial_out,
+                partial_max,
+                partial_sum,
+                np.int32(Hq),
+                np.int32(Hk),
+                np.int32(D),
+                np.int32(block_size.bit_length() - 1),
+                np.int32(batch.block_tables.shape[1]),
+                np.int64(_row_stride(q, "q")),
+                np.float32(scale),
+                np.int32(plan.table_capacity),
+            ),
+            shared_mem=plan.shared_mem,
+        )
         if len(plan.rows):
             self._kernel("decode_attention.cu", "decode_attention_reduce_kernel", q)(
-                (len(plan.rows), Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, rows, self._metadata(batch.context_lens), out, np.int32(Hq),
-                 np.int32(D)))
+                (len(plan.rows), Hq),
+                (_threads(D, 128),),
+                (
+                    partial_out,
+                    partial_max,
+                    partial_sum,
+                    rows,
+                    self._metadata(batch.context_lens),
+                    out,
+                    np.int32(Hq),
+                    np.int32(D),
+                ),
+            )
 
-    def _decode_plan(self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int,
-                     block_size: int):
-        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared by
-        every layer; a graph bucket's batch (the plan_context_len of a BucketBatch, decode_graphs.py) has
+    def _decode_plan(
+        self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int, block_size: int
+    ):
+        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared
+        by every layer; a graph bucket's batch (the plan_context_len of a BucketBatch, decode_graphs.py) has
         one plan for the bucket's life, for rows of up to that many keys (the kernels take each row's keys
         from context_lens), whose device arrays stay here because its graph reads them."""
         capacity = getattr(batch, "plan_context_len", None)
         bucket = capacity is not None
         key = (("bucket", batch.num_seqs, capacity) if bucket else (id(batch.context_lens),)) + (
-            Hq, Hk, D, itemsize, block_size)
+            Hq,
+            Hk,
+            D,
+            itemsize,
+            block_size,
+        )
         cached = self._decode_plans.get(key)
         if cached is None or not (bucket or cached[0] is batch.context_lens):
             seqs = np.flatnonzero(decodes)
@@ -592,29 +701,38 @@ class CudaOps:
             cached = self._decode_plans[key] = (batch.context_lens, plan, to(plan.items), to(plan.rows))
         return cached[1:]
 
-    def _chunk_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray) -> None:
+    def _chunk_attention(
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray
+    ) -> None:
         """paged_attention.cu for the query runs of the sequences where bool[S] `selected` holds (any run
         length, any shape)."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         xp = self.xp
         tile_tokens = max(1, PA["PA_MAX_ROWS"] // (Hq // Hk))
-        capacity = getattr(batch, "plan_context_len", None)   # a BucketBatch's (model/decode_graphs.py)
+        capacity = getattr(batch, "plan_context_len", None)  # a BucketBatch's (model/decode_graphs.py)
         bucket = capacity is not None
-        if bucket:   # a graph bucket's run: fixed work, and partitions for the longest context the bucket allows
+        if (
+            bucket
+        ):  # a graph bucket's run: fixed work, and partitions for the longest context the bucket allows
             key = (batch.num_seqs, tile_tokens)
             if key not in self._bucket_chunk_arrays:
                 tokens = np.flatnonzero(np.repeat(selected, np.diff(batch.query_start))).astype(np.int32)
                 self._bucket_chunk_arrays[key] = (
                     self.launcher.to_device(_work_items(batch.query_start, tile_tokens, selected)),
-                    self.launcher.to_device(tokens))
+                    self.launcher.to_device(tokens),
+                )
             items, tokens = self._bucket_chunk_arrays[key]
             longest = capacity
         else:
-            items = self._upload_once(batch.query_start, lambda: _work_items(batch.query_start, tile_tokens,
-                                                                             selected), "paged_attention work")
+            items = self._upload_once(
+                batch.query_start,
+                lambda: _work_items(batch.query_start, tile_tokens, selected),
+                "paged_attention work",
+            )
             longest = int(batch.context_lens[selected].max())
-        # Partitions past a row's last key write nothing the reduce reads (it merges those its position spans).
+        # Partitions past a row's last key write nothing the reduce reads (it merges those its position
+        # spans).
         partitions = max(1, math.ceil(longest / PA_PARTITION_SIZE))
         key_tile, smem = _attention_tiling(D, q.dtype.itemsize)
         if partitions > 1:
@@ -625,20 +743,55 @@ class CudaOps:
             partial_out = partial_max = partial_sum = xp.empty((1,), dtype=np.float32)
         positions = self._metadata(batch.positions)
         self._kernel("paged_attention.cu", "paged_attention_kernel", q)(
-            (len(items), Hk, partitions), (PA["PA_THREADS"],),
-            (q, k_cache, v_cache, items, positions, self._metadata(batch.block_tables),
-             out, partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
-             np.int32(block_size), np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
-             np.float32(scale), np.int32(PA_PARTITION_SIZE), np.int32(key_tile)),
-            shared_mem=smem)
+            (len(items), Hk, partitions),
+            (PA["PA_THREADS"],),
+            (
+                q,
+                k_cache,
+                v_cache,
+                items,
+                positions,
+                self._metadata(batch.block_tables),
+                out,
+                partial_out,
+                partial_max,
+                partial_sum,
+                np.int32(T),
+                np.int32(Hq),
+                np.int32(Hk),
+                np.int32(D),
+                np.int32(block_size),
+                np.int32(batch.block_tables.shape[1]),
+                np.int64(_row_stride(q, "q")),
+                np.float32(scale),
+                np.int32(PA_PARTITION_SIZE),
+                np.int32(key_tile),
+            ),
+            shared_mem=smem,
+        )
         if partitions > 1:
             if not bucket:
-                tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
-                    np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "paged_attention tokens")
+                tokens = self._upload_once(
+                    batch.query_start,
+                    lambda: np.flatnonzero(np.repeat(selected, np.diff(batch.query_start))).astype(np.int32),
+                    "paged_attention tokens",
+                )
             self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
-                (len(tokens), Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, positions, tokens,
-                 out, np.int32(T), np.int32(Hq), np.int32(D), np.int32(PA_PARTITION_SIZE)))
+                (len(tokens), Hq),
+                (_threads(D, 128),),
+                (
+                    partial_out,
+                    partial_max,
+                    partial_sum,
+                    positions,
+                    tokens,
+                    out,
+                    np.int32(T),
+                    np.int32(Hq),
+                    np.int32(D),
+                    np.int32(PA_PARTITION_SIZE),
+                ),
+            )
 
     def _allow_shared_mem(self, kernel, nbytes: int) -> None:
         """Lets `kernel` launch with `nbytes` of dynamic shared memory. A GPU refuses static + dynamic above
@@ -653,45 +806,91 @@ class CudaOps:
             kernel.max_dynamic_shared_size_bytes = allowed
         self._shared_mem_opt_in[id(kernel)] = allowed
 
-    def _prefill_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, out, splits: int | None = None) -> None:
-        """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token. A grid too small to
-        fill the GPU is split along the keys (_prefill_splits; `splits` forces a number), each split's partials
-        merged by paged_attention_reduce_kernel."""
+    def _prefill_attention(
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, splits: int | None = None
+    ) -> None:
+        """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token. A grid too small
+        to fill the GPU is split along the keys (_prefill_splits; `splits` forces a number), each split's
+        partials merged by paged_attention_reduce_kernel."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         group = Hq // Hk
         selected = np.diff(batch.query_start) > 1
         # Latest tokens first: they have the most keys, and a GPU starts CTAs in grid order, so the long ones
         # start early and the short ones fill the tail (causal work grows along a chunk).
-        work = self._upload_once(batch.query_start, lambda: np.ascontiguousarray(_work_items(
-            batch.query_start, PF["PF_ROWS"] // group, selected)[::-1]), "prefill_attention work")
-        tiles = -(-int(batch.context_lens[selected].max()) // PF["PF_KEYS"])   # key tiles of the longest run
+        work = self._upload_once(
+            batch.query_start,
+            lambda: np.ascontiguousarray(
+                _work_items(batch.query_start, PF["PF_ROWS"] // group, selected)[::-1]
+            ),
+            "prefill_attention work",
+        )
+        tiles = -(-int(batch.context_lens[selected].max()) // PF["PF_KEYS"])  # key tiles of the longest run
         if splits is None:
             splits = _prefill_splits(len(work) * Hk, tiles, self.launcher.multiprocessors)
         split_tiles = -(-tiles // splits)
         splits = -(-tiles // split_tiles)
         stages = 3 if D <= PF["PF_THREE_STAGE_MAX_HEAD_DIM"] else 2
         # Q, the stages' K and V tiles, then the stages' cache rows (int64).
-        smem = ((PF["PF_ROWS"] + 2 * stages * PF["PF_KEYS"]) * (D + PF["PF_PAD"]) * q.dtype.itemsize
-                + 8 * stages * PF["PF_KEYS"])
+        smem = (PF["PF_ROWS"] + 2 * stages * PF["PF_KEYS"]) * (
+            D + PF["PF_PAD"]
+        ) * q.dtype.itemsize + 8 * stages * PF["PF_KEYS"]
         shape = (splits, T, Hq) if splits > 1 else (1,)
-        partial_out, partial_max, partial_sum = (self.xp.empty(s, dtype=np.float32) for s in (shape + (D,), shape, shape))
+        partial_out, partial_max, partial_sum = (
+            self.xp.empty(s, dtype=np.float32) for s in (shape + (D,), shape, shape)
+        )
         positions = self._metadata(batch.positions)
-        kernel = self._plain_kernel("prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>")
+        kernel = self._plain_kernel(
+            "prefill_attention.cu", f"prefill_attention_kernel<{CXX_TYPES[self.dtype]}, {D}>"
+        )
         self._allow_shared_mem(kernel, smem)
-        kernel((len(work), Hk, splits), (PF["PF_THREADS"],),
-               (q, k_cache, v_cache, work, positions, self._metadata(batch.block_tables), out,
-                partial_out, partial_max, partial_sum, np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(block_size),
-                np.int32(batch.block_tables.shape[1]), np.int64(_row_stride(q, "q")),
-                np.float32(scale * math.log2(math.e)), np.int32(split_tiles * PF["PF_KEYS"])),
-               shared_mem=smem)
+        kernel(
+            (len(work), Hk, splits),
+            (PF["PF_THREADS"],),
+            (
+                q,
+                k_cache,
+                v_cache,
+                work,
+                positions,
+                self._metadata(batch.block_tables),
+                out,
+                partial_out,
+                partial_max,
+                partial_sum,
+                np.int32(T),
+                np.int32(Hq),
+                np.int32(Hk),
+                np.int32(block_size),
+                np.int32(batch.block_tables.shape[1]),
+                np.int64(_row_stride(q, "q")),
+                np.float32(scale * math.log2(math.e)),
+                np.int32(split_tiles * PF["PF_KEYS"]),
+            ),
+            shared_mem=smem,
+        )
         if splits > 1:
-            tokens = self._upload_once(batch.query_start, lambda: np.flatnonzero(
-                np.repeat(selected, np.diff(batch.query_start))).astype(np.int32), "prefill_attention tokens")
+            tokens = self._upload_once(
+                batch.query_start,
+                lambda: np.flatnonzero(np.repeat(selected, np.diff(batch.query_start))).astype(np.int32),
+                "prefill_attention tokens",
+            )
             self._kernel("paged_attention.cu", "paged_attention_reduce_kernel", q)(
-                (len(tokens), Hq), (_threads(D, 128),),
-                (partial_out, partial_max, partial_sum, positions, tokens,
-                 out, np.int32(T), np.int32(Hq), np.int32(D), np.int32(split_tiles * PF["PF_KEYS"])))
+                (len(tokens), Hq),
+                (_threads(D, 128),),
+                (
+                    partial_out,
+                    partial_max,
+                    partial_sum,
+                    positions,
+                    tokens,
+                    out,
+                    np.int32(T),
+                    np.int32(Hq),
+                    np.int32(D),
+                    np.int32(split_tiles * PF["PF_KEYS"]),
+                ),
+            )
 
     def silu_and_mul(self, x):
         self._check(x, "x")
@@ -700,17 +899,21 @@ class CudaOps:
         out = self.xp.empty((T, two_i // 2), dtype=x.dtype)
         if T:
             self._kernel("silu_and_mul.cu", "silu_and_mul_kernel", x)(
-                (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2)))
+                (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2))
+            )
         return out
 
     def copy_blocks(self, kv_cache, sources: list[int], destinations: list[int]) -> None:
-        pairs = self.launcher.to_device(np.array([sources, destinations], np.int32).T.ravel())   # int32[2P]: src, dst
+        pairs = self.launcher.to_device(
+            np.array([sources, destinations], np.int32).T.ravel()
+        )  # int32[2P]: src, dst
         for k_cache, v_cache in kv_cache:
             for cache in (k_cache, v_cache):
                 self._check(cache, "kv cache")
                 block_elems = cache[0].size
                 self._kernel("copy_blocks.cu", "copy_blocks_kernel", cache)(
-                    (len(sources),), (256,), (cache, pairs, np.int32(block_elems)))
+                    (len(sources),), (256,), (cache, pairs, np.int32(block_elems))
+                )
 
     # ---- sampling on the device ----------------------------------------------------------------------
     def greedy(self, logits):
@@ -719,38 +922,70 @@ class CudaOps:
         N, V = logits.shape
         ids = self.xp.empty((N,), dtype=np.int32)
         if N:
-            self._plain_kernel("sampling.cu", "argmax_kernel")((N,), (_threads(V, 1024),), (logits, np.int32(V), ids))
+            self._plain_kernel("sampling.cu", "argmax_kernel")(
+                (N,), (_threads(V, 1024),), (logits, np.int32(V), ids)
+            )
         return ids
 
-    def apply_penalties(self, logits, tokens: list[np.ndarray], output_counts: list[np.ndarray],
-                        repetition: np.ndarray, frequency: np.ndarray, presence: np.ndarray) -> None:
+    def apply_penalties(
+        self,
+        logits,
+        tokens: list[np.ndarray],
+        output_counts: list[np.ndarray],
+        repetition: np.ndarray,
+        frequency: np.ndarray,
+        presence: np.ndarray,
+    ) -> None:
         """In place on float32 logits[N, V]. Row r: distinct tokens[r] (prompt and output) with their output
         counts; repetition applies to all of them, frequency and presence to output counts."""
         N, V = logits.shape
         offsets = np.zeros(N + 1, dtype=np.int32)
         np.cumsum([len(t) for t in tokens], out=offsets[1:])
         flat_tokens = np.concatenate([np.asarray(t, np.int32) for t in tokens] or [np.zeros(0, np.int32)])
-        flat_counts = np.concatenate([np.asarray(c, np.int32) for c in output_counts] or [np.zeros(0, np.int32)])
+        flat_counts = np.concatenate(
+            [np.asarray(c, np.int32) for c in output_counts] or [np.zeros(0, np.int32)]
+        )
         if N:
             to = self.launcher.to_device
             self._plain_kernel("sampling.cu", "apply_penalties_kernel")(
-                (N,), (128,), (logits, np.int32(V), to(offsets), to(flat_tokens), to(flat_counts),
-                               to(np.asarray(repetition, np.float32)), to(np.asarray(frequency, np.float32)),
-                               to(np.asarray(presence, np.float32))))
+                (N,),
+                (128,),
+                (
+                    logits,
+                    np.int32(V),
+                    to(offsets),
+                    to(flat_tokens),
+                    to(flat_counts),
+                    to(np.asarray(repetition, np.float32)),
+                    to(np.asarray(frequency, np.float32)),
+                    to(np.asarray(presence, np.float32)),
+                ),
+            )
 
     def sample(self, logits, temperature, top_k, top_p, min_p, uniform, ctas_per_row: int | None = None):
         """Device int32[N] ids, one per row of float32 logits[N, V] (already penalized), with per-row
         parameters and uniform[N] in [0, 1) drawn on the host; temperature 0 is greedy (argmax). Rows may be
         split over several CTAs (gpu_sampling.sample_plan; ctas_per_row forces a split)."""
         kernel = self._plain_kernel("sampling.cu", "sample_kernel") if len(logits) else None
-        return sample_rows(kernel, self.launcher, self._allow_shared_mem, logits, temperature, top_k, top_p, min_p,
-                           uniform, ctas_per_row)
+        return sample_rows(
+            kernel,
+            self.launcher,
+            self._allow_shared_mem,
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            uniform,
+            ctas_per_row,
+        )
 
 
 def _refuse_copy_while_capturing(direction: str) -> None:
-    if emulator.capturing():   # CuPy's copies between pageable host memory and the device are synchronous
-        raise RuntimeError(f"a {direction} copy during a graph capture: CUDA forbids it (copy before or after "
-                           "capturing)")
+    if emulator.capturing():  # CuPy's copies between pageable host memory and the device are synchronous
+        raise RuntimeError(
+            f"a {direction} copy during a graph capture: CUDA forbids it (copy before or after capturing)"
+        )
 
 
 def _grid_stride_blocks(elements: int) -> int:
@@ -769,8 +1004,10 @@ def _aligned(array, what: str):
 
 def _check_positions(positions: np.ndarray, table_rows: int) -> None:
     if len(positions) and (positions.min() < 0 or positions.max() >= table_rows):
-        raise ValueError(f"positions must be in [0, {table_rows}) (the RoPE table's rows, max_position_embeddings), "
-                         f"got {positions.min()}..{positions.max()}")
+        raise ValueError(
+            f"positions must be in [0, {table_rows}) (the RoPE table's rows, max_position_embeddings), "
+            f"got {positions.min()}..{positions.max()}"
+        )
 
 
 def _threads(work: int, most: int = 256) -> int:
@@ -782,7 +1019,9 @@ def _row_stride(x, name: str) -> int:
     """Elements between consecutive tokens of x[T, heads, D], whose (heads, D) part must be contiguous."""
     item = x.dtype.itemsize
     if x.strides[2] != item or x.strides[1] != x.shape[2] * item:
-        raise ValueError(f"{name}: heads and head_dim must be contiguous within a token, got strides {x.strides}")
+        raise ValueError(
+            f"{name}: heads and head_dim must be contiguous within a token, got strides {x.strides}"
+        )
     return x.strides[0] // item
 
 
@@ -790,7 +1029,7 @@ def _work_items(query_start: np.ndarray, tile_tokens: int, selected: np.ndarray 
     """int32[W, 3]: (sequence, first token, token count) runs of at most tile_tokens tokens, of the
     sequences where bool[S] `selected` holds (all by default)."""
     q_lens = np.diff(query_start)
-    tiles = -(-q_lens // tile_tokens)                                  # int[S]
+    tiles = -(-q_lens // tile_tokens)  # int[S]
     if selected is not None:
         tiles = np.where(selected, tiles, 0)
     seq = np.repeat(np.arange(len(q_lens)), tiles)
@@ -804,7 +1043,8 @@ def _prefill_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
     """Key splits for a prefill grid of `ctas` CTAs whose longest run spans `tiles` key tiles. A grid of fewer
     than PF_WAVES waves whose last wave is under PF_MIN_FILL full leaves SMs idle (a 512-token chunk at GQA 4:
     128 CTAs for 264 slots) and is split into about PF_WAVES waves; 2048 tokens at GQA 4 (512 CTAs, 1.94
-    waves) is not, since partials would cost more than the 3% they fill. Splits keep PF_MIN_SPLIT_KEYS keys."""
+    waves) is not, since partials would cost more than the 3% they fill. Splits keep PF_MIN_SPLIT_KEYS
+    keys."""
     resident = multiprocessors * PF["PF_CTAS_PER_SM"]
     waves = ctas / resident
     if waves >= PF_WAVES or waves / math.ceil(waves) >= PF_MIN_FILL:
@@ -822,7 +1062,7 @@ def _attention_tiling(head_dim: int, itemsize: int) -> tuple[int, int]:
     """(keys per tile, dynamic shared memory bytes) for paged_attention_kernel: the sizes of the four arrays
     of its shared-memory layout (described in cuda/paged_attention.cu) added up."""
     pitch = head_dim + 4 // itemsize
-    for key_tile in range(32, 0, -4):   # a multiple of 4 keeps v_s 16-byte aligned for vector copies
+    for key_tile in range(32, 0, -4):  # a multiple of 4 keeps v_s 16-byte aligned for vector copies
         smem = 4 * PA["PA_MAX_ROWS"] * (head_dim + key_tile) + itemsize * key_tile * (pitch + head_dim)
         if smem <= SMEM_BUDGET:
             return key_tile, smem

@@ -1,4 +1,5 @@
 """Which backend runs a model: the device names, "auto" resolved, and the backend object built."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,8 @@ from minisarathi.dtypes import DTYPES
 
 
 def resolve_device(device: str) -> str:
-    """"auto" is "cuda" when CuPy is installed and sees a GPU, else "cpu" (CuPy is not imported without it)."""
+    """ "auto" is "cuda" when CuPy is installed and sees a GPU, else "cpu" (CuPy is not imported without
+    it)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device != "auto":
@@ -20,9 +22,10 @@ def resolve_device(device: str) -> str:
     if importlib.util.find_spec("cupy") is None:
         return "cpu"
     import cupy
+
     try:
         return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
-    except cupy.cuda.runtime.CUDARuntimeError:   # no driver, or no device
+    except cupy.cuda.runtime.CUDARuntimeError:  # no driver, or no device
         return "cpu"
 
 
@@ -34,12 +37,16 @@ def make_backend(device: str, dtype: str, explicit_dtype: bool = False) -> Backe
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device in ("cpu", "reference"):
         if explicit_dtype and dtype != "float32":
-            raise ValueError(f"dtype {dtype!r} needs a CUDA device ('cuda' or 'cuda-emulated'); device {device!r} "
-                             "computes in float32")
-        return CpuOps() if device == "cpu" else ReferenceOps()   # reference: plain, slow, what tests trust
+            raise ValueError(
+                f"dtype {dtype!r} needs a CUDA device ('cuda' or 'cuda-emulated'); device {device!r} "
+                "computes in float32"
+            )
+        return CpuOps() if device == "cpu" else ReferenceOps()  # reference: plain, slow, what tests trust
     if device == "cuda-emulated":
-        return cuda_ops.emulated(dtype)   # the very kernels a GPU runs for this dtype, on the CPU
+        return cuda_ops.emulated(dtype)  # the very kernels a GPU runs for this dtype, on the CPU
     if resolve_device("auto") != "cuda":
-        raise ValueError("device 'cuda' needs CuPy (pip install 'minisarathi[cuda13]' or '[cuda12]') and a "
-                         "visible GPU; none was found (use device 'cpu', 'auto' or 'cuda-emulated')")
-    return cuda_ops.gpu(dtype)            # the checkpoint's dtype on the GPU
+        raise ValueError(
+            "device 'cuda' needs CuPy (pip install 'minisarathi[cuda13]' or '[cuda12]') and a "
+            "visible GPU; none was found (use device 'cpu', 'auto' or 'cuda-emulated')"
+        )
+    return cuda_ops.gpu(dtype)  # the checkpoint's dtype on the GPU

@@ -5,6 +5,7 @@ minisarathi/backends/cpu/native.py). A library is built once per content, compil
 find it by name. Threads and processes that race to build the same library each compile to a unique temporary
 name and rename it into place atomically.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,9 @@ def cache_dir(kind: str) -> Path:
         path.mkdir(mode=0o700, exist_ok=True)
         check_private_dir(path)
     except OSError as exc:
-        raise RuntimeError(f"no cache folder for compiled libraries ({base / kind} cannot be written): "
-                           f"{exc}") from exc
+        raise RuntimeError(
+            f"no cache folder for compiled libraries ({base / kind} cannot be written): {exc}"
+        ) from exc
     return path
 
 
@@ -47,13 +49,22 @@ def check_private_dir(path: Path) -> None:
     shared temporary folder, another user could have made it first and planted a library we would load."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"cache folder {path} is not a directory of this user writable only by it "
-                           f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): not loading "
-                           f"libraries from it; set MINISARATHI_CACHE_DIR to a private folder")
+        raise RuntimeError(
+            f"cache folder {path} is not a directory of this user writable only by it "
+            f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): not loading "
+            f"libraries from it; set MINISARATHI_CACHE_DIR to a private folder"
+        )
 
 
-def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: list[Path], compiler: str,
-                         flags: list[str], purpose: str) -> Path:
+def build_shared_library(
+    kind: str,
+    stem: str,
+    translation_unit: str,
+    inputs: list[Path],
+    compiler: str,
+    flags: list[str],
+    purpose: str,
+) -> Path:
     """The path of `translation_unit` (C++ text) compiled with `compiler` and `flags` into <stem>-<hash>.so
     under cache_dir(kind). inputs: the files it includes, whose bytes go into the hash (editing one rebuilds).
     purpose names the user of the library in errors ("the CUDA emulator"). compiler is a command line, as CXX
@@ -68,7 +79,7 @@ def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: li
     target = out_dir / f"{stem}-{digest.hexdigest()[:20]}.so"
     with _locks_guard:
         lock = _locks.setdefault(target, threading.Lock())
-    with lock:   # one build per target in this process; other libraries build in parallel
+    with lock:  # one build per target in this process; other libraries build in parallel
         if target.exists():
             return target
         fd, tmp_cpp = tempfile.mkstemp(suffix=".cpp", prefix=stem + "-", dir=out_dir)
@@ -76,12 +87,13 @@ def build_shared_library(kind: str, stem: str, translation_unit: str, inputs: li
             f.write(translation_unit)
         tmp_so = tmp_cpp[:-4] + ".so"
         try:
-            cmd = [*shlex.split(compiler), *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]   # CXX="ccache g++"
+            cmd = [*shlex.split(compiler), *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]  # CXX="ccache g++"
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError as exc:
-                raise RuntimeError(f"{purpose} needs a C++ compiler ({compiler!r} not found; "
-                                   "set CXX)") from exc
+                raise RuntimeError(
+                    f"{purpose} needs a C++ compiler ({compiler!r} not found; set CXX)"
+                ) from exc
             if result.returncode != 0:
                 raise RuntimeError(f"{purpose}: build of {stem} failed:\n{' '.join(cmd)}\n{result.stderr}")
             os.replace(tmp_so, target)

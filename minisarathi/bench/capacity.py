@@ -4,6 +4,7 @@ A trial at a QPS passes when P99 TBT <= the TBT SLO and the median scheduling de
 2 s) and every request completed within the trial's time limit. The search brackets the threshold by
 doubling or halving from a start QPS, then bisects until the bracket is within a relative granularity.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Callable
 
 @dataclass
 class Slo:
-    p99_tbt: float                   # seconds
+    p99_tbt: float  # seconds
     median_scheduling_delay: float = 2.0
 
     def __post_init__(self):
@@ -48,16 +49,18 @@ class Trial:
     completed: int
     requests: int
     passed: bool
-    stopped: str | None = None     # why the trial ended early (then the figures cover what finished)
+    stopped: str | None = None  # why the trial ended early (then the figures cover what finished)
 
     def describe(self) -> str:
-        if self.stopped:   # the figures would cover only the requests that finished before the stop
+        if self.stopped:  # the figures would cover only the requests that finished before the stop
             return f"qps {self.qps:8.3f}: stopped early, {self.stopped} -> FAIL"
         tbt = "-" if self.p99_tbt is None else f"{self.p99_tbt * 1e3:.1f} ms"
         delay = "-" if self.median_scheduling_delay is None else f"{self.median_scheduling_delay:.2f} s"
         verdict = "pass" if self.passed else "FAIL"
-        return (f"qps {self.qps:8.3f}: P99 TBT {tbt:>10}, median sched. delay {delay:>8}, "
-                f"completed {self.completed}/{self.requests} -> {verdict}")
+        return (
+            f"qps {self.qps:8.3f}: P99 TBT {tbt:>10}, median sched. delay {delay:>8}, "
+            f"completed {self.completed}/{self.requests} -> {verdict}"
+        )
 
 
 def judge(qps: float, metrics: dict, slo: Slo) -> Trial:
@@ -66,14 +69,23 @@ def judge(qps: float, metrics: dict, slo: Slo) -> Trial:
     delay = metrics["scheduling_delay"]["p50"]
     if metrics["scheduling_delay"]["count"] == 0:
         delay = metrics["ttft"]["p50"]
-    passed = (metrics["completed"] == metrics["requests"] and tbt is not None and tbt <= slo.p99_tbt
-              and delay is not None and delay <= slo.median_scheduling_delay)
+    passed = (
+        metrics["completed"] == metrics["requests"]
+        and tbt is not None
+        and tbt <= slo.p99_tbt
+        and delay is not None
+        and delay <= slo.median_scheduling_delay
+    )
     return Trial(qps, tbt, delay, metrics["completed"], metrics["requests"], passed, metrics.get("stopped"))
 
 
-def find_capacity(run_trial: Callable[[float], Trial], start_qps: float = 1.0, granularity: float = 0.1,
-                  max_trials: int = 16, on_trial: Callable[[Trial], None] = lambda t: None
-                  ) -> tuple[float, list[Trial]]:
+def find_capacity(
+    run_trial: Callable[[float], Trial],
+    start_qps: float = 1.0,
+    granularity: float = 0.1,
+    max_trials: int = 16,
+    on_trial: Callable[[Trial], None] = lambda t: None,
+) -> tuple[float, list[Trial]]:
     """(capacity QPS, trail of trials). Capacity is the highest passing QPS found, 0.0 if none passed."""
     if not start_qps > 0:
         raise ValueError(f"start_qps must be positive, got {start_qps!r}")
@@ -96,8 +108,12 @@ def find_capacity(run_trial: Callable[[float], Trial], start_qps: float = 1.0, g
             passed_qps, qps = qps, qps * 2
         else:
             failed_qps, qps = qps, qps / 2
-    while len(trail) < max_trials and passed_qps is not None and failed_qps is not None \
-            and failed_qps - passed_qps > granularity * passed_qps:
+    while (
+        len(trail) < max_trials
+        and passed_qps is not None
+        and failed_qps is not None
+        and failed_qps - passed_qps > granularity * passed_qps
+    ):
         mid = (passed_qps + failed_qps) / 2
         if trial(mid):
             passed_qps = mid

@@ -4,6 +4,7 @@ front of `minisarathi serve` processes, for tests/test_deploy.py and bench/deplo
 A recipe is used as written, with its example addresses (127.0.0.1:7000-7002 msgpack, 8000-8002 HTTP)
 replaced by free ports, and its affinity line optionally removed (round robin).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,16 +28,20 @@ from minisarathi.client import AsyncClient, Client
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 # the affinity line of each recipe, deleted for round robin
-AFFINITY = {"nginx-msgpack.conf": "hash $remote_addr consistent;", "nginx-http.conf": "hash $http_x_session_id consistent;",
-            "haproxy-msgpack.cfg": "balance source", "haproxy-http.cfg": "balance hdr(X-Session-Id)"}
+AFFINITY = {
+    "nginx-msgpack.conf": "hash $remote_addr consistent;",
+    "nginx-http.conf": "hash $http_x_session_id consistent;",
+    "haproxy-msgpack.cfg": "balance source",
+    "haproxy-http.cfg": "balance hdr(X-Session-Id)",
+}
 ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
-FAIL_TIMEOUT_S = 2.0   # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
-STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")   # Debian's libnginx-mod-stream
+FAIL_TIMEOUT_S = 2.0  # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
+STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")  # Debian's libnginx-mod-stream
 # As the recipes say to start replicas: HAProxy's checks (inter 500ms, fall 2) take a replica out within ~1 s
 # of its /ready turning 503, so it serves on for longer than that before it refuses anything.
 DRAIN_DELAY_S = 2.0
-ACCESS_LOG = "access.log"   # under the nginx HTTP balancer's prefix: which replica answered each request
+ACCESS_LOG = "access.log"  # under the nginx HTTP balancer's prefix: which replica answered each request
 
 
 def free_port() -> int:
@@ -67,7 +72,7 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            if proc is not None and proc.poll() is not None:   # someone else's listener: the port was taken
+            if proc is not None and proc.poll() is not None:  # someone else's listener: the port was taken
                 raise RuntimeError(f"the process for port {port} exited with status {proc.returncode}")
             return
         except OSError:
@@ -80,25 +85,46 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
 
 @dataclass
 class Replica:
-    """`minisarathi serve` with both doors on fixed ports, so that a restart comes back where the balancer looks."""
+    """`minisarathi serve` with both doors on fixed ports, so that a restart comes back where the balancer
+    looks."""
+
     msgpack_port: int
     http_port: int
     log_dir: Path
-    extra_args: tuple[str, ...] = ()   # `serve` flags (a model folder first, if any)
+    extra_args: tuple[str, ...] = ()  # `serve` flags (a model folder first, if any)
     proc: subprocess.Popen | None = None
     starts: int = 0
-    listening_since: float = 0.0   # time.monotonic() when both doors listened after the last start
+    listening_since: float = 0.0  # time.monotonic() when both doors listened after the last start
 
     def start(self, timeout: float = 120.0) -> None:
         self.starts += 1
         repo = Path(__file__).resolve().parents[2]
         log = open(self.log_dir / f"replica-{self.msgpack_port}-{self.starts}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minisarathi", "serve", *self.extra_args, "--port", str(self.msgpack_port),
-             "--http-port", str(self.http_port), "--enable-prefix-caching", "--drain-delay", str(DRAIN_DELAY_S),
-             "--log-level", "WARNING"],
-            stdout=subprocess.DEVNULL, stderr=log, cwd=repo,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
+            [
+                sys.executable,
+                "-m",
+                "minisarathi",
+                "serve",
+                *self.extra_args,
+                "--port",
+                str(self.msgpack_port),
+                "--http-port",
+                str(self.http_port),
+                "--enable-prefix-caching",
+                "--drain-delay",
+                str(DRAIN_DELAY_S),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            cwd=repo,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+            },
+        )
         log.close()
         wait_for_port(self.msgpack_port, timeout, self.proc)
         wait_for_port(self.http_port, timeout, self.proc)
@@ -107,12 +133,15 @@ class Replica:
     def wait_until_served(self, timeout: float = 60.0) -> None:
         """Until every balancer can send it requests again: its engine has generated tokens since its last
         start (one balancer took it back), and FAIL_TIMEOUT_S has passed since it listened (nginx retries a
-        replica it marked down only after fail_timeout, each nginx on its own; HAProxy needs `rise` checks)."""
+        replica it marked down only after fail_timeout, each nginx on its own; HAProxy needs `rise`
+        checks)."""
         deadline = time.monotonic() + timeout
         with Client("127.0.0.1", self.msgpack_port) as client:
             while client.stats()["tokens_generated"] == 0:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the replica on port {self.msgpack_port} got no request in {timeout:.0f}s")
+                    raise TimeoutError(
+                        f"the replica on port {self.msgpack_port} got no request in {timeout:.0f}s"
+                    )
                 time.sleep(0.1)
         time.sleep(max(0.0, self.listening_since + FAIL_TIMEOUT_S + 0.5 - time.monotonic()))
 
@@ -130,9 +159,10 @@ class Replica:
 @dataclass
 class Balancer:
     """One recipe of deploy/ run in the foreground by nginx or HAProxy."""
-    recipe: str                    # a file name in deploy/
-    door: str                      # "msgpack" or "http"
-    ports: tuple[int, int, int]    # listen, replica 1, replica 2
+
+    recipe: str  # a file name in deploy/
+    door: str  # "msgpack" or "http"
+    ports: tuple[int, int, int]  # listen, replica 1, replica 2
     work_dir: Path
     affinity: bool = True
     proc: subprocess.Popen | None = None
@@ -145,12 +175,17 @@ class Balancer:
     def render(self, executable: str) -> str:
         text = (DEPLOY_DIR / self.recipe).read_text()
         if self.kind == "nginx" and nginx_has_stream_built_in(executable):
-            text = text.replace(f"load_module {STREAM_MODULE};", "")   # as the recipe's comment says
+            text = text.replace(f"load_module {STREAM_MODULE};", "")  # as the recipe's comment says
         for example, port in zip(EXAMPLE_PORTS[self.door], self.ports):
             text = text.replace(f"127.0.0.1:{example}", f"127.0.0.1:{port}")
-        if self.kind == "nginx" and self.door == "http":   # which replica answered each request: see answered_by
-            text = text.replace("access_log off;", f"log_format upstreams '$upstream_addr|$upstream_status';\n"
-                                                   f"    access_log {ACCESS_LOG} upstreams;")
+        if (
+            self.kind == "nginx" and self.door == "http"
+        ):  # which replica answered each request: see answered_by
+            text = text.replace(
+                "access_log off;",
+                f"log_format upstreams '$upstream_addr|$upstream_status';\n"
+                f"    access_log {ACCESS_LOG} upstreams;",
+            )
         if not self.affinity:
             text = text.replace(AFFINITY[self.recipe], ROUND_ROBIN[self.kind])
             if self.kind == "haproxy":
@@ -163,14 +198,24 @@ class Balancer:
         self.config_path = prefix / self.recipe
         self.config_path.write_text(self.render(executable))
         if self.kind == "nginx":
-            command = [executable, "-p", str(prefix), "-c", str(self.config_path), "-e", "stderr",
-                       "-g", "daemon off;"]
+            command = [
+                executable,
+                "-p",
+                str(prefix),
+                "-c",
+                str(self.config_path),
+                "-e",
+                "stderr",
+                "-g",
+                "daemon off;",
+            ]
         else:
             command = [executable, "-db", "-f", str(self.config_path)]
         log = open(prefix / "balancer.log", "w")
         # its own process group: nginx's workers outlive a killed master, and kill() ends them all
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=prefix,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=prefix, start_new_session=True
+        )
         log.close()
         try:
             wait_for_port(self.ports[0], timeout, self.proc)
@@ -211,10 +256,16 @@ class Cluster:
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"minisarathi-{kind}-"))
         self.replicas = [Replica(free_port(), free_port(), self.work_dir, extra_args) for _ in range(2)]
         suffix = "conf" if kind == "nginx" else "cfg"
-        self.balancers = {door: Balancer(f"{kind}-{door}.{suffix}", door,
-                                         (free_port(), *(getattr(r, f"{door}_port") for r in self.replicas)),
-                                         self.work_dir, affinity)
-                          for door in ("msgpack", "http")}
+        self.balancers = {
+            door: Balancer(
+                f"{kind}-{door}.{suffix}",
+                door,
+                (free_port(), *(getattr(r, f"{door}_port") for r in self.replicas)),
+                self.work_dir,
+                affinity,
+            )
+            for door in ("msgpack", "http")
+        }
 
     @property
     def msgpack_port(self) -> int:
@@ -233,18 +284,21 @@ class Cluster:
     def restart(self, index: int, timeout: float = 60.0) -> dict:
         """Replica `index` drained (SIGTERM), started again, and back in the balancers' rotation before this
         returns: it served again (wait_until_served), each HAProxy that logged it DOWN logged it UP again (a
-        server HAProxy does not count UP takes no redispatched retry), and nginx's HTTP door had it answer a request (nginx lets
-        one request probe a replica it marked down; until that one is answered, it counts the replica down,
-        and with the other replica draining it would answer 502 "no live upstreams"). The msgpack door's
-        clients retry for longer than nginx's fail_timeout instead. Returns its exit status and the seconds of
-        each phase."""
+        server HAProxy does not count UP takes no redispatched retry), and nginx's HTTP door had it answer a
+        request (nginx lets one request probe a replica it marked down; until that one is answered, it counts
+        the replica down, and with the other replica draining it would answer 502 "no live upstreams"). The
+        msgpack door's clients retry for longer than nginx's fail_timeout instead. Returns its exit status and
+        the seconds of each phase."""
         replica, server = self.replicas[index], f"r{index + 1}"
 
-        def signs(balancer: Balancer) -> int:   # a count that grows once the balancer sends it requests again
-            return balancer.times_marked(server, "UP") if balancer.kind == "haproxy" else \
-                balancer.answered_by(replica.http_port)
+        def signs(balancer: Balancer) -> int:  # a count that grows once the balancer sends it requests again
+            return (
+                balancer.times_marked(server, "UP")
+                if balancer.kind == "haproxy"
+                else balancer.answered_by(replica.http_port)
+            )
 
-        def taken_out(door: str) -> bool:   # nginx counts a replica down at its first failed request
+        def taken_out(door: str) -> bool:  # nginx counts a replica down at its first failed request
             b = self.balancers[door]
             return b.kind == "nginx" or b.times_marked(server, "DOWN") > downs_before[door]
 
@@ -260,14 +314,22 @@ class Cluster:
         deadline = time.monotonic() + timeout
         # HAProxy (fall 2) takes a replica out only after two failed checks 0.5 s apart: one restarted faster
         # was never out, and no UP follows.
-        while lagging := [door for door, b in watched.items() if taken_out(door) and signs(b) <= before[door]]:
+        while lagging := [
+            door for door, b in watched.items() if taken_out(door) and signs(b) <= before[door]
+        ]:
             if time.monotonic() > deadline:
                 logs = "\n".join(f"{door}: {self.balancers[door].log()[-2000:]}" for door in lagging)
-                raise TimeoutError(f"the {self.kind} balancer of the {lagging} door did not take replica {server} "
-                                   f"back in {timeout:.0f}s; its log ends:\n{logs}")
+                raise TimeoutError(
+                    f"the {self.kind} balancer of the {lagging} door did not take replica {server} "
+                    f"back in {timeout:.0f}s; its log ends:\n{logs}"
+                )
             time.sleep(0.1)
-        return {"exit_status": status, "drain_s": stopped - started, "start_s": listening - stopped,
-                "back_in_rotation_s": time.monotonic() - listening}
+        return {
+            "exit_status": status,
+            "drain_s": stopped - started,
+            "start_s": listening - stopped,
+            "back_in_rotation_s": time.monotonic() - listening,
+        }
 
     def close(self) -> None:
         for balancer in self.balancers.values():
@@ -344,17 +406,20 @@ class ContinuousLoad:
                     c.close()
                 ok = result.token_ids == self.expected[prompt]
                 self._record("msgpack", None if ok else f"{prompt!r} gave {result.token_ids}")
-            except Exception as e:   # counted: a failed request is what the run measures
+            except Exception as e:  # counted: a failed request is what the run measures
                 self._record("msgpack", f"{type(e).__name__}: {e}")
         if client is not None:
             client.close()
 
     async def _msgpack_async(self, i: int):
         try:
-            async with AsyncClient("127.0.0.1", self.cluster.msgpack_port, source_address=(f"127.0.0.{20 + i}", 0),
-                                   retries=6) as client:
-                await asyncio.gather(self._async_requests(client, stream=True), self._async_requests(client, stream=False))
-        except Exception as e:   # counted, as above
+            async with AsyncClient(
+                "127.0.0.1", self.cluster.msgpack_port, source_address=(f"127.0.0.{20 + i}", 0), retries=6
+            ) as client:
+                await asyncio.gather(
+                    self._async_requests(client, stream=True), self._async_requests(client, stream=False)
+                )
+        except Exception as e:  # counted, as above
             self._record("msgpack_async", f"{type(e).__name__}: {e}")
 
     async def _async_requests(self, client: AsyncClient, stream: bool):
@@ -372,7 +437,7 @@ class ContinuousLoad:
                     result = await client.generate(prompt, max_tokens=self.MAX_TOKENS, temperature=0)
                 ok = result.token_ids == self.expected[prompt]
                 self._record("msgpack_async", None if ok else f"{prompt!r} gave {result.token_ids}")
-            except Exception as e:   # counted, as above
+            except Exception as e:  # counted, as above
                 self._record("msgpack_async", f"{type(e).__name__}: {e}")
 
     def _http(self, i: int):
@@ -383,9 +448,14 @@ class ContinuousLoad:
             n += 1
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.cluster.http_port, timeout=120)
-                conn.request("POST", "/v1/completions", json.dumps(
-                    {"model": model, "prompt": prompt, "max_tokens": self.MAX_TOKENS, "temperature": 0}),
-                    {"Content-Type": "application/json", "X-Session-Id": f"load-{i}-{n}"})
+                conn.request(
+                    "POST",
+                    "/v1/completions",
+                    json.dumps(
+                        {"model": model, "prompt": prompt, "max_tokens": self.MAX_TOKENS, "temperature": 0}
+                    ),
+                    {"Content-Type": "application/json", "X-Session-Id": f"load-{i}-{n}"},
+                )
                 response = conn.getresponse()
                 body = response.read()
                 conn.close()
@@ -393,6 +463,8 @@ class ContinuousLoad:
                     self._record("http", f"HTTP {response.status}: {body[:200]!r}")
                     continue
                 text = json.loads(body)["choices"][0]["text"]
-                self._record("http", None if text == self.expected_text[prompt] else f"{prompt!r} gave {text!r}")
-            except Exception as e:   # counted, as above
+                self._record(
+                    "http", None if text == self.expected_text[prompt] else f"{prompt!r} gave {text!r}"
+                )
+            except Exception as e:  # counted, as above
                 self._record("http", f"{type(e).__name__}: {e}")

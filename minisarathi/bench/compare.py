@@ -1,20 +1,22 @@
-"""The same workload and seed under several scheduling policies: side-by-side metrics, capacities and ratios."""
+"""The same workload and seed under several scheduling policies: side-by-side metrics, capacities and
+ratios."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHUNKED = ("sarathi", "simple_chunking")   # the policies whose behaviour depends on the chunk size
+CHUNKED = ("sarathi", "simple_chunking")  # the policies whose behaviour depends on the chunk size
 
 
 @dataclass
 class Variant:
-    label: str          # e.g. "sarathi-512", "vllm", "sarathi-slo"
+    label: str  # e.g. "sarathi-512", "vllm", "sarathi-slo"
     scheduler: str
     chunk_size: int
-    slo_driven: bool = False   # tbt_slo_ms set to the capacity SLO; chunk_size only an upper bound
+    slo_driven: bool = False  # tbt_slo_ms set to the capacity SLO; chunk_size only an upper bound
 
 
-SLO_DRIVEN_CHUNK_SIZE = 8192   # the SLO-driven variant's token upper bound: high, so the target alone decides
+SLO_DRIVEN_CHUNK_SIZE = 8192  # the SLO-driven variant's token upper bound: high, so the target alone decides
 
 
 def policy_variants(policies: list[str], chunk_sizes: list[int], slo_driven: bool = False) -> list[Variant]:

@@ -10,6 +10,7 @@ from its prefix cache (the server reports them: msgpack `cached_tokens`, HTTP us
 Doors: msgpack (session key = the client's address: session s connects from 127.0.0.(10+s), which nginx's
 `hash $remote_addr` and HAProxy's `balance source` see) and http (session key = the X-Session-Id header).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,10 @@ from minisarathi.bench.metrics import summarize
 from minisarathi.client import Client
 
 # Plain words the bundled story model knows, for messages that read like a user's.
-WORDS = ("the little girl saw a big red ball in the park and she wanted to play with her friend tom "
-         "they ran to the tree where a bird sang happy songs every day mom said it was time to go home").split()
+WORDS = (
+    "the little girl saw a big red ball in the park and she wanted to play with her friend tom "
+    "they ran to the tree where a bird sang happy songs every day mom said it was time to go home"
+).split()
 
 
 @dataclass
@@ -35,14 +38,19 @@ class MultiTurnConfig:
     num_turns: int = 4
     first_message_words: int = 48
     message_words: int = 12
-    answer_tokens: int = 16          # forced (ignore_eos), greedy
+    answer_tokens: int = 16  # forced (ignore_eos), greedy
     seed: int = 0
 
     def messages(self) -> list[list[str]]:
         """Per session, per turn, the user's new message."""
         rng = np.random.default_rng(self.seed)
-        return [[" ".join(rng.choice(WORDS, self.first_message_words if t == 0 else self.message_words))
-                 for t in range(self.num_turns)] for _ in range(self.num_sessions)]
+        return [
+            [
+                " ".join(rng.choice(WORDS, self.first_message_words if t == 0 else self.message_words))
+                for t in range(self.num_turns)
+            ]
+            for _ in range(self.num_sessions)
+        ]
 
 
 @dataclass
@@ -74,7 +82,7 @@ def run_multiturn(config: MultiTurnConfig, door: str, port: int, host: str = "12
             records[s].append(record)
             try:
                 answer = turn(host, port, s, prompt, config.answer_tokens, record)
-            except Exception as e:   # recorded: a failed turn is a result of the run, not a crash of it
+            except Exception as e:  # recorded: a failed turn is a result of the run, not a crash of it
                 record.error = f"{type(e).__name__}: {e}"
                 return
             prompt += answer
@@ -88,8 +96,8 @@ def run_multiturn(config: MultiTurnConfig, door: str, port: int, host: str = "12
 
 
 def summarize_turns(records: list[TurnRecord]) -> dict:
-    """Prefix-cache hit rate (cached / prompt tokens) and TTFT over the turns after the first (the first turn of
-    a session has nothing to hit), and over all turns; failed turns counted."""
+    """Prefix-cache hit rate (cached / prompt tokens) and TTFT over the turns after the first (the first turn
+    of a session has nothing to hit), and over all turns; failed turns counted."""
     done = [r for r in records if r.error is None]
     later = [r for r in done if r.turn > 0]
 
@@ -97,16 +105,23 @@ def summarize_turns(records: list[TurnRecord]) -> dict:
         prompt = sum(r.prompt_tokens for r in rs)
         return sum(r.cached_tokens for r in rs) / prompt if prompt else None
 
-    return {"turns": len(records), "failed": len(records) - len(done),
-            "hit_rate_later_turns": hit_rate(later), "hit_rate_all_turns": hit_rate(done),
-            "ttft_s_later_turns": summarize(r.ttft_s for r in later), "ttft_s_all_turns": summarize(r.ttft_s for r in done)}
+    return {
+        "turns": len(records),
+        "failed": len(records) - len(done),
+        "hit_rate_later_turns": hit_rate(later),
+        "hit_rate_all_turns": hit_rate(done),
+        "ttft_s_later_turns": summarize(r.ttft_s for r in later),
+        "ttft_s_all_turns": summarize(r.ttft_s for r in done),
+    }
 
 
 def records_as_dicts(records: list[TurnRecord]) -> list[dict]:
     return [asdict(r) for r in records]
 
 
-def _msgpack_turn(host: str, port: int, session: int, prompt: str, answer_tokens: int, record: TurnRecord) -> str:
+def _msgpack_turn(
+    host: str, port: int, session: int, prompt: str, answer_tokens: int, record: TurnRecord
+) -> str:
     sent = time.monotonic()
     with Client(host, port, source_address=(f"127.0.0.{10 + session}", 0), timeout=300) as client:
         stream = client.generate_stream(prompt, max_tokens=answer_tokens, ignore_eos=True, temperature=0)
@@ -129,15 +144,28 @@ def served_model(host: str, port: int) -> str:
         conn.close()
 
 
-def _http_turn(host: str, port: int, session: int, prompt: str, answer_tokens: int, record: TurnRecord,
-               model: str) -> str:
+def _http_turn(
+    host: str, port: int, session: int, prompt: str, answer_tokens: int, record: TurnRecord, model: str
+) -> str:
     sent = time.monotonic()
     conn = http.client.HTTPConnection(host, port, timeout=300)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": model, "prompt": prompt, "max_tokens": answer_tokens, "ignore_eos": True, "temperature": 0,
-             "stream": True, "stream_options": {"include_usage": True}}),
-            {"Content-Type": "application/json", "X-Session-Id": f"session-{session}"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": answer_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ),
+            {"Content-Type": "application/json", "X-Session-Id": f"session-{session}"},
+        )
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
@@ -146,7 +174,7 @@ def _http_turn(host: str, port: int, session: int, prompt: str, answer_tokens: i
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices"):   # a token arrived (its text may be held back: an incomplete character)
+            if event.get("choices"):  # a token arrived (its text may be held back: an incomplete character)
                 if record.ttft_s is None:
                     record.ttft_s = time.monotonic() - sent
                 text.append(event["choices"][0].get("text", ""))

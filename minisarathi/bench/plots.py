@@ -3,6 +3,7 @@
 tbt_cdf.png and ttft_cdf.png: CDFs per policy; batch_tokens.png: tokens in each batch over time, one
 panel per policy; capacity.png: capacity per policy.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,10 +14,15 @@ import numpy as np
 from minisarathi.bench.metrics import BatchRecord, RequestRecord
 
 
-def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]]],
-                    capacities: dict[str, float] | None, out_dir: Path, title: str = "") -> list[Path]:
+def plot_comparison(
+    runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]]],
+    capacities: dict[str, float] | None,
+    out_dir: Path,
+    title: str = "",
+) -> list[Path]:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -32,10 +38,17 @@ def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]
         paths.append(out_dir / name)
 
     for name, what, values_of in (
-            ("tbt_cdf.png", "time between tokens",
-             lambda rs: [g for r in rs if r.completed for g in np.diff(r.token_times)]),
-            ("ttft_cdf.png", "time to first token",
-             lambda rs: [r.token_times[0] - r.arrival for r in rs if r.completed and r.token_times])):
+        (
+            "tbt_cdf.png",
+            "time between tokens",
+            lambda rs: [g for r in rs if r.completed for g in np.diff(r.token_times)],
+        ),
+        (
+            "ttft_cdf.png",
+            "time to first token",
+            lambda rs: [r.token_times[0] - r.arrival for r in rs if r.completed and r.token_times],
+        ),
+    ):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for label, (requests, _) in runs.items():
             values = np.sort(np.asarray(values_of(requests)) * 1e3)
@@ -54,8 +67,9 @@ def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]
         starts = [b.start for b in batches]
         prefill = [b.prefill_tokens for b in batches]
         ax.vlines(starts, 0, prefill, color="tab:orange", linewidth=0.8, label="prefill")
-        ax.vlines(starts, prefill, [b.num_tokens for b in batches], color="tab:blue", linewidth=0.8,
-                  label="decode")
+        ax.vlines(
+            starts, prefill, [b.num_tokens for b in batches], color="tab:blue", linewidth=0.8, label="decode"
+        )
         ax.set_ylabel("tokens")
         ax.set_title(label, fontsize=9)
     axes[0, 0].legend(fontsize=8, loc="upper right")
@@ -64,7 +78,7 @@ def plot_comparison(runs: dict[str, tuple[list[RequestRecord], list[BatchRecord]
 
     if capacities:
         fig, ax = plt.subplots(figsize=(6, 0.4 * len(capacities) + 1))
-        labels = list(capacities)[::-1]   # first policy on top
+        labels = list(capacities)[::-1]  # first policy on top
         ax.barh(labels, [capacities[k] for k in labels], color="tab:green")
         ax.set_xlabel("capacity (queries/s)")
         ax.set_title("Capacity under the SLO")

@@ -1,4 +1,5 @@
 """A one-line progress display on stderr (no tqdm): redrawn at most twice a second, only on a terminal."""
+
 from __future__ import annotations
 
 import sys
@@ -19,8 +20,10 @@ class Progress:
         self.last_draw = now
         width = 24
         filled = width * done // max(self.total, 1)
-        self.stream.write(f"\r[{self.label}] [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done, "
-                          f"{running} in flight, {now - self.start:6.1f} s ")
+        self.stream.write(
+            f"\r[{self.label}] [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done, "
+            f"{running} in flight, {now - self.start:6.1f} s "
+        )
         self.stream.flush()
 
     def close(self) -> None:

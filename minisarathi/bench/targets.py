@@ -5,6 +5,7 @@ Every target returns one RequestRecord per request (seconds since the run starte
 BatchRecord per engine step. Runs are bounded by a time limit: what is still running then is aborted and
 recorded as unfinished. Ctrl-C propagates; the result so far stays in `target.partial` to be saved.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,21 +19,21 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from minisarathi.sampling_params import SamplingParams
-from minisarathi.client import DEFAULT_PORT
 from minisarathi.bench.capacity import Slo, SloWatch
 from minisarathi.bench.metrics import BatchRecord, RequestRecord
 from minisarathi.bench.progress import Progress
 from minisarathi.bench.workloads import FIRST_PROMPT_TOKEN, RequestSpec
+from minisarathi.client import DEFAULT_PORT
+from minisarathi.sampling_params import SamplingParams
 
-DECODE_PROBE_STEPS = 16   # full decode steps measure_decode_step takes the median of
+DECODE_PROBE_STEPS = 16  # full decode steps measure_decode_step takes the median of
 
 
 @dataclass
 class RunResult:
     requests: list[RequestRecord]
     batches: list[BatchRecord]
-    stopped: str | None = None    # why the run ended before every request finished
+    stopped: str | None = None  # why the run ended before every request finished
 
 
 def forced_params(spec: RequestSpec) -> SamplingParams:
@@ -41,8 +42,12 @@ def forced_params(spec: RequestSpec) -> SamplingParams:
 
 
 def new_records(specs: list[RequestSpec]) -> dict[str, RequestRecord]:
-    return {s.request_id: RequestRecord(s.request_id, len(s.prompt_token_ids), s.arrival_time,
-                                        error="not sent", group=s.group) for s in specs}
+    return {
+        s.request_id: RequestRecord(
+            s.request_id, len(s.prompt_token_ids), s.arrival_time, error="not sent", group=s.group
+        )
+        for s in specs
+    }
 
 
 class EngineTarget:
@@ -55,13 +60,17 @@ class EngineTarget:
 
     def warmup(self) -> None:
         """One short request end to end, so one-time costs (allocations, first calls) stay out of the run."""
-        self.engine.add_request("warmup", list(range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + 8)),
-                                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        self.engine.add_request(
+            "warmup",
+            list(range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + 8)),
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def run(self, specs: list[RequestSpec], time_limit: float, label: str = "engine",
-            slo: Slo | None = None) -> RunResult:
+    def run(
+        self, specs: list[RequestSpec], time_limit: float, label: str = "engine", slo: Slo | None = None
+    ) -> RunResult:
         """With an SLO, the run stops as soon as it is sure to fail it (capacity trials past capacity)."""
         engine = self.engine
         records = new_records(specs)
@@ -69,7 +78,7 @@ class EngineTarget:
         pending = deque(sorted(specs, key=lambda s: s.arrival_time))
         in_flight: set[str] = set()
         watch = slo and SloWatch(slo, len(specs), sum(s.max_tokens - 1 for s in specs))
-        settled = [0, 0]   # finished requests' share of _over_slo's counts, added once each as they finish
+        settled = [0, 0]  # finished requests' share of _over_slo's counts, added once each as they finish
         progress = Progress(label, len(specs))
         start = time.monotonic()
         stopped = None
@@ -87,9 +96,14 @@ class EngineTarget:
                 while pending and start + pending[0].arrival_time <= now:
                     spec = pending.popleft()
                     try:
-                        engine.add_request(spec.request_id, spec.prompt_token_ids, forced_params(spec),
-                                           arrival_time=start + spec.arrival_time, priority=spec.priority)
-                    except ValueError as e:   # e.g. longer than the KV pool: that request fails alone
+                        engine.add_request(
+                            spec.request_id,
+                            spec.prompt_token_ids,
+                            forced_params(spec),
+                            arrival_time=start + spec.arrival_time,
+                            priority=spec.priority,
+                        )
+                    except ValueError as e:  # e.g. longer than the KV pool: that request fails alone
                         records[spec.request_id].error = f"rejected: {e}"
                         continue
                     records[spec.request_id].error = None
@@ -105,8 +119,13 @@ class EngineTarget:
                         record = records[out.request_id]
                         _fill_from_engine(record, out, start)
                         if watch:
-                            late, gaps_over = _late_and_gaps_over(slo, record.arrival, record.first_scheduled,
-                                                                  record.token_times, record.finished)
+                            late, gaps_over = _late_and_gaps_over(
+                                slo,
+                                record.arrival,
+                                record.first_scheduled,
+                                record.token_times,
+                                record.finished,
+                            )
                             settled[0] += late
                             settled[1] += gaps_over
                 progress.update(len(specs) - len(pending) - len(in_flight), len(in_flight))
@@ -130,21 +149,28 @@ class EngineTarget:
         late = settled[0] + sum(now - start - s.arrival_time > slo.median_scheduling_delay for s in pending)
         gaps_over = settled[1]
         for request_id in in_flight:
-            m = self.engine.requests[request_id].metrics   # unfinished requests are still in the engine
+            m = self.engine.requests[request_id].metrics  # unfinished requests are still in the engine
             scheduled = None if m.first_scheduled_time is None else m.first_scheduled_time - start
             times = [t - start for t in m.token_times] + [now - start]
-            request_late, request_gaps = _late_and_gaps_over(slo, m.arrival_time - start, scheduled, times, now - start)
+            request_late, request_gaps = _late_and_gaps_over(
+                slo, m.arrival_time - start, scheduled, times, now - start
+            )
             late += request_late
             gaps_over += request_gaps
         return late, gaps_over
 
     def _batches(self, first_step: int, start: float) -> list[BatchRecord]:
-        return [BatchRecord(r.start_time - start, r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens,
-                            r.execution_time) for r in self.engine.step_records[first_step:]]
+        return [
+            BatchRecord(
+                r.start_time - start, r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens, r.execution_time
+            )
+            for r in self.engine.step_records[first_step:]
+        ]
 
 
-def _late_and_gaps_over(slo: Slo, arrival: float, scheduled: float | None, token_times: list[float],
-                        now: float) -> tuple[int, int]:
+def _late_and_gaps_over(
+    slo: Slo, arrival: float, scheduled: float | None, token_times: list[float], now: float
+) -> tuple[int, int]:
     """One request's share of the SLO counts: 1 if it was scheduled (or still waits) past the scheduling-delay
     bound, and how many of its token gaps exceed the P99 TBT SLO."""
     late = int((now if scheduled is None else scheduled) - arrival > slo.median_scheduling_delay)
@@ -161,7 +187,9 @@ def _fill_from_engine(record: RequestRecord, out, start: float) -> None:
         record.error = "aborted"
 
 
-def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num_steps: int = DECODE_PROBE_STEPS):
+def measure_decode_step(
+    engine, batch_size: int = 32, prompt_len: int = 128, num_steps: int = DECODE_PROBE_STEPS
+):
     """(median time of a step in which `batch_size` sequences all decode and nothing else runs, seconds;
     the StepRecords it is the median of). It is the decode iteration time a TBT SLO is derived from, as
     users see it: the whole step, scheduling and sampling included, at contexts of about `prompt_len`.
@@ -171,19 +199,25 @@ def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num
     first ones would decode through all the others' prefills (32 x 417 tokens take ~209 steps at chunk 64)
     and reach max_model_len before the last one starts. They are aborted after `num_steps` such steps."""
     if engine.config.max_num_seqs < batch_size:
-        raise ValueError(f"batch_size must be at most the engine's max_num_seqs ({engine.config.max_num_seqs}), "
-                         f"got {batch_size}")
+        raise ValueError(
+            f"batch_size must be at most the engine's max_num_seqs ({engine.config.max_num_seqs}), "
+            f"got {batch_size}"
+        )
     # The first token, num_steps decodes and, with overlap, one decode issued before a pause takes effect.
     max_tokens = num_steps + 2
     if not 1 <= prompt_len <= engine.max_model_len - max_tokens:
-        raise ValueError(f"prompt_len must be in [1, max_model_len - {max_tokens}] "
-                         f"({engine.max_model_len - max_tokens}), got {prompt_len}")
+        raise ValueError(
+            f"prompt_len must be in [1, max_model_len - {max_tokens}] "
+            f"({engine.max_model_len - max_tokens}), got {prompt_len}"
+        )
     rng = np.random.default_rng(0)
     ids = [f"decode-step-{i}" for i in range(batch_size)]
     for request_id in ids:
-        engine.add_request(request_id, rng.integers(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size,
-                                                    prompt_len).tolist(),
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            request_id,
+            rng.integers(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size, prompt_len).tolist(),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
     first_step, first_preemptions = len(engine.step_records), engine.scheduler.num_preemptions
     prefilled: set[str] = set()
     steps, preempted = [], False
@@ -199,16 +233,21 @@ def measure_decode_step(engine, batch_size: int = 32, prompt_len: int = 128, num
                         engine.resume_request(request_id)
         # a preemption means the KV cache cannot hold the batch: it would never settle
         preempted = engine.scheduler.num_preemptions > first_preemptions
-        steps += [r for r in engine.step_records[seen:]
-                  if r.num_seqs == r.num_decode_tokens == batch_size and r.num_prefill_tokens == 0]
+        steps += [
+            r
+            for r in engine.step_records[seen:]
+            if r.num_seqs == r.num_decode_tokens == batch_size and r.num_prefill_tokens == 0
+        ]
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     if len(steps) < num_steps:
-        raise ValueError(f"batch_size: only {len(steps)} of {num_steps} steps had all {batch_size} sequences "
-                         f"decoding alone in {len(engine.step_records) - first_step} steps"
-                         f"{' (stopped at a preemption: too few KV blocks)' if preempted else ''}")
+        raise ValueError(
+            f"batch_size: only {len(steps)} of {num_steps} steps had all {batch_size} sequences "
+            f"decoding alone in {len(engine.step_records) - first_step} steps"
+            f"{' (stopped at a preemption: too few KV blocks)' if preempted else ''}"
+        )
     return float(np.median([r.step_time for r in steps])), steps
 
 
@@ -280,8 +319,13 @@ class ServerTarget(_RemoteTarget):
 
         # One connection per request, as an HTTP client would: no per-connection in-flight limit applies.
         async with AsyncClient(self.host, self.port, api_key=self.api_key) as client:
-            async for chunk in client.generate_stream(spec.prompt_token_ids, max_tokens=spec.max_tokens,
-                                                      temperature=0.0, ignore_eos=True, priority=spec.priority):
+            async for chunk in client.generate_stream(
+                spec.prompt_token_ids,
+                max_tokens=spec.max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                priority=spec.priority,
+            ):
                 now = time.monotonic() - start
                 record.token_times.extend([now] * len(chunk.token_ids))
 
@@ -294,7 +338,9 @@ class OpenAITarget(_RemoteTarget):
     which `bench run` reads for the context length) says vLLM asks for its `continuous_usage_stats`; other
     servers may reject that option (minisarathi's HTTP door does)."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", model: str | None = None, api_key: str | None = None):
+    def __init__(
+        self, url: str = "http://127.0.0.1:8000", model: str | None = None, api_key: str | None = None
+    ):
         super().__init__()
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -302,7 +348,7 @@ class OpenAITarget(_RemoteTarget):
         self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
         self.path = parts.path.rstrip("/") + "/v1/completions"
         self.model, self.api_key = model, api_key
-        self.continuous_usage = False    # ask for usage in every event: set by model_card() for vLLM
+        self.continuous_usage = False  # ask for usage in every event: set by model_card() for vLLM
 
     def model_card(self) -> dict:
         """The served model's entry in GET /v1/models (`model`'s, else the first; `model` becomes its id), for
@@ -310,8 +356,11 @@ class OpenAITarget(_RemoteTarget):
         models_url = self.url + "/v1/models"
         connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
-            connection.request("GET", self.path.removesuffix("/completions") + "/models",
-                               headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            connection.request(
+                "GET",
+                self.path.removesuffix("/completions") + "/models",
+                headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
+            )
             response = connection.getresponse()
             body = response.read()
         except OSError as e:
@@ -327,25 +376,37 @@ class OpenAITarget(_RemoteTarget):
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"url {models_url}: not an OpenAI model list") from None
         except StopIteration:
-            raise ValueError(f"url {models_url}: no model {self.model!r} (it serves "
-                             f"{', '.join(repr(c.get('id')) for c in cards)})") from None
+            raise ValueError(
+                f"url {models_url}: no model {self.model!r} (it serves "
+                f"{', '.join(repr(c.get('id')) for c in cards)})"
+            ) from None
         self.model = card["id"]
         self.continuous_usage = card.get("owned_by") == "vllm"
         return card
 
     async def stream(self, spec, record, start) -> None:
-        body = {"prompt": spec.prompt_token_ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "prompt": spec.prompt_token_ids,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         if self.continuous_usage:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if self.model:
             body["model"] = self.model
-        if spec.priority:   # vLLM's extension (its --scheduling-policy priority)
+        if spec.priority:  # vLLM's extension (its --scheduling-policy priority)
             body["priority"] = spec.priority
         payload = json.dumps(body).encode()
-        headers = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                   "Content-Type: application/json", "Accept: text/event-stream", "Connection: close",
-                   f"Content-Length: {len(payload)}"]
+        headers = [
+            f"POST {self.path} HTTP/1.1",
+            f"Host: {self.host}:{self.port}",
+            "Content-Type: application/json",
+            "Accept: text/event-stream",
+            "Connection: close",
+            f"Content-Length: {len(payload)}",
+        ]
         if self.api_key:
             headers.append(f"Authorization: Bearer {self.api_key}")
         reader, writer = await asyncio.open_connection(self.host, self.port)
@@ -359,12 +420,12 @@ class OpenAITarget(_RemoteTarget):
                 if "error" in data:
                     raise RuntimeError(f"server error: {data['error']}")
                 choice = (data.get("choices") or [None])[0]
-                if choice is None:      # the closing usage-only event
+                if choice is None:  # the closing usage-only event
                     continue
                 usage = data.get("usage") or {}
                 if "completion_tokens" in usage:
                     tokens = usage["completion_tokens"] - len(record.token_times)
-                else:   # one token, unless it is a closing event with no text, only the finish reason
+                else:  # one token, unless it is a closing event with no text, only the finish reason
                     tokens = int(bool(choice.get("text")) or choice.get("finish_reason") is None)
                 record.token_times.extend([time.monotonic() - start] * tokens)
         finally:
@@ -375,14 +436,14 @@ async def _sse_events(reader: asyncio.StreamReader):
     """The `data:` payloads of an HTTP response's server-sent events (raises on a non-200 status)."""
     status = (await reader.readline()).decode("latin-1").split()
     headers = {}
-    while (line := (await reader.readline()).decode("latin-1").strip()):
+    while line := (await reader.readline()).decode("latin-1").strip():
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip().lower()
     if len(status) < 2 or status[1] != "200":
         detail = (await reader.read(2048)).decode("utf-8", "replace")
         raise RuntimeError(f"HTTP {' '.join(status[1:]) or 'no status'}: {detail.strip()[:200]}")
     buffer = ""
-    text = codecs.getincrementaldecoder("utf-8")()   # a character may straddle two reads
+    text = codecs.getincrementaldecoder("utf-8")()  # a character may straddle two reads
     async for piece in _body(reader, headers.get("transfer-encoding") == "chunked"):
         buffer += text.decode(piece)
         *events, buffer = buffer.replace("\r\n", "\n").split("\n\n")
@@ -402,4 +463,4 @@ async def _body(reader: asyncio.StreamReader, chunked: bool):
         if size == 0:
             return
         yield await reader.readexactly(size)
-        await reader.readexactly(2)   # the CRLF after each chunk
+        await reader.readexactly(2)  # the CRLF after each chunk

@@ -8,6 +8,7 @@ Optionally a share of the requests gets prompts `long_factor` x the median promp
 and a share gets priority 0 while the others get 1; such requests are tagged with a group ("long" /
 "short", "high" / "low") that the metrics are also broken down by.
 """
+
 from __future__ import annotations
 
 import csv
@@ -19,30 +20,34 @@ import numpy as np
 LENGTHS = ("fixed", "uniform", "zipf", "trace")
 ARRIVALS = ("poisson", "gamma", "static", "trace")
 SHAREGPT_TRACE = Path(__file__).resolve().parent / "data" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
-FIRST_PROMPT_TOKEN = 3   # skip <unk>, <s>, </s>: synthetic prompts are plain tokens
+FIRST_PROMPT_TOKEN = 3  # skip <unk>, <s>, </s>: synthetic prompts are plain tokens
 
 
 @dataclass
 class WorkloadConfig:
     num_requests: int = 64
     lengths: str = "trace"
-    prompt_len: int = 128             # fixed
-    decode_len: int = 32              # fixed
-    min_total_tokens: int = 64        # uniform, zipf: prompt + output tokens in [min_total_tokens, max_total_tokens]
+    prompt_len: int = 128  # fixed
+    decode_len: int = 32  # fixed
+    min_total_tokens: int = (
+        64  # uniform, zipf: prompt + output tokens in [min_total_tokens, max_total_tokens]
+    )
     max_total_tokens: int = 512
-    pd_ratio: float = 4.0             # uniform, zipf: prefill tokens / decode tokens
-    zipf_theta: float = 0.6           # zipf: P(total = min_total_tokens + k - 1) ~ k^-theta
-    trace: str | None = None          # trace CSV; None: the bundled ShareGPT trace
-    trace_scale: float = 1.0          # multiplies both parts of every trace row before the max-length cut
-    max_model_len: int = 4096         # rows longer than this are scaled down proportionally
+    pd_ratio: float = 4.0  # uniform, zipf: prefill tokens / decode tokens
+    zipf_theta: float = 0.6  # zipf: P(total = min_total_tokens + k - 1) ~ k^-theta
+    trace: str | None = None  # trace CSV; None: the bundled ShareGPT trace
+    trace_scale: float = 1.0  # multiplies both parts of every trace row before the max-length cut
+    max_model_len: int = 4096  # rows longer than this are scaled down proportionally
     arrivals: str = "poisson"
-    qps: float = 1.0                  # poisson, gamma: mean requests per second
-    cv: float = 2.0                   # gamma: coefficient of variation of inter-arrival times
+    qps: float = 1.0  # poisson, gamma: mean requests per second
+    cv: float = 2.0  # gamma: coefficient of variation of inter-arrival times
     arrival_trace: str | None = None  # trace: CSV with an `arrived_at` column (seconds)
     vocab_size: int = 512
-    long_fraction: float = 0.0        # this share of the requests get prompts long_factor x the median prompt
+    long_fraction: float = 0.0  # this share of the requests get prompts long_factor x the median prompt
     long_factor: float = 16.0
-    high_priority_fraction: float = 0.0   # this share get priority 0, the others 1 (0: every request priority 0)
+    high_priority_fraction: float = (
+        0.0  # this share get priority 0, the others 1 (0: every request priority 0)
+    )
     seed: int = 0
 
     def __post_init__(self):
@@ -50,18 +55,30 @@ class WorkloadConfig:
             raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
         if self.arrivals not in ARRIVALS:
             raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
-        for name in ("num_requests", "prompt_len", "decode_len", "min_total_tokens", "max_total_tokens",
-                     "max_model_len"):
+        for name in (
+            "num_requests",
+            "prompt_len",
+            "decode_len",
+            "min_total_tokens",
+            "max_total_tokens",
+            "max_model_len",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (a prompt and an output token), got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt and an output token), got {self.max_model_len}"
+            )
         if self.min_total_tokens > self.max_total_tokens:
-            raise ValueError(f"min_total_tokens ({self.min_total_tokens}) must be <= max_total_tokens "
-                             f"({self.max_total_tokens})")
+            raise ValueError(
+                f"min_total_tokens ({self.min_total_tokens}) must be <= max_total_tokens "
+                f"({self.max_total_tokens})"
+            )
         if self.min_total_tokens < 2:
-            raise ValueError(f"min_total_tokens must be >= 2 (a prompt and an output token), got {self.min_total_tokens}")
+            raise ValueError(
+                f"min_total_tokens must be >= 2 (a prompt and an output token), got {self.min_total_tokens}"
+            )
         for name in ("pd_ratio", "trace_scale", "qps", "cv"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -72,30 +89,36 @@ class WorkloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        if isinstance(self.long_factor, bool) or not isinstance(self.long_factor, (int, float)) \
-                or not self.long_factor >= 1:
+        if (
+            isinstance(self.long_factor, bool)
+            or not isinstance(self.long_factor, (int, float))
+            or not self.long_factor >= 1
+        ):
             raise ValueError(f"long_factor must be a number >= 1, got {self.long_factor!r}")
         if self.vocab_size <= FIRST_PROMPT_TOKEN:
             raise ValueError(f"vocab_size must be > {FIRST_PROMPT_TOKEN}, got {self.vocab_size}")
         if self.arrivals == "trace" and not self.arrival_trace:
-            raise ValueError("arrival_trace must name a CSV with an arrived_at column when arrivals is 'trace'")
+            raise ValueError(
+                "arrival_trace must name a CSV with an arrived_at column when arrivals is 'trace'"
+            )
 
 
 @dataclass
 class RequestSpec:
     request_id: str
-    arrival_time: float          # seconds after the run starts
+    arrival_time: float  # seconds after the run starts
     prompt_token_ids: list[int]
-    max_tokens: int              # forced decode length
+    max_tokens: int  # forced decode length
     priority: int = 0
-    group: str = ""              # "long" / "short", "high" / "low" (joined by "+"), or "" when untagged
+    group: str = ""  # "long" / "short", "high" / "low" (joined by "+"), or "" when untagged
 
 
 def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
     """The same config always gives the same requests; lengths, arrivals, prompts, long prompts and priorities
     draw from separate streams."""
-    lengths_rng, arrivals_rng, prompts_rng, long_rng, priority_rng = (np.random.default_rng([cfg.seed, i])
-                                                                      for i in range(5))
+    lengths_rng, arrivals_rng, prompts_rng, long_rng, priority_rng = (
+        np.random.default_rng([cfg.seed, i]) for i in range(5)
+    )
     prompt_lens, decode_lens = request_lengths(cfg, lengths_rng)
     groups = [[] for _ in range(cfg.num_requests)]
     if cfg.long_fraction > 0:
@@ -110,14 +133,22 @@ def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
         for g, priority in zip(groups, priorities):
             g.append("low" if priority else "high")
     arrivals = arrival_times(cfg, arrivals_rng)
-    return [RequestSpec(f"req-{i}", float(arrivals[i]),
-                        prompts_rng.integers(FIRST_PROMPT_TOKEN, cfg.vocab_size, int(prompt_lens[i])).tolist(),
-                        int(decode_lens[i]), int(priorities[i]), "+".join(groups[i]))
-            for i in range(cfg.num_requests)]
+    return [
+        RequestSpec(
+            f"req-{i}",
+            float(arrivals[i]),
+            prompts_rng.integers(FIRST_PROMPT_TOKEN, cfg.vocab_size, int(prompt_lens[i])).tolist(),
+            int(decode_lens[i]),
+            int(priorities[i]),
+            "+".join(groups[i]),
+        )
+        for i in range(cfg.num_requests)
+    ]
 
 
 def request_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt lengths, decode lengths), int64[num_requests] each, every part >= 1 and total <= max_model_len."""
+    """(prompt lengths, decode lengths), int64[num_requests] each, every part >= 1 and total <=
+    max_model_len."""
     n = cfg.num_requests
     if cfg.lengths == "fixed":
         prompt, decode = np.full(n, cfg.prompt_len), np.full(n, cfg.decode_len)
@@ -174,7 +205,7 @@ def arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     if cfg.arrivals == "poisson":
         gaps = np.minimum(rng.exponential(mean, n - 1), 3 * mean)
     elif cfg.arrivals == "gamma":
-        shape = 1.0 / cfg.cv ** 2
+        shape = 1.0 / cfg.cv**2
         gaps = rng.gamma(shape, mean / shape, n - 1)
     else:
         (times,) = _read_csv_columns(cfg.arrival_trace, ("arrived_at",), "arrival_trace")
@@ -201,8 +232,10 @@ def _read_csv_columns(path, names: tuple[str, ...], field: str) -> list[list[flo
                     try:
                         column.append(float(row[name]))
                     except (TypeError, ValueError):
-                        raise ValueError(f"{field} {path}, line {reader.line_num}: {name} must be a number, "
-                                         f"got {row[name]!r}") from None
+                        raise ValueError(
+                            f"{field} {path}, line {reader.line_num}: {name} must be a number, "
+                            f"got {row[name]!r}"
+                        ) from None
     except OSError as e:
         raise ValueError(f"{field} {path}: cannot be read ({e.strerror or e})") from None
     except UnicodeDecodeError:

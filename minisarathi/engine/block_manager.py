@@ -6,11 +6,12 @@ sequence's whole final length at admission.
 
 Prefix caching: a full, computed block is named by a chained hash of (parent block's hash, its tokens),
 so a hash stands for the whole prefix up to the block's end. The hash is SHA-256: with Python's hash() a
-client could craft a prompt whose blocks collide with another's and be served its KV (vLLM's CVE-2025-25183). When a sequence is admitted it takes the
-cached blocks of its longest cached prefix (ref count + 1) and skips computing them, but always leaves
-at least its last token to compute, so there are logits to sample. A cached block whose ref count drops
-to 0 stays findable in an LRU list and is evicted only when the free list runs dry. Queries and hits
-are counted in tokens: each admission queries all its tokens and hits the ones it reuses.
+client could craft a prompt whose blocks collide with another's and be served its KV (vLLM's CVE-2025-25183).
+When a sequence is admitted it takes the cached blocks of its longest cached prefix (ref count + 1) and skips
+computing them, but always leaves at least its last token to compute, so there are logits to sample. A cached
+block whose ref count drops to 0 stays findable in an LRU list and is evicted only when the free list runs
+dry. Queries and hits are counted in tokens: each admission queries all its tokens and hits the ones it
+reuses.
 
 Parallel sampling (n > 1): the n choices of a request share its prompt's blocks (`fork`, ref count + 1
 each), computed once. Full blocks are immutable; the partial last block is copied when a choice first
@@ -23,6 +24,7 @@ off the free list until `take_copies`, so no block is both a source and a destin
 Every admitted sequence also owns a row of `tables`, a matrix that mirrors its block table (zero-padded), so
 the batch builder takes a step's block tables with one NumPy gather instead of converting lists every step.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,15 +45,17 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))   # ref 0 and not in the prefix cache
-        self.evictable: OrderedDict[int, None] = OrderedDict()     # ref 0 but cached, least recently used first
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0 and not in the prefix cache
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, least recently used first
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached_blocks: dict[bytes, int] = {}                   # hash -> block
-        self.prefix_queries = 0   # tokens looked up at admission
-        self.prefix_hits = 0      # of them, tokens served from the cache
-        self.tables = np.zeros((16, 16), np.int32)   # int32[rows, width]: row seq.block_row = seq.block_table
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of them, tokens served from the cache
+        self.tables = np.zeros((16, 16), np.int32)  # int32[rows, width]: row seq.block_row = seq.block_table
         self._free_rows = list(range(16))
-        self.pending_copies: list[tuple[int, int]] = []   # (source, destination) blocks to copy before the forward
+        self.pending_copies: list[
+            tuple[int, int]
+        ] = []  # (source, destination) blocks to copy before the forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,8 +84,9 @@ class BlockManager:
         return hits
 
     def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int) -> bool:
-        """Whether seq can take `cached` and grow to `num_tokens` tokens while `watermark` blocks stay free."""
-        revived = sum(1 for b in cached if self.ref_counts[b] == 0)   # evictable blocks it takes off the pool
+        """Whether seq can take `cached` and grow to `num_tokens` tokens while `watermark` blocks stay
+        free."""
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # evictable blocks it takes off the pool
         new = self.blocks_for(num_tokens) - len(cached)
         return self.num_free_blocks - revived - new >= watermark
 
@@ -94,7 +99,7 @@ class BlockManager:
         seq.block_table = list(cached)
         seq.block_row = self._take_row()
         self._widen(len(cached))
-        self.tables[seq.block_row, :len(cached)] = cached
+        self.tables[seq.block_row, : len(cached)] = cached
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
         if self.enable_prefix_caching:
@@ -141,12 +146,12 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child (a choice of the same request) shares the blocks of parent's computed tokens; whichever of
         them first writes into the shared partial block gets a copy of it (grow)."""
-        shared = parent.block_table[:self.blocks_for(parent.num_computed_tokens)]
+        shared = parent.block_table[: self.blocks_for(parent.num_computed_tokens)]
         for block in shared:
             self.ref_counts[block] += 1
         child.block_table = list(shared)
         child.block_row = self._take_row()
-        self.tables[child.block_row, :len(shared)] = shared
+        self.tables[child.block_row, : len(shared)] = shared
         parent.fork_tail = child.fork_tail = parent.num_computed_tokens % self.block_size != 0
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
@@ -156,7 +161,7 @@ class BlockManager:
         """The step's (source, destination) pairs, to be copied now: their sources' references are dropped."""
         copies, self.pending_copies = self.pending_copies, []
         for source, _ in copies:
-            if self.ref_counts[source] == 0:   # its last holder left in the same pass (_release kept it)
+            if self.ref_counts[source] == 0:  # its last holder left in the same pass (_release kept it)
                 self._list_idle(source)
         return copies
 
@@ -215,14 +220,15 @@ class BlockManager:
             self.evictable[block] = None
 
     def _take_row(self) -> int:
-        if not self._free_rows:   # more sequences than ever before: twice the rows
+        if not self._free_rows:  # more sequences than ever before: twice the rows
             rows = len(self.tables)
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
             self._free_rows = list(range(rows, 2 * rows))
         return self._free_rows.pop()
 
     def _widen(self, num_blocks: int) -> None:
-        """Make `tables` hold rows of `num_blocks` blocks (a longer table than ever before: the next power of 2)."""
+        """Make `tables` hold rows of `num_blocks` blocks (a longer table than ever before: the next power of
+        2)."""
         width = self.tables.shape[1]
         if num_blocks > width:
             wider = np.zeros((len(self.tables), 1 << (num_blocks - 1).bit_length()), np.int32)
@@ -249,7 +255,7 @@ class BlockManager:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, seq.request_id
             assert seq.block_row >= 0, f"{seq.request_id} runs without a row of tables"
-            rows[seq.block_row, :len(seq.block_table)] = seq.block_table
+            rows[seq.block_row, : len(seq.block_table)] = seq.block_table
             for block in seq.block_table:
                 expected[block] += 1
         assert expected == self.ref_counts, "ref counts disagree with the block tables"
@@ -264,4 +270,5 @@ class BlockManager:
             if block in free or block in evictable:
                 assert (block in evictable) == (self.block_hash[block] is not None), f"block {block} misfiled"
         assert {b: h for h, b in self.cached_blocks.items()} == {
-            b: h for b, h in enumerate(self.block_hash) if h is not None}, "hash index out of sync"
+            b: h for b, h in enumerate(self.block_hash) if h is not None
+        }, "hash index out of sync"

@@ -9,6 +9,7 @@ non-negative (so that more work never predicts less time, which the budget searc
 sliding window of recent steps plus the start-up profile's steps, which keep the directions the recent
 load does not exercise (e.g. prefill cost during a decode-only stretch) anchored.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 FEATURES = ("overhead", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_attention")
-WINDOW = 512            # recent steps the fit covers
-REFIT_EVERY = 16        # steps between refits (a fit over 512 x 5 rows costs ~0.2 ms)
-OUTLIER_MADS = 5.0      # steps further than this many median absolute deviations (relative error) are outliers
-OUTLIER_PASSES = 3      # fits at most per refit
-EARLY_REFIT_SECONDS = 0.01   # a step at least this long ...
-EARLY_REFIT_ERROR = 0.2      # ... that missed its prediction by this share of its time is refitted at once,
-EARLY_REFIT_GAP = 4          # ... if at least this many steps came since the last fit (noisy steps miss often)
+WINDOW = 512  # recent steps the fit covers
+REFIT_EVERY = 16  # steps between refits (a fit over 512 x 5 rows costs ~0.2 ms)
+OUTLIER_MADS = 5.0  # steps further than this many median absolute deviations (relative error) are outliers
+OUTLIER_PASSES = 3  # fits at most per refit
+EARLY_REFIT_SECONDS = 0.01  # a step at least this long ...
+EARLY_REFIT_ERROR = 0.2  # ... that missed its prediction by this share of its time is refitted at once,
+EARLY_REFIT_GAP = 4  # ... if at least this many steps came since the last fit (noisy steps miss often)
 # predicted / actual ratios: upper bucket edges of the prediction-error histogram
 ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("inf"))
 
@@ -30,10 +31,11 @@ ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("in
 @dataclass(slots=True)
 class StepShape:
     """What a step computes, in the cost model's features (the overhead's feature is the constant 1)."""
+
     prefill_tokens: int = 0
     decode_seqs: int = 0
-    prefill_attention: int = 0   # sum over prefill tokens of their context length (position + 1)
-    decode_attention: int = 0    # sum over decodes of their context length
+    prefill_attention: int = 0  # sum over prefill tokens of their context length (position + 1)
+    decode_attention: int = 0  # sum over decodes of their context length
 
     def add_prefill(self, start: int, n: int) -> None:
         """n prompt tokens at positions start .. start + n - 1."""
@@ -51,12 +53,12 @@ def chunk_attention(start: int, n: int) -> int:
 
 
 def step_shape(scheduled) -> StepShape:
-    """The shape of a step from the scheduler's {sequence: tokens} before the step computes them. It runs every
-    step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence)."""
+    """The shape of a step from the scheduler's {sequence: tokens} before the step computes them. It runs
+    every step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence)."""
     prefill_tokens = decodes = prefill_attention = decode_history = 0
     for seq, n in scheduled.items():
         start = seq.num_computed_tokens
-        if start >= seq.num_prefill_tokens:   # a decode: its one token sees the history and itself
+        if start >= seq.num_prefill_tokens:  # a decode: its one token sees the history and itself
             decodes += 1
             decode_history += start
         else:
@@ -71,15 +73,15 @@ class CostModel:
         them and fit when summary() is read, which keeps the fits off the step loop."""
         self.refit_every = refit_every
         self.online = online
-        self._rows = np.zeros((window, len(FEATURES)))   # float64[window, features], a ring
-        self._times = np.zeros(window)                   # float64[window] seconds
-        self._num_rows = 0                               # rows written since the start
+        self._rows = np.zeros((window, len(FEATURES)))  # float64[window, features], a ring
+        self._times = np.zeros(window)  # float64[window] seconds
+        self._num_rows = 0  # rows written since the start
         self._anchor_rows = np.zeros((0, len(FEATURES)))  # the start-up profile's steps, always in the fit
         self._anchor_times = np.zeros(0)
         self._since_fit = 0
-        self.coefficients: np.ndarray | None = None      # float64[features], seconds per unit; None: no fit yet
+        self.coefficients: np.ndarray | None = None  # float64[features], seconds per unit; None: no fit yet
         self.num_fits = 0
-        self.error_counts = [0] * len(ERROR_BUCKETS)     # predicted / actual, bucketed by ERROR_BUCKETS
+        self.error_counts = [0] * len(ERROR_BUCKETS)  # predicted / actual, bucketed by ERROR_BUCKETS
 
     @property
     def fitted(self) -> bool:
@@ -92,7 +94,8 @@ class CostModel:
         self.fit()
 
     def add(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
-        """One measured step (and what was predicted for it, for the error histogram); refits every few steps."""
+        """One measured step (and what was predicted for it, for the error histogram); refits every few
+        steps."""
         i = self._num_rows % len(self._times)
         self._rows[i] = _features(shape)
         self._times[i] = seconds
@@ -105,10 +108,17 @@ class CostModel:
         # at once after a long step that missed its prediction by far (the load changed: follow it now)
         if not self.online:
             return
-        missed = (predicted is not None and seconds >= EARLY_REFIT_SECONDS and self._since_fit >= EARLY_REFIT_GAP
-                  and abs(seconds - predicted) > EARLY_REFIT_ERROR * seconds)
-        if self._since_fit >= self.refit_every or missed or (not self.fitted
-                                                             and self._num_rows >= 2 * len(FEATURES)):
+        missed = (
+            predicted is not None
+            and seconds >= EARLY_REFIT_SECONDS
+            and self._since_fit >= EARLY_REFIT_GAP
+            and abs(seconds - predicted) > EARLY_REFIT_ERROR * seconds
+        )
+        if (
+            self._since_fit >= self.refit_every
+            or missed
+            or (not self.fitted and self._num_rows >= 2 * len(FEATURES))
+        ):
             self.fit()
 
     def fit(self) -> None:
@@ -119,10 +129,12 @@ class CostModel:
         x = np.vstack([self._rows[:n], self._anchor_rows])
         y = np.concatenate([self._times[:n], self._anchor_times])
         self._since_fit = 0
-        if not _determined(x):   # e.g. a time-limited profile without a decode shape: keep the fixed budget
+        if not _determined(x):  # e.g. a time-limited profile without a decode shape: keep the fixed budget
             return
         keep = np.ones(len(y), dtype=bool)
-        for _ in range(OUTLIER_PASSES):   # a fit dragged by stalls mislabels some rows: trim again from the better one
+        for _ in range(
+            OUTLIER_PASSES
+        ):  # a fit dragged by stalls mislabels some rows: trim again from the better one
             coefficients = _non_negative_least_squares(x[keep], y[keep])
             predicted = x @ coefficients
             relative = (y - predicted) / np.maximum(predicted, 1e-9)
@@ -138,8 +150,13 @@ class CostModel:
         if self.coefficients is None:
             return None
         c = self.coefficients
-        return float(c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs
-                     + c[3] * shape.prefill_attention + c[4] * shape.decode_attention)
+        return float(
+            c[0]
+            + c[1] * shape.prefill_tokens
+            + c[2] * shape.decode_seqs
+            + c[3] * shape.prefill_attention
+            + c[4] * shape.decode_attention
+        )
 
     def prefill_time(self, start: int, n: int) -> float:
         """Predicted time n prompt tokens at positions start.. add to a step."""
@@ -154,7 +171,7 @@ class CostModel:
         c = self.coefficients
         a, b = c[3] / 2, c[1] + c[3] * (start + 0.5)
         if a <= 0 and b <= 0:
-            return 1 << 30    # prefill predicted free: only the token budget limits it
+            return 1 << 30  # prefill predicted free: only the token budget limits it
         # the positive root in the form that does not cancel when a is tiny next to b (fits of ~1e-20 are
         # common); a = 0 gives seconds / b
         n = int(2 * seconds / (b + np.sqrt(b * b + 4 * a * seconds)))
@@ -168,8 +185,13 @@ class CostModel:
         if not self.online and self._since_fit:
             self.fit()
         coefficients = None if self.coefficients is None else dict(zip(FEATURES, self.coefficients.tolist()))
-        return {"coefficients": coefficients, "fits": self.num_fits,
-                "error_histogram": {f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)}}
+        return {
+            "coefficients": coefficients,
+            "fits": self.num_fits,
+            "error_histogram": {
+                f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)
+            },
+        }
 
 
 def _non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

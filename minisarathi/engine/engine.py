@@ -1,4 +1,5 @@
 """LLMEngine: requests in, one batch per step (schedule, build, forward, sample, update), outputs out."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,18 +11,16 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from minisarathi.backends.cpu.process_setup import configure_cpu
-from minisarathi.config import EngineConfig
 from minisarathi.batch import Batch, make_batch
+from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.overlap import Overlap, overlaps
 from minisarathi.engine.profile import run_profile
 from minisarathi.engine.scheduler import SchedulerOutput
-from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
+from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.llama import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -32,9 +31,8 @@ from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import STREAM_CONTEXT, IncrementalDetokenizer, Tokenizer
 from minisarathi.validation import PRIORITY_RANGE, check_float, check_int
 
-
-CPU_KV_CACHE_BYTES = 256 << 20   # the default KV budget where the backend reports no device memory
-GPU_KV_CACHE_FRACTION = 0.9      # of the device memory free after the weights: the rest is for activations
+CPU_KV_CACHE_BYTES = 256 << 20  # the default KV budget where the backend reports no device memory
+GPU_KV_CACHE_FRACTION = 0.9  # of the device memory free after the weights: the rest is for activations
 
 log = logging.getLogger("minisarathi.engine")
 
@@ -53,23 +51,26 @@ def load_engine_model(path: Path, config: EngineConfig):
     """A LlamaModel in this process, or with tensor_parallel_size > 1 a TensorParallelModel (its ranks)."""
     if config.tensor_parallel_size == 1:
         return load_model(path, device=config.device, dtype=config.dtype)
-    return TensorParallelModel(path, config.device, config.dtype, config.tensor_parallel_size, config.rank_timeout_s)
+    return TensorParallelModel(
+        path, config.device, config.dtype, config.tensor_parallel_size, config.rank_timeout_s
+    )
 
 
 @dataclass(eq=False)
 class Step:
     """A step whose forward (then sampling) is issued on the backend; its ids are not on the host yet."""
+
     schedule: SchedulerOutput
-    starts: list[int]                 # each scheduled chunk's first position
-    samplers: list[Sequence]          # the sequences that sample: one per row of logits, then of the ids
-    logits: Any                       # float32 or activation dtype [len(samplers), vocab], on the device
+    starts: list[int]  # each scheduled chunk's first position
+    samplers: list[Sequence]  # the sequences that sample: one per row of logits, then of the ids
+    logits: Any  # float32 or activation dtype [len(samplers), vocab], on the device
     shape: StepShape
     predicted: float | None
     num_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
-    schedule_time: float              # scheduling and batch building
-    issue_time: float                 # issuing the forward, then the sampling
+    schedule_time: float  # scheduling and batch building
+    issue_time: float  # issuing the forward, then the sampling
     sampled: PendingSample | None = None
 
     @property
@@ -109,8 +110,10 @@ class LLMEngine:
         self.model_config = self.model.config
         max_positions = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_positions:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({max_positions})")
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
         self.max_model_len = config.max_model_len or max_positions
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
@@ -128,41 +131,74 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
-        if config.tbt_slo_ms is not None:   # a fit before the first step; the pool holds no sequence yet
-            self.cost_model.add_profile(*run_profile(
-                self.model, self.kv_cache, self.sampler, config.block_size, num_blocks, config.chunk_size,
-                self.max_model_len, config.max_num_seqs))
-        if config.tensor_parallel_size == 1:   # after the profile, whose steps would capture graphs
+        if config.tbt_slo_ms is not None:  # a fit before the first step; the pool holds no sequence yet
+            self.cost_model.add_profile(
+                *run_profile(
+                    self.model,
+                    self.kv_cache,
+                    self.sampler,
+                    config.block_size,
+                    num_blocks,
+                    config.chunk_size,
+                    self.max_model_len,
+                    config.max_num_seqs,
+                )
+            )
+        if config.tensor_parallel_size == 1:  # after the profile, whose steps would capture graphs
             self._use_decode_buckets(config)
-        self.requests: dict[str, Sequence] = {}     # unfinished requests by id
-        self.model_failure: TensorParallelError | None = None   # set once the model's ranks died or hung
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.model_failure: TensorParallelError | None = None  # set once the model's ranks died or hung
         self.step_records = StepLog(STEP_RECORDS_KEPT)
-        self._aborted: list[Sequence] = []           # finished by abort_request, reported by the next step
+        self._aborted: list[Sequence] = []  # finished by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
 
     def _use_decode_buckets(self, config: EngineConfig) -> None:
-        capture = self.model.ops.device in ("cuda", "cuda-emulated")   # the host backends have no graphs
+        capture = self.model.ops.device in ("cuda", "cuda-emulated")  # the host backends have no graphs
         if config.cuda_graphs if config.cuda_graphs is not None else capture:
-            buckets = self.model.use_decode_buckets(config.max_num_seqs, self.max_model_len, config.block_size,
-                                                    self.kv_cache if capture else None)
+            buckets = self.model.use_decode_buckets(
+                config.max_num_seqs, self.max_model_len, config.block_size, self.kv_cache if capture else None
+            )
             graphs = self.model.decode_graphs.buckets
-            log.info("decode steps padded to batch-size buckets %s%s", buckets,
-                     f" (no graphs on {self.model.ops.device})" if not capture else
-                     ", CUDA graphs captured for each" if graphs else ", CUDA graphs off: capture failed")
+            log.info(
+                "decode steps padded to batch-size buckets %s%s",
+                buckets,
+                f" (no graphs on {self.model.ops.device})"
+                if not capture
+                else ", CUDA graphs captured for each"
+                if graphs
+                else ", CUDA graphs off: capture failed",
+            )
 
     # requests ---------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, stream: bool = True, priority: int = 0) -> None:
-        """stream=False: step() reports the request only once, when it finishes (vLLM's FINAL_ONLY output kind),
-        which spares a RequestOutput and a copy of its tokens per step when only the result matters.
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        stream: bool = True,
+        priority: int = 0,
+    ) -> None:
+        """stream=False: step() reports the request only once, when it finishes (vLLM's FINAL_ONLY output
+        kind), which spares a RequestOutput and a copy of its tokens per step when only the result matters.
         priority: lower runs first (docs/scheduling.md, "Priorities")."""
-        self.add_sequence(self.prepare_request(request_id, prompt, params, arrival_time, stream=stream,
-                                               priority=priority))
+        self.add_sequence(
+            self.prepare_request(request_id, prompt, params, arrival_time, stream=stream, priority=priority)
+        )
 
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        arrival_time: float | None = None, *, stream: bool = True, priority: int = 0) -> Sequence:
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        stream: bool = True,
+        priority: int = 0,
+    ) -> Sequence:
         """Validate and tokenize a request without queueing it (so a batch can be checked whole first)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -175,9 +211,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         # type(t) is int first: the ABC check alone costs ~1 us a token (7% of a burst's time at stories260K)
-        elif isinstance(prompt, (list, tuple)) and all(type(t) is int or (isinstance(t, Integral)
-                                                                          and not isinstance(t, bool))
-                                                        for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(
+            type(t) is int or (isinstance(t, Integral) and not isinstance(t, bool)) for t in prompt
+        ):
             text, ids = None, [int(t) for t in prompt]
         else:
             raise ValueError("prompt must be a str or a list of token ids")
@@ -189,10 +225,12 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
-        if params.n > self.config.max_num_seqs:   # its choices run at once: it could never be admitted
+        if params.n > self.config.max_num_seqs:  # its choices run at once: it could never be admitted
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})"
+            )
         # Generation ends at max_tokens or when the sequence reaches max_model_len (at least one token);
         # the last sampled token is never fed back, so the cache holds one token less than the final length.
         final_len = min(len(ids) + params.max_tokens, max(self.max_model_len, len(ids) + 1))
@@ -201,22 +239,32 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV blocks of "
                 f"{self.config.block_size} tokens but the pool has {self.block_manager.num_blocks}; "
-                "lower max_tokens or give the KV cache more blocks")
+                "lower max_tokens or give the KV cache more blocks"
+            )
         return Sequence(
-            request_id, text, ids, params,
+            request_id,
+            text,
+            ids,
+            params,
             RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             max_kv_tokens=final_len - 1,
             generator=None if params.seed is None else make_generator(params.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
-                                               params.min_tokens) if params.detokenize else None,
-            logprobs=None if params.logprobs is None else [], stream=stream, priority=priority)
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens
+            )
+            if params.detokenize
+            else None,
+            logprobs=None if params.logprobs is None else [],
+            stream=stream,
+            priority=priority,
+        )
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         seq.seq_id = next(self._arrivals)
         self.scheduler.add(seq)
-        self.requests[seq.request_id] = seq   # only once queued: a failed add leaves no request behind
+        self.requests[seq.request_id] = seq  # only once queued: a failed add leaves no request behind
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks; the next step reports it once, as "abort"."""
@@ -232,7 +280,8 @@ class LLMEngine:
 
     def pause_request(self, request_id: str) -> None:
         """Stop scheduling a request (a server pauses those whose client stopped reading), keeping its KV
-        blocks unless memory is needed; resume_request goes on with it. Unknown or finished ids are ignored."""
+        blocks unless memory is needed; resume_request goes on with it. Unknown or finished ids are
+        ignored."""
         seq = self.requests.get(request_id)
         if seq is not None:
             self.scheduler.pause(seq)
@@ -278,24 +327,36 @@ class LLMEngine:
             seq.metrics.preemption_times.append(start)
         if not schedule.scheduled:
             return None
-        shape = step_shape(schedule.scheduled)   # before _advance counts the chunks as computed
+        shape = step_shape(schedule.scheduled)  # before _advance counts the chunks as computed
         predicted = self.cost_model.predict(shape)
         starts = self._advance(schedule.scheduled, start)
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
         scheduled = time.monotonic()
         logits = self._forward(batch)
-        return Step(schedule, starts, samplers, logits, shape, predicted, batch.num_seqs, num_prefill,
-                            batch.num_tokens - num_prefill, schedule_time=scheduled - start,
-                            issue_time=time.monotonic() - scheduled)
+        return Step(
+            schedule,
+            starts,
+            samplers,
+            logits,
+            shape,
+            predicted,
+            batch.num_seqs,
+            num_prefill,
+            batch.num_tokens - num_prefill,
+            schedule_time=scheduled - start,
+            issue_time=time.monotonic() - scheduled,
+        )
 
     def _forward(self, batch: Batch):
         """Issue the step's block copies and forward; the logits of its sampling rows, on the device."""
         copies = self.block_manager.take_copies()
         try:
-            if copies:   # n > 1: shared partial blocks about to be written, copied while they hold what they held
+            if (
+                copies
+            ):  # n > 1: shared partial blocks about to be written, copied while they hold what they held
                 self.model.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
             return self.model.forward(batch, self.kv_cache, device_logits=True)
-        except TensorParallelError as e:   # the ranks are gone for good: fail every later step the same way
+        except TensorParallelError as e:  # the ranks are gone for good: fail every later step the same way
             self.model_failure = e
             raise
 
@@ -306,9 +367,13 @@ class LLMEngine:
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
         step.samplers, step.logits = samplers, None
-        step.sampled = self.sampler.launch(logits, [s.params for s in samplers], [s.generator for s in samplers],
-                                           [s.prompt_token_ids for s in samplers],
-                                           [s.output_token_ids for s in samplers])
+        step.sampled = self.sampler.launch(
+            logits,
+            [s.params for s in samplers],
+            [s.generator for s in samplers],
+            [s.prompt_token_ids for s in samplers],
+            [s.output_token_ids for s in samplers],
+        )
         step.issue_time += time.monotonic() - began
 
     def _complete(self, step: Step) -> tuple[float, list[RequestOutput]]:
@@ -325,11 +390,26 @@ class LLMEngine:
         self.cost_model.add(step.shape, step_time, step.predicted)
         schedule = step.schedule
         self.scheduler.observe(step.predicted, step_time)
-        self.step_records.append(StepRecord(
-            start, step.num_seqs, step.num_prefill_tokens, step.num_decode_tokens, len(schedule.preempted),
-            step.schedule_time, step.issue_time + ids_wait, step_time, step.shape.prefill_attention,
-            step.shape.decode_attention, step.predicted, schedule.time_limit, schedule.admission_stop,
-            schedule.overloaded, step_time - ids_wait, ids_wait))
+        self.step_records.append(
+            StepRecord(
+                start,
+                step.num_seqs,
+                step.num_prefill_tokens,
+                step.num_decode_tokens,
+                len(schedule.preempted),
+                step.schedule_time,
+                step.issue_time + ids_wait,
+                step_time,
+                step.shape.prefill_attention,
+                step.shape.decode_attention,
+                step.predicted,
+                schedule.time_limit,
+                schedule.admission_stop,
+                schedule.overloaded,
+                step_time - ids_wait,
+                ids_wait,
+            )
+        )
 
     def _advance(self, scheduled: dict[Sequence, int], now: float) -> list[int]:
         """Counts each granted chunk as computed (this step's forward computes it) and stamps the request's
@@ -346,7 +426,9 @@ class LLMEngine:
             starts.append(begin)
         return starts
 
-    def _make_batch(self, scheduled: dict[Sequence, int], starts: list[int]) -> tuple[Batch, list[Sequence], int]:
+    def _make_batch(
+        self, scheduled: dict[Sequence, int], starts: list[int]
+    ) -> tuple[Batch, list[Sequence], int]:
         """The flat batch of this step's chunks, the sequences that sample, and the number of prefill tokens.
         A chunk samples when it reaches the sequence's end."""
         token_ids, rows, sample, samplers = [], [], [], []
@@ -356,7 +438,7 @@ class LLMEngine:
             if end > max_end:
                 max_end = end
             rows.append(seq.block_row)
-            if begin >= seq.num_prefill_tokens:   # a decode: its one uncomputed token is the last sampled one
+            if begin >= seq.num_prefill_tokens:  # a decode: its one uncomputed token is the last sampled one
                 token_ids.append(self._decode_token(seq, len(token_ids)))
                 ends = True
             else:
@@ -368,8 +450,10 @@ class LLMEngine:
                 samplers.append(seq)
         # the tables matrix is at least as wide as the longest block table; keep the columns this step reads
         width = max(self.block_manager.blocks_for(max_end), 1)
-        tables = self.block_manager.tables[rows, :width]      # int32[S, width]
-        batch = make_batch(token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size)
+        tables = self.block_manager.tables[rows, :width]  # int32[S, width]
+        batch = make_batch(
+            token_ids, starts, list(scheduled.values()), tables, sample, self.config.block_size
+        )
         return batch, samplers, num_prefill
 
     def _decode_token(self, seq: Sequence, row: int) -> int:
@@ -399,13 +483,26 @@ class LLMEngine:
         params = parent.params
         m = parent.metrics
         return dataclasses.replace(
-            parent, metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, chunk_times=list(m.chunk_times)),
+            parent,
+            metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, chunk_times=list(m.chunk_times)),
             generator=None if params.seed is None else make_generator((params.seed + index) % 2**64),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
-                                               params.skip_special_tokens, params.min_tokens)
-            if params.detokenize else None,
-            seq_id=next(self._arrivals), output_token_ids=[], logprobs=None if params.logprobs is None else [],
-            block_table=[], block_row=-1, block_hashes=[], index=index)
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                parent.prompt_token_ids,
+                params.stop,
+                params.skip_special_tokens,
+                params.min_tokens,
+            )
+            if params.detokenize
+            else None,
+            seq_id=next(self._arrivals),
+            output_token_ids=[],
+            logprobs=None if params.logprobs is None else [],
+            block_table=[],
+            block_row=-1,
+            block_hashes=[],
+            index=index,
+        )
 
     def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
@@ -418,12 +515,15 @@ class LLMEngine:
             if done:
                 finished.append(seq)
             self.num_generated_tokens += 1
-            if seq.choices is not None:   # n > 1: one output per request, with every choice, after the loop
+            if seq.choices is not None:  # n > 1: one output per request, with every choice, after the loop
                 groups[id(seq.choices[0])] = seq.choices[0]
             elif done or seq.stream:
                 outputs.append(self._output(seq))
-        outputs += [self._output(head) for head in groups.values()
-                    if head.stream or head.request_id not in self.requests]
+        outputs += [
+            self._output(head)
+            for head in groups.values()
+            if head.stream or head.request_id not in self.requests
+        ]
         self.scheduler.remove_finished(finished)
         return outputs
 
@@ -446,15 +546,16 @@ class LLMEngine:
             self._finish(seq, "stop", token, now)
         elif seq.detokenizer is not None and (stop_string := self._detokenize(seq, token)) is not None:
             self._finish(seq, "stop", stop_string, now)
-        elif seq.num_tokens > seq.max_kv_tokens:   # max_tokens, or max_model_len, reached
+        elif seq.num_tokens > seq.max_kv_tokens:  # max_tokens, or max_model_len, reached
             self._finish(seq, "length", None, now)
         else:
             return False
         return True
 
     def _logprobs(self, seq: Sequence, row: list[tuple[int, float]], rank: int) -> dict[int, Logprob]:
-        """The sampled token (seq's last) and the top alternatives, each with its text after seq's earlier tokens
-        (the sampled one's is set again by the detokenizer, which also knows an unfinished character's bytes)."""
+        """The sampled token (seq's last) and the top alternatives, each with its text after seq's earlier
+        tokens (the sampled one's is set again by the detokenizer, which also knows an unfinished character's
+        bytes)."""
         (sampled_id, sampled_lp), top = row[0], row[1:]
         ids = [t for t, _ in top] + [sampled_id]
         texts = [None] * len(ids)
@@ -489,13 +590,29 @@ class LLMEngine:
         # another thread, as the server does) never changes as the sequence grows. That copy is the one part
         # of a step that grows with the length of a request (~10 ns per token here); stream=False avoids it.
         choices = seq.choices or [seq]
-        completions = [CompletionOutput(
-            c.index, "" if c.detokenizer is None else c.detokenizer.text, c.output_token_ids.copy(),
-            c.finish_reason, c.stop_reason, None if c.logprobs is None else c.logprobs.copy()) for c in choices]
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, completions,
-                             all(c.is_finished for c in choices), seq.metrics, seq.num_cached_tokens)
+        completions = [
+            CompletionOutput(
+                c.index,
+                "" if c.detokenizer is None else c.detokenizer.text,
+                c.output_token_ids.copy(),
+                c.finish_reason,
+                c.stop_reason,
+                None if c.logprobs is None else c.logprobs.copy(),
+            )
+            for c in choices
+        ]
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt,
+            seq.prompt_token_ids,
+            completions,
+            all(c.is_finished for c in choices),
+            seq.metrics,
+            seq.num_cached_tokens,
+        )
 
-    # introspection -------------------------------------------------------------------------------------------
+    # introspection
+    # -------------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         blocks = self.block_manager
@@ -506,21 +623,22 @@ class LLMEngine:
             "kv_blocks_used": blocks.num_used_blocks,
             "kv_blocks_total": blocks.num_blocks,
             "kv_usage": blocks.num_used_blocks / blocks.num_blocks,
-            "prefix_cache_queries": queries,     # tokens looked up at every admission (recomputes included)
-            "prefix_cache_hits": hits,           # of them, tokens served from the cache
+            "prefix_cache_queries": queries,  # tokens looked up at every admission (recomputes included)
+            "prefix_cache_hits": hits,  # of them, tokens served from the cache
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "tokens_generated": self.num_generated_tokens,
             "steps": len(self.step_records),
             "tensor_parallel_size": self.config.tensor_parallel_size,
-            "ranks": self.model.rank_info(),    # one process per rank: rank, pid, host, device
-            "cost_model": self.cost_model.summary(),    # coefficients (s per unit), fits, predicted/actual histogram
+            "ranks": self.model.rank_info(),  # one process per rank: rank, pid, host, device
+            # coefficients (s per unit), fits, predicted/actual histogram
+            "cost_model": self.cost_model.summary(),
             "tbt_slo": self.scheduler.summary(),
         }
 
     def check_invariants(self) -> None:
-        """Block-manager consistency against the live sequences and the scheduler's limits (tests call it after
-        every step)."""
+        """Block-manager consistency against the live sequences and the scheduler's limits (tests call it
+        after every step)."""
         assert all(not s.block_table for s in self.scheduler.waiting), "a waiting sequence holds blocks"
         holding = self.scheduler.running + [s for s in self.scheduler.paused if s.block_table]
         self.block_manager.check_invariants(holding)

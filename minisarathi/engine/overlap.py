@@ -14,6 +14,7 @@ LLMEngine.__new__ picks it where overlaps() says. It overrides _run_step (the or
 _make_batch and _decode_token (inputs from the device), _update and _append_token (the changes above), and
 the two "is there work" queries (a step in flight is work).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,9 +43,10 @@ class OverlapBatch(Batch):
     """A batch whose decode tokens the previous step sampled on the device, not yet known on the host: row
     previous_rows[i] of input_ids (0 on the host) takes previous_ids[previous_sources[i]] there (every
     backend's upload_batch does it)."""
-    previous_ids: Any = None                     # int32/int64[N] on the device: the previous step's ids
-    previous_rows: np.ndarray | None = None      # int32[P]
-    previous_sources: np.ndarray | None = None   # int32[P]
+
+    previous_ids: Any = None  # int32/int64[N] on the device: the previous step's ids
+    previous_rows: np.ndarray | None = None  # int32[P]
+    previous_sources: np.ndarray | None = None  # int32[P]
 
 
 class Overlap:
@@ -52,9 +54,9 @@ class Overlap:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._in_flight = None                           # the Step launched, its ids not yet on the host
-        self._in_flight_rows: dict[Sequence, int] = {}   # its samplers' rows of sampled.token_ids
-        self._from_device: list[tuple[int, int]] = []    # the batch being built: (its row, in-flight row)
+        self._in_flight = None  # the Step launched, its ids not yet on the host
+        self._in_flight_rows: dict[Sequence, int] = {}  # its samplers' rows of sampled.token_ids
+        self._from_device: list[tuple[int, int]] = []  # the batch being built: (its row, in-flight row)
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or self._in_flight is not None
@@ -70,7 +72,7 @@ class Overlap:
             ids_wait, outputs = self._complete(previous)
         if launched is None:
             return outputs
-        if any(seq.is_finished for seq in launched.samplers):   # finished by `previous`, or aborted
+        if any(seq.is_finished for seq in launched.samplers):  # finished by `previous`, or aborted
             keep = [row for row, seq in enumerate(launched.samplers) if not seq.is_finished]
             launched.logits, launched.samplers = launched.logits[keep], [launched.samplers[r] for r in keep]
         self._sample(launched)
@@ -84,31 +86,34 @@ class Overlap:
         batch, samplers, num_prefill = super()._make_batch(scheduled, starts)
         if self._from_device:
             rows, sources = zip(*self._from_device)
-            batch = OverlapBatch(**vars(batch), previous_ids=self._in_flight.sampled.token_ids,
-                                 previous_rows=np.array(rows, np.int32),            # int32[P]
-                                 previous_sources=np.array(sources, np.int32))      # int32[P]
+            batch = OverlapBatch(
+                **vars(batch),
+                previous_ids=self._in_flight.sampled.token_ids,
+                previous_rows=np.array(rows, np.int32),  # int32[P]
+                previous_sources=np.array(sources, np.int32),
+            )  # int32[P]
         return batch, samplers, num_prefill
 
     def _decode_token(self, seq: Sequence, row: int) -> int:
         source = self._in_flight_rows.get(seq)
         if source is None:
             return super()._decode_token(seq, row)
-        self._from_device.append((row, source))   # sampled by the step in flight: taken on the device
+        self._from_device.append((row, source))  # sampled by the step in flight: taken on the device
         return 0
 
     def _update(self, step, sampled: SamplerOutput, now: float) -> list:
-        if any(seq.is_finished for seq in step.samplers):   # aborted while their tokens were in flight
+        if any(seq.is_finished for seq in step.samplers):  # aborted while their tokens were in flight
             keep = [row for row, seq in enumerate(step.samplers) if not seq.is_finished]
             step.samplers = [step.samplers[r] for r in keep]
-            sampled = SamplerOutput(sampled.token_ids[keep], [sampled.logprobs[r] for r in keep],
-                                    [sampled.ranks[r] for r in keep])
+            sampled = SamplerOutput(
+                sampled.token_ids[keep], [sampled.logprobs[r] for r in keep], [sampled.ranks[r] for r in keep]
+            )
         return super()._update(step, sampled, now)
 
-    def _append_token(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int,
-                      now: float) -> bool:
-        queued = seq.status is not SequenceStatus.RUNNING   # preempted or paused while its token flew
+    def _append_token(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int, now: float) -> bool:
+        queued = seq.status is not SequenceStatus.RUNNING  # preempted or paused while its token flew
         done = super()._append_token(seq, token, sampled, row, now)
-        if done and queued:   # it leaves its queue and frees its blocks
+        if done and queued:  # it leaves its queue and frees its blocks
             scheduler = self.scheduler
             if seq in scheduler.waiting:
                 scheduler.waiting.remove(seq)

@@ -1,9 +1,10 @@
-"""tbt_slo_ms mode's start-up profile: a handful of synthetic steps of chosen shapes, timed on the engine's own
-model, KV cache and sampler before any request arrives, so that the cost model has a fit from the first step
-(CostModel.add_profile); a profile cut short by its time limit may not determine the fit, and then the steps
-keep the fixed chunk_size budget until the engine's own steps do. It writes garbage K/V into the pool's
+"""tbt_slo_ms mode's start-up profile: a handful of synthetic steps of chosen shapes, timed on the engine's
+own model, KV cache and sampler before any request arrives, so that the cost model has a fit from the first
+step (CostModel.add_profile); a profile cut short by its time limit may not determine the fit, and then the
+steps keep the fixed chunk_size budget until the engine's own steps do. It writes garbage K/V into the pool's
 blocks, which is harmless only while no sequence holds any: the engine runs it in its constructor.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,17 +15,17 @@ from minisarathi.batch import make_batch
 from minisarathi.engine.cost_model import StepShape
 from minisarathi.sampling_params import SamplingParams
 
-PROFILE_SECONDS = 3.0      # no shape starts that is expected to end past this (the costly ones come last)
-MAX_PROFILE_TOKENS = 512   # the largest prefill chunk profiled: the fit extrapolates beyond it
-MAX_PROFILE_SEQS = 32      # the largest decode batch profiled
-PROFILE_PASSES = 2         # each shape timed twice: one sample of a step is noisy on a shared machine
+PROFILE_SECONDS = 3.0  # no shape starts that is expected to end past this (the costly ones come last)
+MAX_PROFILE_TOKENS = 512  # the largest prefill chunk profiled: the fit extrapolates beyond it
+MAX_PROFILE_SEQS = 32  # the largest decode batch profiled
+PROFILE_PASSES = 2  # each shape timed twice: one sample of a step is noisy on a shared machine
 
 
 def profile_plan(token_budget: int, max_context: int, max_seqs: int) -> list[list[tuple[int, int]]]:
-    """Steps as lists of (start position, tokens) chunks, cheapest first. A chunk of one token is a decode over
-    start + 1 tokens; the others are prefills. The shapes vary every feature of the cost model independently:
-    one and many decodes over short and long histories, prefills of two sizes from position 0 and one late in
-    a long context, and a hybrid step."""
+    """Steps as lists of (start position, tokens) chunks, cheapest first. A chunk of one token is a decode
+    over start + 1 tokens; the others are prefills. The shapes vary every feature of the cost model
+    independently: one and many decodes over short and long histories, prefills of two sizes from position 0
+    and one late in a long context, and a hybrid step."""
     tokens = max(2, min(token_budget, max_context, MAX_PROFILE_TOKENS))
     seqs = max(1, min(max_seqs, MAX_PROFILE_SEQS))
     short, long = max(1, max_context // 8), max_context
@@ -39,8 +40,16 @@ def profile_plan(token_budget: int, max_context: int, max_seqs: int) -> list[lis
     ]
 
 
-def run_profile(model, kv_cache, sampler, block_size: int, num_blocks: int, token_budget: int,
-                max_model_len: int, max_seqs: int) -> tuple[list[StepShape], list[float]]:
+def run_profile(
+    model,
+    kv_cache,
+    sampler,
+    block_size: int,
+    num_blocks: int,
+    token_budget: int,
+    max_model_len: int,
+    max_seqs: int,
+) -> tuple[list[StepShape], list[float]]:
     """(the shapes, their measured seconds: forward + greedy sampling). Every chunk uses the same block table:
     only the amount of work matters, not what the K/V hold."""
     max_context = min(max_model_len, num_blocks * block_size)
@@ -51,13 +60,19 @@ def run_profile(model, kv_cache, sampler, block_size: int, num_blocks: int, toke
     def run(step: list[tuple[int, int]]) -> float:
         rows = len(step)
         began = time.perf_counter()
-        batch = make_batch([1] * sum(n for _, n in step), [start for start, _ in step], [n for _, n in step],
-                           np.tile(table, (rows, 1)), [True] * rows, block_size)
+        batch = make_batch(
+            [1] * sum(n for _, n in step),
+            [start for start, _ in step],
+            [n for _, n in step],
+            np.tile(table, (rows, 1)),
+            [True] * rows,
+            block_size,
+        )
         logits = model.forward(batch, kv_cache, device_logits=True)
         sampler.sample(logits, [greedy] * rows, [None] * rows, [[1]] * rows, [[]] * rows)
         return time.perf_counter() - began
 
-    run(plan[1])   # first calls allocate and warm caches: not a step's cost
+    run(plan[1])  # first calls allocate and warm caches: not a step's cost
     shapes, seconds = [], []
     began = time.perf_counter()
     for i, step in enumerate(plan * PROFILE_PASSES):

@@ -4,9 +4,10 @@ Every policy returns, per step, how many tokens of which sequences to compute. A
 always its next uncomputed tokens; the engine samples when a chunk reaches the sequence's end.
 Both queues are ordered by `Sequence.queue_key`, (arrival time + priority x priority_aging_s, arrival
 number): waiting requests are admitted in that order and `running` is kept in it, so its last element,
-the latest virtual arrival (not always the lowest priority: aging counts), is the one preempted (recompute: all its blocks freed, back into
-the waiting queue at its place) when a decode or a chunk finds no block.
+the latest virtual arrival (not always the lowest priority: aging counts), is the one preempted (recompute:
+all its blocks freed, back into the waiting queue at its place) when a decode or a chunk finds no block.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -17,8 +18,8 @@ from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 
-WATERMARK_FRACTION = 0.01   # blocks kept free at admission so running decodes rarely hit a preemption
-LONG_PREFILL_FRACTION = 0.04   # of max_model_len: the default long_prefill_threshold (vLLM's)
+WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running decodes rarely hit a preemption
+LONG_PREFILL_FRACTION = 0.04  # of max_model_len: the default long_prefill_threshold (vLLM's)
 # Why a step admitted no further waiting request (SchedulerOutput.admission_stop); None: none was waiting.
 ADMISSION_STOPS = ("budget", "blocks", "max_num_seqs", "partial_prefills", "overload", "preempted")
 
@@ -27,12 +28,12 @@ queue_key = attrgetter("queue_key")
 
 @dataclass
 class SchedulerOutput:
-    scheduled: dict[Sequence, int] = field(default_factory=dict)   # sequence -> tokens computed this step
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # sequence -> tokens computed this step
     preempted: list[Sequence] = field(default_factory=list)
-    admission_stop: str | None = None   # one of ADMISSION_STOPS, or None when nothing was left waiting
+    admission_stop: str | None = None  # one of ADMISSION_STOPS, or None when nothing was left waiting
     # set by the SLO scheduler (slo_scheduler.py), kept in every step's record
-    time_limit: float | None = None     # seconds the step's predicted time may reach
-    overloaded: bool = False            # the running decodes alone are predicted over the TBT target
+    time_limit: float | None = None  # seconds the step's predicted time may reach
+    overloaded: bool = False  # the running decodes alone are predicted over the TBT target
 
     @property
     def num_tokens(self) -> int:
@@ -42,14 +43,15 @@ class SchedulerOutput:
 @dataclass
 class PrefillBudget:
     """What the prefills of one step may still take."""
-    tokens: int                          # tokens in all
-    token_share: int = 1 << 30           # tokens per prompt (max_partial_prefills: the budget split evenly)
+
+    tokens: int  # tokens in all
+    token_share: int = 1 << 30  # tokens per prompt (max_partial_prefills: the budget split evenly)
 
 
 class Scheduler:
     """Queues, admission, growth and preemption; a policy only writes `_schedule`."""
 
-    reserve_final_length = False   # True: blocks for the whole final length at admission (never preempts)
+    reserve_final_length = False  # True: blocks for the whole final length at admission (never preempts)
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
@@ -58,15 +60,17 @@ class Scheduler:
         # non-chunking policies run whole prompts, so their token limit must hold the longest one (as vLLM)
         self.prompt_budget = max(config.chunk_size, max_model_len)
         self.watermark = int(WATERMARK_FRACTION * block_manager.num_blocks)
-        self.waiting: list[Sequence] = []    # sorted by queue_key
-        self.running: list[Sequence] = []    # sorted by queue_key
-        self.paused: list[Sequence] = []     # taken out of scheduling by pause(), oldest pause first
+        self.waiting: list[Sequence] = []  # sorted by queue_key
+        self.running: list[Sequence] = []  # sorted by queue_key
+        self.paused: list[Sequence] = []  # taken out of scheduling by pause(), oldest pause first
         self.num_preemptions = 0
         self.max_partial_prefills = config.max_partial_prefills
-        self.long_prefill_threshold = config.long_prefill_threshold or max(1, int(LONG_PREFILL_FRACTION
-                                                                                  * max_model_len))
+        self.long_prefill_threshold = config.long_prefill_threshold or max(
+            1, int(LONG_PREFILL_FRACTION * max_model_len)
+        )
         self.max_long_partial_prefills = config.max_long_partial_prefills or 1
-        # the running sequences split once per step (queue order kept), so each pass below visits only its kind
+        # the running sequences split once per step (queue order kept), so each pass below visits only its
+        # kind
         self._decoding: list[Sequence] = []
         self._prefilling: list[Sequence] = []
 
@@ -75,7 +79,8 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=queue_key)
 
     def _set_queue_key(self, seq: Sequence) -> None:
-        """The virtual arrival time (priority p: as if it arrived p x priority_aging_s later), then arrival order."""
+        """The virtual arrival time (priority p: as if it arrived p x priority_aging_s later), then arrival
+        order."""
         seq.queue_key = (seq.metrics.arrival_time + seq.priority * self.config.priority_aging_s, seq.seq_id)
 
     def add_running(self, seq: Sequence) -> None:
@@ -109,10 +114,10 @@ class Scheduler:
         if seq.status is not SequenceStatus.PAUSED:
             return
         self.paused.remove(seq)
-        if seq.block_table:   # its KV is still there: it goes on where it stopped
+        if seq.block_table:  # its KV is still there: it goes on where it stopped
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=queue_key)
-        else:                 # never admitted, or preempted while paused
+        else:  # never admitted, or preempted while paused
             seq.status = SequenceStatus.WAITING
             bisect.insort(self.waiting, seq, key=queue_key)
 
@@ -160,15 +165,18 @@ class Scheduler:
         return len(prefilling), sum(self.is_long(s) for s in prefilling)
 
     def check_invariants(self) -> None:
-        """The fair-prefill limits over the running prompts with prefill left (engine.check_invariants calls it
-        after every step in tests; right after schedule() too it must hold)."""
+        """The fair-prefill limits over the running prompts with prefill left (engine.check_invariants calls
+        it after every step in tests; right after schedule() too it must hold)."""
         if self.max_partial_prefills is None:
             return
         num_partial, num_long = self._partial_counts([s for s in self.running if s.in_prefill])
-        assert num_partial <= self.max_partial_prefills, \
+        assert num_partial <= self.max_partial_prefills, (
             f"{num_partial} prompts mid-prefill, over max_partial_prefills ({self.max_partial_prefills})"
-        assert num_long <= self.max_long_partial_prefills, \
-            f"{num_long} long prompts mid-prefill, over max_long_partial_prefills ({self.max_long_partial_prefills})"
+        )
+        assert num_long <= self.max_long_partial_prefills, (
+            f"{num_long} long prompts mid-prefill, over max_long_partial_prefills "
+            f"({self.max_long_partial_prefills})"
+        )
 
     # building blocks of the policies --------------------------------------------------------------------
 
@@ -177,15 +185,16 @@ class Scheduler:
         shortage."""
         block_size = self.blocks.block_size
         scheduled = out.scheduled
-        running = SequenceStatus.RUNNING   # one enum lookup, not one per sequence (slow in Python 3.11)
+        running = SequenceStatus.RUNNING  # one enum lookup, not one per sequence (slow in Python 3.11)
         for seq in self._decoding:
             if seq.status is not running or seq.num_computed_tokens >= seq.max_kv_tokens:
-                continue   # preempted earlier in this pass, or its cache holds all it ever will
+                continue  # preempted earlier in this pass, or its cache holds all it ever will
             # most decodes write into the free slots of their last block and need no allocation
-            if (seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.fork_tail) \
-                    or self._fit(seq, 1, out):
+            if (
+                seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.fork_tail
+            ) or self._fit(seq, 1, out):
                 scheduled[seq] = 1
-            else:   # no one later in the queue left to preempt: give up its own blocks
+            else:  # no one later in the queue left to preempt: give up its own blocks
                 self._preempt(seq, out)
 
     def _prefills(self, out: SchedulerOutput, tokens: int) -> None:
@@ -194,7 +203,7 @@ class Scheduler:
         for seq in self._prefilling:
             if budget.tokens <= 0:
                 break
-            if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this step
+            if seq.status is SequenceStatus.RUNNING:  # not preempted earlier in this step
                 start = seq.num_computed_tokens
                 n = self._fit(seq, self._grantable(budget, start, seq.num_uncomputed_tokens), out)
                 if n:
@@ -240,13 +249,14 @@ class Scheduler:
         chunked: a prompt may be cut to the budget left; otherwise it goes whole or waits."""
         if not self.waiting:
             return
-        if out.preempted:   # blocks are short right now: let the preempted ones settle first
+        if out.preempted:  # blocks are short right now: let the preempted ones settle first
             out.admission_stop = "preempted"
             return
         fair = self.max_partial_prefills is not None
         if fair:
-            num_partial, num_long = self._partial_counts([s for s in self._prefilling
-                                                          if s.status is SequenceStatus.RUNNING])
+            num_partial, num_long = self._partial_counts(
+                [s for s in self._prefilling if s.status is SequenceStatus.RUNNING]
+            )
         # n > 1: a prompt not yet forked counts as the n sequences it becomes once its prefill ends
         num_seqs = sum(s.num_seqs for s in self.running)
         stop, passed_over, i = None, False, 0
@@ -302,7 +312,7 @@ class Scheduler:
         """Grow seq by up to `want` tokens, preempting sequences later in queue order not yet in this step;
         returns the grant."""
         while self.blocks.max_growth(seq) < want:
-            if self._release_paused():   # paused sequences give up their blocks before running ones
+            if self._release_paused():  # paused sequences give up their blocks before running ones
                 continue
             victim = self.running[-1]
             if victim is seq or victim in out.scheduled:
@@ -323,7 +333,8 @@ class Scheduler:
 
 
 class SarathiScheduler(Scheduler):
-    """Stall-free hybrid batches: all decodes, then ongoing chunked prefills, then new prompts, in chunk_size."""
+    """Stall-free hybrid batches: all decodes, then ongoing chunked prefills, then new prompts, in
+    chunk_size."""
 
     def _schedule(self, out):
         self._decodes(out)
@@ -369,7 +380,8 @@ class SimpleChunkingScheduler(Scheduler):
 
 
 class FasterTransformerScheduler(Scheduler):
-    """Static batching: a batch of whole prompts is admitted only when nothing runs, then decoded to the end."""
+    """Static batching: a batch of whole prompts is admitted only when nothing runs, then decoded to the
+    end."""
 
     reserve_final_length = True
 
@@ -387,4 +399,3 @@ POLICIES = {
     "simple_chunking": SimpleChunkingScheduler,
     "faster_transformer": FasterTransformerScheduler,
 }
-

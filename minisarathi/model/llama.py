@@ -4,6 +4,7 @@ One call runs a flat batch of tokens from many sequences (docs/architecture.md, 
 prefill chunks and decodes alike, writing their K/V into the paged cache and returning logits only for
 the rows that are sampled.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,22 +26,25 @@ from minisarathi.validation import check_int
 
 @dataclass
 class LayerWeights:
-    input_layernorm: Any           # [H]
-    qkv_proj: Any                  # [(Hq + 2 Hk) D, H]
-    qkv_bias: Any | None           # [(Hq + 2 Hk) D]
-    o_proj: Any                    # [H, Hq D]
-    o_bias: Any | None             # [H]
+    input_layernorm: Any  # [H]
+    qkv_proj: Any  # [(Hq + 2 Hk) D, H]
+    qkv_bias: Any | None  # [(Hq + 2 Hk) D]
+    o_proj: Any  # [H, Hq D]
+    o_bias: Any | None  # [H]
     post_attention_layernorm: Any  # [H]
-    gate_up_proj: Any              # [2 I, H]
-    down_proj: Any                 # [H, I]
+    gate_up_proj: Any  # [2 I, H]
+    down_proj: Any  # [H, I]
 
 
-LINEAR_WEIGHTS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})   # of LayerWeights: read by linear only
+LINEAR_WEIGHTS = frozenset(
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+)  # of LayerWeights: read by linear only
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend,
-                 comm: Communicator | None = None):
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend, comm: Communicator | None = None
+    ):
         """weights as load_weights returns them (checkpoint tensors, which ops.weight places in the backend's
         dtype) or float32 arrays; ops the backend that places them and runs the forward pass.
         comm: one rank of a tensor-parallel group, which runs `config` and `weights` as sharded by
@@ -51,19 +55,26 @@ class LlamaModel:
         self.embed_tokens = ops.weight(weights["embed_tokens"])
         self.norm = ops.weight(weights["norm"])
         # tied: the embedding table in linear's form (CpuOps packs a copy of it; CudaOps shares it)
-        self.lm_head = ops.linear_weight(self.embed_tokens if config.tie_word_embeddings
-                                         else ops.weight(weights["lm_head"]))
-        self.layers = [LayerWeights(**{name: self._place(name, weights.get(f"layers.{i}.{name}"))
-                                       for name in LayerWeights.__dataclass_fields__})
-                       for i in range(config.num_hidden_layers)]
+        self.lm_head = ops.linear_weight(
+            self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
+        )
+        self.layers = [
+            LayerWeights(
+                **{
+                    name: self._place(name, weights.get(f"layers.{i}.{name}"))
+                    for name in LayerWeights.__dataclass_fields__
+                }
+            )
+            for i in range(config.num_hidden_layers)
+        ]
         # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
         self.rope_cos_sin = ops.constant(config.rope_cos_sin())  # float32[max_position_embeddings, D]
-        self.scale = config.head_dim ** -0.5
-        self.decode_graphs: DecodeGraphs | None = None   # use_decode_buckets() sets it
+        self.scale = config.head_dim**-0.5
+        self.decode_graphs: DecodeGraphs | None = None  # use_decode_buckets() sets it
 
     def _place(self, name: str, array: Any | None) -> Any:
         if array is None:
-            return None   # a bias the model has not
+            return None  # a bias the model has not
         placed = self.ops.weight(array)
         return self.ops.linear_weight(placed) if name in LINEAR_WEIGHTS else placed
 
@@ -76,9 +87,18 @@ class LlamaModel:
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self.ops.activation_dtype.itemsize
+        return (
+            2
+            * c.num_hidden_layers
+            * c.num_key_value_heads
+            * block_size
+            * c.head_dim
+            * self.ops.activation_dtype.itemsize
+        )
 
-    def copy_blocks(self, kv_cache: list[tuple[Any, Any]], sources: list[int], destinations: list[int]) -> None:
+    def copy_blocks(
+        self, kv_cache: list[tuple[Any, Any]], sources: list[int], destinations: list[int]
+    ) -> None:
         """KV block sources[i] onto destinations[i] in every layer (the backend's copy_blocks)."""
         self.ops.copy_blocks(kv_cache, sources, destinations)
 
@@ -94,8 +114,9 @@ class LlamaModel:
         """The backend's sampler for forward(..., device_logits=True)'s logits."""
         return self.ops.new_sampler(self.config.vocab_size, seed, eos_token_ids)
 
-    def use_decode_buckets(self, max_num_seqs: int, max_model_len: int, block_size: int,
-                           kv_cache: list | None = None) -> list[int]:
+    def use_decode_buckets(
+        self, max_num_seqs: int, max_model_len: int, block_size: int, kv_cache: list | None = None
+    ) -> list[int]:
         """From now on, forward() pads decode-only batches to batch-size buckets and, given the KV cache (CUDA
         backends), replays each bucket's CUDA graph, all captured now (minisarathi/model/decode_graphs.py).
         Returns the buckets."""
@@ -104,11 +125,14 @@ class LlamaModel:
 
     def forward(self, batch: Batch, kv_cache: list[tuple[Any, Any]], device_logits: bool = False) -> Any:
         """float32[N, vocab] NumPy logits of the rows batch.logits_indices, after writing the batch's K/V.
-        device_logits: leave them where the backend computed them, in its dtype, for new_sampler()'s sampler."""
+        device_logits: leave them where the backend computed them, in its dtype, for new_sampler()'s
+        sampler."""
         if self.decode_graphs is not None and self.decode_graphs.takes(batch):
             logits = self.decode_graphs.forward(batch, kv_cache)
         else:
-            self.ops.upload_batch(batch)   # one host-to-device copy of the step's metadata, read by every layer
+            self.ops.upload_batch(
+                batch
+            )  # one host-to-device copy of the step's metadata, read by every layer
             logits = self.run(batch, kv_cache)
         return logits if device_logits else self.ops.to_numpy(logits)
 
@@ -129,9 +153,11 @@ class LlamaModel:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm, c.rms_norm_eps)
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2 Hk) D]
             q = qkv[:, :q_size].reshape(T, c.num_attention_heads, D)
-            k = qkv[:, q_size:q_size + kv_size].reshape(T, c.num_key_value_heads, D)
-            v = qkv[:, q_size + kv_size:].reshape(T, c.num_key_value_heads, D)
-            ops.rope_store_kv(q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin)
+            k = qkv[:, q_size : q_size + kv_size].reshape(T, c.num_key_value_heads, D)
+            v = qkv[:, q_size + kv_size :].reshape(T, c.num_key_value_heads, D)
+            ops.rope_store_kv(
+                q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin
+            )
             attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
             hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
             if self.comm is not None:
@@ -140,8 +166,9 @@ class LlamaModel:
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
             if self.comm is not None:
                 hidden = self.comm.all_reduce(hidden)
-        # Only the sampled rows go through the final norm and the (large) vocabulary projection; when every row
-        # is sampled (decodes) no gather is needed (a graph could not capture a host-side one on the emulator).
+        # Only the sampled rows go through the final norm and the (large) vocabulary projection; when every
+        # row is sampled (decodes) no gather is needed (a graph could not capture a host-side one on the
+        # emulator).
         rows = batch.logits_indices
         if len(rows) < T:
             hidden, residual = hidden[rows], residual[rows]

@@ -9,6 +9,7 @@ places them: NumPy widens them to float32, the CUDA backend uploads the stored b
 device only when its compute dtype differs. An 8B bf16 checkpoint thus never becomes 32 GB of float32
 on the host.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,20 @@ from minisarathi.dtypes import to_float32
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
 # its bits are read as uint16 (minisarathi/dtypes.py).
-STORED_DTYPES = {"F32": ("float32", np.dtype("<f4")), "F16": ("float16", np.dtype("<f2")),
-                 "BF16": ("bfloat16", np.dtype("<u2"))}
+STORED_DTYPES = {
+    "F32": ("float32", np.dtype("<f4")),
+    "F16": ("float16", np.dtype("<f2")),
+    "BF16": ("bfloat16", np.dtype("<u2")),
+}
 
 
 @dataclass(frozen=True)
 class CheckpointTensor:
     """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
     (np.asarray(tensor) widens it), which is how CpuOps.weight places it."""
-    dtype: str          # "float32", "float16" or "bfloat16"
-    data: np.ndarray    # float32, float16, or bfloat16 bits as uint16; read-only memory map unless fused
+
+    dtype: str  # "float32", "float16" or "bfloat16"
+    data: np.ndarray  # float32, float16, or bfloat16 bits as uint16; read-only memory map unless fused
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,8 +59,8 @@ class CheckpointWeights(Mapping):
     """
 
     def __init__(self, stored: dict[str, CheckpointTensor], parts: dict[str, list[str]]):
-        self._stored = stored    # checkpoint name -> tensor
-        self._parts = parts      # our name -> the checkpoint names it concatenates, in order
+        self._stored = stored  # checkpoint name -> tensor
+        self._parts = parts  # our name -> the checkpoint names it concatenates, in order
 
     def __getitem__(self, name: str) -> CheckpointTensor:
         tensors = [self._stored[part] for part in self._parts[name]]
@@ -76,29 +81,41 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
     c = config
     H, I = c.hidden_size, c.intermediate_size
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    expected: dict[str, tuple[int, ...]] = {}   # checkpoint name -> shape
+    expected: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape
 
     def use(*named_shapes: tuple[str, tuple[int, ...]]) -> list[str]:
         expected.update(named_shapes)
         return [name for name, _ in named_shapes]
 
-    parts = {"embed_tokens": use(("model.embed_tokens.weight", (c.vocab_size, H))),
-             "norm": use(("model.norm.weight", (H,)))}
+    parts = {
+        "embed_tokens": use(("model.embed_tokens.weight", (c.vocab_size, H))),
+        "norm": use(("model.norm.weight", (H,))),
+    }
     if not c.tie_word_embeddings:
         parts["lm_head"] = use(("lm_head.weight", (c.vocab_size, H)))
     for i in range(c.num_hidden_layers):
         attn, mlp, out = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
         parts[out + "input_layernorm"] = use((f"model.layers.{i}.input_layernorm.weight", (H,)))
-        parts[out + "qkv_proj"] = use((attn + "q_proj.weight", (q_size, H)), (attn + "k_proj.weight", (kv_size, H)),
-                                      (attn + "v_proj.weight", (kv_size, H)))
+        parts[out + "qkv_proj"] = use(
+            (attn + "q_proj.weight", (q_size, H)),
+            (attn + "k_proj.weight", (kv_size, H)),
+            (attn + "v_proj.weight", (kv_size, H)),
+        )
         if c.qkv_bias:
-            parts[out + "qkv_bias"] = use((attn + "q_proj.bias", (q_size,)), (attn + "k_proj.bias", (kv_size,)),
-                                          (attn + "v_proj.bias", (kv_size,)))
+            parts[out + "qkv_bias"] = use(
+                (attn + "q_proj.bias", (q_size,)),
+                (attn + "k_proj.bias", (kv_size,)),
+                (attn + "v_proj.bias", (kv_size,)),
+            )
         parts[out + "o_proj"] = use((attn + "o_proj.weight", (H, q_size)))
         if c.o_bias:
             parts[out + "o_bias"] = use((attn + "o_proj.bias", (H,)))
-        parts[out + "post_attention_layernorm"] = use((f"model.layers.{i}.post_attention_layernorm.weight", (H,)))
-        parts[out + "gate_up_proj"] = use((mlp + "gate_proj.weight", (I, H)), (mlp + "up_proj.weight", (I, H)))
+        parts[out + "post_attention_layernorm"] = use(
+            (f"model.layers.{i}.post_attention_layernorm.weight", (H,))
+        )
+        parts[out + "gate_up_proj"] = use(
+            (mlp + "gate_proj.weight", (I, H)), (mlp + "up_proj.weight", (I, H))
+        )
         parts[out + "down_proj"] = use((mlp + "down_proj.weight", (H, I)))
 
     for name, shape in expected.items():
@@ -109,8 +126,10 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
     for name, names in parts.items():
         dtypes = {stored[n].dtype for n in names}
         if len(dtypes) > 1:
-            raise ValueError(f"tensors {', '.join(names)} (fused into {name}) must share one dtype, got "
-                             f"{', '.join(stored[n].dtype for n in names)}")
+            raise ValueError(
+                f"tensors {', '.join(names)} (fused into {name}) must share one dtype, got "
+                f"{', '.join(stored[n].dtype for n in names)}"
+            )
     return CheckpointWeights(stored, parts)
 
 
@@ -126,8 +145,9 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"model_dir {str(model_dir)!r} has neither model.safetensors nor "
-                         "model.safetensors.index.json")
+        raise ValueError(
+            f"model_dir {str(model_dir)!r} has neither model.safetensors nor model.safetensors.index.json"
+        )
     tensors = {}
     for file in files:
         tensors.update(read_safetensors(model_dir / file))
@@ -143,28 +163,38 @@ def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
     if not 0 < header_len <= len(data) - 8:
         raise ValueError(f"{file} is not a safetensors file (bad header length {header_len})")
     try:
-        header = json.loads(bytes(data[8:8 + header_len]))
+        header = json.loads(bytes(data[8 : 8 + header_len]))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: the safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{file}: the safetensors header must be a JSON object")
-    body = data[8 + header_len:]
+    body = data[8 + header_len :]
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
-                and all(type(n) is int and n >= 0 for n in info["shape"])
-                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
-                and all(type(n) is int and n >= 0 for n in info["data_offsets"])):
-            raise ValueError(f"tensor {name!r} in {file} must have dtype, shape and data_offsets [begin, end]")
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("dtype"), str)
+            and isinstance(info.get("shape"), list)
+            and all(type(n) is int and n >= 0 for n in info["shape"])
+            and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2
+            and all(type(n) is int and n >= 0 for n in info["data_offsets"])
+        ):
+            raise ValueError(
+                f"tensor {name!r} in {file} must have dtype, shape and data_offsets [begin, end]"
+            )
         dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if dtype not in STORED_DTYPES:
-            raise ValueError(f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}")
+            raise ValueError(
+                f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}"
+            )
         dtype_name, array_dtype = STORED_DTYPES[dtype]
         if end - begin != array_dtype.itemsize * int(np.prod(shape)) or end > len(body):
-            raise ValueError(f"tensor {name!r} in {file} has data_offsets {[begin, end]} that do not fit "
-                             f"its shape {list(shape)}")
+            raise ValueError(
+                f"tensor {name!r} in {file} has data_offsets {[begin, end]} that do not fit "
+                f"its shape {list(shape)}"
+            )
         tensors[name] = CheckpointTensor(dtype_name, body[begin:end].view(array_dtype).reshape(shape))
     return tensors
-

@@ -3,6 +3,7 @@
 MpiCommunicator reduces NumPy arrays over MPI (mpi4py with MPICH from PyPI); NcclCommunicator reduces CuPy
 arrays with NCCL (cupy.cuda.nccl) and uses MPI only to hand NCCL's unique id to every rank.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -22,6 +23,7 @@ class MpiCommunicator:
     def __init__(self, comm):
         """comm: an mpi4py intracommunicator (COMM_WORLD of the ranks)."""
         from mpi4py import MPI
+
         self._comm = comm
         self._sum = MPI.SUM
         self._in_place = MPI.IN_PLACE
@@ -41,20 +43,33 @@ class NcclCommunicator:
 
     def __init__(self, comm):
         from cupy.cuda import nccl
+
         if not nccl.available:
-            raise RuntimeError("tensor parallelism on GPUs needs NCCL: pip install 'nvidia-nccl-cu13' (or -cu12)")
+            raise RuntimeError(
+                "tensor parallelism on GPUs needs NCCL: pip install 'nvidia-nccl-cu13' (or -cu12)"
+            )
         self._nccl = nccl
         self.rank = comm.Get_rank()
         self.world_size = comm.Get_size()
         unique_id = comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         self._comm = nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
         # activation dtype -> NCCL type; bfloat16 activations are held as uint16 bits
-        self.nccl_types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
-                       np.dtype(np.uint16): nccl.NCCL_BFLOAT16}
+        self.nccl_types = {
+            np.dtype(np.float32): nccl.NCCL_FLOAT32,
+            np.dtype(np.float16): nccl.NCCL_FLOAT16,
+            np.dtype(np.uint16): nccl.NCCL_BFLOAT16,
+        }
 
     def all_reduce(self, x):
         import cupy
+
         x = cupy.ascontiguousarray(x)
-        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, self.nccl_types[x.dtype], self._nccl.NCCL_SUM,
-                             cupy.cuda.get_current_stream().ptr)
+        self._comm.allReduce(
+            x.data.ptr,
+            x.data.ptr,
+            x.size,
+            self.nccl_types[x.dtype],
+            self._nccl.NCCL_SUM,
+            cupy.cuda.get_current_stream().ptr,
+        )
         return x

@@ -9,6 +9,7 @@ without -disable-auto-cleanup), so an engine inside the job could not report the
 group, the engine sees the socket close and the group's exit, and fails the step with the group's own report.
 A rank that hangs is caught by rank_timeout_s: no answer in time and the group is killed.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ from minisarathi.parallel.sharding import check_tensor_parallel, shard_config
 from minisarathi.sampler import Sampler
 
 MPI_INSTALL = "pip install 'minisarathi[mpi]'"
-STARTUP_TIMEOUT_S = 600.0    # every rank loads its shard before the group answers
+STARTUP_TIMEOUT_S = 600.0  # every rank loads its shard before the group answers
 _POLL_S = 0.05
 
 
@@ -66,7 +67,7 @@ class TensorParallelModel:
         self.rank_timeout_s = rank_timeout_s
         self._rank_config = shard_config(self.config, size)
         self._failure: TensorParallelError | None = None
-        self._ranks: list[dict] = []   # per rank: rank, pid, host, device, free_memory_bytes (once started)
+        self._ranks: list[dict] = []  # per rank: rank, pid, host, device, free_memory_bytes (once started)
         mpiexec = find_mpiexec()
         self._dir = tempfile.TemporaryDirectory(prefix="minisarathi-tp-")
         address = os.path.join(self._dir.name, "rank0.sock")
@@ -75,15 +76,37 @@ class TensorParallelModel:
         listener.bind(address)
         listener.listen(1)
         listener.settimeout(_POLL_S)
-        package_root = str(Path(__file__).resolve().parents[2])   # where `minisarathi` imports from
-        threads = str(max(1, (os.cpu_count() or 1) // size))   # N ranks share the cores instead of each taking all
-        env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        package_root = str(Path(__file__).resolve().parents[2])  # where `minisarathi` imports from
+        threads = str(
+            max(1, (os.cpu_count() or 1) // size)
+        )  # N ranks share the cores instead of each taking all
+        env = {
+            "OMP_NUM_THREADS": threads,
+            "OPENBLAS_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        }
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                [mpiexec, "-n", str(size), sys.executable, "-m", "minisarathi.parallel.worker", str(model_dir),
-                 resolve_device(device), dtype, address],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                [
+                    mpiexec,
+                    "-n",
+                    str(size),
+                    sys.executable,
+                    "-m",
+                    "minisarathi.parallel.worker",
+                    str(model_dir),
+                    resolve_device(device),
+                    dtype,
+                    address,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         try:
             self._conn = self._accept(listener)
             _, info = self._receive(STARTUP_TIMEOUT_S, f"while starting (limit {STARTUP_TIMEOUT_S:g}s)")
@@ -92,7 +115,8 @@ class TensorParallelModel:
         self._ranks = info["ranks"]
         self._activation_itemsize = info["activation_itemsize"]
 
-    # ---------------------------------------------------------------- what the engine calls (LlamaModel's names)
+    # ---------------------------------------------------------------- what the engine calls (LlamaModel's
+    # names)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> list:
         """Each rank allocates its own KV heads' cache; the engine holds nothing (an empty list)."""
@@ -104,9 +128,17 @@ class TensorParallelModel:
         self._call(("copy_blocks", sources, destinations))
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Per rank: each holds num_key_value_heads / size heads (the budget is per rank, as on one device)."""
+        """Per rank: each holds num_key_value_heads / size heads (the budget is per rank, as on one
+        device)."""
         c = self._rank_config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * self._activation_itemsize
+        return (
+            2
+            * c.num_hidden_layers
+            * c.num_key_value_heads
+            * block_size
+            * c.head_dim
+            * self._activation_itemsize
+        )
 
     def free_memory_bytes(self) -> int | None:
         free = [r["free_memory_bytes"] for r in self._ranks if r["free_memory_bytes"] is not None]
@@ -116,14 +148,15 @@ class TensorParallelModel:
         return [{k: r[k] for k in ("rank", "pid", "host", "device")} for r in self._ranks]
 
     def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
-        return Sampler(self.config.vocab_size, seed, eos_token_ids)   # the logits come back as float32 NumPy
+        return Sampler(self.config.vocab_size, seed, eos_token_ids)  # the logits come back as float32 NumPy
 
     def forward(self, batch: Batch, kv_cache: list, device_logits: bool = False) -> np.ndarray:
         """float32[N, vocab] logits of batch.logits_indices (on the host whatever device_logits says)."""
         return self._call(("forward", batch))[1]
 
     def close(self) -> None:
-        """Stop the ranks (they also stop by themselves when this process exits: rank 0 sees its socket close)."""
+        """Stop the ranks (they also stop by themselves when this process exits: rank 0 sees its socket
+        close)."""
         if self._proc.poll() is None and self._failure is None:
             try:
                 self._conn.send_bytes(pickle.dumps(("stop",)))
@@ -142,8 +175,10 @@ class TensorParallelModel:
         try:
             self._conn.send_bytes(pickle.dumps(command))
         except OSError:
-            pass   # the group is gone: _receive reports how
-        return self._receive(self.rank_timeout_s, f"to {command[0]} within rank_timeout_s ({self.rank_timeout_s:g}s)")
+            pass  # the group is gone: _receive reports how
+        return self._receive(
+            self.rank_timeout_s, f"to {command[0]} within rank_timeout_s ({self.rank_timeout_s:g}s)"
+        )
 
     def _accept(self, listener: socket.socket) -> Connection:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -162,7 +197,7 @@ class TensorParallelModel:
             return pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             try:
-                self._proc.wait(timeout=10)   # the socket closed: the group is ending; its status says how
+                self._proc.wait(timeout=10)  # the socket closed: the group is ending; its status says how
             except subprocess.TimeoutExpired:
                 pass
             self._check_alive(deadline, doing)
@@ -180,7 +215,8 @@ class TensorParallelModel:
         report = self._report()
         self._failure = TensorParallelError(
             f"tensor-parallel group of {self.size} ranks failed: {what}; the model is stopped"
-            + (f". The ranks' output ends with:\n{report}" if report else ""))
+            + (f". The ranks' output ends with:\n{report}" if report else "")
+        )
         return self._failure
 
     def _kill(self) -> None:
@@ -189,7 +225,7 @@ class TensorParallelModel:
                 os.killpg(self._proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for rank in self._ranks:    # hydra's ranks may have left mpiexec's process group
+        for rank in self._ranks:  # hydra's ranks may have left mpiexec's process group
             try:
                 os.kill(rank["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -7,6 +7,7 @@ are all-reduced): o_proj and down_proj by the matching input columns. o_proj's b
 Embedding, norms and lm_head are replicated: at these vocabulary sizes a vocab split would add a gather per
 step for little memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,14 +32,19 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     """The config one rank's model runs: its share of the heads and of the MLP's intermediate size."""
     check_tensor_parallel(config, size)
-    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // size,
-                               num_key_value_heads=config.num_key_value_heads // size,
-                               intermediate_size=config.intermediate_size // size)
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=config.num_key_value_heads // size,
+        intermediate_size=config.intermediate_size // size,
+    )
 
 
-def shard_weights(weights: Mapping[str, CheckpointTensor], config: ModelConfig, rank: int,
-                  size: int) -> dict[str, CheckpointTensor]:
-    """Rank `rank`'s weights under LlamaModel's names (see loader.CheckpointWeights), sliced from the full ones."""
+def shard_weights(
+    weights: Mapping[str, CheckpointTensor], config: ModelConfig, rank: int, size: int
+) -> dict[str, CheckpointTensor]:
+    """Rank `rank`'s weights under LlamaModel's names (see loader.CheckpointWeights), sliced from the full
+    ones."""
     check_tensor_parallel(config, size)
     D, I = config.head_dim, config.intermediate_size
     q_size, kv_size = config.num_attention_heads * D, config.num_key_value_heads * D
@@ -59,7 +65,7 @@ def shard_weights(weights: Mapping[str, CheckpointTensor], config: ModelConfig, 
         elif kind == "down_proj":
             data = tensor.data[:, i_rows]
         elif kind == "o_bias" and rank > 0:
-            data = np.zeros_like(tensor.data)      # the row-parallel sum adds rank 0's copy once
+            data = np.zeros_like(tensor.data)  # the row-parallel sum adds rank 0's copy once
         else:
             data = tensor.data
         sharded[name] = CheckpointTensor(tensor.dtype, np.ascontiguousarray(data))

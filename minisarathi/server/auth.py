@@ -17,6 +17,7 @@ keys add NAME --file keys.toml` makes one:
 Quotas are token buckets (capacity one minute's worth, refilled continuously) checked before a request
 reaches the engine. A reload (SIGHUP) keeps each name's bucket levels and in-flight counts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,7 @@ KEY_PREFIX = "ms-"
 NAME_RULE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _LIMIT_FIELDS = ("rpm", "tpm", "concurrent", "max_tokens")
 _FIELDS = {"name", "sha256", "priority", *_LIMIT_FIELDS}
-UNNAMED = "default"   # the name of the one key given with --api-key-file / MINISARATHI_API_KEY
+UNNAMED = "default"  # the name of the one key given with --api-key-file / MINISARATHI_API_KEY
 
 
 def hash_secret(secret: str) -> str:
@@ -79,12 +80,14 @@ class _Bucket:
 class Quota:
     """One key's live limits: its buckets and in-flight count. Every door calls admit() before queueing a
     request and finish() when it ends, whatever the outcome."""
+
     key: Key
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
     inflight: int = 0
-    counters: dict = field(default_factory=lambda: {"requests": 0, "rate_limited": 0, "prompt_tokens": 0,
-                                                    "completion_tokens": 0})
+    counters: dict = field(
+        default_factory=lambda: {"requests": 0, "rate_limited": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    )
 
     def __post_init__(self):
         self.configure(self.key)
@@ -101,7 +104,7 @@ class Quota:
         now = time.monotonic()
         wait = 0.0
         if self.key.concurrent is not None and self.inflight >= self.key.concurrent:
-            wait = 1.0   # unknown: when one of the running requests ends
+            wait = 1.0  # unknown: when one of the running requests ends
         for bucket, amount in ((self.requests, 1), (self.tokens, tokens)):
             if bucket is not None:
                 bucket.refill(now)
@@ -147,7 +150,7 @@ class KeyStore:
     def __init__(self, keys: list[Key], path: Path | None = None):
         self.path = path
         self._by_hash: dict[str, Key] = {}
-        self.quotas: dict[str, Quota] = {}      # by key name; survives reloads
+        self.quotas: dict[str, Quota] = {}  # by key name; survives reloads
         self._install(keys)
 
     @classmethod
@@ -226,8 +229,10 @@ def limit_rule_broken(field: str, value) -> str | None:
     if value is None:
         return None
     if field == "priority":
-        low, high = PRIORITY_RANGE   # the engine's: a key outside it would fail every request it sends
-        return None if type(value) is int and low <= value <= high else f"must be an integer in [{low}, {high}]"
+        low, high = PRIORITY_RANGE  # the engine's: a key outside it would fail every request it sends
+        return (
+            None if type(value) is int and low <= value <= high else f"must be an integer in [{low}, {high}]"
+        )
     return None if type(value) is int and value >= 1 else "must be a positive integer"
 
 
@@ -268,7 +273,7 @@ class AuthThrottle:
     LOG_INTERVAL_S = 60.0
 
     def __init__(self):
-        self._failures: dict[str, tuple[int, float]] = {}   # address -> (recent failures, last time)
+        self._failures: dict[str, tuple[int, float]] = {}  # address -> (recent failures, last time)
         self.failures_total = 0
         self._interval_failures = 0
         self._interval_addresses: set[str] = set()
@@ -281,7 +286,7 @@ class AuthThrottle:
         if now - last > self.FORGET_AFTER_S:
             count = 0
         self._failures.pop(address, None)
-        self._failures[address] = (count + 1, now)   # most recent last: the oldest are dropped first
+        self._failures[address] = (count + 1, now)  # most recent last: the oldest are dropped first
         if len(self._failures) > self.MAX_ADDRESSES:
             del self._failures[next(iter(self._failures))]
         self.failures_total += 1
@@ -289,12 +294,16 @@ class AuthThrottle:
         if len(self._interval_addresses) < self.MAX_ADDRESSES:
             self._interval_addresses.add(address)
         if now - self._interval_start >= self.LOG_INTERVAL_S:
-            log.warning("%d failed auth attempts from %d addresses in the last %.0fs", self._interval_failures,
-                        len(self._interval_addresses), now - self._interval_start)
+            log.warning(
+                "%d failed auth attempts from %d addresses in the last %.0fs",
+                self._interval_failures,
+                len(self._interval_addresses),
+                now - self._interval_start,
+            )
             self._interval_failures = 0
             self._interval_addresses.clear()
             self._interval_start = now
-        return min(self.MAX_DELAY_S, self.BASE_DELAY_S * 2 ** count)
+        return min(self.MAX_DELAY_S, self.BASE_DELAY_S * 2**count)
 
     def succeeded(self, address: str) -> None:
         self._failures.pop(address, None)

@@ -1,4 +1,5 @@
 """`minisarathi serve`, `minisarathi client` and `minisarathi keys` (wired into minisarathi/cli.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,19 @@ import ssl
 import sys
 from pathlib import Path
 
-from minisarathi.cli_args import (API_KEY_ENV, HelpFormatter, add_engine_arguments, add_sampling_arguments,
-                                  check_engine_arguments, check_sampling_arguments, engine_options_from_args,
-                                  port_number, read_api_key, refuse_unneeded, sampling_options_from_args)
+from minisarathi.cli_args import (
+    API_KEY_ENV,
+    HelpFormatter,
+    add_engine_arguments,
+    add_sampling_arguments,
+    check_engine_arguments,
+    check_sampling_arguments,
+    engine_options_from_args,
+    port_number,
+    read_api_key,
+    refuse_unneeded,
+    sampling_options_from_args,
+)
 from minisarathi.client import DEFAULT_PORT, Client
 from minisarathi.server.auth import KeyStore, add_key, limit_rule_broken
 from minisarathi.server.protocol import RPCError, ServerLimits
@@ -28,50 +39,87 @@ def _limit_flag(field: dataclasses.Field) -> str:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Serve MODEL (default: the bundled stories260K) over MessagePack-RPC, and over "
-                          "HTTP with --http-port. A request's sampling defaults are SamplingParams' "
-                          "(temperature 1.0, max_tokens 16), not the greedy ones of `generate` and `client`.")
+    parser.description = (
+        "Serve MODEL (default: the bundled stories260K) over MessagePack-RPC, and over "
+        "HTTP with --http-port. A request's sampling defaults are SamplingParams' "
+        "(temperature 1.0, max_tokens 16), not the greedy ones of `generate` and `client`."
+    )
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="TCP address to listen on; beyond loopback a key is required")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="TCP address to listen on; beyond loopback a key is required"
+    )
     g.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
     g.add_argument("--unix-socket", default=None, help="also listen on this Unix socket path")
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                   help="DEBUG adds one line per engine step")
-    g.add_argument("--log-format", default="text", choices=("text", "json"),
-                   help="json: one object per line, a finished request's fields as keys")
-    g.add_argument("--no-msgpack", action="store_true",
-                   help="no MessagePack-RPC TCP door (with --http-port: HTTP only)")
+    g.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG adds one line per engine step",
+    )
+    g.add_argument(
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="json: one object per line, a finished request's fields as keys",
+    )
+    g.add_argument(
+        "--no-msgpack", action="store_true", help="no MessagePack-RPC TCP door (with --http-port: HTTP only)"
+    )
     h = parser.add_argument_group("HTTP (needs pip install 'minisarathi[http]')")
-    h.add_argument("--http-port", type=port_number, default=None,
-                   help="serve the OpenAI-compatible HTTP API on this port (0 picks a free one); off by default")
+    h.add_argument(
+        "--http-port",
+        type=port_number,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port (0 picks a free one); off by default",
+    )
     h.add_argument("--http-host", default=None, help="address of the HTTP door (default: --host)")
-    h.add_argument("--metrics-port", type=port_number, default=None,
-                   help="serve /metrics, /health and /ready on this port (0 picks a free one)")
-    h.add_argument("--served-model-name", default=None,
-                   help="the model's name in the HTTP API (default: the model folder's name)")
-    h.add_argument("--chat-template", default=None,
-                   help="Jinja2 chat template file (default: the model folder's own)")
+    h.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        help="serve /metrics, /health and /ready on this port (0 picks a free one)",
+    )
+    h.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the HTTP API (default: the model folder's name)",
+    )
+    h.add_argument(
+        "--chat-template", default=None, help="Jinja2 chat template file (default: the model folder's own)"
+    )
     a = parser.add_argument_group("security (docs/security.md)")
-    a.add_argument("--api-key-file", default=None,
-                   help=f"file holding the one API key clients must `auth` with (or set ${API_KEY_ENV})")
-    a.add_argument("--keys-file", default=None,
-                   help="TOML file of named keys with quotas (`minisarathi keys add`); SIGHUP reloads it")
-    a.add_argument("--insecure-no-auth", action="store_true",
-                   help="allow listening beyond loopback without any key")
+    a.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file holding the one API key clients must `auth` with (or set ${API_KEY_ENV})",
+    )
+    a.add_argument(
+        "--keys-file",
+        default=None,
+        help="TOML file of named keys with quotas (`minisarathi keys add`); SIGHUP reloads it",
+    )
+    a.add_argument(
+        "--insecure-no-auth", action="store_true", help="allow listening beyond loopback without any key"
+    )
     a.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     a.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    a.add_argument("--tls-client-ca", default=None,
-                   help="PEM CA bundle: require client certificates signed by it")
+    a.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates signed by it"
+    )
     limits = parser.add_argument_group("limits (docs/protocol.md)")
     for field in dataclasses.fields(ServerLimits):
         default = getattr(ServerLimits, field.name)
         kind = float if "float" in str(field.type) else int
-        shown = "--idle-timeout" if default is None else default   # ServerLimits' None: the idle timeout
-        limits.add_argument(_limit_flag(field), dest=f"limit_{field.name}", type=kind, default=default,
-                            metavar="SECONDS" if field.name.endswith("_s") else "N",
-                            help=f"(default: {shown})")
+        shown = "--idle-timeout" if default is None else default  # ServerLimits' None: the idle timeout
+        limits.add_argument(
+            _limit_flag(field),
+            dest=f"limit_{field.name}",
+            type=kind,
+            default=default,
+            metavar="SECONDS" if field.name.endswith("_s") else "N",
+            help=f"(default: {shown})",
+        )
     parser.set_defaults(check=functools.partial(check_serve_arguments, parser))
 
 
@@ -80,13 +128,21 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.no_msgpack and args.unix_socket is None and args.http_port is None:
         raise ValueError("--no-msgpack: with no --http-port and no --unix-socket nothing would be served")
     http, door = args.http_port is not None, args.http_port is not None or args.metrics_port is not None
-    refuse_unneeded(parser, args, [("--http-host", door, "needs --http-port or --metrics-port"),
-                                   ("--served-model-name", door, "needs --http-port or --metrics-port"),
-                                   ("--chat-template", http, "needs --http-port")])
+    refuse_unneeded(
+        parser,
+        args,
+        [
+            ("--http-host", door, "needs --http-port or --metrics-port"),
+            ("--served-model-name", door, "needs --http-port or --metrics-port"),
+            ("--chat-template", http, "needs --http-port"),
+        ],
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServerLimits)})
+    return ServerLimits(
+        **{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServerLimits)}
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -102,8 +158,10 @@ def run_serve(args: argparse.Namespace) -> int:
             import jinja2  # noqa: F401
             import prometheus_client  # noqa: F401
         except ImportError as e:
-            raise ValueError(f"--http-port and --metrics-port need the http extra ({e.name} is missing): "
-                             "pip install 'minisarathi[http]'") from None
+            raise ValueError(
+                f"--http-port and --metrics-port need the http extra ({e.name} is missing): "
+                "pip install 'minisarathi[http]'"
+            ) from None
     try:
         limits = limits_from_args(args)
     except ValueError as e:
@@ -118,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = engine_options_from_args(args)
     model_dir = Path(options["model"] or default_model_dir())
     template = None
-    if args.http_port is not None:   # read before the model loads: a wrong path fails in a second, not minutes
+    if args.http_port is not None:  # read before the model loads: a wrong path fails in a second, not minutes
         from minisarathi.server.chat_template import load_chat_template
 
         template = load_chat_template(model_dir, args.chat_template)
@@ -172,8 +230,10 @@ def _key_store(args) -> KeyStore | None:
 def _check_exposure(flag: str, host: str, keys: KeyStore | None, insecure: bool) -> None:
     """Refuse to serve every interface, or any non-loopback one, without a key (unless told to)."""
     if not host:
-        raise ValueError(f"{flag}: an empty host would listen on every interface; give an address "
-                         "(0.0.0.0 for all, with a key)")
+        raise ValueError(
+            f"{flag}: an empty host would listen on every interface; give an address "
+            "(0.0.0.0 for all, with a key)"
+        )
     if keys is not None or insecure:
         return
     try:
@@ -181,8 +241,10 @@ def _check_exposure(flag: str, host: str, keys: KeyStore | None, insecure: bool)
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"{flag} {host}: listening beyond loopback without a key would let anyone who can reach "
-                         f"it use the server; give --keys-file or --api-key-file (or --insecure-no-auth)")
+        raise ValueError(
+            f"{flag} {host}: listening beyond loopback without a key would let anyone who can reach "
+            f"it use the server; give --keys-file or --api-key-file (or --insecure-no-auth)"
+        )
 
 
 def server_tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
@@ -196,14 +258,16 @@ def server_tls_context(cert: str | None, key: str | None, client_ca: str | None)
     try:
         context.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({_ssl_reason(e, _PEM_PAIR)})") \
-            from None
+        raise ValueError(
+            f"--tls-cert {cert} / --tls-key {key}: cannot be loaded ({_ssl_reason(e, _PEM_PAIR)})"
+        ) from None
     if client_ca is not None:
         try:
             context.load_verify_locations(client_ca)
         except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"--tls-client-ca {client_ca}: cannot be loaded ({_ssl_reason(e, _PEM_BUNDLE)})") \
-                from None
+            raise ValueError(
+                f"--tls-client-ca {client_ca}: cannot be loaded ({_ssl_reason(e, _PEM_BUNDLE)})"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
@@ -243,32 +307,44 @@ def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
     add = sub.add_parser("add", help=add_help, description=add_help, formatter_class=HelpFormatter)
     add.add_argument("name", metavar="NAME")
     add.add_argument("--file", required=True, help="the TOML keys file (created if missing)")
-    for name, help_text in (("rpm", "requests per minute (default: no limit)"),
-                            ("tpm", "tokens per minute, prompt + max_tokens (default: no limit)"),
-                            ("concurrent", "requests in flight at once (default: no limit)"),
-                            ("max-tokens", "cap on max_tokens (default: no limit)"),
-                            ("priority", "scheduling priority, lower runs first (default 0)")):
+    for name, help_text in (
+        ("rpm", "requests per minute (default: no limit)"),
+        ("tpm", "tokens per minute, prompt + max_tokens (default: no limit)"),
+        ("concurrent", "requests in flight at once (default: no limit)"),
+        ("max-tokens", "cap on max_tokens (default: no limit)"),
+        ("priority", "scheduling priority, lower runs first (default 0)"),
+    ):
         add.add_argument(f"--{name}", type=int, default=None, help=help_text)
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    limits = dict(rpm=args.rpm, tpm=args.tpm, concurrent=args.concurrent, max_tokens=args.max_tokens,
-                  priority=args.priority)
+    limits = dict(
+        rpm=args.rpm,
+        tpm=args.tpm,
+        concurrent=args.concurrent,
+        max_tokens=args.max_tokens,
+        priority=args.priority,
+    )
     for field, value in limits.items():
         rule = limit_rule_broken(field, value)
         if rule:
             raise ValueError(f"--{field.replace('_', '-')} {value}: {rule}")
     secret = add_key(Path(args.file), args.name, **limits)
     print(secret)
-    print(f"key {args.name!r} added to {args.file}; the secret above is shown only now (the file keeps its "
-          "SHA-256). A running server takes it on SIGHUP.", file=sys.stderr)
+    print(
+        f"key {args.name!r} added to {args.file}; the secret above is shown only now (the file keeps its "
+        "SHA-256). A running server takes it on SIGHUP.",
+        file=sys.stderr,
+    )
     return 0
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Send PROMPT to a running `minisarathi serve` and print the prompt, then the text "
-                          "generated (the server answers the continuation alone, as --json shows). Sampling "
-                          "is greedy unless --temperature is above 0.")
+    parser.description = (
+        "Send PROMPT to a running `minisarathi serve` and print the prompt, then the text "
+        "generated (the server answers the continuation alone, as --json shows). Sampling "
+        "is greedy unless --temperature is above 0."
+    )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     c = parser.add_argument_group("connection")
     c.add_argument("--host", default="127.0.0.1", help="the server's address")
@@ -287,8 +363,14 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_client_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     tcp = args.unix_socket is None
-    refuse_unneeded(parser, args, [(flag, tcp, "is not used with --unix-socket, which is the address")
-                                   for flag in ("--host", "--port")])
+    refuse_unneeded(
+        parser,
+        args,
+        [
+            (flag, tcp, "is not used with --unix-socket, which is the address")
+            for flag in ("--host", "--port")
+        ],
+    )
     check_sampling_arguments(parser, args)
 
 
@@ -298,8 +380,13 @@ def run_client(args: argparse.Namespace) -> int:
     if args.tls and tls is None:
         tls = ssl.create_default_context()
     try:
-        with Client(args.host, args.port, unix_socket=args.unix_socket,
-                    api_key=read_api_key(args.api_key_file), tls=tls) as client:
+        with Client(
+            args.host,
+            args.port,
+            unix_socket=args.unix_socket,
+            api_key=read_api_key(args.api_key_file),
+            tls=tls,
+        ) as client:
             if args.stream:
                 sys.stdout.write(args.prompt)
                 stream = client.generate_stream(args.prompt, **sampling)

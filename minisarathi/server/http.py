@@ -7,6 +7,7 @@ when one is configured), GET /health, GET /ready, GET /metrics (open, as probes 
 A request's choices are engine requests whose outputs the hub hands to this door on the loop; a
 client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,17 +23,28 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from minisarathi.outputs import RequestOutput
-from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
-from minisarathi.server.metrics import CONTENT_TYPE, Metrics
-from minisarathi.server.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, DoorLimits, GenerationRequest,
-                                           OpenAIError, chat_logprobs, check_prompt_length, completion_logprobs,
-                                           finish_reason, parse_chat, parse_completion, usage)
 from minisarathi.server.auth import Key, Quota
+from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
 from minisarathi.server.hub import Hub
+from minisarathi.server.metrics import CONTENT_TYPE, Metrics
+from minisarathi.server.openai_api import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DoorLimits,
+    GenerationRequest,
+    OpenAIError,
+    chat_logprobs,
+    check_prompt_length,
+    completion_logprobs,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # a prefilter: most bodies have none
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a prefilter: most bodies have none
 log = logging.getLogger("minisarathi.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -42,28 +54,30 @@ REQUEST_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS
 
 @dataclass
 class _Delta:
-    """What one engine output added to a choice: one stream chunk, as the msgpack door sends one per output."""
+    """What one engine output added to a choice: one stream chunk, as the msgpack door sends one per
+    output."""
+
     text: str
     token_ids: list[int]
-    logprobs: list | None          # the new tokens' positions (dicts of Logprob), when asked for
-    text_offset: int               # characters of the choice's text before this piece
+    logprobs: list | None  # the new tokens' positions (dicts of Logprob), when asked for
+    text_offset: int  # characters of the choice's text before this piece
     finish_reason: str | None
 
 
 @dataclass
 class _Choice:
     index: int
-    prompt: int                               # index of its prompt
-    slot: int                                 # its place in its engine request's outputs (n > 1: the choices)
-    engine_id: str                            # of its prompt's engine request
+    prompt: int  # index of its prompt
+    slot: int  # its place in its engine request's outputs (n > 1: the choices)
+    engine_id: str  # of its prompt's engine request
     stream: bool
-    output: RequestOutput | None = None       # the latest of its engine request (cumulative snapshots)
+    output: RequestOutput | None = None  # the latest of its engine request (cumulative snapshots)
     error: RPCError | None = None
-    deltas: collections.deque = field(default_factory=collections.deque)   # of _Delta, not yet written
+    deltas: collections.deque = field(default_factory=collections.deque)  # of _Delta, not yet written
     seen_chars: int = 0
     seen_tokens: int = 0
-    started: bool = False                     # chat streams: the role delta was sent
-    ended: bool = False                       # its last delta (with the finish reason) is queued
+    started: bool = False  # chat streams: the role delta was sent
+    ended: bool = False  # its last delta (with the finish reason) is queued
     error_sent: bool = False
 
     @property
@@ -80,9 +94,9 @@ class _Choice:
             return
         self.ended = completion.finish_reason is not None
         reason = finish_reason(completion)
-        piece, new_ids = completion.text[self.seen_chars:], completion.token_ids[self.seen_tokens:]
+        piece, new_ids = completion.text[self.seen_chars :], completion.token_ids[self.seen_tokens :]
         if piece or new_ids or reason:
-            logprobs = None if completion.logprobs is None else completion.logprobs[self.seen_tokens:]
+            logprobs = None if completion.logprobs is None else completion.logprobs[self.seen_tokens :]
             self.deltas.append(_Delta(piece, new_ids, logprobs, self.seen_chars, reason))
         self.seen_chars, self.seen_tokens = len(completion.text), len(completion.token_ids)
 
@@ -90,31 +104,48 @@ class _Choice:
 @dataclass
 class _Call:
     """One HTTP generation request while it runs."""
+
     request_id: str
-    kind: str                                 # "completion" | "chat"
+    kind: str  # "completion" | "chat"
     request: GenerationRequest
     client: str
     received: float
-    key: Key | None = None                    # the API key it came with (None without keys)
-    quota: Quota | None = None                # charged charged_tokens at admission; refunded at the end
+    key: Key | None = None  # the API key it came with (None without keys)
+    quota: Quota | None = None  # charged charged_tokens at admission; refunded at the end
     charged_tokens: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[_Choice] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    added: list[asyncio.Future] = field(default_factory=list)   # per prompt: done once the engine took or refused it
+    added: list[asyncio.Future] = field(
+        default_factory=list
+    )  # per prompt: done once the engine took or refused it
 
 
 class HttpDoor:
-    def __init__(self, hub: Hub, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
-                 metrics: Metrics | None, serve_api: bool = True):
-        """serve_api=False: only /health, /ready and /metrics (`--metrics-port` with the msgpack door alone)."""
+    def __init__(
+        self,
+        hub: Hub,
+        host: str,
+        port: int,
+        model_name: str,
+        chat_template: ChatTemplate | None,
+        metrics: Metrics | None,
+        serve_api: bool = True,
+    ):
+        """serve_api=False: only /health, /ready and /metrics (`--metrics-port` with the msgpack door
+        alone)."""
         self.hub = hub
         self.host, self.port = host, port
         self.model_name = model_name
         self.chat_template = chat_template
         self.metrics = metrics
-        self.limits = DoorLimits(hub.max_prompt_tokens, hub.limits.max_tokens, hub.limits.max_n,
-                                 hub.engine.tokenizer.vocab_size, hub.limits)
+        self.limits = DoorLimits(
+            hub.max_prompt_tokens,
+            hub.limits.max_tokens,
+            hub.limits.max_n,
+            hub.engine.tokenizer.vocab_size,
+            hub.limits,
+        )
         self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -124,8 +155,12 @@ class HttpDoor:
         if metrics is not None:
             routes.append(web.get("/metrics", self._metrics))
         if serve_api:
-            routes += [web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
-                       web.get("/v1/models", self._models), web.get("/v1/models/{model}", self._model)]
+            routes += [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/v1/models", self._models),
+                web.get("/v1/models/{model}", self._model),
+            ]
         app.add_routes(routes)
         self.app = app
 
@@ -139,9 +174,9 @@ class HttpDoor:
         return [f"{scheme}://{address[0]}:{address[1]}" for address in self._runner.addresses]
 
     async def stop_accepting(self) -> None:
-        """Draining: the API door closes its listener, so a load balancer's next connection to it is refused and
-        goes to another replica (nginx retries a refused connection, even a POST; a request it already sent
-        would not be); requests in flight go on. A probe-only door keeps answering, /ready with 503."""
+        """Draining: the API door closes its listener, so a load balancer's next connection to it is refused
+        and goes to another replica (nginx retries a refused connection, even a POST; a request it already
+        sent would not be); requests in flight go on. A probe-only door keeps answering, /ready with 503."""
         if self.serve_api and self._site is not None:
             await self._site.stop()
 
@@ -155,33 +190,45 @@ class HttpDoor:
     async def _middleware(self, request: web.Request, handler):
         try:
             if request.path.startswith("/v1/"):
-                accepted, request["key"], delay = self.hub.authenticate(_bearer(request),
-                                                                        request.remote or "")
+                accepted, request["key"], delay = self.hub.authenticate(
+                    _bearer(request), request.remote or ""
+                )
                 if not accepted:
-                    await asyncio.sleep(delay)   # failed keys slow their address down, as on the msgpack door
-                    raise OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY",
-                                      code="invalid_api_key")
+                    await asyncio.sleep(delay)  # failed keys slow their address down, as on the msgpack door
+                    raise OpenAIError(
+                        401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"
+                    )
             return await handler(request)
         except OpenAIError as e:
             response = _error_response(e)
-            if "request_id" in request:   # the id is known once the handler read it
+            if "request_id" in request:  # the id is known once the handler read it
                 response.headers[REQUEST_ID_HEADER] = request["request_id"]
             return response
         except web.HTTPRequestEntityTooLarge:
-            return _error_response(OpenAIError(
-                413, f"the request body exceeds {self.hub.limits.max_message_bytes} bytes",
-                code="request_too_large"))
-        except web.HTTPException as e:   # aiohttp's own: unknown path (404), wrong method (405)
+            return _error_response(
+                OpenAIError(
+                    413,
+                    f"the request body exceeds {self.hub.limits.max_message_bytes} bytes",
+                    code="request_too_large",
+                )
+            )
+        except web.HTTPException as e:  # aiohttp's own: unknown path (404), wrong method (405)
             response = _error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
-            if "Allow" in e.headers:     # RFC 9110: a 405 says which methods the path takes
+            if "Allow" in e.headers:  # RFC 9110: a 405 says which methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
             return response
-        except Exception:   # a bug: the client still gets OpenAI's error shape and the id to report; the log the rest
+        except (
+            Exception
+        ):  # a bug: the client still gets OpenAI's error shape and the id to report; the log the rest
             request_id = request.get("request_id")
             log.exception("%s %s %s failed", request_id or "-", request.method, request.path)
-            response = _error_response(OpenAIError(
-                500, "internal server error" + (f" (request {request_id})" if request_id else ""),
-                code="internal_error"))
+            response = _error_response(
+                OpenAIError(
+                    500,
+                    "internal server error" + (f" (request {request_id})" if request_id else ""),
+                    code="internal_error",
+                )
+            )
             if request_id is not None:
                 response.headers[REQUEST_ID_HEADER] = request_id
             return response
@@ -194,13 +241,15 @@ class HttpDoor:
             raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
-        # JSON may escape a lone UTF-16 surrogate (\ud800), which is no text: refuse it here, not in the tokenizer.
+        # JSON may escape a lone UTF-16 surrogate (\ud800), which is no text: refuse it here, not in the
+        # tokenizer.
         if _SURROGATE_ESCAPE.search(raw):
             try:
                 json.dumps(body, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                raise OpenAIError(400, "the request body holds a lone UTF-16 surrogate escape, which is not text") \
-                    from None
+                raise OpenAIError(
+                    400, "the request body holds a lone UTF-16 surrogate escape, which is not text"
+                ) from None
         return body
 
     def _request_id(self, request: web.Request, kind: str) -> str:
@@ -230,40 +279,60 @@ class HttpDoor:
     async def _model(self, request):
         name = request.match_info["model"]
         if name != self.model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+            raise OpenAIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return web.json_response(self._model_card())
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "minisarathi",
-                "max_model_len": self.hub.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "minisarathi",
+            "max_model_len": self.hub.engine.max_model_len,
+        }
 
     async def _completions(self, request):
         request_id = self._request_id(request, "completion")
         received = time.monotonic()
         parsed = parse_completion(await self._json(request), self.model_name, self.limits)
         await self._encode_prompts(parsed, "prompt", add_special_tokens=True)
-        return await self._generate(request, _Call(request_id, "completion", parsed, request.remote or "", received,
-                                                   request.get("key")))
+        return await self._generate(
+            request,
+            _Call(request_id, "completion", parsed, request.remote or "", received, request.get("key")),
+        )
 
     async def _chat(self, request):
         request_id = self._request_id(request, "chat")
         received = time.monotonic()
         body = await self._json(request)
         if self.chat_template is None:
-            raise OpenAIError(400, "this model has no chat template (chat_template in tokenizer_config.json or "
-                                   "chat_template.jinja); use /v1/completions or start the server with "
-                                   "--chat-template FILE", param="messages", code="no_chat_template")
+            raise OpenAIError(
+                400,
+                "this model has no chat template (chat_template in tokenizer_config.json or "
+                "chat_template.jinja); use /v1/completions or start the server with "
+                "--chat-template FILE",
+                param="messages",
+                code="no_chat_template",
+            )
 
         def render(messages, add_generation_prompt):
             try:
                 return self.chat_template.render(messages, add_generation_prompt)
             except ChatTemplateError as e:
-                raise OpenAIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+                raise OpenAIError(
+                    400, f"the chat template refused the messages: {e}", param="messages"
+                ) from None
+
         parsed = parse_chat(body, self.model_name, self.limits, render)
         await self._encode_prompts(parsed, "messages", add_special_tokens=False)
-        return await self._generate(request, _Call(request_id, "chat", parsed, request.remote or "", received,
-                                                   request.get("key")))
+        return await self._generate(
+            request, _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
+        )
 
     async def _encode_prompts(self, parsed: GenerationRequest, param: str, add_special_tokens: bool) -> None:
         """The text prompts as token ids, each refused by its bytes before it is tokenized and by its tokens
@@ -308,18 +377,25 @@ class HttpDoor:
                 self._report(call, choice)
             if call.quota is not None:
                 ran = [c.output for c in firsts if c.output is not None]
-                call.quota.finish(call.charged_tokens, sum(len(call.request.prompts[c.prompt]) for c in firsts
-                                                           if c.output is not None),
-                                  sum(len(c.token_ids) for output in ran for c in output.outputs))
+                call.quota.finish(
+                    call.charged_tokens,
+                    sum(len(call.request.prompts[c.prompt]) for c in firsts if c.output is not None),
+                    sum(len(c.token_ids) for output in ran for c in output.outputs),
+                )
 
     def _submit(self, call: _Call) -> None:
         """One engine request per prompt; the engine runs its n choices on the prompt's shared KV blocks."""
         params, prompts = call.request.params, call.request.prompts
         # The door's prefix keeps the engine's id space apart from the msgpack door's.
-        engine_ids = [f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "") for p in range(len(prompts))]
+        engine_ids = [
+            f"http:{call.request_id}" + (f"-{p}" if len(prompts) > 1 else "") for p in range(len(prompts))
+        ]
         if any(self.hub.in_use(engine_id) for engine_id in engine_ids):
-            raise OpenAIError(400, f"{REQUEST_ID_HEADER} {call.request_id!r} is already in use by a request in flight",
-                              param=REQUEST_ID_HEADER)
+            raise OpenAIError(
+                400,
+                f"{REQUEST_ID_HEADER} {call.request_id!r} is already in use by a request in flight",
+                param=REQUEST_ID_HEADER,
+            )
         charge = sum(len(p) + params.n * params.max_tokens for p in prompts)
         try:
             call.quota = self.hub.admit(call.key, params.max_tokens, charge)
@@ -333,33 +409,55 @@ class HttpDoor:
                 for choice in group:
                     choice.receive(output)
                 call.wake.set()
+
             try:
                 self.hub.open(engine_id, on_output)
             except RPCError as e:
                 for earlier in _first_of_each_prompt(call):
                     self.hub.cancel(earlier.engine_id)
                 call.choices.clear()
-                if call.quota is not None:   # nothing ran: the whole charge comes back
+                if call.quota is not None:  # nothing ran: the whole charge comes back
                     call.quota.finish(call.charged_tokens, 0, 0)
                     call.quota = None
                 raise _from_rpc(e, self.hub.accepting) from None
             priority = call.request.priority
-            if priority is None:   # the key's, as a msgpack connection's default
+            if priority is None:  # the key's, as a msgpack connection's default
                 priority = 0 if call.key is None else call.key.priority
-            call.added.append(self.hub.submit(engine_id, prompt, params, call.received, priority,
-                                              stream=call.request.stream, confirm=True))
+            call.added.append(
+                self.hub.submit(
+                    engine_id,
+                    prompt,
+                    params,
+                    call.received,
+                    priority,
+                    stream=call.request.stream,
+                    confirm=True,
+                )
+            )
             call.choices += group
-        log.info("%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
-                 call.request_id, call.client, len(prompts), params.n, sum(len(p) for p in prompts),
-                 params.max_tokens, call.request.stream)
+        log.info(
+            "%s from %s: %d prompt(s) x %d choice(s), %d prompt tokens, max_tokens=%d, stream=%s",
+            call.request_id,
+            call.client,
+            len(prompts),
+            params.n,
+            sum(len(p) for p in prompts),
+            params.max_tokens,
+            call.request.stream,
+        )
 
     async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_ID_HEADER: call.request_id})
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER: call.request_id,
+            }
+        )
         await response.prepare(request)
         try:
             await self._write_events(response, call)
-        except ConnectionError:   # the client went away between two writes
+        except ConnectionError:  # the client went away between two writes
             pass
         return response
 
@@ -379,7 +477,9 @@ class HttpDoor:
             await call.wake.wait()
             call.wake.clear()
         if call.request.include_usage and all(c.error is None for c in call.choices):
-            await response.write(_sse({**self._envelope(call, chunk=True), "choices": [], "usage": self._usage(call)}))
+            await response.write(
+                _sse({**self._envelope(call, chunk=True), "choices": [], "usage": self._usage(call)})
+            )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
 
@@ -388,17 +488,29 @@ class HttpDoor:
         piece, new_ids, reason = delta.text, delta.token_ids, delta.finish_reason
         logprobs = None
         if call.request.logprobs is not None and new_ids:
-            logprobs = (completion_logprobs(new_ids, delta.logprobs, call.request.logprobs, delta.text_offset)
-                        if call.kind == "completion" else
-                        chat_logprobs(new_ids, delta.logprobs, call.request.logprobs,
-                                      self.hub.engine.tokenizer.token_bytes))
+            logprobs = (
+                completion_logprobs(new_ids, delta.logprobs, call.request.logprobs, delta.text_offset)
+                if call.kind == "completion"
+                else chat_logprobs(
+                    new_ids, delta.logprobs, call.request.logprobs, self.hub.engine.tokenizer.token_bytes
+                )
+            )
         chunks = []
         if call.kind == "completion":
             body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
         else:
             if not choice.started:
-                chunks.append(self._chunk(call, {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}))
+                chunks.append(
+                    self._chunk(
+                        call,
+                        {
+                            "index": choice.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        },
+                    )
+                )
                 choice.started = True
             delta = {"content": piece} if piece or not reason else {}
             body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -412,9 +524,18 @@ class HttpDoor:
         return chunk
 
     def _envelope(self, call: _Call, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if call.kind == "chat" else "text_completion"
-        return {"id": call.request_id, "object": kind, "created": call.created, "model": call.request.model,
-                "system_fingerprint": None}
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if call.kind == "chat"
+            else "text_completion"
+        )
+        return {
+            "id": call.request_id,
+            "object": kind,
+            "created": call.created,
+            "model": call.request.model,
+            "system_fingerprint": None,
+        }
 
     def _final_body(self, call: _Call) -> dict:
         choices = []
@@ -422,10 +543,16 @@ class HttpDoor:
             completion = choice.output.outputs[choice.slot]
             logprobs = None
             if call.request.logprobs is not None:
-                logprobs = (completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
-                            if call.kind == "completion"
-                            else chat_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs,
-                                               self.hub.engine.tokenizer.token_bytes))
+                logprobs = (
+                    completion_logprobs(completion.token_ids, completion.logprobs, call.request.logprobs, 0)
+                    if call.kind == "completion"
+                    else chat_logprobs(
+                        completion.token_ids,
+                        completion.logprobs,
+                        call.request.logprobs,
+                        self.hub.engine.tokenizer.token_bytes,
+                    )
+                )
             body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(completion)}
             if call.kind == "completion":
                 body["text"] = completion.text
@@ -438,24 +565,43 @@ class HttpDoor:
         # Each prompt counts once however many choices it has (they share its KV blocks).
         outputs = [c.output for c in _first_of_each_prompt(call) if c.output is not None]
         completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-        return usage(sum(len(p) for p in call.request.prompts), completion_tokens,
-                     sum(output.num_cached_tokens for output in outputs))
+        return usage(
+            sum(len(p) for p in call.request.prompts),
+            completion_tokens,
+            sum(output.num_cached_tokens for output in outputs),
+        )
 
     def _report(self, call: _Call, first: _Choice) -> None:
         """The request log line and metrics of one prompt's engine request (all its choices)."""
         output = first.output
         if output is None and first.error is not None:
-            return   # never ran (rejected, or the server stopped first)
+            return  # never ran (rejected, or the server stopped first)
         prompt = call.request.prompt_texts[first.prompt] or call.request.prompts[first.prompt]
         prompt_tokens = len(call.request.prompts[first.prompt])
-        if output is None:   # aborted before its first output (cancel drops the engine's abort output)
-            finished = FinishedRequest(first.engine_id.removeprefix("http:"), "http", call.client, prompt,
-                                       prompt_tokens, 0, 0, "abort", None)
+        if output is None:  # aborted before its first output (cancel drops the engine's abort output)
+            finished = FinishedRequest(
+                first.engine_id.removeprefix("http:"),
+                "http",
+                call.client,
+                prompt,
+                prompt_tokens,
+                0,
+                0,
+                "abort",
+                None,
+            )
         else:
             finished = FinishedRequest(
-                first.engine_id.removeprefix("http:"), "http", call.client, prompt, prompt_tokens,
-                output.num_cached_tokens, sum(len(c.token_ids) for c in output.outputs),
-                output.outputs[0].finish_reason if output.finished else "abort", output.metrics)
+                first.engine_id.removeprefix("http:"),
+                "http",
+                call.client,
+                prompt,
+                prompt_tokens,
+                output.num_cached_tokens,
+                sum(len(c.token_ids) for c in output.outputs),
+                output.outputs[0].finish_reason if output.finished else "abort",
+                output.metrics,
+            )
         self.hub.report_finished(finished)
 
 
@@ -473,18 +619,23 @@ def _sse(event: dict) -> bytes:
 
 
 def _error_response(error: OpenAIError) -> web.Response:
-    headers = None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    headers = (
+        None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    )
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
 def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
     """The shared engine bridge's errors as HTTP statuses."""
-    if error.code == INVALID_PARAMS:   # the engine's messages start with the field they are about
+    if error.code == INVALID_PARAMS:  # the engine's messages start with the field they are about
         field_name = error.message.split(" ", 1)[0]
         return OpenAIError(400, error.message, param=field_name if field_name in REQUEST_FIELDS else None)
     if error.code == OVERLOADED:
-        return (OpenAIError(429, error.message, code="overloaded") if accepting
-                else OpenAIError(503, error.message, code="draining"))
+        return (
+            OpenAIError(429, error.message, code="overloaded")
+            if accepting
+            else OpenAIError(503, error.message, code="draining")
+        )
     if error.code == ABORTED:
         return OpenAIError(503, error.message, code="draining")
     if error.code == RATE_LIMITED:

@@ -16,6 +16,7 @@ flight, drain, the request log and the security stats. No door imports another. 
   (the last one finished) or one RPCError; the id is free again after either.
 - `report_finished(FinishedRequest)` once per request, `engine_call(fn)`, `security_stats()`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,16 @@ from typing import Callable
 
 from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
 from minisarathi.server.engine_worker import EngineWorker
-from minisarathi.server.protocol import (ABORTED, INTERNAL, INVALID_PARAMS, OVERLOADED, PROMPT_TOO_LONG,
-                                         RATE_LIMITED, RPCError, ServerLimits)
+from minisarathi.server.protocol import (
+    ABORTED,
+    INTERNAL,
+    INVALID_PARAMS,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    RATE_LIMITED,
+    RPCError,
+    ServerLimits,
+)
 from minisarathi.server.request_log import FinishedRequest, log_finished
 
 log = logging.getLogger("minisarathi.server")
@@ -62,29 +71,36 @@ def internal_error() -> RPCError:
 
 
 class Hub:
-    def __init__(self, engine, limits: ServerLimits | None = None, keys: KeyStore | None = None,
-                 model_name: str = "", tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        engine,
+        limits: ServerLimits | None = None,
+        keys: KeyStore | None = None,
+        model_name: str = "",
+        tls: ssl.SSLContext | None = None,
+    ):
         self.engine = engine
         self.limits = limits or ServerLimits()
-        self.keys = keys                       # None: no auth
-        self.model_name = model_name           # the model folder's name, never its path
-        self.tls = tls                         # every door's listeners use it
+        self.keys = keys  # None: no auth
+        self.model_name = model_name  # the model folder's name, never its path
+        self.tls = tls  # every door's listeners use it
         self.doors: list = []
-        self.finish_listeners: list[Callable[[FinishedRequest], None]] = []   # called by report_finished
-        self.connections: set = set()          # the open connections of the doors that keep them
+        self.finish_listeners: list[Callable[[FinishedRequest], None]] = []  # called by report_finished
+        self.connections: set = set()  # the open connections of the doors that keep them
         self.counters = collections.Counter()  # paused, resumed, unread_aborts, unauthenticated_evicted
         self.started = time.monotonic()
-        self.shutting_down = False             # requests are refused (drain_delay_s after the drain began)
-        self._leaving = False                  # the drain began: /ready answers 503
-        self._requests: dict[str, Callable] = {}   # engine request id -> its door's on_output
-        self._unauthenticated: dict = {}       # connections not yet authenticated, oldest first
+        self.shutting_down = False  # requests are refused (drain_delay_s after the drain began)
+        self._leaving = False  # the drain began: /ready answers 503
+        self._requests: dict[str, Callable] = {}  # engine request id -> its door's on_output
+        self._unauthenticated: dict = {}  # connections not yet authenticated, oldest first
         self._worker: EngineWorker | None = None
-        self._drained: asyncio.Event | None = None   # set whenever no request is registered
+        self._drained: asyncio.Event | None = None  # set whenever no request is registered
         # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
         # queues (holding only its inputs) instead of taking every core; at a lower CPU priority. Small calls
         # (the bystander's) are answered on the loop, never queued behind big ones.
-        self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer",
-                                                                initializer=_lower_thread_priority)
+        self._text_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tokenizer", initializer=_lower_thread_priority
+        )
         self._throttle = AuthThrottle()
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
@@ -97,8 +113,9 @@ class Hub:
         opened raises ListenError, which says which one."""
         self._drained = asyncio.Event()
         self._drained.set()
-        self._worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_outputs,
-                                    self._on_step_error)
+        self._worker = EngineWorker(
+            self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error
+        )
         self._worker.start()
         addresses = []
         for door in self.doors:
@@ -120,15 +137,19 @@ class Hub:
         would have to retry."""
         self._leaving = True
         if self.limits.drain_delay_s > 0:
-            log.info("shutting down: /ready answers 503; serving on for %.1fs first",
-                     self.limits.drain_delay_s)
+            log.info(
+                "shutting down: /ready answers 503; serving on for %.1fs first", self.limits.drain_delay_s
+            )
             await asyncio.sleep(self.limits.drain_delay_s)
         self.shutting_down = True
         for door in self.doors:
             await door.stop_accepting()
         if self._requests:
-            log.info("shutting down: waiting up to %.1fs for %d requests", self.limits.shutdown_grace_s,
-                     len(self._requests))
+            log.info(
+                "shutting down: waiting up to %.1fs for %d requests",
+                self.limits.shutdown_grace_s,
+                len(self._requests),
+            )
             try:
                 await asyncio.wait_for(self._drained.wait(), self.limits.shutdown_grace_s)
             except asyncio.TimeoutError:
@@ -201,8 +222,9 @@ class Hub:
     def check_max_tokens(key: Key | None, max_tokens: int) -> None:
         """RPCError(INVALID_PARAMS) if the key caps max_tokens below the request's."""
         if key is not None and key.max_tokens is not None and max_tokens > key.max_tokens:
-            raise RPCError(INVALID_PARAMS,
-                           f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}")
+            raise RPCError(
+                INVALID_PARAMS, f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}"
+            )
 
     def admit(self, key: Key | None, max_tokens: int, tokens: int) -> Quota | None:
         """A request of `tokens` (prompts + max_tokens of every choice) against its key's quota; RPCError
@@ -213,8 +235,10 @@ class Hub:
         self.check_max_tokens(key, max_tokens)
         quota = self.keys.quota(key)
         if key.tpm is not None and tokens > key.tpm:
-            raise RPCError(INVALID_PARAMS, f"prompt tokens + max_tokens ({tokens}) must be <= the key's "
-                                           f"tokens per minute ({key.tpm})")
+            raise RPCError(
+                INVALID_PARAMS,
+                f"prompt tokens + max_tokens ({tokens}) must be <= the key's tokens per minute ({key.tpm})",
+            )
         wait = quota.admit(tokens)
         if wait is not None:
             raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
@@ -274,11 +298,14 @@ class Hub:
     def check_prompt_bytes(self, text: str, name: str) -> None:
         """RPCError(PROMPT_TOO_LONG) for a text prompt of more bytes than max_prompt_tokens tokens can hold:
         refused before the tokenizer spends time on it."""
-        if len(text) > self._max_prompt_bytes // 4:   # a character is at most 4 bytes
+        if len(text) > self._max_prompt_bytes // 4:  # a character is at most 4 bytes
             num_bytes = len(text.encode("utf-8", "surrogatepass"))
             if num_bytes > self._max_prompt_bytes:
-                raise RPCError(PROMPT_TOO_LONG, f"{name} has {num_bytes} bytes, more than the "
-                                                f"{self.max_prompt_tokens} tokens allowed can hold")
+                raise RPCError(
+                    PROMPT_TOO_LONG,
+                    f"{name} has {num_bytes} bytes, more than the "
+                    f"{self.max_prompt_tokens} tokens allowed can hold",
+                )
 
     async def encode_prompt(self, text: str, name: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt text as token ids: its bytes checked first, a big one tokenized on the tokenizer
@@ -321,19 +348,31 @@ class Hub:
         self._requests[request_id] = on_output
         self._drained.clear()
 
-    def submit(self, request_id: str, token_ids: list[int], params, arrival_time: float, priority: int = 0,
-               stream: bool = True, paused: bool = False, confirm: bool = False) -> asyncio.Future | None:
+    def submit(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params,
+        arrival_time: float,
+        priority: int = 0,
+        stream: bool = True,
+        paused: bool = False,
+        confirm: bool = False,
+    ) -> asyncio.Future | None:
         """Hand an open request to the engine. priority: lower runs first; stream=False: on_output gets only
         the last output; paused: it starts paused. If the engine refuses it, on_output gets the error.
         confirm: returns a future done once the engine took or refused it; without, success costs the loop
         nothing (no wake-up from the engine thread)."""
+
         def add():
             # stream=False: a request answered once, at its end, costs no output per step (on the engine
             # thread and on the loop).
-            self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time,
-                                    priority=priority, stream=stream)
+            self.engine.add_request(
+                request_id, token_ids, params, arrival_time=arrival_time, priority=priority, stream=stream
+            )
             if paused:
                 self.engine.pause_request(request_id)
+
         if not confirm:
             self._worker.post_unless_error(add, lambda error: self._refused(request_id, error))
             return None
@@ -342,6 +381,7 @@ class Hub:
         def taken(future):
             if future.exception() is not None:
                 self._refused(request_id, future.exception())
+
         added.add_done_callback(taken)
         return added
 
@@ -361,6 +401,7 @@ class Hub:
         def apply():
             for request_id in request_ids:
                 hook(request_id)
+
         self._worker.post(apply)
 
     def engine_call(self, fn) -> asyncio.Future:
@@ -369,7 +410,7 @@ class Hub:
 
     def _refused(self, request_id: str, error: Exception):
         on_output = self._requests.pop(request_id, None)
-        if on_output is None:   # cancelled meanwhile
+        if on_output is None:  # cancelled meanwhile
             return
         self._check_drained()
         if isinstance(error, ValueError):
@@ -382,14 +423,14 @@ class Hub:
     def _on_outputs(self, outputs):
         for output in outputs:
             on_output = self._requests.get(output.request_id)
-            if on_output is None:   # cancelled or failed while the engine was stepping
+            if on_output is None:  # cancelled or failed while the engine was stepping
                 continue
             if output.finished:
                 del self._requests[output.request_id]
                 self._check_drained()
             try:
                 on_output(output)
-            except Exception:   # one bad output must not strand the others of this step
+            except Exception:  # one bad output must not strand the others of this step
                 log.exception("%s delivering output failed", output.request_id)
                 self._fail(output.request_id, on_output, internal_error())
 
@@ -397,8 +438,9 @@ class Hub:
         # The engine's state is suspect after a failed step: fail everything it holds. A failed model (its
         # tensor-parallel ranks died) says so, in words written for clients; other exceptions stay in the log.
         failure = self.engine.model_failure
-        self._fail_all(internal_error() if failure is None
-                       else RPCError(INTERNAL, f"engine step failed: {failure}"))
+        self._fail_all(
+            internal_error() if failure is None else RPCError(INTERNAL, f"engine step failed: {failure}")
+        )
 
     def _fail_all(self, error: RPCError):
         for request_id, on_output in list(self._requests.items()):
@@ -424,13 +466,19 @@ class Hub:
 
     def security_stats(self) -> dict:
         """What `stats` and the metrics report about auth, quotas and paused requests (on the loop)."""
-        stats = {"unauthenticated_connections": len(self._unauthenticated),
-                 "auth_failures": self._throttle.failures_total,
-                 **{name: self.counters[name] for name in ("paused", "resumed", "unread_aborts",
-                                                            "unauthenticated_evicted")}}
+        stats = {
+            "unauthenticated_connections": len(self._unauthenticated),
+            "auth_failures": self._throttle.failures_total,
+            **{
+                name: self.counters[name]
+                for name in ("paused", "resumed", "unread_aborts", "unauthenticated_evicted")
+            },
+        }
         if self.keys is not None:
-            stats["keys"] = {name: dict(quota.counters, inflight=quota.inflight)
-                             for name, quota in self.keys.quotas.items()}
+            stats["keys"] = {
+                name: dict(quota.counters, inflight=quota.inflight)
+                for name, quota in self.keys.quotas.items()
+            }
         return stats
 
 
@@ -440,10 +488,13 @@ def _lower_thread_priority() -> None:
     if sys.platform.startswith("linux"):
         thread = threading.get_native_id()
         try:
-            os.setpriority(os.PRIO_PROCESS, thread,
-                           min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT))
-        except OSError as e:   # e.g. a seccomp profile: the thread pool must still work (an initializer that
-            log.warning("the tokenizer thread keeps its priority: %s", e)   # raises breaks it for good)
+            os.setpriority(
+                os.PRIO_PROCESS,
+                thread,
+                min(19, os.getpriority(os.PRIO_PROCESS, thread) + TOKENIZER_NICE_INCREMENT),
+            )
+        except OSError as e:  # e.g. a seccomp profile: the thread pool must still work (an initializer that
+            log.warning("the tokenizer thread keeps its priority: %s", e)  # raises breaks it for good)
 
 
 def _longest_token_bytes(tokenizer) -> int:

@@ -8,6 +8,7 @@ the steps since the last scrape for `iteration_tokens_total` (the engine keeps i
 A third, read at scrape time on the loop: the server's security counters (failed auths, paused requests,
 unauthenticated connections) and per-key quotas, labelled only by the names in the keys file.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,10 +21,57 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "minisarathi:"
 
 # vLLM's latency buckets, extended down to 0.5 ms: a small model on a CPU has sub-10 ms steps.
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                          0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 def _one_two_five(limit: int) -> list[int]:
@@ -46,27 +94,46 @@ class Metrics:
 
         def histogram(name, doc, buckets):
             return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r).labels(model_name)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", names,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.",
-                                         names, registry=r).labels(model_name)
-        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                       [*names, "finished_reason"], registry=r)
+
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", names, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests.", names, registry=r
+        ).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            [*names, "finished_reason"],
+            registry=r,
+        )
         token_buckets = _one_two_five(max_model_len)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens of a request.",
-                             _TOKEN_LATENCY_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Between consecutive tokens of a request.", _TOKEN_LATENCY_BUCKETS
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+        )
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", token_buckets)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
-                                                   token_buckets)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prefill chunks plus "
-                                          "decodes): where chunked prefill shows.", token_buckets)
-        self.step_prediction = histogram("step_time_prediction_ratio", "Engine steps by the cost model's "
-                                         "predicted over actual step time.", ERROR_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step (prefill chunks plus decodes): where chunked prefill shows.",
+            token_buckets,
+        )
+        self.step_prediction = histogram(
+            "step_time_prediction_ratio",
+            "Engine steps by the cost model's predicted over actual step time.",
+            ERROR_BUCKETS,
+        )
         self._engine_state: dict = {}
         self._next_step = 0
         self.registry.register(_EngineCollector(self))
@@ -97,7 +164,7 @@ class Metrics:
 
     def read_engine(self, engine) -> None:
         """On the engine thread: the state the scrape reports, and the steps since the last scrape."""
-        steps = engine.step_records[self._next_step:]
+        steps = engine.step_records[self._next_step :]
         self._next_step = len(engine.step_records)
         for step in steps:
             self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
@@ -122,38 +189,83 @@ class _EngineCollector:
             metric = kind(PREFIX + name, doc, labels=list(labels))
             metric.add_metric(list(labels.values()), value)
             return metric
-        yield family(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", state["running"])
-        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", state["waiting"])
-        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
-                     state["kv_usage"])
-        yield family(GaugeMetricFamily, "scheduler_token_budget", "Tokens per engine step at most (chunk_size).",
-                     self._metrics._token_budget)
+
+        yield family(
+            GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", state["running"]
+        )
+        yield family(
+            GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", state["waiting"]
+        )
+        yield family(
+            GaugeMetricFamily,
+            "kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0 to 1).",
+            state["kv_usage"],
+        )
+        yield family(
+            GaugeMetricFamily,
+            "scheduler_token_budget",
+            "Tokens per engine step at most (chunk_size).",
+            self._metrics._token_budget,
+        )
         if state["gpu_memory_used_bytes"] is not None:
-            yield family(GaugeMetricFamily, "gpu_memory_used_bytes", "Device memory held by the engine's pool.",
-                         state["gpu_memory_used_bytes"])
-        yield family(CounterMetricFamily, "num_preemptions", "Preemptions since start.", state["num_preemptions"])
-        yield family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                     state["prefix_cache_queries"])
-        yield family(CounterMetricFamily, "prefix_cache_hits", "Of them, tokens found in the cache.",
-                     state["prefix_cache_hits"])
+            yield family(
+                GaugeMetricFamily,
+                "gpu_memory_used_bytes",
+                "Device memory held by the engine's pool.",
+                state["gpu_memory_used_bytes"],
+            )
+        yield family(
+            CounterMetricFamily, "num_preemptions", "Preemptions since start.", state["num_preemptions"]
+        )
+        yield family(
+            CounterMetricFamily,
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            state["prefix_cache_queries"],
+        )
+        yield family(
+            CounterMetricFamily,
+            "prefix_cache_hits",
+            "Of them, tokens found in the cache.",
+            state["prefix_cache_hits"],
+        )
         coefficients = state["cost_model"]["coefficients"]
         if coefficients is not None:
-            metric = GaugeMetricFamily(PREFIX + "cost_model_coefficient_seconds", "The step cost model's "
-                                       "seconds per unit of each feature (docs/scheduling.md).",
-                                       labels=[*labels, "feature"])
+            metric = GaugeMetricFamily(
+                PREFIX + "cost_model_coefficient_seconds",
+                "The step cost model's seconds per unit of each feature (docs/scheduling.md).",
+                labels=[*labels, "feature"],
+            )
             for feature, value in coefficients.items():
                 metric.add_metric([*labels.values(), feature], value)
             yield metric
         slo = state["tbt_slo"]
         if slo is not None:
-            yield family(GaugeMetricFamily, "tbt_slo_target_seconds", "The TBT target (tbt_slo_ms).",
-                         slo["target_ms"] / 1e3)
-            yield family(GaugeMetricFamily, "tbt_slo_margin_seconds", "The safety margin below the target.",
-                         slo["margin_ms"] / 1e3)
-            yield family(GaugeMetricFamily, "tbt_slo_overloaded", "1 while the decodes alone are predicted over "
-                         "the target (new prompts wait).", int(slo["overloaded"]))
-            yield family(CounterMetricFamily, "tbt_slo_overloaded_steps", "Steps run overloaded.",
-                         slo["overloaded_steps"])
+            yield family(
+                GaugeMetricFamily,
+                "tbt_slo_target_seconds",
+                "The TBT target (tbt_slo_ms).",
+                slo["target_ms"] / 1e3,
+            )
+            yield family(
+                GaugeMetricFamily,
+                "tbt_slo_margin_seconds",
+                "The safety margin below the target.",
+                slo["margin_ms"] / 1e3,
+            )
+            yield family(
+                GaugeMetricFamily,
+                "tbt_slo_overloaded",
+                "1 while the decodes alone are predicted over the target (new prompts wait).",
+                int(slo["overloaded"]),
+            )
+            yield family(
+                CounterMetricFamily,
+                "tbt_slo_overloaded_steps",
+                "Steps run overloaded.",
+                slo["overloaded_steps"],
+            )
 
 
 class _SecurityCollector:
@@ -164,23 +276,47 @@ class _SecurityCollector:
     def collect(self):
         state, names, values = self._hub.security_stats(), list(self._labels), list(self._labels.values())
         for kind, name, doc, value in (
-                (CounterMetricFamily, "auth_failures", "Failed authentications (both doors).", state["auth_failures"]),
-                (GaugeMetricFamily, "unauthenticated_connections", "msgpack connections not yet authenticated.",
-                 state["unauthenticated_connections"]),
-                (CounterMetricFamily, "requests_paused", "Requests paused because their client stopped reading.",
-                 state["paused"]),
-                (CounterMetricFamily, "unread_aborts", "Paused requests aborted after --unread-timeout.",
-                 state["unread_aborts"])):
+            (
+                CounterMetricFamily,
+                "auth_failures",
+                "Failed authentications (both doors).",
+                state["auth_failures"],
+            ),
+            (
+                GaugeMetricFamily,
+                "unauthenticated_connections",
+                "msgpack connections not yet authenticated.",
+                state["unauthenticated_connections"],
+            ),
+            (
+                CounterMetricFamily,
+                "requests_paused",
+                "Requests paused because their client stopped reading.",
+                state["paused"],
+            ),
+            (
+                CounterMetricFamily,
+                "unread_aborts",
+                "Paused requests aborted after --unread-timeout.",
+                state["unread_aborts"],
+            ),
+        ):
             metric = kind(PREFIX + name, doc, labels=names)
             metric.add_metric(values, value)
             yield metric
         per_key = state.get("keys", {})
         for field, kind, name, doc in (
-                ("requests", CounterMetricFamily, "key_requests", "Requests admitted, by API key name."),
-                ("rate_limited", CounterMetricFamily, "key_rate_limited", "Requests refused over quota, by key."),
-                ("prompt_tokens", CounterMetricFamily, "key_prompt_tokens", "Prompt tokens of finished requests."),
-                ("completion_tokens", CounterMetricFamily, "key_generation_tokens", "Generated tokens, by key."),
-                ("inflight", GaugeMetricFamily, "key_requests_inflight", "Requests in flight, by key.")):
+            ("requests", CounterMetricFamily, "key_requests", "Requests admitted, by API key name."),
+            ("rate_limited", CounterMetricFamily, "key_rate_limited", "Requests refused over quota, by key."),
+            (
+                "prompt_tokens",
+                CounterMetricFamily,
+                "key_prompt_tokens",
+                "Prompt tokens of finished requests.",
+            ),
+            ("completion_tokens", CounterMetricFamily, "key_generation_tokens", "Generated tokens, by key."),
+            ("inflight", GaugeMetricFamily, "key_requests_inflight", "Requests in flight, by key."),
+        ):
             metric = kind(PREFIX + name, doc, labels=[*names, "key"])
             for key_name, counters in per_key.items():
                 metric.add_metric([*values, key_name], counters[field])

@@ -2,6 +2,7 @@
 docs/protocol.md, and each connection's state: its deadlines, auth, and backpressure on a client that leaves
 its answers unread. Admission, quotas, the engine and drain are the hub's (hub.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,16 +20,36 @@ from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.hub import Hub, ListenError, internal_error
 from minisarathi.server.protocol import (
-    ABORTED, CHUNK_NOTIFICATION, ERROR_NOTIFICATION, INVALID_MESSAGE, INVALID_PARAMS, NOTIFICATION,
-    OVERLOADED, PROMPT_TOO_LONG, REQUEST, RESPONSE, UNAUTHORIZED, UNKNOWN_METHOD, RPCError,
-    UNPACKER_READ_SIZE, ServerLimits, as_text, make_unpacker, pack, parse_generate, short, single_param,
-    text_params, token_id_list)
+    ABORTED,
+    CHUNK_NOTIFICATION,
+    ERROR_NOTIFICATION,
+    INVALID_MESSAGE,
+    INVALID_PARAMS,
+    NOTIFICATION,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    REQUEST,
+    RESPONSE,
+    UNAUTHORIZED,
+    UNKNOWN_METHOD,
+    UNPACKER_READ_SIZE,
+    RPCError,
+    ServerLimits,
+    as_text,
+    make_unpacker,
+    pack,
+    parse_generate,
+    short,
+    single_param,
+    text_params,
+    token_id_list,
+)
 from minisarathi.server.request_log import FinishedRequest
 
 log = logging.getLogger("minisarathi.server")
 
 _READ_SIZE = 1 << 16
-_CLIENT_ID_PREFIX = "msgpack:"   # engine ids of requests whose client named them
+_CLIENT_ID_PREFIX = "msgpack:"  # engine ids of requests whose client named them
 _UNAUTHENTICATED_READ_SIZE = 1 << 12
 # Unsent output (the transport's buffer) past which a connection's requests are not read and its running
 # requests are paused: its client has stopped reading.
@@ -51,29 +72,36 @@ def _public_id(request_id: str) -> str:
 
 
 class _Connection:
-    def __init__(self, conn_id: int, writer: asyncio.StreamWriter, limits: ServerLimits, authenticated: bool,
-                 peer: str = "unix", on_stall=None):
+    def __init__(
+        self,
+        conn_id: int,
+        writer: asyncio.StreamWriter,
+        limits: ServerLimits,
+        authenticated: bool,
+        peer: str = "unix",
+        on_stall=None,
+    ):
         self.id = conn_id
         self.writer = writer
-        self.peer = peer                      # the client's "host:port", for the request log
-        self.address = peer.rpartition(":")[0] if peer != "unix" else peer   # its IP, for per-address limits
+        self.peer = peer  # the client's "host:port", for the request log
+        self.address = peer.rpartition(":")[0] if peer != "unix" else peer  # its IP, for per-address limits
         self.limits = limits
         self.authenticated = authenticated
-        self.opened = time.monotonic()        # the auth deadline runs from it (reset when an auth is revoked)
-        self.key: Key | None = None           # the key it authenticated with (None without keys)
-        self.inflight: dict[int, _Pending] = {}   # msgid -> its generate
-        self.default_priority = 0             # of its requests that give none: its API key's
-        self.pending_calls = 0                # other calls being answered (tokenize, stats, ...)
-        self.call_done = asyncio.Event()      # set when pending_calls drops
+        self.opened = time.monotonic()  # the auth deadline runs from it (reset when an auth is revoked)
+        self.key: Key | None = None  # the key it authenticated with (None without keys)
+        self.inflight: dict[int, _Pending] = {}  # msgid -> its generate
+        self.default_priority = 0  # of its requests that give none: its API key's
+        self.pending_calls = 0  # other calls being answered (tokenize, stats, ...)
+        self.call_done = asyncio.Event()  # set when pending_calls drops
         # its calls being answered and prompts being tokenized: cancelled when it closes, so its queued
         # tokenizer work goes with it
         self.tasks: set[asyncio.Task] = set()
         self.auth_failures = 0
-        self.auth_delay = 0.0                 # seconds to wait before reading on, after a failed auth
-        self.stalled = False                  # its output waits unread: its requests are paused
-        self._on_stall = on_stall             # called once each time the output backs up
+        self.auth_delay = 0.0  # seconds to wait before reading on, after a failed auth
+        self.stalled = False  # its output waits unread: its requests are paused
+        self._on_stall = on_stall  # called once each time the output backs up
         self._held: list[bytes] | None = None  # while corked: the packed messages sent, in order
-        self.output_ended = False             # end_output() was called: nothing more is sent
+        self.output_ended = False  # end_output() was called: nothing more is sent
         self.closed = False
 
     def send(self, message):
@@ -113,7 +141,7 @@ class _Connection:
         """Output written but not yet taken by the kernel."""
         try:
             return self.writer.transport.get_write_buffer_size()
-        except AttributeError:   # a closed TLS transport (CPython's sslproto drops its protocol on close)
+        except AttributeError:  # a closed TLS transport (CPython's sslproto drops its protocol on close)
             return 0
 
     def respond(self, msgid: int, error: RPCError | None, result=None):
@@ -145,7 +173,7 @@ class _Connection:
         if self.closed:
             return
         if flush:
-            self.uncork()    # what was held goes out first
+            self.uncork()  # what was held goes out first
             if self.closed:  # (the client was not reading it: dropped)
                 return
         self._held = None
@@ -161,17 +189,18 @@ class _Connection:
 @dataclass
 class _Pending:
     """A generate request the door holds until its final response."""
+
     request_id: str
     conn: _Connection
     msgid: int
     stream: bool
     want_logprobs: bool
     prompt: str | list[int]
-    received: float                      # time.monotonic() when the request was read
-    prompt_tokens: int = 0               # known once tokenized
+    received: float  # time.monotonic() when the request was read
+    prompt_tokens: int = 0  # known once tokenized
     first_token_time: float | None = None
-    sent: list[tuple[int, int]] = field(default_factory=list)   # per choice: (characters, token ids) streamed
-    quota: Quota | None = None           # the key's quota it was charged to, and how many tokens
+    sent: list[tuple[int, int]] = field(default_factory=list)  # per choice: (characters, token ids) streamed
+    quota: Quota | None = None  # the key's quota it was charged to, and how many tokens
     charged_tokens: int = 0
 
 
@@ -186,41 +215,51 @@ class _BadMessage(Exception):
 class MsgpackDoor:
     """A hub's msgpack-RPC door: listens on TCP (host None: not) and on a Unix socket (if given)."""
 
-    def __init__(self, hub: Hub, host: str | None = "127.0.0.1", port: int = 7000,
-                 unix_socket: str | None = None):
+    def __init__(
+        self, hub: Hub, host: str | None = "127.0.0.1", port: int = 7000, unix_socket: str | None = None
+    ):
         self.hub = hub
         self.host, self.port, self.unix_socket = host, port, unix_socket
         self.limits = hub.limits
         self._servers: list[asyncio.AbstractServer] = []
-        self._unix_path: str | None = None           # the socket file this door made
+        self._unix_path: str | None = None  # the socket file this door made
         self._request_ids = itertools.count()
         self._conn_ids = itertools.count()
-        self._delivered: collections.deque = collections.deque()    # (time, tokens) in the throughput window
-        self._tasks: set[asyncio.Task] = set()       # running stall watchers (the loop keeps weak refs only)
+        self._delivered: collections.deque = collections.deque()  # (time, tokens) in the throughput window
+        self._tasks: set[asyncio.Task] = set()  # running stall watchers (the loop keeps weak refs only)
         self._max_inflight = min(self.limits.max_inflight_per_connection, hub.engine.config.max_num_seqs)
 
     # ---------------------------------------------------------------- lifecycle (called by the hub)
 
     async def start(self) -> list[str]:
         """Listen; returns the addresses ("HOST:PORT", "unix:PATH")."""
-        tls = ({} if self.hub.tls is None
-               else {"ssl": self.hub.tls, "ssl_handshake_timeout": self.limits.auth_timeout_s})
+        tls = (
+            {}
+            if self.hub.tls is None
+            else {"ssl": self.hub.tls, "ssl_handshake_timeout": self.limits.auth_timeout_s}
+        )
         addresses = []
         if self.host is not None:
             # The listen backlog holds a burst of connections as large as the server takes (asyncio's default,
             # 100, is too short for a burst the loop is busy accepting).
             try:
                 server = await asyncio.start_server(
-                    self._serve_connection, self.host, self.port, limit=_READ_SIZE,
-                    backlog=min(self.limits.max_connections, socket.SOMAXCONN), **tls)
+                    self._serve_connection,
+                    self.host,
+                    self.port,
+                    limit=_READ_SIZE,
+                    backlog=min(self.limits.max_connections, socket.SOMAXCONN),
+                    **tls,
+                )
             except OSError as e:
                 raise ListenError("tcp", e) from None
             self._servers.append(server)
             addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
         if self.unix_socket is not None:
             try:
-                server = await asyncio.start_unix_server(self._serve_connection, self.unix_socket,
-                                                         limit=_READ_SIZE, **tls)
+                server = await asyncio.start_unix_server(
+                    self._serve_connection, self.unix_socket, limit=_READ_SIZE, **tls
+                )
             except OSError as e:
                 raise ListenError("unix", e) from None
             self._servers.append(server)
@@ -250,11 +289,16 @@ class MsgpackDoor:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         peer = writer.get_extra_info("peername")
-        conn = _Connection(next(self._conn_ids), writer, self.limits, authenticated=self.hub.keys is None,
-                           peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix",
-                           on_stall=self._on_stall)
+        conn = _Connection(
+            next(self._conn_ids),
+            writer,
+            self.limits,
+            authenticated=self.hub.keys is None,
+            peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix",
+            on_stall=self._on_stall,
+        )
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        if self.hub.shutting_down:   # accepted just before the listener closed: the client will go elsewhere
+        if self.hub.shutting_down:  # accepted just before the listener closed: the client will go elsewhere
             conn.close()
             return
         _bound_kernel_buffer(writer)
@@ -286,7 +330,7 @@ class MsgpackDoor:
                 while not conn.closed and (message := reading.next_message()) is not _NO_MESSAGE:
                     was_authenticated = conn.authenticated
                     self._handle_message(conn, message)
-                    if conn.authenticated and not was_authenticated:   # the full message size from now on
+                    if conn.authenticated and not was_authenticated:  # the full message size from now on
                         reading.resize()
                     if not await self._throttle_reading(conn):
                         break
@@ -308,7 +352,7 @@ class MsgpackDoor:
         stream."""
         if not conn.end_output():
             return
-        self._drop_requests(conn)   # their outputs could not be sent any more
+        self._drop_requests(conn)  # their outputs could not be sent any more
         budget = 2 * self.limits.max_message_bytes
         try:
             async with asyncio.timeout(_CLOSE_LINGER_S):
@@ -337,8 +381,9 @@ class MsgpackDoor:
         try:
             await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("conn=%d left its responses unread for %.0fs; closing", conn.id,
-                        self.limits.unread_timeout_s)
+            log.warning(
+                "conn=%d left its responses unread for %.0fs; closing", conn.id, self.limits.unread_timeout_s
+            )
             conn.close()
         except (ConnectionError, OSError):
             conn.close()
@@ -356,8 +401,12 @@ class MsgpackDoor:
         try:
             await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("conn=%d left %d requests unread for %.0fs; aborting them", conn.id,
-                        len(conn.inflight), self.limits.unread_timeout_s)
+            log.warning(
+                "conn=%d left %d requests unread for %.0fs; aborting them",
+                conn.id,
+                len(conn.inflight),
+                self.limits.unread_timeout_s,
+            )
             self.hub.counters["unread_aborts"] += len(conn.inflight)
             conn.close()
             return
@@ -369,7 +418,7 @@ class MsgpackDoor:
             self.hub.pause([p.request_id for p in conn.inflight.values()], False)
 
     def _close_connection(self, conn: _Connection):
-        conn.close(flush=True)   # an error about a bad message, say, still reaches the client
+        conn.close(flush=True)  # an error about a bad message, say, still reaches the client
         self.hub.disconnect(conn)
         self._drop_requests(conn)
         log.debug("conn=%d closed", conn.id)
@@ -377,7 +426,7 @@ class MsgpackDoor:
     def _drop_requests(self, conn: _Connection):
         """Cancel the connection's calls being answered and abort its requests."""
         conn.call_done.set()
-        for task in list(conn.tasks):   # its tokenize calls still queued for the tokenizer thread, say
+        for task in list(conn.tasks):  # its tokenize calls still queued for the tokenizer thread, say
             task.cancel()
         for pending in list(conn.inflight.values()):
             log.info("%s aborted: client disconnected", pending.request_id)
@@ -411,7 +460,7 @@ class MsgpackDoor:
             if asyncio.iscoroutine(result):
                 conn.pending_calls += 1
                 self._start_task(conn, self._respond_later(conn, msgid, method, result))
-            elif method != "generate":   # generate answers when the engine finishes it
+            elif method != "generate":  # generate answers when the engine finishes it
                 conn.respond(msgid, None, result)
 
     def _handle_notification(self, conn: _Connection, method, params):
@@ -434,7 +483,7 @@ class MsgpackDoor:
         if not isinstance(error, RPCError):
             log.exception("conn=%d msgid=%s %s failed", conn.id, msgid, method)
             error = internal_error()
-        elif error.code != UNAUTHORIZED:   # those are counted and summarized by the throttle
+        elif error.code != UNAUTHORIZED:  # those are counted and summarized by the throttle
             log.info("conn=%d msgid=%s %s failed: %s", conn.id, msgid, short(method), error)
         conn.respond(msgid, error)
 
@@ -459,37 +508,44 @@ class MsgpackDoor:
     def _generate(self, conn: _Connection, msgid: int, params: list):
         hub = self.hub
         if hub.shutting_down and not conn.inflight:
-            conn.close(flush=True)   # not taken: the closed connection sends the client elsewhere
+            conn.close(flush=True)  # not taken: the closed connection sends the client elsewhere
             return None
         request = parse_generate(params, self.limits)
         hub.check_max_tokens(conn.key, request.params.max_tokens)
         if msgid in conn.inflight:
             raise RPCError(INVALID_PARAMS, f"msgid {msgid} is already in flight on this connection")
         if len(conn.inflight) >= self._max_inflight:
-            raise RPCError(OVERLOADED,
-                           f"more than {self._max_inflight} requests in flight on this connection")
+            raise RPCError(
+                OVERLOADED, f"more than {self._max_inflight} requests in flight on this connection"
+            )
         if request.prompt is not None:
             hub.check_prompt_bytes(request.prompt, "prompt")
         if request.request_id is None:
             request_id = f"req-{next(self._request_ids)}"
-        else:   # the door's prefix keeps the client's ids apart from the generated ones and the HTTP door's
+        else:  # the door's prefix keeps the client's ids apart from the generated ones and the HTTP door's
             request_id = f"{_CLIENT_ID_PREFIX}{request.request_id}"
             if hub.in_use(request_id):
                 raise RPCError(INVALID_PARAMS, f"request_id {request.request_id!r} is already in use")
-        pending = _Pending(request_id, conn, msgid, request.stream, request.params.logprobs is not None,
-                           request.prompt if request.prompt is not None else request.prompt_token_ids,
-                           time.monotonic())
+        pending = _Pending(
+            request_id,
+            conn,
+            msgid,
+            request.stream,
+            request.params.logprobs is not None,
+            request.prompt if request.prompt is not None else request.prompt_token_ids,
+            time.monotonic(),
+        )
         hub.open(request_id, lambda output: self._on_output(pending, output))
         conn.inflight[msgid] = pending
         token_ids = request.prompt_token_ids or hub.encode(request.prompt)
         if isinstance(token_ids, list):
             self._submit(pending, request, token_ids)
-        else:   # a big prompt, on the tokenizer thread
+        else:  # a big prompt, on the tokenizer thread
             self._start_task(conn, self._tokenize_then_submit(pending, request, token_ids))
 
     async def _tokenize_then_submit(self, pending: _Pending, request, encoding):
         token_ids = await encoding
-        if pending.conn.inflight.get(pending.msgid) is pending:   # not aborted meanwhile
+        if pending.conn.inflight.get(pending.msgid) is pending:  # not aborted meanwhile
             self._submit(pending, request, token_ids)
 
     def _submit(self, pending: _Pending, request, token_ids: list[int]):
@@ -499,8 +555,10 @@ class MsgpackDoor:
             if request.prompt is None and max(token_ids) >= vocab_size:
                 raise RPCError(INVALID_PARAMS, f"prompt_token_ids must be < vocab_size ({vocab_size})")
             if len(token_ids) > self.hub.max_prompt_tokens:
-                raise RPCError(PROMPT_TOO_LONG, f"prompt has {len(token_ids)} tokens; the limit is "
-                                                f"{self.hub.max_prompt_tokens}")
+                raise RPCError(
+                    PROMPT_TOO_LONG,
+                    f"prompt has {len(token_ids)} tokens; the limit is {self.hub.max_prompt_tokens}",
+                )
             charge = len(token_ids) + request.params.n * request.params.max_tokens
             pending.quota = self.hub.admit(pending.conn.key, request.params.max_tokens, charge)
             pending.charged_tokens = charge
@@ -512,12 +570,26 @@ class MsgpackDoor:
         conn = pending.conn
         pending.prompt_tokens = len(token_ids)
         priority = conn.default_priority if request.priority is None else request.priority
-        log.info("%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d",
-                 pending.request_id, conn.id, pending.msgid, len(token_ids), request.params.max_tokens,
-                 request.stream, priority)
+        log.info(
+            "%s conn=%d msgid=%d prompt_tokens=%d max_tokens=%d stream=%s priority=%d",
+            pending.request_id,
+            conn.id,
+            pending.msgid,
+            len(token_ids),
+            request.params.max_tokens,
+            request.stream,
+            priority,
+        )
         # a client that is not reading: its request starts paused
-        self.hub.submit(pending.request_id, token_ids, request.params, pending.received, priority,
-                        request.stream, paused=conn.stalled)
+        self.hub.submit(
+            pending.request_id,
+            token_ids,
+            request.params,
+            pending.received,
+            priority,
+            request.stream,
+            paused=conn.stalled,
+        )
 
     def _abort(self, conn: _Connection, msgid: int, params: list) -> bool:
         """params [msgid] (of the generate call), or [{"request_id": id}] (the id given to generate)."""
@@ -527,7 +599,7 @@ class MsgpackDoor:
         else:
             pending = conn.inflight.get(single_param(params, "msgid", int))
         if pending is None:
-            return False   # unknown, or already finished
+            return False  # unknown, or already finished
         log.info("%s aborted by the client", pending.request_id)
         self._report_aborted(pending)
         self.hub.cancel(pending.request_id)
@@ -536,34 +608,46 @@ class MsgpackDoor:
 
     def _tokenize(self, conn, msgid, params):
         text = single_param(params, "text", str)
-        if len(text) > self.limits.max_tokenize_bytes // 4:   # a character is at most 4 bytes
+        if len(text) > self.limits.max_tokenize_bytes // 4:  # a character is at most 4 bytes
             num_bytes = len(text.encode("utf-8", "surrogatepass"))
             if num_bytes > self.limits.max_tokenize_bytes:
-                raise RPCError(INVALID_PARAMS, f"text must be at most {self.limits.max_tokenize_bytes} "
-                                               f"bytes, got {num_bytes}")
+                raise RPCError(
+                    INVALID_PARAMS,
+                    f"text must be at most {self.limits.max_tokenize_bytes} bytes, got {num_bytes}",
+                )
         return self.hub.encode(text)
 
     def _detokenize(self, conn, msgid, params):
         token_ids = single_param(params, "token_ids", list)
         if len(token_ids) > self.limits.max_detokenize_tokens:
-            raise RPCError(INVALID_PARAMS, f"token_ids must hold at most {self.limits.max_detokenize_tokens} "
-                                           f"ids, got {len(token_ids)}")
+            raise RPCError(
+                INVALID_PARAMS,
+                f"token_ids must hold at most {self.limits.max_detokenize_tokens} ids, got {len(token_ids)}",
+            )
         return self.hub.decode(token_id_list(token_ids, "token_ids", self.hub.engine.tokenizer.vocab_size))
 
     def _model_info(self, conn, msgid, params) -> dict:
         engine = self.hub.engine
         config = engine.config
-        return {"model": self.hub.model_name, "vocab_size": engine.tokenizer.vocab_size,
-                "max_model_len": engine.max_model_len, "eos_token_ids": list(engine.tokenizer.eos_token_ids),
-                "scheduler": config.scheduler, "chunk_size": config.chunk_size,
-                "block_size": config.block_size, "max_num_seqs": config.max_num_seqs, "device": config.device,
-                "enable_prefix_caching": config.enable_prefix_caching,
-                "tensor_parallel_size": config.tensor_parallel_size,
-                "max_prompt_tokens": self.hub.max_prompt_tokens, "max_tokens": self.limits.max_tokens}
+        return {
+            "model": self.hub.model_name,
+            "vocab_size": engine.tokenizer.vocab_size,
+            "max_model_len": engine.max_model_len,
+            "eos_token_ids": list(engine.tokenizer.eos_token_ids),
+            "scheduler": config.scheduler,
+            "chunk_size": config.chunk_size,
+            "block_size": config.block_size,
+            "max_num_seqs": config.max_num_seqs,
+            "device": config.device,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "max_prompt_tokens": self.hub.max_prompt_tokens,
+            "max_tokens": self.limits.max_tokens,
+        }
 
     def _health(self, conn, msgid, params) -> dict:
-        """"failed" (with the error) once the model cannot run any more (its tensor-parallel ranks died), so a
-        load balancer's check takes the replica out."""
+        """ "failed" (with the error) once the model cannot run any more (its tensor-parallel ranks died), so
+        a load balancer's check takes the replica out."""
         uptime = time.monotonic() - self.hub.started
         if self.hub.engine.model_failure is not None:
             return {"status": "failed", "error": str(self.hub.engine.model_failure), "uptime_s": uptime}
@@ -577,10 +661,11 @@ class MsgpackDoor:
             raise RPCError(INVALID_PARAMS, f"steps_since must be >= 0, got {since}")
         engine = self.hub.engine
 
-        def read():   # on the engine thread: the records only (a list of references), summarized here
+        def read():  # on the engine thread: the records only (a list of references), summarized here
             steps = engine.step_records
             first = None if since is None else max(since, len(steps) - STEP_SUMMARY_MAX_STEPS)
             return engine.stats(), None if first is None else steps[first:]
+
         engine_stats, records = await self.hub.engine_call(read)
         if records is not None:
             engine_stats["step_times"] = step_time_summary(records)
@@ -588,13 +673,16 @@ class MsgpackDoor:
         self._trim_throughput_window(now)
         window = min(_THROUGHPUT_WINDOW_S, now - self.hub.started)
         connections = self.hub.connections
-        return {**engine_stats, **self.hub.security_stats(),
-                "connections": len(connections),
-                "pending_requests": self.hub.num_requests,
-                "pending_calls": sum(c.pending_calls for c in connections),
-                "write_buffer_bytes": sum(c.buffered() for c in connections if not c.closed),
-                "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
-                "uptime_s": now - self.hub.started}
+        return {
+            **engine_stats,
+            **self.hub.security_stats(),
+            "connections": len(connections),
+            "pending_requests": self.hub.num_requests,
+            "pending_calls": sum(c.pending_calls for c in connections),
+            "write_buffer_bytes": sum(c.buffered() for c in connections if not c.closed),
+            "throughput_tokens_per_s": sum(n for _, n in self._delivered) / max(window, 1e-9),
+            "uptime_s": now - self.hub.started,
+        }
 
     def _auth(self, conn, msgid, params) -> bool:
         secret = single_param(params, "api_key", str)
@@ -613,8 +701,16 @@ class MsgpackDoor:
         conn.default_priority = key.priority
         return True
 
-    _handlers = {"generate": _generate, "abort": _abort, "tokenize": _tokenize, "detokenize": _detokenize,
-                 "model_info": _model_info, "health": _health, "stats": _stats, "auth": _auth}
+    _handlers = {
+        "generate": _generate,
+        "abort": _abort,
+        "tokenize": _tokenize,
+        "detokenize": _detokenize,
+        "model_info": _model_info,
+        "health": _health,
+        "stats": _stats,
+        "auth": _auth,
+    }
 
     # ---------------------------------------------------------------- engine outputs (on the loop)
 
@@ -627,14 +723,14 @@ class MsgpackDoor:
         if pending.conn.cork():
             asyncio.get_running_loop().call_soon(pending.conn.uncork)
         now = time.monotonic()
-        for completion in output.outputs:   # n > 1: every choice's chunks carry its index
+        for completion in output.outputs:  # n > 1: every choice's chunks carry its index
             if completion.index == len(pending.sent):
                 pending.sent.append((0, 0))
             sent_chars, sent_tokens = pending.sent[completion.index]
             piece = completion.text[sent_chars:]
             new_ids = list(completion.token_ids[sent_tokens:])
             if new_ids:
-                if pending.first_token_time is None:   # unstreamed: reported once, at its end
+                if pending.first_token_time is None:  # unstreamed: reported once, at its end
                     pending.first_token_time = now if pending.stream else output.metrics.first_token_time
                 self._delivered.append((now, len(new_ids)))
                 self._trim_throughput_window(now)
@@ -651,30 +747,57 @@ class MsgpackDoor:
         choices = [self._choice_result(pending, completion) for completion in output.outputs]
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         # choice 0 at the top level; with n > 1 every choice (0 included) also in `choices`
-        result = {"request_id": _public_id(pending.request_id), **choices[0],
-                  "prompt_tokens": pending.prompt_tokens, "completion_tokens": completion_tokens,
-                  "cached_tokens": output.num_cached_tokens,
-                  "ttft_s": (None if pending.first_token_time is None
-                             else pending.first_token_time - pending.received),
-                  "e2e_s": now - pending.received}
+        result = {
+            "request_id": _public_id(pending.request_id),
+            **choices[0],
+            "prompt_tokens": pending.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": output.num_cached_tokens,
+            "ttft_s": (
+                None if pending.first_token_time is None else pending.first_token_time - pending.received
+            ),
+            "e2e_s": now - pending.received,
+        }
         if len(choices) > 1:
             result["choices"] = [{"index": i, **choice} for i, choice in enumerate(choices)]
-        self.hub.report_finished(FinishedRequest(
-            _public_id(pending.request_id), "msgpack", pending.conn.peer, pending.prompt,
-            pending.prompt_tokens, output.num_cached_tokens, completion_tokens,
-            output.outputs[0].finish_reason, output.metrics))
+        self.hub.report_finished(
+            FinishedRequest(
+                _public_id(pending.request_id),
+                "msgpack",
+                pending.conn.peer,
+                pending.prompt,
+                pending.prompt_tokens,
+                output.num_cached_tokens,
+                completion_tokens,
+                output.outputs[0].finish_reason,
+                output.metrics,
+            )
+        )
         if self._end(pending):
             pending.conn.respond(pending.msgid, None, result)
             self._close_if_drained(pending.conn)
 
     @staticmethod
     def _choice_result(pending: _Pending, completion) -> dict:
-        result = {"text": completion.text, "token_ids": list(completion.token_ids),
-                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        result = {
+            "text": completion.text,
+            "token_ids": list(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
         if pending.want_logprobs:
-            result["logprobs"] = [[{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank,
-                                    "decoded_token": lp.decoded_token} for token_id, lp in position.items()]
-                                  for position in completion.logprobs or []]
+            result["logprobs"] = [
+                [
+                    {
+                        "token_id": token_id,
+                        "logprob": lp.logprob,
+                        "rank": lp.rank,
+                        "decoded_token": lp.decoded_token,
+                    }
+                    for token_id, lp in position.items()
+                ]
+                for position in completion.logprobs or []
+            ]
         return result
 
     def _fail(self, pending: _Pending, error: RPCError):
@@ -688,8 +811,9 @@ class MsgpackDoor:
             return False
         del pending.conn.inflight[pending.msgid]
         if pending.quota is not None:
-            pending.quota.finish(pending.charged_tokens, pending.prompt_tokens,
-                                 sum(t for _, t in pending.sent))
+            pending.quota.finish(
+                pending.charged_tokens, pending.prompt_tokens, sum(t for _, t in pending.sent)
+            )
         return True
 
     def _close_if_drained(self, conn: _Connection):
@@ -697,9 +821,19 @@ class MsgpackDoor:
             conn.close(flush=True)
 
     def _report_aborted(self, pending: _Pending) -> None:
-        self.hub.report_finished(FinishedRequest(_public_id(pending.request_id), "msgpack", pending.conn.peer,
-                                                 pending.prompt, pending.prompt_tokens, 0,
-                                                 sum(t for _, t in pending.sent), "abort", None))
+        self.hub.report_finished(
+            FinishedRequest(
+                _public_id(pending.request_id),
+                "msgpack",
+                pending.conn.peer,
+                pending.prompt,
+                pending.prompt_tokens,
+                0,
+                sum(t for _, t in pending.sent),
+                "abort",
+                None,
+            )
+        )
 
     def _trim_throughput_window(self, now: float):
         while self._delivered and self._delivered[0][0] < now - _THROUGHPUT_WINDOW_S:
@@ -718,7 +852,7 @@ def _bound_kernel_buffer(writer: asyncio.StreamWriter):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_SNDBUF)
         if sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _TCP_NOTSENT_LOWAT)
-    except OSError:   # not every platform has both; the transport's own buffer is still bounded
+    except OSError:  # not every platform has both; the transport's own buffer is still bounded
         pass
 
 
@@ -736,8 +870,8 @@ class _Reader:
     def __init__(self, conn: _Connection, limits: ServerLimits):
         self._conn = conn
         self._limits = limits
-        self._message_started: float | None = None   # when the unfinished message's first byte came
-        self._message_at = 0                         # unpacker offset where that message starts
+        self._message_started: float | None = None  # when the unfinished message's first byte came
+        self._message_at = 0  # unpacker offset where that message starts
         self._unpacker: msgpack.Unpacker | None = None
         self.resize()
 
@@ -747,13 +881,16 @@ class _Reader:
         which _tail keeps (msgpack cannot hand back a half-read object)."""
         rest = b""
         if self._unpacker is not None and self._fed > self._consumed:
-            rest = self._tail[len(self._tail) - (self._fed - self._consumed):]
-        limit = (self._limits.max_message_bytes if self._conn.authenticated
-                 else self._limits.max_unauthenticated_message_bytes)
+            rest = self._tail[len(self._tail) - (self._fed - self._consumed) :]
+        limit = (
+            self._limits.max_message_bytes
+            if self._conn.authenticated
+            else self._limits.max_unauthenticated_message_bytes
+        )
         self.read_size = _READ_SIZE if self._conn.authenticated else _UNAUTHENTICATED_READ_SIZE
         self._unpacker = make_unpacker(limit)
         self._fed = 0
-        self._consumed = 0   # bytes of whole messages unpacked (msgpack's tell() also counts a partial one)
+        self._consumed = 0  # bytes of whole messages unpacked (msgpack's tell() also counts a partial one)
         self._message_at = 0
         self._grown = False
         self._tail = b""
@@ -767,7 +904,7 @@ class _Reader:
             raise _BadMessage(None, "message exceeds the size limit") from None
         self._fed += len(data)
         if not self._conn.authenticated:
-            self._tail = (self._tail + data)[-2 * self._limits.max_unauthenticated_message_bytes:]
+            self._tail = (self._tail + data)[-2 * self._limits.max_unauthenticated_message_bytes :]
         if self._fed - self._consumed > UNPACKER_READ_SIZE:
             self._grown = True
         if self._message_started is None:
@@ -786,12 +923,12 @@ class _Reader:
             raise _BadMessage(None, "message nested too deeply") from None
         except UnicodeDecodeError:
             raise _BadMessage(None, "a str that is not UTF-8") from None
-        except TypeError:   # a map key msgpack can decode but that cannot be a key here (an array, a map)
+        except TypeError:  # a map key msgpack can decode but that cannot be a key here (an array, a map)
             raise _BadMessage(None, "a map key must be a string, a number, a bool or nil") from None
         except (msgpack.UnpackException, ValueError):
             raise _BadMessage(None, "bytes that are not msgpack") from None
-        self._consumed = self._unpacker.tell()   # exact right after a whole object
-        self._message_started = time.monotonic()   # the next message starts here
+        self._consumed = self._unpacker.tell()  # exact right after a whole object
+        self._message_started = time.monotonic()  # the next message starts here
         self._message_at = self._consumed
         return message
 
@@ -799,7 +936,7 @@ class _Reader:
         """Every whole message is handled: the deadline now runs only if part of one is buffered."""
         if self._fed == self._consumed:
             self._message_started = None
-            if self._grown:   # a big message made the buffer grow: give it back
+            if self._grown:  # a big message made the buffer grow: give it back
                 self.resize()
         elif self._message_at != self._consumed or self._message_started is None:
             self._message_started = time.monotonic()
@@ -829,7 +966,7 @@ class _Reader:
 
 def _method_name(method, msgid) -> str:
     try:
-        method = as_text(method, "method")   # bin method names, as old encoders send them
+        method = as_text(method, "method")  # bin method names, as old encoders send them
     except RPCError:
         method = None
     if not isinstance(method, str):
@@ -838,7 +975,7 @@ def _method_name(method, msgid) -> str:
 
 
 def _params_array(params) -> list:
-    if isinstance(params, dict):   # liberal: a bare map means [map] (old Go net/rpc codecs send it so)
+    if isinstance(params, dict):  # liberal: a bare map means [map] (old Go net/rpc codecs send it so)
         return text_params([params])
     if params is None:
         return []

@@ -2,6 +2,7 @@
 response and stream-chunk bodies out, in OpenAI's exact shapes. No HTTP here (that is http.py), so every
 rule is testable on plain dicts. docs/http.md lists every field taken and every one refused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,20 +21,33 @@ MIN_LOGPROB = -9999.0
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object {"error": {message, type, param, code}} with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after_s: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.retry_after_s = retry_after_s   # 429 over a key's quota: the Retry-After header
+        self.retry_after_s = retry_after_s  # 429 over a key's quota: the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "server_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
 
 
 def bad(param: str, message: str) -> OpenAIError:
@@ -43,51 +57,93 @@ def bad(param: str, message: str) -> OpenAIError:
 @dataclass
 class DoorLimits:
     """The server-wide limits as the HTTP door applies them."""
-    max_prompt_tokens: int       # Hub.max_prompt_tokens: min(ServerLimits.max_prompt_tokens, max_model_len)
-    max_tokens: int              # the largest max_tokens a request may ask for
-    max_n: int                   # choices per prompt
+
+    max_prompt_tokens: int  # Hub.max_prompt_tokens: min(ServerLimits.max_prompt_tokens, max_model_len)
+    max_tokens: int  # the largest max_tokens a request may ask for
+    max_n: int  # choices per prompt
     vocab_size: int
-    lists: ServerLimits = dataclasses.field(default_factory=ServerLimits)   # stop, stop_token_ids, logit_bias bounds
+    lists: ServerLimits = dataclasses.field(
+        default_factory=ServerLimits
+    )  # stop, stop_token_ids, logit_bias bounds
 
 
 @dataclass
 class GenerationRequest:
     """What both endpoints turn into: prompts (token ids), one SamplingParams per choice of a prompt."""
-    prompts: list[list[int] | None]       # None: a text prompt, until the door tokenizes it (off the event loop)
+
+    prompts: list[list[int] | None]  # None: a text prompt, until the door tokenizes it (off the event loop)
     prompt_texts: list[str | None]
-    params: SamplingParams                # of every prompt; its n choices are choice indexes p * n .. p * n + n - 1
+    params: SamplingParams  # of every prompt; its n choices are choice indexes p * n .. p * n + n - 1
     stream: bool
     include_usage: bool
-    logprobs: int | None                  # top logprobs wanted per token (None: no logprobs)
+    logprobs: int | None  # top logprobs wanted per token (None: no logprobs)
     model: str
-    priority: int | None = None           # lower runs first (vLLM's extension); None: the server's default
+    priority: int | None = None  # lower runs first (vLLM's extension); None: the server's default
 
 
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-               "stop_token_ids")
-_COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "logit_bias", "user", "max_tokens", "priority", *_EXTENSIONS}
+_EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "stop_token_ids",
+)
+_COMMON = {
+    "model",
+    "n",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "max_tokens",
+    "priority",
+    *_EXTENSIONS,
+}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-                         "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata",
-                         "service_tier"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "store",
+    "metadata",
+    "service_tier",
+}
 # Fields OpenAI defines that this server refuses unless they hold their no-op value.
 REFUSED = {
     "echo": "echo is not supported (the prompt's own logprobs are not computed)",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported; use n",
-    "response_format": "response_format other than {\"type\": \"text\"} is not supported",
+    "response_format": 'response_format other than {"type": "text"} is not supported',
     "tools": "tools are not supported",
     "tool_choice": "tool_choice is not supported",
     "parallel_tool_calls": "parallel_tool_calls is not supported",
     "store": "store: true (stored completions) is not supported",
     "metadata": "metadata must be an object of strings or null",
-    "service_tier": "service_tier other than \"auto\" or \"default\" is not supported",
+    "service_tier": 'service_tier other than "auto" or "default" is not supported',
 }
 # Fields of a message that clients echo back from an earlier answer: taken only with their empty value.
-MESSAGE_ECHOES = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
-                  "annotations": (None, [])}
+MESSAGE_ECHOES = {
+    "refusal": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+}
 
 
 def _is_noop(name: str, value, body: dict) -> bool:
@@ -99,7 +155,7 @@ def _is_noop(name: str, value, body: dict) -> bool:
         return value == {"type": "text"}
     if name == "tools":
         return value == []
-    if name == "metadata":   # only labels stored completions, which are never stored here
+    if name == "metadata":  # only labels stored completions, which are never stored here
         return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
     if name == "service_tier":
         return value in ("auto", "default")
@@ -117,8 +173,9 @@ def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
         raise bad("logprobs", f"logprobs must be an integer in [0, 20] or null, got {_show(logprobs)}")
     max_tokens = body.get("max_tokens")
-    return _request(body, model, limits, texts, prompts, 16 if max_tokens is None else max_tokens, "max_tokens",
-                    logprobs)
+    return _request(
+        body, model, limits, texts, prompts, 16 if max_tokens is None else max_tokens, "max_tokens", logprobs
+    )
 
 
 def parse_chat(body, model: str, limits: DoorLimits, render) -> GenerationRequest:
@@ -160,13 +217,25 @@ def _check_body(body, fields: set[str], model: str) -> dict:
     if requested is not None and not isinstance(requested, str):
         raise bad("model", "model must be a string")
     if requested is not None and requested != model:
-        raise OpenAIError(404, f"the model {_show(requested)} does not exist; this server serves {model!r}",
-                          param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model {_show(requested)} does not exist; this server serves {model!r}",
+            param="model",
+            code="model_not_found",
+        )
     return body
 
 
-def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tokens, max_tokens_name: str,
-             logprobs: int | None) -> GenerationRequest:
+def _request(
+    body: dict,
+    model: str,
+    limits: DoorLimits,
+    texts,
+    prompts,
+    max_tokens,
+    max_tokens_name: str,
+    logprobs: int | None,
+) -> GenerationRequest:
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not _is_int(n) or not 1 <= n <= limits.max_n:
@@ -181,7 +250,7 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
         if not stream:
             raise bad("stream_options", "stream_options is only allowed with stream: true")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("stream_options", "stream_options must be {\"include_usage\": bool}")
+            raise bad("stream_options", 'stream_options must be {"include_usage": bool}')
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "stream_options.include_usage must be a boolean")
@@ -189,13 +258,26 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
     priority = body.get("priority")
-    if priority is not None and (not _is_int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):
+    if priority is not None and (
+        not _is_int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
+    ):
         raise bad("priority", f"priority must be a 32-bit integer or null, got {_show(priority)}")
     if _is_int(max_tokens) and max_tokens > limits.max_tokens:
         raise bad(max_tokens_name, f"{max_tokens_name} must be <= {limits.max_tokens}, got {max_tokens}")
-    sampling = {name: body[name] for name in ("temperature", "top_p", "seed", "presence_penalty",
-                                              "frequency_penalty", "stop", "logit_bias", *_EXTENSIONS)
-                if body.get(name) is not None}
+    sampling = {
+        name: body[name]
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "stop",
+            "logit_bias",
+            *_EXTENSIONS,
+        )
+        if body.get(name) is not None
+    }
     stop = sampling.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad("stop", "stop must be a string or an array of strings")
@@ -203,7 +285,7 @@ def _request(body: dict, model: str, limits: DoorLimits, texts, prompts, max_tok
         check_list_bounds(sampling, limits.lists)
     except ListBoundError as e:
         raise bad(e.field, str(e)) from None
-    try:   # the engine gives choice i the seed seed + i
+    try:  # the engine gives choice i the seed seed + i
         params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:
         raise _sampling_error(str(e), max_tokens_name) from None
@@ -220,15 +302,20 @@ def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:
 
 
 def _prompts(prompt, limits: DoorLimits) -> tuple[list[str | None], list[list[int] | None]]:
-    usage = "prompt must be a string, an array of strings, an array of token ids, or an array of token-id arrays"
+    usage = (
+        "prompt must be a string, an array of strings, an array of token ids, or an array of token-id arrays"
+    )
     if isinstance(prompt, str):
         texts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         texts = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         texts, prompt = [None], [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
-                                                     for p in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+    ):
         texts = [None] * len(prompt)
     else:
         raise bad("prompt", usage)
@@ -264,17 +351,28 @@ def _messages(messages) -> list[dict]:
         for key in message:
             if key in MESSAGE_ECHOES:
                 if message[key] not in MESSAGE_ECHOES[key]:
-                    raise bad(f"{where}.{key}", f"{where}.{key} is not supported (only null"
-                                                + (" or []" if [] in MESSAGE_ECHOES[key] else "") + ")")
+                    raise bad(
+                        f"{where}.{key}",
+                        f"{where}.{key} is not supported (only null"
+                        + (" or []" if [] in MESSAGE_ECHOES[key] else "")
+                        + ")",
+                    )
             elif key not in ("role", "content", "name"):
                 raise bad(f"{where}.{key}", f"{where}.{key} is not supported")
         content = message.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"{where}.content[{j}]", f"{where}.content[{j}] must be {{\"type\": \"text\", "
-                                                       "\"text\": string}: only text content is supported")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad(
+                        f"{where}.content[{j}]",
+                        f'{where}.content[{j}] must be {{"type": "text", '
+                        '"text": string}: only text content is supported',
+                    )
                 parts.append(part["text"])
             content = "\n".join(parts)
         elif content is not None and not isinstance(content, str):
@@ -284,7 +382,9 @@ def _messages(messages) -> list[dict]:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise bad(f"{where}.name", f"{where}.name must be a string")
-        result.append({k: v for k, v in {"role": role, "content": content, "name": name}.items() if v is not None})
+        result.append(
+            {k: v for k, v in {"role": role, "content": content, "name": name}.items() if v is not None}
+        )
     return result
 
 
@@ -301,17 +401,21 @@ def _show(value) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _logprob(value: float) -> float:
-    return value if value > MIN_LOGPROB else MIN_LOGPROB   # -inf (and NaN) become the floor
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf (and NaN) become the floor
 
 
-def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int,
-                        text_offset: int) -> dict:
+def completion_logprobs(
+    token_ids: list[int], positions: list[dict[int, Logprob]], top: int, text_offset: int
+) -> dict:
     """OpenAI's legacy completions logprobs for these tokens: the sampled token's text and logprob, and per
     position a map of the top `top` tokens (plus the sampled one, as vLLM does) to their logprobs."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -319,26 +423,47 @@ def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]
         sampled = position[token_id]
         tokens.append(sampled.decoded_token)
         token_logprobs.append(_logprob(sampled.logprob))
-        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for t, lp in position.items()
-                             if lp.rank <= top or t == token_id})
+        top_logprobs.append(
+            {
+                lp.decoded_token: _logprob(lp.logprob)
+                for t, lp in position.items()
+                if lp.rank <= top or t == token_id
+            }
+        )
         offsets.append(text_offset)
         text_offset += len(sampled.decoded_token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
-def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], top: int,
-                  token_bytes: Callable[[int, str], bytes]) -> dict:
+def chat_logprobs(
+    token_ids: list[int],
+    positions: list[dict[int, Logprob]],
+    top: int,
+    token_bytes: Callable[[int, str], bytes],
+) -> dict:
     """Chat logprobs: per token its text, logprob, bytes (a byte-fallback token's own byte, else its text's
     UTF-8: `token_bytes`), and the top `top` alternatives by rank."""
+
     def entry(token_id: int, lp: Logprob) -> dict:
-        return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
-                "bytes": list(token_bytes(token_id, lp.decoded_token))}
+        return {
+            "token": lp.decoded_token,
+            "logprob": _logprob(lp.logprob),
+            "bytes": list(token_bytes(token_id, lp.decoded_token)),
+        }
+
     content = []
     for token_id, position in zip(token_ids, positions):
-        alternatives = sorted(((t, lp) for t, lp in position.items() if lp.rank <= top), key=lambda a: a[1].rank)
-        content.append({**entry(token_id, position[token_id]),
-                        "top_logprobs": [entry(t, lp) for t, lp in alternatives]})
+        alternatives = sorted(
+            ((t, lp) for t, lp in position.items() if lp.rank <= top), key=lambda a: a[1].rank
+        )
+        content.append(
+            {**entry(token_id, position[token_id]), "top_logprobs": [entry(t, lp) for t, lp in alternatives]}
+        )
     return {"content": content, "refusal": None}
 
 

@@ -3,6 +3,7 @@
 Spec: github.com/msgpack-rpc/msgpack-rpc/blob/master/spec.md. Messages are unframed msgpack arrays:
 request [0, msgid, method, params], response [1, msgid, error, result], notification [2, method, params].
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,24 +16,31 @@ from minisarathi.server.request_log import REQUEST_ID_RULE, valid_request_id
 from minisarathi.validation import PRIORITY_RANGE
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
-CHUNK_NOTIFICATION = "generate.chunk"   # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
-ERROR_NOTIFICATION = "error"            # [2, "error", [{"code", "message"}]]: an error no msgid can carry
+CHUNK_NOTIFICATION = "generate.chunk"  # [2, "generate.chunk", [msgid, {"text", "token_ids"}]]
+ERROR_NOTIFICATION = "error"  # [2, "error", [{"code", "message"}]]: an error no msgid can carry
 
 # Error codes carried as {"code": int, "message": str} in a response's error slot (docs/protocol.md).
-INVALID_MESSAGE = 1     # bytes that are not msgpack, a wrong message shape, an object over the size limit
+INVALID_MESSAGE = 1  # bytes that are not msgpack, a wrong message shape, an object over the size limit
 UNKNOWN_METHOD = 2
-INVALID_PARAMS = 3      # the message names the offending field
+INVALID_PARAMS = 3  # the message names the offending field
 PROMPT_TOO_LONG = 4
 UNAUTHORIZED = 5
-OVERLOADED = 6          # queue full, too many requests in flight on the connection, or shutting down
-ABORTED = 7             # aborted by the client, or by the server on shutdown
+OVERLOADED = 6  # queue full, too many requests in flight on the connection, or shutting down
+ABORTED = 7  # aborted by the client, or by the server on shutdown
 INTERNAL = 8
-RATE_LIMITED = 9        # over the key's quota; the error map also carries retry_after_s
+RATE_LIMITED = 9  # over the key's quota; the error map also carries retry_after_s
 
-ERROR_NAMES = {INVALID_MESSAGE: "invalid_message", UNKNOWN_METHOD: "unknown_method",
-               INVALID_PARAMS: "invalid_params", PROMPT_TOO_LONG: "prompt_too_long",
-               UNAUTHORIZED: "unauthorized", OVERLOADED: "overloaded", ABORTED: "aborted", INTERNAL: "internal",
-               RATE_LIMITED: "rate_limited"}
+ERROR_NAMES = {
+    INVALID_MESSAGE: "invalid_message",
+    UNKNOWN_METHOD: "unknown_method",
+    INVALID_PARAMS: "invalid_params",
+    PROMPT_TOO_LONG: "prompt_too_long",
+    UNAUTHORIZED: "unauthorized",
+    OVERLOADED: "overloaded",
+    ABORTED: "aborted",
+    INTERNAL: "internal",
+    RATE_LIMITED: "rate_limited",
+}
 
 
 class RPCError(Exception):
@@ -42,7 +50,7 @@ class RPCError(Exception):
         super().__init__(f"{ERROR_NAMES.get(code, code)}: {message}")
         self.code = code
         self.message = message
-        self.retry_after_s = retry_after_s   # rate_limited only: when the quota will admit the request
+        self.retry_after_s = retry_after_s  # rate_limited only: when the quota will admit the request
 
     @property
     def name(self) -> str:
@@ -58,46 +66,56 @@ class RPCError(Exception):
     def from_wire(cls, error) -> RPCError:
         if isinstance(error, dict) and isinstance(error.get("code"), int):
             retry = error.get("retry_after_s")
-            return cls(error["code"], str(error.get("message", "")),
-                       retry if isinstance(retry, (int, float)) else None)
+            return cls(
+                error["code"],
+                str(error.get("message", "")),
+                retry if isinstance(retry, (int, float)) else None,
+            )
         return cls(INTERNAL, repr(error))
 
 
-MAY_BE_ZERO = {"drain_delay_s"}   # ServerLimits fields whose 0 means "none"
+MAY_BE_ZERO = {"drain_delay_s"}  # ServerLimits fields whose 0 means "none"
 
 
 @dataclass
 class ServerLimits:
     """Every bound a client meets (docs/protocol.md, Limits): no legal request may cost others much."""
-    max_message_bytes: int = 1 << 20        # one incoming msgpack object, and the unpacker's whole buffer
-    max_prompt_tokens: int = 32768          # also bounded by the engine's max_model_len
-    max_tokens: int = 4096                  # the largest max_tokens a request may ask for
+
+    max_message_bytes: int = 1 << 20  # one incoming msgpack object, and the unpacker's whole buffer
+    max_prompt_tokens: int = 32768  # also bounded by the engine's max_model_len
+    max_tokens: int = 4096  # the largest max_tokens a request may ask for
     # A stop string is searched for in every step's new text, a stop token id checked per token: unbounded
     # lists made one request slow down every other one (60k stop strings: a bystander's step 38x slower).
     max_stop_strings: int = 16
-    max_stop_chars: int = 1024              # all of a request's stop strings together
+    max_stop_chars: int = 1024  # all of a request's stop strings together
     max_stop_token_ids: int = 64
-    max_logit_bias: int = 1024              # entries of a request's logit_bias map
-    max_tokenize_bytes: int = 256 << 10     # tokenize's text, in UTF-8 bytes
-    max_detokenize_tokens: int = 65536      # detokenize's token ids
+    max_logit_bias: int = 1024  # entries of a request's logit_bias map
+    max_tokenize_bytes: int = 256 << 10  # tokenize's text, in UTF-8 bytes
+    max_detokenize_tokens: int = 65536  # detokenize's token ids
     # Also capped at the engine's max_num_seqs, so one connection cannot hold more than the engine runs.
     max_inflight_per_connection: int = 256
-    max_pending_calls_per_connection: int = 16   # other calls not yet answered; past it the server stops reading
-    max_connections: int = 1024             # authenticated (or, without a key, all) open connections
-    max_queued_requests: int = 1024         # unfinished requests server-wide (running + waiting)
-    idle_timeout_s: float = 300.0           # a connection with nothing in flight and no bytes is closed
-    auth_timeout_s: float | None = None     # connect to a successful auth (trickled bytes do not extend it); None: idle_timeout_s
+    max_pending_calls_per_connection: int = (
+        16  # other calls not yet answered; past it the server stops reading
+    )
+    max_connections: int = 1024  # authenticated (or, without a key, all) open connections
+    max_queued_requests: int = 1024  # unfinished requests server-wide (running + waiting)
+    idle_timeout_s: float = 300.0  # a connection with nothing in flight and no bytes is closed
+    auth_timeout_s: float | None = (
+        None  # connect to a successful auth (trickled bytes do not extend it); None: idle_timeout_s
+    )
     message_timeout_s: float | None = None  # first byte of a message to its last; None: idle_timeout_s
-    max_unauthenticated_message_bytes: int = 4096   # one message before auth succeeds
-    max_unauthenticated_connections: int = 256      # past it, the oldest unauthenticated one is closed
-    max_unauthenticated_per_address: int = 32       # the same, per client IP address
-    max_write_buffer_bytes: int = 16 << 20  # a client that stops reading its streams is disconnected past this
-    unread_timeout_s: float = 60.0          # requests paused because their client stopped reading are then aborted
-    # On SIGINT/SIGTERM, first serve as before this long with /ready answering 503, so that a balancer's health
-    # checks take the replica out before it refuses anything (docs/deploy.md); then drain.
+    max_unauthenticated_message_bytes: int = 4096  # one message before auth succeeds
+    max_unauthenticated_connections: int = 256  # past it, the oldest unauthenticated one is closed
+    max_unauthenticated_per_address: int = 32  # the same, per client IP address
+    max_write_buffer_bytes: int = (
+        16 << 20
+    )  # a client that stops reading its streams is disconnected past this
+    unread_timeout_s: float = 60.0  # requests paused because their client stopped reading are then aborted
+    # On SIGINT/SIGTERM, first serve as before this long with /ready answering 503, so that a balancer's
+    # health checks take the replica out before it refuses anything (docs/deploy.md); then drain.
     drain_delay_s: float = 0.0
-    shutdown_grace_s: float = 5.0           # on SIGINT/SIGTERM, in-flight requests get this long to finish
-    max_n: int = 8                          # choices per prompt (`n`)
+    shutdown_grace_s: float = 5.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    max_n: int = 8  # choices per prompt (`n`)
 
     def __post_init__(self):
         if self.auth_timeout_s is None:
@@ -113,7 +131,7 @@ class ServerLimits:
                 raise ValueError(f"{f.name} must be {'>= 0' if may_be_zero else 'positive'}, got {value!r}")
 
 
-UNPACKER_READ_SIZE = 16 << 10   # the buffer an unpacker starts with; it grows only for a message that needs it
+UNPACKER_READ_SIZE = 16 << 10  # the buffer an unpacker starts with; it grows only for a message that needs it
 
 
 def make_unpacker(max_message_bytes: int) -> msgpack.Unpacker:
@@ -121,9 +139,17 @@ def make_unpacker(max_message_bytes: int) -> msgpack.Unpacker:
     # maps) or when the buffer overflows (str, bin) instead of allocating what it claims. read_size: msgpack
     # reserves min(max_buffer_size, 1 MiB) up front by default; 1000 idle connections then held 1 GB.
     n = max_message_bytes
-    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=2 * n,
-                            read_size=min(UNPACKER_READ_SIZE, 2 * n), max_str_len=n, max_bin_len=n,
-                            max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+    return msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        max_buffer_size=2 * n,
+        read_size=min(UNPACKER_READ_SIZE, 2 * n),
+        max_str_len=n,
+        max_bin_len=n,
+        max_array_len=n,
+        max_map_len=n // 2,
+        max_ext_len=n,
+    )
 
 
 def pack(message) -> bytes:
@@ -138,8 +164,16 @@ def _to_builtin(value):
     raise TypeError(f"cannot serialize {type(value).__name__}")
 
 
-_WIRE_TYPES = {type(None): "nil", bool: "bool", int: "integer", float: "float", str: "string", bytes: "bin",
-               list: "array", dict: "map"}
+_WIRE_TYPES = {
+    type(None): "nil",
+    bool: "bool",
+    int: "integer",
+    float: "float",
+    str: "string",
+    bytes: "bin",
+    list: "array",
+    dict: "map",
+}
 
 
 def wire_type(value) -> str:
@@ -161,10 +195,11 @@ def as_text(value, name: str):
 def text_params(params: list) -> list:
     """as_text over every string a method takes: params items, map keys and values, list items and map keys
     inside those (generate's stop, logit_bias). Deeper values are never text, so the walk stops there."""
+
     def items(value, name):
         if isinstance(value, list) and _holds(value, bytes):
             return [as_text(item, name) for item in value]
-        if isinstance(value, dict) and _holds(list(value), bytes):   # logit_bias' keys
+        if isinstance(value, dict) and _holds(list(value), bytes):  # logit_bias' keys
             return {as_text(key, f"{name} key"): v for key, v in value.items()}
         return as_text(value, name)
 
@@ -173,6 +208,7 @@ def text_params(params: list) -> list:
             keys = [as_text(key, f"params[{i}] key") for key in value]
             return {key: items(v, str(key)) for key, v in zip(keys, value.values())}
         return items(value, f"params[{i}]")
+
     return [param(value, i) for i, value in enumerate(params)]
 
 
@@ -184,7 +220,7 @@ def as_int(value):
 def token_id_list(values: list, name: str, vocab_size: int) -> list[int]:
     """values as token ids in [0, vocab_size), else RPCError naming `name`. Checked at C speed: item by item,
     a 64k-id detokenize held the event loop ~10 ms."""
-    types = set(map(type, values))   # one pass over the types: a 64k-id list costs ~0.6 ms a pass, GIL held
+    types = set(map(type, values))  # one pass over the types: a 64k-id list costs ~0.6 ms a pass, GIL held
     if float in types:
         values = [as_int(v) for v in values]
         types = set(map(type, values))
@@ -212,8 +248,8 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     stream: bool
-    priority: int | None     # lower runs first; None: the connection's default (Server.generate)
-    request_id: str | None = None    # the client's id for the request (logs, result, abort), else one is made
+    priority: int | None  # lower runs first; None: the connection's default (Server.generate)
+    request_id: str | None = None  # the client's id for the request (logs, result, abort), else one is made
 
 
 def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
@@ -236,14 +272,20 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
         raise RPCError(INVALID_PARAMS, "exactly one of prompt, prompt_token_ids must be given")
     if prompt is not None and not isinstance(prompt, str):
         raise RPCError(INVALID_PARAMS, f"prompt must be a string, got {wire_type(prompt)}")
-    if token_ids is not None and (not isinstance(token_ids, list) or not token_ids
-                                  or set(map(type, token_ids)) != {int} or min(token_ids) < 0):
+    if token_ids is not None and (
+        not isinstance(token_ids, list)
+        or not token_ids
+        or set(map(type, token_ids)) != {int}
+        or min(token_ids) < 0
+    ):
         raise RPCError(INVALID_PARAMS, "prompt_token_ids must be a non-empty list of non-negative integers")
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise RPCError(INVALID_PARAMS, f"stream must be a bool, got {short(repr(stream))}")
     priority = as_int(fields.get("priority"))
-    if priority is not None and (type(priority) is not int or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):
+    if priority is not None and (
+        type(priority) is not int or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
+    ):
         raise RPCError(INVALID_PARAMS, f"priority must be a 32-bit integer, got {short(repr(priority))}")
     request_id = fields.get("request_id")
     if request_id is not None and not (isinstance(request_id, str) and valid_request_id(request_id)):
@@ -260,12 +302,15 @@ def parse_generate(params: list, limits: ServerLimits) -> GenerateRequest:
     if sampling_params.n > limits.max_n:
         raise RPCError(INVALID_PARAMS, f"n must be <= {limits.max_n}, got {sampling_params.n}")
     if sampling_params.max_tokens > limits.max_tokens:
-        raise RPCError(INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}")
+        raise RPCError(
+            INVALID_PARAMS, f"max_tokens must be <= {limits.max_tokens}, got {sampling_params.max_tokens}"
+        )
     return GenerateRequest(prompt, token_ids, sampling_params, stream, priority, request_id)
 
 
 class ListBoundError(ValueError):
     """A request field longer than ServerLimits allow; `field` names it (both doors report it)."""
+
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
@@ -278,11 +323,14 @@ def check_list_bounds(fields: dict, limits: ServerLimits) -> None:
         stop = [stop]
     if isinstance(stop, list):
         if len(stop) > limits.max_stop_strings:
-            raise ListBoundError("stop", f"stop must hold at most {limits.max_stop_strings} strings, got {len(stop)}")
+            raise ListBoundError(
+                "stop", f"stop must hold at most {limits.max_stop_strings} strings, got {len(stop)}"
+            )
         total = sum(len(s) for s in stop if isinstance(s, str))
         if total > limits.max_stop_chars:
-            raise ListBoundError("stop", f"stop strings must total at most {limits.max_stop_chars} characters, "
-                                         f"got {total}")
+            raise ListBoundError(
+                "stop", f"stop strings must total at most {limits.max_stop_chars} characters, got {total}"
+            )
     for name, limit in (("stop_token_ids", limits.max_stop_token_ids), ("logit_bias", limits.max_logit_bias)):
         value = fields.get(name)
         if isinstance(value, (list, dict)) and len(value) > limit:
@@ -320,6 +368,9 @@ def single_param(params: list, name: str, kind: type):
         raise RPCError(INVALID_PARAMS, f"params must be [{name}]")
     value = as_int(value) if kind is int else value
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise RPCError(INVALID_PARAMS, f"{name} must be {'an integer' if kind is int else 'a ' + _WIRE_TYPES[kind]}, "
-                                       f"got {wire_type(value)}")
+        raise RPCError(
+            INVALID_PARAMS,
+            f"{name} must be {'an integer' if kind is int else 'a ' + _WIRE_TYPES[kind]}, "
+            f"got {wire_type(value)}",
+        )
     return value

@@ -7,6 +7,7 @@ conversation, it stores what `apply_chat_template` renders, with and without add
 the token ids of `apply_chat_template(..., tokenize=True)` over the bundled model's tokenizer. The chat
 endpoint must render and tokenize exactly the same (tests/test_chat_template.py).
 """
+
 import json
 from pathlib import Path
 
@@ -17,17 +18,20 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "stories260K"
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Tell me a story about a cat."}],
-    [{"role": "system", "content": "  Be brief.  "},
-     {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Once upon a time, there was a dog."},
-     {"role": "user", "content": "Another one, with \"quotes\" and ünïcödé & <tags>!", "name": "Tom"}],
+    [
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Once upon a time, there was a dog."},
+        {"role": "user", "content": 'Another one, with "quotes" and ünïcödé & <tags>!', "name": "Tom"},
+    ],
     [{"role": "user", "content": "Line one\nline two\n\n  indented"}],
 ]
 
 
 def main():
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(MODEL / "tokenizer.json"), bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(MODEL / "tokenizer.json"), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     goldens = []
     for template_file in sorted(HERE.glob("*.jinja")):
         template = template_file.read_text(encoding="utf-8")
@@ -36,10 +40,18 @@ def main():
                 kwargs = dict(chat_template=template, add_generation_prompt=add_generation_prompt)
                 text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
                 ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
-                goldens.append({"template": template_file.name, "messages": conversation,
-                                "add_generation_prompt": add_generation_prompt, "text": text,
-                                "token_ids": list(ids)})
-    (HERE / "goldens.json").write_text(json.dumps(goldens, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                goldens.append(
+                    {
+                        "template": template_file.name,
+                        "messages": conversation,
+                        "add_generation_prompt": add_generation_prompt,
+                        "text": text,
+                        "token_ids": list(ids),
+                    }
+                )
+    (HERE / "goldens.json").write_text(
+        json.dumps(goldens, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     print(f"wrote {len(goldens)} goldens")
 
 

@@ -8,6 +8,7 @@ Each folder gets config.json, generation_config.json, safetensors weights in the
 golden.npz with the prompt, transformers' float32 logits for every prompt position (16-bit weights
 upcast on load), greedy continuation tokens (a plain argmax loop over full forwards), and the versions.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -21,28 +22,81 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN = 24
 NEW_TOKENS = 16
-COMMON = dict(hidden_size=64, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-              bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 VARIANTS = {
     # name: (config, saved dtype, max shard size or None)
-    "llama_gqa_bf16": (LlamaConfig(**COMMON, vocab_size=256, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2), torch.bfloat16, "150KB"),
-    "qwen2_tied": (Qwen2Config(**COMMON, vocab_size=128, intermediate_size=64, num_attention_heads=4,
-                               num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False),
-                   torch.float32, None),
-    "llama3_rope_fp16": (LlamaConfig(**COMMON, vocab_size=256, intermediate_size=128, num_attention_heads=4,
-                                     num_key_value_heads=1, rope_theta=500000.0,
-                                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 64}),
-                         torch.float16, None),
-    "mistral_mha": (MistralConfig(**COMMON, vocab_size=256, intermediate_size=128, num_attention_heads=4,
-                                  num_key_value_heads=4, sliding_window=None), torch.float16, None),
-    "llama_linear_rope_bias": (LlamaConfig(**COMMON, vocab_size=256, intermediate_size=128, num_attention_heads=8,
-                                           num_key_value_heads=2, attention_bias=True,
-                                           rope_scaling={"rope_type": "linear", "factor": 4.0}),
-                               torch.float16, None),
+    "llama_gqa_bf16": (
+        LlamaConfig(
+            **COMMON, vocab_size=256, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+        ),
+        torch.bfloat16,
+        "150KB",
+    ),
+    "qwen2_tied": (
+        Qwen2Config(
+            **COMMON,
+            vocab_size=128,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        ),
+        torch.float32,
+        None,
+    ),
+    "llama3_rope_fp16": (
+        LlamaConfig(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        torch.float16,
+        None,
+    ),
+    "mistral_mha": (
+        MistralConfig(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            sliding_window=None,
+        ),
+        torch.float16,
+        None,
+    ),
+    "llama_linear_rope_bias": (
+        LlamaConfig(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            attention_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+        torch.float16,
+        None,
+    ),
 }
 
 
@@ -74,11 +128,18 @@ def make(name: str, config, dtype: torch.dtype, shard_size: str | None, seed: in
         for _ in range(NEW_TOKENS):
             ids.append(int(reloaded(torch.tensor([ids])).logits[0, -1].argmax()))
     top2 = np.sort(logits, axis=-1)[:, -2:]
-    print(f"{name}: files {sorted(p.name for p in out.iterdir())}, "
-          f"min top-2 logit gap {float((top2[:, 1] - top2[:, 0]).min()):.4f}")
-    np.savez_compressed(out / "golden.npz", prompt=prompt.numpy().astype(np.int32), logits=logits,
-                        greedy_tokens=np.array(ids[PROMPT_LEN:], dtype=np.int32),
-                        transformers_version=transformers.__version__, torch_version=torch.__version__)
+    print(
+        f"{name}: files {sorted(p.name for p in out.iterdir())}, "
+        f"min top-2 logit gap {float((top2[:, 1] - top2[:, 0]).min()):.4f}"
+    )
+    np.savez_compressed(
+        out / "golden.npz",
+        prompt=prompt.numpy().astype(np.int32),
+        logits=logits,
+        greedy_tokens=np.array(ids[PROMPT_LEN:], dtype=np.int32),
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The three targets: the engine in process (bundled model), a real server process, and a fake OpenAI
 /v1/completions endpoint streaming server-sent events."""
+
 import json
 import subprocess
 import sys
@@ -21,8 +22,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_workload(n=8, qps=50.0, arrivals="poisson"):
-    return make_workload(WorkloadConfig(num_requests=n, lengths="uniform", min_total_tokens=8, max_total_tokens=40,
-                                        pd_ratio=1.0, max_model_len=512, arrivals=arrivals, qps=qps, seed=3))
+    return make_workload(
+        WorkloadConfig(
+            num_requests=n,
+            lengths="uniform",
+            min_total_tokens=8,
+            max_total_tokens=40,
+            pd_ratio=1.0,
+            max_model_len=512,
+            arrivals=arrivals,
+            qps=qps,
+            seed=3,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +72,7 @@ def test_engine_target_replays_in_real_time(engine):
 
 
 def test_engine_target_time_limit_aborts_and_leaves_the_engine_clean(engine):
-    specs = small_workload(n=6, qps=2.0)      # arrivals span ~2.5 s, far past the limit
+    specs = small_workload(n=6, qps=2.0)  # arrivals span ~2.5 s, far past the limit
     result = EngineTarget(engine).run(specs, time_limit=0.2)
     assert result.stopped.startswith("time limit")
     assert any(r.error for r in result.requests) and not all(r.completed for r in result.requests)
@@ -77,7 +89,7 @@ def test_measure_decode_step_counts_only_full_decode_batches(engine):
     records = engine.step_records[first:]
     last_prefill = max(i for i, r in enumerate(records) if r.num_prefill_tokens)
     assert last_prefill > 0 and all(r.num_decode_tokens == 0 for r in records[:last_prefill])
-    assert records[last_prefill + 1:last_prefill + 6] == counted
+    assert records[last_prefill + 1 : last_prefill + 6] == counted
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
 
 
@@ -99,7 +111,7 @@ def test_measure_decode_step_when_the_prefills_outlast_the_longest_output(schedu
 def test_measure_decode_step_without_a_full_decode_batch_is_an_error():
     from minisarathi.engine.engine import LLMEngine
 
-    with pytest.raises(ValueError, match="batch_size.*preemption"):   # 8 blocks of 16 hold one request, not 4
+    with pytest.raises(ValueError, match="batch_size.*preemption"):  # 8 blocks of 16 hold one request, not 4
         measure_decode_step(LLMEngine(chunk_size=32, num_kv_blocks=8), batch_size=4, prompt_len=20)
     with pytest.raises(ValueError, match="batch_size"):
         measure_decode_step(LLMEngine(chunk_size=32, num_kv_blocks=64, max_num_seqs=2), batch_size=4)
@@ -107,8 +119,12 @@ def test_measure_decode_step_without_a_full_decode_batch_is_an_error():
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", "--port", "0", "--log-level", "WARNING"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minisarathi", "serve", "--port", "0", "--log-level", "WARNING"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "serving on" in line, line
@@ -134,7 +150,9 @@ def test_server_target_unreachable_is_an_error_per_request():
 
 class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams one SSE event per token over chunked encoding; a character straddles two chunks. With
-    max_tokens 6, streams three events of two tokens each with vLLM's continuous usage, then a usage-only event."""
+    max_tokens 6, streams three events of two tokens each with vLLM's continuous usage, then a usage-only
+    event."""
+
     protocol_version = "HTTP/1.1"
     bodies = []
     max_model_len = 512
@@ -154,8 +172,10 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         if body["max_tokens"] == 6:
             for done in (2, 4, 6):
-                event = {"choices": [{"text": "ab", "index": 0, "finish_reason": "length" if done == 6 else None}],
-                         "usage": {"prompt_tokens": 4, "completion_tokens": done}}
+                event = {
+                    "choices": [{"text": "ab", "index": 0, "finish_reason": "length" if done == 6 else None}],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": done},
+                }
                 payload = f"data: {json.dumps(event)}\n\n".encode()
                 self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
             closing = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}})
@@ -163,17 +183,22 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
             return
         for i in range(body["max_tokens"]):
-            event = f"data: {json.dumps({'choices': [{'text': 'ö', 'index': 0}]}, ensure_ascii=False)}\n\n".encode()
-            cut = event.index("ö".encode()) + 1     # inside the two UTF-8 bytes of ö
+            chunk = json.dumps({"choices": [{"text": "ö", "index": 0}]}, ensure_ascii=False)
+            event = f"data: {chunk}\n\n".encode()
+            cut = event.index("ö".encode()) + 1  # inside the two UTF-8 bytes of ö
             for piece in (event[:cut], event[cut:]):
                 self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
         closing = json.dumps({"choices": [{"text": "", "index": 0, "finish_reason": "length"}]})
         done = f"data: {closing}\n\ndata: [DONE]\n\n".encode()
         self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
 
-    def do_GET(self):   # /v1/models, as vLLM answers it
-        body = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model",
-                                                       "max_model_len": FakeOpenAI.max_model_len}]}).encode()
+    def do_GET(self):  # /v1/models, as vLLM answers it
+        body = json.dumps(
+            {
+                "object": "list",
+                "data": [{"id": "fake", "object": "model", "max_model_len": FakeOpenAI.max_model_len}],
+            }
+        ).encode()
         self.send_response(200 if self.path.endswith("/v1/models") else 404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -206,15 +231,19 @@ def test_openai_target_streams_token_ids_and_times(openai_server):
 
 
 def test_openai_target_counts_tokens_by_the_usage_of_each_event(openai_server):
-    specs = make_workload(WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=6,
-                                         arrivals="static"))
+    specs = make_workload(
+        WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=6, arrivals="static")
+    )
     target = OpenAITarget(openai_server)
-    target.continuous_usage = True      # as model_card() sets it for a vLLM server
+    target.continuous_usage = True  # as model_card() sets it for a vLLM server
     result = target.run(specs, time_limit=30)
     check_complete(result.requests, specs)
-    for r in result.requests:   # three events of two tokens: each pair shares its arrival time
+    for r in result.requests:  # three events of two tokens: each pair shares its arrival time
         assert len(r.token_times) == 6 and r.token_times[0::2] == r.token_times[1::2]
-    assert FakeOpenAI.bodies[0][1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert FakeOpenAI.bodies[0][1]["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
 
 
 def test_openai_target_asks_vllm_only_for_usage_in_every_event():
@@ -229,8 +258,9 @@ def test_openai_target_asks_vllm_only_for_usage_in_every_event():
 
 
 def test_openai_target_http_error_is_recorded(openai_server):
-    specs = make_workload(WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=13,
-                                         arrivals="static"))
+    specs = make_workload(
+        WorkloadConfig(num_requests=2, lengths="fixed", prompt_len=4, decode_len=13, arrivals="static")
+    )
     result = OpenAITarget(openai_server).run(specs, time_limit=30)
     assert all(not r.completed and "HTTP 500" in r.error for r in result.requests)
 
@@ -240,18 +270,19 @@ def test_openai_target_rejects_bad_url():
         OpenAITarget("https://example.com")
 
 
-
 def test_engine_target_rejected_request_fails_alone(engine):
     specs = small_workload(n=3)
-    specs[-1].prompt_token_ids = specs[-1].prompt_token_ids * 200    # longer than max_model_len (512)
+    specs[-1].prompt_token_ids = specs[-1].prompt_token_ids * 200  # longer than max_model_len (512)
     result = EngineTarget(engine).run(specs, time_limit=30)
     assert [r.completed for r in result.requests] == [True, True, False]
     assert "rejected" in result.requests[-1].error and "max_model_len" in result.requests[-1].error
 
 
 def test_engine_target_stops_once_the_median_scheduling_delay_must_fail(engine):
-    specs = small_workload(n=12, arrivals="static")     # 12 prompts against a 32-token budget: most wait
-    result = EngineTarget(engine).run(specs, time_limit=30, slo=Slo(p99_tbt=10.0, median_scheduling_delay=0.001))
+    specs = small_workload(n=12, arrivals="static")  # 12 prompts against a 32-token budget: most wait
+    result = EngineTarget(engine).run(
+        specs, time_limit=30, slo=Slo(p99_tbt=10.0, median_scheduling_delay=0.001)
+    )
     assert "scheduling delay" in result.stopped
     assert sum(r.completed for r in result.requests) < 6
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
@@ -262,7 +293,7 @@ def test_engine_target_stops_once_the_median_scheduling_delay_must_fail(engine):
 def test_engine_target_slo_watch_scans_each_finished_request_once(engine, monkeypatch):
     from minisarathi.bench import targets
 
-    scanned = []    # every token list the watch scanned, kept alive so that identities stay unique
+    scanned = []  # every token list the watch scanned, kept alive so that identities stay unique
     count = targets._late_and_gaps_over
 
     def spy(slo, arrival, scheduled, token_times, now):
@@ -279,7 +310,9 @@ def test_engine_target_slo_watch_scans_each_finished_request_once(engine, monkey
 
 def test_engine_target_stops_once_p99_tbt_must_fail(engine):
     specs = small_workload(n=6, qps=50.0)
-    result = EngineTarget(engine).run(specs, time_limit=30, slo=Slo(p99_tbt=1e-6, median_scheduling_delay=10.0))
+    result = EngineTarget(engine).run(
+        specs, time_limit=30, slo=Slo(p99_tbt=1e-6, median_scheduling_delay=10.0)
+    )
     assert "P99 TBT" in result.stopped and not all(r.completed for r in result.requests)
     assert not engine.has_unfinished_requests() and engine.stats()["kv_blocks_used"] == 0
 
@@ -289,36 +322,86 @@ def test_bench_run_cli_against_remote_targets(kind, server, openai_server, tmp_p
     from minisarathi.cli import main
 
     where = ["--port", str(server[1])] if kind == "server" else ["--url", openai_server]
-    args = ["bench", "run", "--target", kind, *where, "--num-requests", "4", "--lengths", "fixed",
-            "--prompt-len", "12", "--decode-len", "5", "--qps", "20", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "run",
+        "--target",
+        kind,
+        *where,
+        "--num-requests",
+        "4",
+        "--lengths",
+        "fixed",
+        "--prompt-len",
+        "12",
+        "--decode-len",
+        "5",
+        "--qps",
+        "20",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "4/4" in capsys.readouterr().out
     assert (tmp_path / f"{kind}.json").exists()
 
 
-def test_bench_run_cli_fits_the_workload_to_the_openai_endpoints_max_model_len(openai_server, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_bench_run_cli_fits_the_workload_to_the_openai_endpoints_max_model_len(
+    openai_server, tmp_path, capsys, monkeypatch
+):
     from minisarathi.bench.metrics import load_run
     from minisarathi.cli import main
 
-    monkeypatch.setattr(FakeOpenAI, "max_model_len", 64)   # what GET /v1/models says
-    args = ["bench", "run", "--target", "openai", "--url", openai_server, "--num-requests", "6", "--qps", "50",
-            "--out", str(tmp_path)]
+    monkeypatch.setattr(FakeOpenAI, "max_model_len", 64)  # what GET /v1/models says
+    args = [
+        "bench",
+        "run",
+        "--target",
+        "openai",
+        "--url",
+        openai_server,
+        "--num-requests",
+        "6",
+        "--qps",
+        "50",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "6/6" in capsys.readouterr().out
     info, _, _ = load_run(tmp_path / "openai.json")
     assert info["workload"]["max_model_len"] == 64
-    assert all(len(b["prompt"]) + b["max_tokens"] <= 64 and b["model"] == "fake" for _, b in FakeOpenAI.bodies)
+    assert all(
+        len(b["prompt"]) + b["max_tokens"] <= 64 and b["model"] == "fake" for _, b in FakeOpenAI.bodies
+    )
 
 
 @pytest.mark.parametrize("kind", ["engine", "openai"])
 def test_bench_run_cli_failed_requests_are_summarized_and_exit_1(kind, openai_server, tmp_path, capsys):
     from minisarathi.cli import main
 
-    # openai: the fake answers max_tokens 13 with HTTP 500; engine: 40 tokens need more than 2 KV blocks of 16.
+    # openai: the fake answers max_tokens 13 with HTTP 500; engine: 40 tokens need more than 2 KV blocks of
+    # 16.
     where = ["--url", openai_server] if kind == "openai" else ["--num-kv-blocks", "2"]
-    args = ["bench", "run", "--target", kind, *where, "--num-requests", "3", "--lengths", "fixed", "--prompt-len",
-            "40", "--decode-len", "13", "--arrivals", "static", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "run",
+        "--target",
+        kind,
+        *where,
+        "--num-requests",
+        "3",
+        "--lengths",
+        "fixed",
+        "--prompt-len",
+        "40",
+        "--decode-len",
+        "13",
+        "--arrivals",
+        "static",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 1
     out, err = capsys.readouterr()
     assert "0/3" in out and f"results in {tmp_path}" in out
@@ -330,8 +413,22 @@ def test_bench_run_cli_failed_requests_are_summarized_and_exit_1(kind, openai_se
 def http_door():
     """minisarathi's own HTTP door (no msgpack door): its /v1/models gives max_model_len 512."""
     pytest.importorskip("aiohttp")
-    proc = subprocess.Popen([sys.executable, "-m", "minisarathi", "serve", "--no-msgpack", "--http-port", "0",
-                             "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minisarathi",
+            "serve",
+            "--no-msgpack",
+            "--http-port",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "serving on http://" in line, line
@@ -342,12 +439,25 @@ def http_door():
 
 
 def test_bench_run_cli_against_minisarathis_own_http_door(http_door, tmp_path, capsys):
-    """The reviewer's command: with max_model_len 2048 assumed, 5 of 8 ShareGPT prompts were refused (HTTP 400)."""
+    """The reviewer's command: with max_model_len 2048 assumed, 5 of 8 ShareGPT prompts were refused (HTTP
+    400)."""
     from minisarathi.bench.metrics import load_run
     from minisarathi.cli import main
 
-    args = ["bench", "run", "--target", "openai", "--url", http_door, "--num-requests", "8", "--qps", "50",
-            "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "run",
+        "--target",
+        "openai",
+        "--url",
+        http_door,
+        "--num-requests",
+        "8",
+        "--qps",
+        "50",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0, capsys.readouterr().err
     assert "8/8" in capsys.readouterr().out
     info, requests, _ = load_run(tmp_path / "openai.json")
@@ -360,8 +470,22 @@ def test_bench_run_cli_takes_the_servers_max_model_len(server, tmp_path, capsys)
     from minisarathi.cli import main
 
     # ShareGPT rows run to thousands of tokens: scaled to 2048 instead of the server's 512, most would fail.
-    args = ["bench", "run", "--target", "server", "--port", str(server[1]), "--num-requests", "6",
-            "--lengths", "trace", "--qps", "50", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "run",
+        "--target",
+        "server",
+        "--port",
+        str(server[1]),
+        "--num-requests",
+        "6",
+        "--lengths",
+        "trace",
+        "--qps",
+        "50",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "6/6" in capsys.readouterr().out
     info, requests, _ = load_run(tmp_path / "server.json")

@@ -1,5 +1,6 @@
 """The BLAS thread count the engine chooses (EngineConfig.blas_threads) is the one in force afterwards; the
 OpenBLAS kernels in force are logged with where they come from."""
+
 import logging
 import os
 import platform
@@ -36,7 +37,9 @@ def test_the_set_count_is_applied_and_logged(threads, caplog):
     assert f"BLAS threads: {threads} (set)" in caplog.text
 
 
-@pytest.mark.parametrize("cpus, load, expected", [(2, 0.1, 2), (2, 0.7, 1), (2, 6.5, 1), (8, 2.2, 6), (4, 0.0, 4)])
+@pytest.mark.parametrize(
+    "cpus, load, expected", [(2, 0.1, 2), (2, 0.7, 1), (2, 6.5, 1), (8, 2.2, 6), (4, 0.0, 4)]
+)
 def test_auto_gives_blas_the_idle_cpus(monkeypatch, cpus, load, expected):
     monkeypatch.setattr(process_setup, "available_cpus", lambda: cpus)
     monkeypatch.setattr(process_setup.os, "getloadavg", lambda: (load, load, load))
@@ -53,10 +56,10 @@ def test_bad_counts_name_the_field():
 
 
 def test_without_threadpoolctl(monkeypatch):
-    monkeypatch.setitem(sys.modules, "threadpoolctl", None)     # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails as if not installed
     with pytest.raises(ValueError, match=r"blas_threads \(2\) needs threadpoolctl"):
         LLMEngine(blas_threads=2)
-    setup = LLMEngine().cpu_setup                                 # auto: runs, and says why nothing was set
+    setup = LLMEngine().cpu_setup  # auto: runs, and says why nothing was set
     assert setup.blas_threads is None and "threadpoolctl is not installed" in setup.how
 
 
@@ -83,10 +86,18 @@ def kernels_in_a_fresh_process(coretype: str | None, cpuinfo: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     if coretype is not None:
         env["OPENBLAS_CORETYPE"] = coretype
-    code = ("import numpy\nfrom minisarathi.backends.cpu.process_setup import blas_kernels\n"
-            f"print(blas_kernels({str(cpuinfo)!r}))")
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, check=True).stdout.strip()
+    code = (
+        "import numpy\nfrom minisarathi.backends.cpu.process_setup import blas_kernels\n"
+        f"print(blas_kernels({str(cpuinfo)!r}))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="OpenBLAS core names are x86-64's")
@@ -95,12 +106,17 @@ def test_the_openblas_core_in_force_is_logged_with_where_it_comes_from(tmp_path)
     zen4.write_text(ZEN4_CPUINFO)
     # a forced older core on an AVX-512 CPU: named, with the hint
     assert kernels_in_a_fresh_process("Haswell", zen4) == (
-        "Haswell (OPENBLAS_CORETYPE=Haswell in the environment; this CPU has AVX-512: unset it for OpenBLAS's "
-        "own choice, faster matmuls)")
+        "Haswell (OPENBLAS_CORETYPE=Haswell in the environment; this CPU has AVX-512: unset it for "
+        "OpenBLAS's "
+        "own choice, faster matmuls)"
+    )
     # on a CPU without AVX-512, no hint
     avx2 = tmp_path / "avx2"
     avx2.write_text("processor: 0\nflags: fpu avx avx2 fma\n")
-    assert kernels_in_a_fresh_process("Haswell", avx2) == "Haswell (OPENBLAS_CORETYPE=Haswell in the environment)"
+    assert (
+        kernels_in_a_fresh_process("Haswell", avx2)
+        == "Haswell (OPENBLAS_CORETYPE=Haswell in the environment)"
+    )
     assert kernels_in_a_fresh_process(None, avx2).endswith("(OpenBLAS's choice for this CPU)")
 
 
@@ -108,5 +124,6 @@ def test_the_engine_logs_the_kernels(caplog):
     with caplog.at_level(logging.INFO, logger="minisarathi.engine"):
         engine = LLMEngine(blas_threads=1)
     assert f"BLAS kernels: {engine.cpu_setup.blas_kernels};" in caplog.text
-    assert engine.cpu_setup.blas_kernels.split()[0] in {i["architecture"] for i in ThreadpoolController().info()
-                                                        if i["internal_api"] == "openblas"}
+    assert engine.cpu_setup.blas_kernels.split()[0] in {
+        i["architecture"] for i in ThreadpoolController().info() if i["internal_api"] == "openblas"
+    }

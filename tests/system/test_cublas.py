@@ -1,6 +1,8 @@
-"""The CUDA backend's matmuls: cublasGemmEx on a handle of our own (minisarathi/backends/cublas.py), run here on
-the emulator's libcublas, which holds cuBLAS's column-major meaning and refuses what a capture would not take;
-and CuPy's cuBLAS wrapper as the emulator stands it in, which refuses a capturing stream as CuPy does."""
+"""The CUDA backend's matmuls: cublasGemmEx on a handle of our own (minisarathi/backends/cublas.py), run here
+on the emulator's libcublas, which holds cuBLAS's column-major meaning and refuses what a capture would not
+take; and CuPy's cuBLAS wrapper as the emulator stands it in, which refuses a capturing stream as CuPy
+does."""
+
 import ctypes
 import platform
 
@@ -11,7 +13,9 @@ from minisarathi.backends import cublas, cuda_ops, emulator
 from minisarathi.backends.emulator import cublas as emulated
 from minisarathi.dtypes import bf16_to_float32, convert, float32_to_bf16
 
-emulator_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+emulator_only = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
 
 
 def stored(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -40,8 +44,10 @@ def test_gemm_against_float64(dtype, T, N, K):
     tolerance = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(values(out, dtype), expected, rtol=tolerance, atol=tolerance)
     out[...] = bias
-    gemm.matmul_t(x, w, out, dtype, True, emulated.LEGACY_STREAM)   # beta 1: added to what out holds
-    np.testing.assert_allclose(values(out, dtype), expected + values(bias, dtype), rtol=tolerance, atol=2 * tolerance)
+    gemm.matmul_t(x, w, out, dtype, True, emulated.LEGACY_STREAM)  # beta 1: added to what out holds
+    np.testing.assert_allclose(
+        values(out, dtype), expected + values(bias, dtype), rtol=tolerance, atol=2 * tolerance
+    )
 
 
 @emulator_only
@@ -69,16 +75,19 @@ def test_a_capture_refuses_a_gemm_bound_to_another_stream_or_without_a_workspace
     gemm, _workspace = new_gemm()
     x, w = np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)
     out = np.empty((2, 3), np.float32)
-    gemm.matmul_t(x, w, out, "float32", False, emulated.LEGACY_STREAM)   # binds the handle to the legacy stream
+    gemm.matmul_t(
+        x, w, out, "float32", False, emulated.LEGACY_STREAM
+    )  # binds the handle to the legacy stream
     # Called as if the stream were the one bound: during a capture the GEMM would run now, not in the graph.
     with pytest.raises(RuntimeError, match="another stream"):
         emulator.capture(lambda: gemm.matmul_t(x, w, out, "float32", False, emulated.LEGACY_STREAM))
-    # cublasSetStream drops the workspace: binding the stream without setting it again is refused in a capture.
+    # cublasSetStream drops the workspace: binding the stream without setting it again is refused in a
+    # capture.
     assert gemm.library.cublasSetStream_v2(gemm.handle, emulated.CAPTURE_STREAM) == 0
     gemm.stream = emulated.CAPTURE_STREAM
     with pytest.raises(RuntimeError, match="no workspace"):
         emulator.capture(lambda: gemm.matmul_t(x, w, out, "float32", False, emulated.CAPTURE_STREAM))
-    gemm.stream = None   # CublasGemm binds both again when the stream changes: then the capture takes it
+    gemm.stream = None  # CublasGemm binds both again when the stream changes: then the capture takes it
     graph, _ = emulator.capture(lambda: gemm.matmul_t(x, w, out, "float32", False, emulated.CAPTURE_STREAM))
     out[...] = 0
     graph.launch()
@@ -91,8 +100,27 @@ def old_bf16_gemm(cublas_module, handle: int, x: np.ndarray, w: np.ndarray) -> n
     N = w.shape[0]
     out = np.empty((T, N), dtype=np.uint16)
     alpha, beta = np.array(1.0, dtype=np.float32), np.array(0.0, dtype=np.float32)
-    cublas_module.gemmEx(handle, 1, 0, N, T, K, alpha.ctypes.data, w.ctypes.data, 14, K, x.ctypes.data, 14, K,
-                         beta.ctypes.data, out.ctypes.data, 14, N, 68, -1)
+    cublas_module.gemmEx(
+        handle,
+        1,
+        0,
+        N,
+        T,
+        K,
+        alpha.ctypes.data,
+        w.ctypes.data,
+        14,
+        K,
+        x.ctypes.data,
+        14,
+        K,
+        beta.ctypes.data,
+        out.ctypes.data,
+        14,
+        N,
+        68,
+        -1,
+    )
     return out
 
 
@@ -104,9 +132,15 @@ def test_cupys_cublas_wrapper_refuses_a_capturing_stream_as_cupy_does():
     x = float32_to_bf16(rng.normal(size=(2, 8)).astype(np.float32))
     w = float32_to_bf16(rng.normal(size=(3, 8)).astype(np.float32))
     handle = emulated.get_cublas_handle()
-    np.testing.assert_allclose(bf16_to_float32(old_bf16_gemm(emulated, handle, x, w)),
-                               bf16_to_float32(x) @ bf16_to_float32(w).T, rtol=1e-2, atol=1e-2)
-    with pytest.raises(NotImplementedError, match="calling cuBLAS API during stream capture is currently unsupported"):
+    np.testing.assert_allclose(
+        bf16_to_float32(old_bf16_gemm(emulated, handle, x, w)),
+        bf16_to_float32(x) @ bf16_to_float32(w).T,
+        rtol=1e-2,
+        atol=1e-2,
+    )
+    with pytest.raises(
+        NotImplementedError, match="calling cuBLAS API during stream capture is currently unsupported"
+    ):
         emulator.capture(lambda: old_bf16_gemm(emulated, handle, x, w))
     assert not emulator.capturing()
 
@@ -118,17 +152,61 @@ def test_the_emulated_library_checks_its_arguments():
     one = ctypes.c_float(1.0)
     a = np.zeros((4, 4), np.float32)
     # lda smaller than the rows of A: cuBLAS answers CUBLAS_STATUS_INVALID_VALUE
-    assert library.cublasGemmEx(handle, 0, 0, 4, 4, 4, ctypes.byref(one), a.ctypes.data, 0, 3, a.ctypes.data, 0, 4,
-                                ctypes.byref(one), a.ctypes.data, 0, 4, 68, -1) == emulated.CUBLAS_STATUS_INVALID_VALUE
+    assert (
+        library.cublasGemmEx(
+            handle,
+            0,
+            0,
+            4,
+            4,
+            4,
+            ctypes.byref(one),
+            a.ctypes.data,
+            0,
+            3,
+            a.ctypes.data,
+            0,
+            4,
+            ctypes.byref(one),
+            a.ctypes.data,
+            0,
+            4,
+            68,
+            -1,
+        )
+        == emulated.CUBLAS_STATUS_INVALID_VALUE
+    )
     # mixed types are not a GemmEx combination this code uses
-    assert library.cublasGemmEx(handle, 0, 0, 4, 4, 4, ctypes.byref(one), a.ctypes.data, 0, 4, a.ctypes.data, 2, 4,
-                                ctypes.byref(one), a.ctypes.data, 0, 4, 68, -1) == emulated.CUBLAS_STATUS_NOT_SUPPORTED
+    assert (
+        library.cublasGemmEx(
+            handle,
+            0,
+            0,
+            4,
+            4,
+            4,
+            ctypes.byref(one),
+            a.ctypes.data,
+            0,
+            4,
+            a.ctypes.data,
+            2,
+            4,
+            ctypes.byref(one),
+            a.ctypes.data,
+            0,
+            4,
+            68,
+            -1,
+        )
+        == emulated.CUBLAS_STATUS_NOT_SUPPORTED
+    )
     assert library.cublasSetStream_v2(ctypes.c_void_p(999), 0) == emulated.CUBLAS_STATUS_NOT_INITIALIZED
 
 
 def test_the_ctypes_prototypes_pass_each_argument_with_its_c_type(tmp_path):
-    """CublasGemm over a C library with cuBLAS's prototypes (tests/native/cublas_stub.c): the product is right,
-    and the stream, workspace and its size arrive as given, the workspace set after the stream."""
+    """CublasGemm over a C library with cuBLAS's prototypes (tests/native/cublas_stub.c): the product is
+    right, and the stream, workspace and its size arrive as given, the workspace set after the stream."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -137,8 +215,18 @@ def test_the_ctypes_prototypes_pass_each_argument_with_its_c_type(tmp_path):
     if compiler is None:
         pytest.skip("no C compiler")
     stub = tmp_path / "libcublas_stub.so"
-    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(stub),
-                    str(Path(__file__).parents[1] / "native" / "cublas_stub.c")], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(stub),
+            str(Path(__file__).parents[1] / "native" / "cublas_stub.c"),
+        ],
+        check=True,
+    )
     library = cublas.declare(ctypes.CDLL(str(stub)))
     for name in ("stub_stream", "stub_workspace", "stub_workspace_bytes"):
         getattr(library, name).restype = ctypes.c_size_t
@@ -150,6 +238,11 @@ def test_the_ctypes_prototypes_pass_each_argument_with_its_c_type(tmp_path):
     gemm.matmul_t(x, w, out, "float32", True, 0x7F001234)
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T + 0.5, rtol=1e-5, atol=1e-6)
     assert library.stub_stream() == 0x7F001234
-    assert (library.stub_workspace(), library.stub_workspace_bytes()) == (workspace.ctypes.data, workspace.nbytes)
+    assert (library.stub_workspace(), library.stub_workspace_bytes()) == (
+        workspace.ctypes.data,
+        workspace.nbytes,
+    )
     with pytest.raises(RuntimeError, match="cublasGemmEx failed with cublasStatus_t 15"):
-        gemm.matmul_t(x.astype(np.float16), w.astype(np.float16), out.astype(np.float16), "float16", False, 0x7F001234)
+        gemm.matmul_t(
+            x.astype(np.float16), w.astype(np.float16), out.astype(np.float16), "float16", False, 0x7F001234
+        )

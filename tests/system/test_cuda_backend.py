@@ -1,4 +1,5 @@
 """Whole models through the CUDA backend's kernels: on the CPU emulator always, on a real GPU when present."""
+
 from __future__ import annotations
 
 import platform
@@ -7,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from minisarathi import dtypes
 from minisarathi.backends import cuda_ops
 from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import ModelConfig
-from minisarathi.testing import ScheduledChunk, build_batch
-from minisarathi.model.llama import LlamaModel, load_model
-from minisarathi import dtypes
 from minisarathi.dtypes import bf16_to_float32
+from minisarathi.model.llama import LlamaModel, load_model
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
+from minisarathi.testing import ScheduledChunk, build_batch
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
@@ -33,11 +34,11 @@ def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size
     tables, next_block = [], 0
     for p in prompts:
         need = -(-(len(p) + new_tokens) // block_size)
-        tables.append(list(range(next_block + need - 1, next_block - 1, -1)))   # blocks in reverse order
+        tables.append(list(range(next_block + need - 1, next_block - 1, -1)))  # blocks in reverse order
         next_block += need
     cache = model.new_kv_cache(next_block, block_size)
     tokens = [list(p) for p in prompts]
-    done = [0] * len(prompts)        # tokens of each sequence already in the cache
+    done = [0] * len(prompts)  # tokens of each sequence already in the cache
     target = [len(p) + new_tokens for p in prompts]
     all_logits = []
     while any(len(t) < n for t, n in zip(tokens, target)):
@@ -47,7 +48,9 @@ def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size
             if len(t) >= target[s] or budget == 0:
                 continue
             take = min(budget, len(t) - done[s])
-            chunks.append(ScheduledChunk(t[done[s]:done[s] + take], done[s], tables[s], done[s] + take == len(t)))
+            chunks.append(
+                ScheduledChunk(t[done[s] : done[s] + take], done[s], tables[s], done[s] + take == len(t))
+            )
             owners.append(s)
             done[s] += take
             budget -= take
@@ -59,17 +62,24 @@ def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size
     return tokens, np.concatenate(all_logits)
 
 
-emulator_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-PROMPTS = [[1, 403, 407, 261, 378, 10, 65, 2], [1, 9], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
+emulator_only = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
+PROMPTS = [
+    [1, 403, 407, 261, 378, 10, 65, 2],
+    [1, 9],
+    [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310],
+]
 
 
 def _gpu_available() -> str | None:
     try:
         import cupy
+
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return None
         return "no CUDA device"
-    except Exception as exc:   # no CuPy, or no driver
+    except Exception as exc:  # no CuPy, or no driver
         return f"no usable GPU ({type(exc).__name__})"
 
 
@@ -78,19 +88,24 @@ ON_GPU = pytest.mark.skipif(_gpu_available() is not None, reason=str(_gpu_availa
 
 @emulator_only
 def test_bundled_model_on_emulated_kernels_matches_the_reference():
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS, 12,
-                                            chunk_size=7)
-    tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated()), PROMPTS, 12, chunk_size=7)
+    reference, ref_logits = run_mixed_steps(
+        build_model(default_model_dir(), ReferenceOps()), PROMPTS, 12, chunk_size=7
+    )
+    tokens, logits = run_mixed_steps(
+        build_model(default_model_dir(), cuda_ops.emulated()), PROMPTS, 12, chunk_size=7
+    )
     assert tokens == reference
     np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
 
 
 @emulator_only
 def test_bundled_model_in_bfloat16_stays_close():
-    _, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS[:2], 3,
-                                    chunk_size=16)
-    _, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.emulated("bfloat16")), PROMPTS[:2], 3,
-                                chunk_size=16)
+    _, ref_logits = run_mixed_steps(
+        build_model(default_model_dir(), ReferenceOps()), PROMPTS[:2], 3, chunk_size=16
+    )
+    _, logits = run_mixed_steps(
+        build_model(default_model_dir(), cuda_ops.emulated("bfloat16")), PROMPTS[:2], 3, chunk_size=16
+    )
     # bf16 keeps 8 bits of mantissa through 5 layers: logits agree to about 1.5% of their range (measured).
     assert np.abs(logits - ref_logits).max() <= 0.03 * np.abs(ref_logits).max()
 
@@ -150,8 +165,10 @@ def test_bf16_checkpoint_reaches_the_backend_as_its_own_bits(monkeypatch, make_o
     copy on the host; another activation dtype is converted on the device, rounding to nearest even."""
     path = GOLDEN / "llama_gqa_bf16"
     stored = {name: t.data for name, t in read_checkpoint(path).items()}
+
     def no_widening(*args):
         raise AssertionError("a bf16 weight was widened to float32 on the way to a bf16 device")
+
     with monkeypatch.context() as patch:
         patch.setattr(dtypes, "bf16_to_float32", no_widening)
         ops = make_ops("bfloat16")
@@ -176,7 +193,8 @@ def test_bf16_golden_model_in_bfloat16_on_emulated_kernels():
     batch = build_batch([ScheduledChunk(prompt, 0, list(range(len(cache[0][0]))), True)], 4)
     batch.logits_indices = np.arange(batch.num_tokens, dtype=np.int32)
     logits = model.forward(batch, cache)
-    # bf16 activations against transformers' float32 run of the same bf16 weights: 3.1% of the range (measured).
+    # bf16 activations against transformers' float32 run of the same bf16 weights: 3.1% of the range
+    # (measured).
     assert np.abs(logits - golden["logits"]).max() <= 0.05 * np.abs(golden["logits"]).max()
 
 
@@ -187,11 +205,14 @@ def test_engine_hybrid_batches_on_emulated_kernels():
     generates on NumPy."""
     from minisarathi.llm import LLM
     from minisarathi.sampling_params import SamplingParams
+
     prompts = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park. They saw"]
     params = SamplingParams(max_tokens=10, temperature=0)
+
     def generate(device):
         llm = LLM(scheduler="sarathi", chunk_size=8, block_size=4, num_kv_blocks=64, device=device)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.model.ops
+
     expected, ops = generate("cpu")
     assert isinstance(ops, CpuOps)
     tokens, ops = generate("cuda-emulated")
@@ -205,16 +226,31 @@ def test_a_steps_metadata_goes_up_in_one_copy(monkeypatch):
     model = build_model(default_model_dir(), cuda_ops.emulated())
     uploads = []
     to_device = model.ops.launcher.to_device
-    monkeypatch.setattr(model.ops.launcher, "to_device", lambda a: uploads.append(np.asarray(a).shape) or to_device(a))
-    chunks = [ScheduledChunk([5, 9, 11], 0, [3, 4], True), ScheduledChunk([7], 6, [0, 1], True),
-              ScheduledChunk([8], 2, [2], True)]
+    monkeypatch.setattr(
+        model.ops.launcher, "to_device", lambda a: uploads.append(np.asarray(a).shape) or to_device(a)
+    )
+    chunks = [
+        ScheduledChunk([5, 9, 11], 0, [3, 4], True),
+        ScheduledChunk([7], 6, [0, 1], True),
+        ScheduledChunk([8], 2, [2], True),
+    ]
     batch = build_batch(chunks, 4)
     logits = model.forward(batch, model.new_kv_cache(5, 4))
     all_layers = list(uploads)
-    packed = sum(-(-a.size // 4) * 4 for a in (batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start,
-                                                 batch.context_lens, batch.block_tables, batch.logits_indices))
+    packed = sum(
+        -(-a.size // 4) * 4
+        for a in (
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.query_start,
+            batch.context_lens,
+            batch.block_tables,
+            batch.logits_indices,
+        )
+    )
     assert all_layers[0] == (packed,)
-    assert not any(shape == batch.block_tables.shape for shape in all_layers)   # not uploaded on its own
+    assert not any(shape == batch.block_tables.shape for shape in all_layers)  # not uploaded on its own
     uploads.clear()
     model.layers = model.layers[:1]
     model.forward(build_batch(chunks, 4), model.new_kv_cache(5, 4))
@@ -231,9 +267,12 @@ def test_emulated_ops_reject_a_bad_dtype():
 @ON_GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_model_on_gpu(dtype):
-    reference, ref_logits = run_mixed_steps(build_model(default_model_dir(), ReferenceOps()), PROMPTS, 6,
-                                            chunk_size=7)
-    tokens, logits = run_mixed_steps(build_model(default_model_dir(), cuda_ops.gpu(dtype)), PROMPTS, 6, chunk_size=7)
+    reference, ref_logits = run_mixed_steps(
+        build_model(default_model_dir(), ReferenceOps()), PROMPTS, 6, chunk_size=7
+    )
+    tokens, logits = run_mixed_steps(
+        build_model(default_model_dir(), cuda_ops.gpu(dtype)), PROMPTS, 6, chunk_size=7
+    )
     if dtype == "float32":
         assert tokens == reference
         np.testing.assert_allclose(logits, ref_logits, atol=2e-4 * np.abs(ref_logits).max())
@@ -243,37 +282,47 @@ def test_bundled_model_on_gpu(dtype):
 
 # ---- sampling on the device ------------------------------------------------------------------------------
 
+
 def sampling_case(rng, vocab: int):
     """A batch mixing every SamplingParams feature, with histories for the penalties and min_tokens."""
     from minisarathi.sampler import make_generator
     from minisarathi.sampling_params import SamplingParams
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
-              SamplingParams(temperature=1.0, seed=7, logprobs=5), SamplingParams(temperature=0.7, top_k=5),
-              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.2),
-              SamplingParams(temperature=0.9, top_k=20, top_p=0.5, min_p=0.05, seed=3),
-              SamplingParams(temperature=0, repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.4,
-                             logprobs=0),
-              SamplingParams(temperature=1.0, repetition_penalty=0.7, presence_penalty=-1.0),
-              SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[11, vocab + 5]),
-              SamplingParams(temperature=0.8, min_tokens=2, top_k=1)]
+
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=1.0, seed=7, logprobs=5),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.5, min_p=0.05, seed=3),
+        SamplingParams(
+            temperature=0, repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.4, logprobs=0
+        ),
+        SamplingParams(temperature=1.0, repetition_penalty=0.7, presence_penalty=-1.0),
+        SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[11, vocab + 5]),
+        SamplingParams(temperature=0.8, min_tokens=2, top_k=1),
+    ]
     prompts = [rng.integers(0, vocab, int(rng.integers(1, 12))).tolist() for _ in params]
     outputs = [rng.integers(0, vocab, int(rng.integers(0, 6))).tolist() for _ in params]
     outputs[7] = [int(rng.integers(0, vocab))] * 3 + outputs[7]
-    outputs[9], outputs[10] = [4, 5], [6]    # short of min_tokens
+    outputs[9], outputs[10] = [4, 5], [6]  # short of min_tokens
     # Distinct values exact in bfloat16 (ties at a top-k or top-p cut are broken arbitrarily by NumPy's sort),
     # and the masked tokens the favourites, so the mask decides the outcome.
-    magnitudes = bf16_to_float32(np.arange(0x3F00, 0x4080, dtype=np.uint16))   # every bf16 in [0.5, 4)
+    magnitudes = bf16_to_float32(np.arange(0x3F00, 0x4080, dtype=np.uint16))  # every bf16 in [0.5, 4)
     pool = np.concatenate([magnitudes, -magnitudes])
     logits = np.stack([rng.choice(pool, vocab, replace=False) for _ in params]).astype(np.float32)
     logits[9, [11, 2]] = 40.0
     logits[10, 2] = 40.0
-    make = lambda: [None if p.seed is None else make_generator(p.seed) for p in params]   # noqa: E731
+    make = lambda: [None if p.seed is None else make_generator(p.seed) for p in params]  # noqa: E731
     return logits, params, make, prompts, outputs
 
 
-BACKENDS = [pytest.param(cuda_ops.emulated, "float32", marks=emulator_only),
-            pytest.param(cuda_ops.emulated, "bfloat16", marks=emulator_only),
-            pytest.param(cuda_ops.gpu, "bfloat16", marks=ON_GPU, id="gpu-bfloat16")]
+BACKENDS = [
+    pytest.param(cuda_ops.emulated, "float32", marks=emulator_only),
+    pytest.param(cuda_ops.emulated, "bfloat16", marks=emulator_only),
+    pytest.param(cuda_ops.gpu, "bfloat16", marks=ON_GPU, id="gpu-bfloat16"),
+]
 
 
 @pytest.mark.parametrize("ctas_per_row", [None, 3], ids=["one-cta-per-row", "rows-split-over-3-ctas"])
@@ -284,11 +333,12 @@ def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype, ctas_per_row):
     with each row in one CTA (sample_plan's choice at this vocabulary) and split over three."""
     from minisarathi.backends.gpu_sampling import GpuSampler
     from minisarathi.sampler import Sampler
+
     vocab, eos = 384, (2,)
     ops = make_ops(dtype)
     rng = np.random.default_rng(0)
     logits, params, make_generators, prompts, outputs = sampling_case(rng, vocab)
-    device_logits = ops.weight(logits)        # what forward(device_logits=True) leaves on the device
+    device_logits = ops.weight(logits)  # what forward(device_logits=True) leaves on the device
     host_logits = ops.to_numpy(device_logits)  # what the NumPy sampler gets
     reference, on_device = Sampler(vocab, 5, eos), GpuSampler(ops, vocab, 5, eos, ctas_per_row)
     ref_generators, generators = make_generators(), make_generators()
@@ -302,19 +352,22 @@ def test_gpu_sampler_matches_the_numpy_sampler(make_ops, dtype, ctas_per_row):
             if w is not None:
                 assert [t for t, _ in g] == [t for t, _ in w]
                 np.testing.assert_allclose([v for _, v in g], [v for _, v in w], rtol=0, atol=1e-6)
-    assert want.token_ids[9] not in (11, 2) and want.token_ids[10] != 2   # min_tokens masked the favourites
+    assert want.token_ids[9] not in (11, 2) and want.token_ids[10] != 2  # min_tokens masked the favourites
 
 
 @emulator_only
 def test_gpu_sampler_sends_only_ids_and_logprobs_to_the_host(monkeypatch):
     from minisarathi.backends.gpu_sampling import GpuSampler
+
     vocab = 384
     ops = cuda_ops.emulated()
     logits, params, make_generators, prompts, outputs = sampling_case(np.random.default_rng(1), vocab)
     sizes = []
     to_host_async = ops.launcher.to_host_async
-    monkeypatch.setattr(ops.launcher, "to_host_async", lambda xs: sizes.extend(x.size for x in xs) or to_host_async(xs))
-    monkeypatch.setattr(ops.launcher, "to_host", None)   # one copy of it all, behind the kernels: no other
+    monkeypatch.setattr(
+        ops.launcher, "to_host_async", lambda xs: sizes.extend(x.size for x in xs) or to_host_async(xs)
+    )
+    monkeypatch.setattr(ops.launcher, "to_host", None)  # one copy of it all, behind the kernels: no other
     GpuSampler(ops, vocab).sample(ops.weight(logits), params, make_generators(), prompts, outputs)
     # ids of every row, then per logprob row: top ids and logits (5 of the widest), lse, sampled logit, rank
     assert max(sizes) <= len(params) * 5 < vocab and sum(sizes) <= len(params) + 3 * 5 * 2 + 3 * 3
@@ -323,8 +376,11 @@ def test_gpu_sampler_sends_only_ids_and_logprobs_to_the_host(monkeypatch):
 def test_gpu_sampler_rejects_a_wrong_shape():
     from minisarathi.backends.gpu_sampling import GpuSampler
     from minisarathi.sampling_params import SamplingParams
+
     with pytest.raises(ValueError, match="logits"):
-        GpuSampler(cuda_ops.emulated(), 10).sample(np.zeros((1, 9), np.float32), [SamplingParams()], [None], [[1]], [[]])
+        GpuSampler(cuda_ops.emulated(), 10).sample(
+            np.zeros((1, 9), np.float32), [SamplingParams()], [None], [[1]], [[]]
+        )
 
 
 @emulator_only
@@ -333,7 +389,9 @@ def test_generation_with_device_logits_and_the_models_sampler_matches_the_refere
     from minisarathi.backends.gpu_sampling import GpuSampler
     from minisarathi.sampler import Sampler, make_generator
     from minisarathi.sampling_params import SamplingParams
+
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1, logprobs=2)]
+
     def generate(ops):
         model = build_model(default_model_dir(), ops)
         sampler = model.new_sampler(seed=3, eos_token_ids=(2,))
@@ -344,11 +402,17 @@ def test_generation_with_device_logits_and_the_models_sampler_matches_the_refere
         for _ in range(6):
             chunks = [ScheduledChunk(t[d:], d, b, True) for t, d, b in zip(tokens, done, table)]
             done = [len(t) for t in tokens]
-            out = sampler.sample(model.forward(build_batch(chunks, 4), cache, device_logits=True), params,
-                                 generators, prompts, [t[len(p):] for t, p in zip(tokens, prompts)])
+            out = sampler.sample(
+                model.forward(build_batch(chunks, 4), cache, device_logits=True),
+                params,
+                generators,
+                prompts,
+                [t[len(p) :] for t, p in zip(tokens, prompts)],
+            )
             for t, token in zip(tokens, out.token_ids):
                 t.append(int(token))
         return tokens, type(sampler)
+
     expected, kind = generate(ReferenceOps())
     assert kind is Sampler
     tokens, kind = generate(cuda_ops.emulated())
@@ -360,9 +424,14 @@ def test_copy_blocks_on_emulated_kernels(dtype):
     """The copy-on-write of parallel sampling: whole blocks copied in every layer, others untouched."""
     ops = cuda_ops.emulated(dtype)
     rng = np.random.default_rng(0)
-    shape = (6, 2, 4, 8)   # [num_blocks, Hk, block_size, D]
-    host = [(rng.integers(0, 2**15, shape).astype(ops.activation_dtype),
-             rng.integers(0, 2**15, shape).astype(ops.activation_dtype)) for _ in range(2)]
+    shape = (6, 2, 4, 8)  # [num_blocks, Hk, block_size, D]
+    host = [
+        (
+            rng.integers(0, 2**15, shape).astype(ops.activation_dtype),
+            rng.integers(0, 2**15, shape).astype(ops.activation_dtype),
+        )
+        for _ in range(2)
+    ]
     kv_cache = [(ops.launcher.to_device(k), ops.launcher.to_device(v)) for k, v in host]
     ops.copy_blocks(kv_cache, [1, 4], [3, 0])
     reference = [(k.copy(), v.copy()) for k, v in host]
@@ -379,14 +448,17 @@ def test_parallel_sampling_on_emulated_kernels(monkeypatch):
     import minisarathi.engine.engine as engine_module
     from minisarathi.llm import LLM
     from minisarathi.sampling_params import SamplingParams
+
     params = SamplingParams(n=3, max_tokens=6, temperature=0.9, seed=4)
 
     def generate():
         llm = LLM(chunk_size=16, block_size=4, num_kv_blocks=64)
         return [[c.token_ids for c in o.outputs] for o in llm.generate(["Tom had a red"], params)]
+
     expected = generate()
-    monkeypatch.setattr(engine_module, "load_model",
-                        lambda path, **kwargs: build_model(Path(path), cuda_ops.emulated()))
+    monkeypatch.setattr(
+        engine_module, "load_model", lambda path, **kwargs: build_model(Path(path), cuda_ops.emulated())
+    )
     assert generate() == expected
     assert len({tuple(c) for c in expected[0]}) > 1
 
@@ -398,9 +470,9 @@ def test_a_steps_uploads_live_until_the_next_step():
     batch = build_batch([ScheduledChunk([5] * 3, 0, [0], True), ScheduledChunk([7], 4, [1], True)], 8)
     ops.upload_batch(batch)
     step = dict(ops._uploads)
-    extras = [np.zeros(1, np.int32) for _ in range(40)]   # more derived arrays than any step makes
+    extras = [np.zeros(1, np.int32) for _ in range(40)]  # more derived arrays than any step makes
     for extra in extras:
         ops._upload_once(extra, lambda: extra, "derived")
     assert all(ops._uploads.get(key) is value for key, value in step.items())
-    ops.upload_batch(build_batch([ScheduledChunk([9], 2, [2], True)], 8))   # the next step: the old ones go
+    ops.upload_batch(build_batch([ScheduledChunk([9], 2, [2], True)], 8))  # the next step: the old ones go
     assert not any(key in ops._uploads for key in step)

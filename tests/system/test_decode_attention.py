@@ -5,6 +5,7 @@ CI runs a subset of the edge-size matrix: every head_dim and dtype once, the edg
 boundaries, uneven splits, GQA 1/4/6/8/16, block sizes 1/8/16/32, scattered block tables) on bf16 at
 head_dim 64, each under two fiber orders. `python -m bench.decode_attention_matrix` runs the whole matrix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,10 @@ from minisarathi.batch import make_batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.testing import scattered_batch
 
-emulated_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the values' scale
+emulated_only = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
+TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}  # relative to the values' scale
 
 
 def on_device(x, dtype):
@@ -36,9 +39,12 @@ def decode_case(rng, dtype, Hq, Hk, D, block_size, runs, fused_qkv=False):
     With fused_qkv, q is a row-strided view into a [T, (Hq + 2 Hk) D] array, as the model passes it."""
     batch, num_blocks = scattered_batch(rng, runs, block_size)
     shape = (num_blocks, Hk, block_size, D)
-    k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
+    k_cache, v_cache = (
+        on_device(rng.standard_normal(shape), dtype),
+        on_device(rng.standard_normal(shape), dtype),
+    )
     width = (Hq + 2 * Hk) * D if fused_qkv else Hq * D
-    q = on_device(rng.standard_normal((batch.num_tokens, width)), dtype)[:, :Hq * D].reshape(-1, Hq, D)
+    q = on_device(rng.standard_normal((batch.num_tokens, width)), dtype)[:, : Hq * D].reshape(-1, Hq, D)
     return batch, q, k_cache, v_cache
 
 
@@ -51,8 +57,9 @@ def check(dtype, Hq, Hk, D, block_size, contexts, order, seed=0, fused_qkv=False
     ops.launcher.kernel = lambda file, name: launched.append(name) or kernel(file, name)
     with emulator.schedule(order, seed=seed):
         out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, 0.3)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3
+    )
     scale = max(1.0, float(np.abs(expected).max()))
     np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
     return launched
@@ -67,18 +74,18 @@ def order(request):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_every_dtype_and_head_dim(order, dtype, head_dim):
-    contexts = [1, 16, 17, 130]          # one key; a block boundary and one past it; three uneven splits
+    contexts = [1, 16, 17, 130]  # one key; a block boundary and one past it; three uneven splits
     launched = check(dtype, 8, 2, head_dim, 16, contexts, order, fused_qkv=head_dim == 128)
     assert any(n.startswith("decode_attention_kernel") for n in launched)
-    assert not any(n.startswith("paged_attention") for n in launched)   # every row was a decode
+    assert not any(n.startswith("paged_attention") for n in launched)  # every row was a decode
 
 
 EDGE_CASES = {  # Hq, Hk, block_size, contexts
     "mha-bs1": (4, 4, 1, [1, 2, 31, 32, 33, 97]),
     "gqa4-bs8": (8, 2, 8, [1, 8, 9, 15, 64, 65, 200]),
     "gqa8-bs32": (16, 2, 32, [1, 32, 33, 63, 129, 300]),
-    "gqa6-bs16": (12, 2, 16, [3, 16, 48, 100]),        # a group that is not a power of two
-    "gqa16-bs16": (16, 1, 16, [5, 77]),                # two CTAs per KV head (group tile 8)
+    "gqa6-bs16": (12, 2, 16, [3, 16, 48, 100]),  # a group that is not a power of two
+    "gqa16-bs16": (16, 1, 16, [5, 77]),  # two CTAs per KV head (group tile 8)
 }
 
 
@@ -95,8 +102,10 @@ def test_float32_group_of_8_takes_two_ctas_per_kv_head(order):
 
 
 @emulated_only
-@pytest.mark.parametrize("dtype, prefill_kernel", [("float32", "paged_attention_reduce_kernel"),
-                                                   ("bfloat16", "prefill_attention_kernel")])
+@pytest.mark.parametrize(
+    "dtype, prefill_kernel",
+    [("float32", "paged_attention_reduce_kernel"), ("bfloat16", "prefill_attention_kernel")],
+)
 def test_mixed_batch_launches_over_disjoint_rows(order, dtype, prefill_kernel):
     """Decodes (one past 512 keys) next to prefill chunks (one split into paged_attention's partitions in
     float32, on tensor cores in bf16): each kernel writes only its own rows."""
@@ -109,11 +118,15 @@ def test_mixed_batch_launches_over_disjoint_rows(order, dtype, prefill_kernel):
 def test_a_hybrid_steps_decodes_run_on_a_second_stream_joined_before_the_output_is_read():
     """bf16 decodes beside tensor-core prefill chunks: the decode kernels go to the side stream, the prefill's
     stay on the current one, and the output is the reference's. The emulator holds side-stream work until the
-    join, so a step that forgot the join (on a GPU, a race) leaves its decode rows unwritten, and that shows."""
+    join, so a step that forgot the join (on a GPU, a race) leaves its decode rows unwritten, and that
+    shows."""
     ops, rng = cuda_ops.emulated("bfloat16"), np.random.default_rng(5)
-    batch, q, k_cache, v_cache = decode_case(rng, "bfloat16", 8, 2, 64, 16, [(40, 1), (599, 1), (520, 7), (0, 5)])
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, 0.3)
+    batch, q, k_cache, v_cache = decode_case(
+        rng, "bfloat16", 8, 2, 64, 16, [(40, 1), (599, 1), (520, 7), (0, 5)]
+    )
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3
+    )
     streams, launcher = [], ops.launcher
     side, kernel = launcher.side_stream, launcher.kernel
 
@@ -123,22 +136,26 @@ def test_a_hybrid_steps_decodes_run_on_a_second_stream_joined_before_the_output_
         with side():
             yield
         streams.append("side done")
+
     launcher.side_stream = traced_side_stream
     launcher.kernel = lambda file, name: streams.append(name.split("<")[0]) or kernel(file, name)
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    np.testing.assert_allclose(as_float32(out), expected, rtol=0, atol=TOLERANCE["bfloat16"] * np.abs(expected).max())
+    np.testing.assert_allclose(
+        as_float32(out), expected, rtol=0, atol=TOLERANCE["bfloat16"] * np.abs(expected).max()
+    )
     fork, done = streams.index("fork"), streams.index("side done")
-    assert {"decode_attention_kernel", "decode_attention_reduce_kernel"} == set(streams[fork + 1:done])
-    assert "prefill_attention_kernel" in streams[done + 1:]
+    assert {"decode_attention_kernel", "decode_attention_reduce_kernel"} == set(streams[fork + 1 : done])
+    assert "prefill_attention_kernel" in streams[done + 1 :]
 
-    launcher.join_side_stream = lambda: None   # the join forgotten, on new queries
+    launcher.join_side_stream = lambda: None  # the join forgotten, on new queries
     q = on_device(rng.standard_normal(q.shape), "bfloat16")
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, 0.3)
-    read = as_float32(ops.paged_attention(q, k_cache, v_cache, batch, 0.3))   # what the next op would read
-    emulator.join_side_stream()                # (runs the held work, so that nothing is left for later tests)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3
+    )
+    read = as_float32(ops.paged_attention(q, k_cache, v_cache, batch, 0.3))  # what the next op would read
+    emulator.join_side_stream()  # (runs the held work, so that nothing is left for later tests)
     assert np.abs(read[2:] - expected[2:]).max() <= TOLERANCE["bfloat16"] * np.abs(expected).max()
-    assert not np.allclose(read[:2], expected[:2], atol=0.05)   # the two decode rows
+    assert not np.allclose(read[:2], expected[:2], atol=0.05)  # the two decode rows
 
 
 def test_the_emulators_side_stream_holds_its_work_until_the_join():
@@ -154,7 +171,7 @@ def test_the_emulators_side_stream_holds_its_work_until_the_join():
     assert ran == ["current", "side"]
     with pytest.raises(RuntimeError, match="no side stream"):
         emulator.join_side_stream()
-    with pytest.raises(ValueError):   # a step that fails while issuing drops its side work
+    with pytest.raises(ValueError):  # a step that fails while issuing drops its side work
         with emulator.side_stream():
             emulator.submit(lambda: ran.append("dropped"))
             raise ValueError
@@ -174,11 +191,22 @@ def test_shapes_the_decode_kernel_does_not_take_stay_on_paged_attention():
 
 # ---- the plan (host side) -----------------------------------------------------------------------------
 
+
 def plan_for(contexts, Hq=32, Hk=8, D=128, dtype="bfloat16", block_size=16, sms=132):
     n = len(contexts)
     rows = np.arange(n, dtype=np.int32)
-    return decode_plan.plan(rows * 3, rows, np.array(contexts, np.int32), Hq, Hk, D, dtype,
-                            2 if dtype != "float32" else 4, block_size, sms)
+    return decode_plan.plan(
+        rows * 3,
+        rows,
+        np.array(contexts, np.int32),
+        Hq,
+        Hk,
+        D,
+        dtype,
+        2 if dtype != "float32" else 4,
+        block_size,
+        sms,
+    )
 
 
 def split_ranges(plan, context_lens):
@@ -198,12 +226,12 @@ def test_plan_covers_each_row_once_and_sizes_partials_by_the_rows_that_split(con
         mine = seq == r
         assert (token[mine] == 3 * r).all() and (splits[mine] == mine.sum()).all()
         spans = sorted(zip(begin[mine], end[mine]))
-        assert spans[0][0] == 0 and spans[-1][1] == length                        # nothing past the row's end
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))               # contiguous, no overlap
-        assert all(e > b for b, e in spans)                                     # no empty split
-        assert (slot[mine] == -1).all() == (mine.sum() == 1)                     # unsplit rows own no slot
+        assert spans[0][0] == 0 and spans[-1][1] == length  # nothing past the row's end
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
+        assert all(e > b for b, e in spans)  # no empty split
+        assert (slot[mine] == -1).all() == (mine.sum() == 1)  # unsplit rows own no slot
     split = slot >= 0
-    assert sorted(slot[split]) == list(range(plan.num_slots))                   # each slot written once
+    assert sorted(slot[split]) == list(range(plan.num_slots))  # each slot written once
     assert plan.num_slots == sum(plan.rows[:, 3]) and len(plan.rows) == sum(np.bincount(seq) > 1)
     assert (plan.rows[:, 1] == np.flatnonzero(np.bincount(seq) > 1)).all()
 
@@ -213,24 +241,27 @@ def test_plan_fills_the_gpu():
     big, long_one, short_one = plan_for([4096] * 64), plan_for([32768]), plan_for([512])
     for plan, lens in ((big, [4096] * 64), (long_one, [32768])):
         begin, end = split_ranges(plan, lens)
-        assert len(plan.items) * 8 >= 2 * wave * 0.9                             # about two waves or more
+        assert len(plan.items) * 8 >= 2 * wave * 0.9  # about two waves or more
         assert (end - begin).min() >= decode_plan.MIN_SPLIT_KEYS
-    assert len(long_one.items) >= 100                                           # one sequence, many splits
+    assert len(long_one.items) >= 100  # one sequence, many splits
     begin, end = split_ranges(short_one, [512])
-    assert (end - begin == 64).all()                                            # no split under 64 keys
+    assert (end - begin == 64).all()  # no split under 64 keys
     assert plan_for([100] * 4, Hq=32, Hk=2).group_tile == 8 and plan_for([100], Hq=8, Hk=8).group_tile == 4
     assert plan_for([100], Hq=32, Hk=2).head_chunks == 2
 
 
 def test_long_splits_stage_the_block_table_a_segment_at_a_time():
-    """Splits longer than SEGMENT_KEYS (few rows' worth of CTAs fill a small GPU) do not grow shared memory."""
+    """Splits longer than SEGMENT_KEYS (few rows' worth of CTAs fill a small GPU) do not grow shared
+    memory."""
     plan = plan_for([100_000] * 2, sms=1)
     begin, end = split_ranges(plan, [100_000] * 2)
     assert (end - begin).max() > 10 * decode_plan.SEGMENT_KEYS
     assert plan.table_capacity == decode_plan.SEGMENT_KEYS // 16 + 1 and plan.shared_mem < 51_000
 
 
-# ---- a graph bucket's plan: splits per row fixed for the bucket, key ranges from each row's length on the device ----
+# ---- a graph bucket's plan: splits per row fixed for the bucket, key ranges from each row's length on the
+# device ----
+
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
     """float64 decode attention of row r's query over its first lens[r] cached keys."""
@@ -240,7 +271,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     for r, n in enumerate(lens):
         keys = np.arange(n)
         blocks = tables[r, keys // block_size]
-        k, v = k_cache[blocks, :, keys % block_size], v_cache[blocks, :, keys % block_size]   # [n, Hk, D]
+        k, v = k_cache[blocks, :, keys % block_size], v_cache[blocks, :, keys % block_size]  # [n, Hk, D]
         for h in range(Hq):
             scores = k[:, h // (Hq // Hk)] @ q[r, h] * scale
             p = np.exp(scores - scores.max())
@@ -256,7 +287,7 @@ def bucket_case(dtype, contexts, capacity, block_size=16, seed=0, cached=None):
     cached = contexts if cached is None else cached
     batch, q, k_cache, v_cache = decode_case(rng, dtype, 8, 2, 64, block_size, [(c - 1, 1) for c in cached])
     tables = np.zeros((len(contexts), capacity // block_size), np.int32)
-    tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+    tables[:, : batch.block_tables.shape[1]] = batch.block_tables
     batch.block_tables, batch.plan_context_len = tables, capacity
     batch.context_lens = np.array(contexts, np.int32)
     return batch, q, k_cache, v_cache
@@ -275,15 +306,21 @@ def op_plan(ops, batch, q, k_cache):
 
 @pytest.mark.parametrize("rows", [1, 64])
 def test_bucket_grid_does_not_grow_with_max_model_len(rows):
-    """Rows of 4k keys under buckets planned for 16k and for 128k keys: the same grid, at most two waves, and as
-    many CTAs with keys as the step's own plan gives (up to about two waves). Before, the splits were cut for
-    max_model_len: at 128k, batch 1 had 32 CTAs with keys of 1,024 and batch 64 launched 32,768."""
+    """Rows of 4k keys under buckets planned for 16k and for 128k keys: the same grid, at most two waves, and
+    as many CTAs with keys as the step's own plan gives (up to about two waves). Before, the splits were cut
+    for max_model_len: at 128k, batch 1 had 32 CTAs with keys of 1,024 and batch 64 launched 32,768."""
     ops = cuda_ops.emulated("bfloat16")
     wave = ops.launcher.multiprocessors * decode_plan.CTAS_PER_MULTIPROCESSOR
     grids = set()
     for capacity in (16384, 131072):
-        batch = make_batch([0] * rows, [4095] * rows, [1] * rows, np.zeros((rows, capacity // 16), np.int32),
-                           [True] * rows, 16)
+        batch = make_batch(
+            [0] * rows,
+            [4095] * rows,
+            [1] * rows,
+            np.zeros((rows, capacity // 16), np.int32),
+            [True] * rows,
+            16,
+        )
         batch.plan_context_len = capacity
         plan = ops._decode_plan(batch, np.ones(rows, bool), 32, 8, 128, 2, 16)[0]
         grids.add(len(plan.items))
@@ -297,9 +334,10 @@ def test_bucket_grid_does_not_grow_with_max_model_len(rows):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bucket_rows_of_very_different_lengths(order, dtype):
     """One bucket (75 splits per row here): padding rows (1 key), a row of one 64-key split, rows ending at a
-    split boundary and one past it, a long row of 96-key splits ending on one, and one past it; most splits lie
-    past their row's end and exit, rows with one used split write the output themselves, the reduce merges the
-    rest. Negative control: the same launch told every row is 1024 keys long reads the zero table entries."""
+    split boundary and one past it, a long row of 96-key splits ending on one, and one past it; most splits
+    lie past their row's end and exit, rows with one used split write the output themselves, the reduce merges
+    the rest. Negative control: the same launch told every row is 1024 keys long reads the zero table
+    entries."""
     contexts = [1, 1, 64, 128, 129, 5760, 5761]
     batch, q, k_cache, v_cache = bucket_case(dtype, contexts, 8192)
     ops = cuda_ops.emulated(dtype)
@@ -316,14 +354,17 @@ def test_bucket_rows_of_very_different_lengths(order, dtype):
     batch.context_lens = np.full(batch.num_seqs, 1024, np.int32)
     with emulator.schedule(order):
         wrong = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    assert np.abs(as_float32(wrong) - expected).max() > 10 * TOLERANCE[dtype] * max(1.0, np.abs(expected).max())
+    assert np.abs(as_float32(wrong) - expected).max() > 10 * TOLERANCE[dtype] * max(
+        1.0, np.abs(expected).max()
+    )
 
 
 @emulated_only
 @pytest.mark.parametrize("bucket", [False, True])
 def test_splits_longer_than_a_segment(bucket):
     """On a one-SM device a few splits fill the GPU, some over 2048 keys long: each CTA stages its block-table
-    entries a segment at a time, eagerly (2 and 3 splits) and in a bucket (2 per row; the 1-key row uses one)."""
+    entries a segment at a time, eagerly (2 and 3 splits) and in a bucket (2 per row; the 1-key row uses
+    one)."""
     contexts = [4500, 1] if bucket else [4500, 5000]
     batch, q, k_cache, v_cache = bucket_case("bfloat16", contexts, 8192 if bucket else 5008, seed=3)
     if not bucket:
@@ -338,16 +379,16 @@ def test_splits_longer_than_a_segment(bucket):
 
 @emulated_only
 def test_a_captured_bucket_replays_with_each_steps_lengths():
-    """A bucket's decode attention captured once (emulator graph) and replayed after its context lengths change
-    on the device: rows grow past split boundaries and a padding row becomes a real one; every replay
+    """A bucket's decode attention captured once (emulator graph) and replayed after its context lengths
+    change on the device: rows grow past split boundaries and a padding row becomes a real one; every replay
     matches the float64 reference for the current lengths."""
     steps = [[1, 40, 64, 300], [2, 64, 65, 700], [129, 1, 1000, 1]]
     longest = np.max(steps, axis=0).tolist()
     batch, q, k_cache, v_cache = bucket_case("bfloat16", steps[0], 131072, cached=longest)
     ops = cuda_ops.emulated("bfloat16")
-    ops.paged_attention(q, k_cache, v_cache, batch, 0.3)   # the first step runs eagerly: uploads and plan
+    ops.paged_attention(q, k_cache, v_cache, batch, 0.3)  # the first step runs eagerly: uploads and plan
     graph, out = ops.launcher.capture(lambda: ops.paged_attention(q, k_cache, v_cache, batch, 0.3))
-    device_lens = ops._metadata(batch.context_lens)        # the array the captured kernels read
+    device_lens = ops._metadata(batch.context_lens)  # the array the captured kernels read
     for lens in steps:
         device_lens[...] = lens
         graph.launch()

@@ -6,6 +6,7 @@ an answer began, or whose request the draining server refused, reconnects and se
 whose stream had started raises. The restart tests start the second server on the first one's port, as a
 replica restarted in place (or another replica behind a balancer) takes the traffic.
 """
+
 import asyncio
 import contextlib
 import http.client
@@ -16,12 +17,12 @@ import threading
 import time
 
 import pytest
+from test_server import launch_server, offline_greedy
 
 from minisarathi.client import AsyncClient, Client, RPCError
 from minisarathi.server.protocol import ABORTED
-from test_server import launch_server, offline_greedy
 
-RESTART_RETRIES = 40   # ~37 s of backoff (capped at 1 s a try): a second server starts well within it
+RESTART_RETRIES = 40  # ~37 s of backoff (capped at 1 s a try): a second server starts well within it
 
 
 def _connect_fails(port: int) -> bool:
@@ -29,7 +30,7 @@ def _connect_fails(port: int) -> bool:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     except ConnectionRefusedError:
         return True
-    except ConnectionResetError:   # accepted in the instant before the close, then dropped: not refused yet
+    except ConnectionResetError:  # accepted in the instant before the close, then dropped: not refused yet
         return False
     return False
 
@@ -43,9 +44,9 @@ def test_sigterm_closes_listener_and_idle_connections_first_and_lets_streams_fin
         chunks = iter(stream)
         next(chunks)
         server.proc.send_signal(signal.SIGTERM)
-        _wait_until_refused(server.port)                # the listener goes first ...
-        assert server.proc.poll() is None               # ... while the stream is still being served
-        with pytest.raises(ConnectionError):            # the idle connection was closed, and no retry is allowed
+        _wait_until_refused(server.port)  # the listener goes first ...
+        assert server.proc.poll() is None  # ... while the stream is still being served
+        with pytest.raises(ConnectionError):  # the idle connection was closed, and no retry is allowed
             idle.health()
         list(chunks)
         assert stream.result.finish_reason == "length" and stream.result.completion_tokens == 200
@@ -63,7 +64,7 @@ def test_client_retries_a_request_whose_connection_closed_before_an_answer():
         def proxy():
             first, _ = listener.accept()
             accepted.append(first.recv(65536))
-            first.close()                                # read, never answered: not accepted
+            first.close()  # read, never answered: not accepted
             second, _ = listener.accept()
             upstream = socket.create_connection(("127.0.0.1", server.port))
             for a, b in ((second, upstream), (upstream, second)):
@@ -82,15 +83,16 @@ def test_a_stream_that_started_is_not_retried():
         with Client("127.0.0.1", server.port) as client:
             stream = iter(client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True))
             next(stream)
-            server.proc.send_signal(signal.SIGTERM)     # the grace period ends the stream half way
-            with pytest.raises(RPCError) as info:      # the server's abort, not a retry that repeats text
+            server.proc.send_signal(signal.SIGTERM)  # the grace period ends the stream half way
+            with pytest.raises(RPCError) as info:  # the server's abort, not a retry that repeats text
                 list(stream)
         assert info.value.code == ABORTED
 
 
 def test_repeated_sigterms_while_shutting_down_still_exit_cleanly():
     """A supervisor may signal again while the server drains (or as the test harness does, on its way out):
-    the loop's close used to restore the default action, and a late SIGTERM then killed the exiting process."""
+    the loop's close used to restore the default action, and a late SIGTERM then killed the exiting
+    process."""
     with launch_server() as server:
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
@@ -120,12 +122,24 @@ def _pump(source: socket.socket, sink: socket.socket):
 def test_sigterm_closes_the_http_listener_while_its_stream_finishes_and_ready_turns_503():
     pytest.importorskip("aiohttp")
     from test_http import API_KEY, launch
+
     with launch("--http-port", "0", "--metrics-port", "0", "--shutdown-grace", "30") as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
-             "temperature": 0, "stream": True}),
-            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": "stories260K",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                }
+            ),
+            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data:")
         server.proc.send_signal(signal.SIGTERM)
@@ -134,7 +148,9 @@ def test_sigterm_closes_the_http_listener_while_its_stream_finishes_and_ready_tu
         probe.request("GET", "/ready")
         assert probe.getresponse().status == 503
         body = response.read()
-        assert body.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in body.replace(b" ", b"")
+        assert body.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in body.replace(
+            b" ", b""
+        )
         assert server.proc.wait(timeout=30) == 0
 
 
@@ -143,6 +159,7 @@ def test_with_a_drain_delay_ready_turns_503_while_requests_are_still_served():
     replica out), while a new completion is still answered in full; only then does the listener close."""
     pytest.importorskip("aiohttp")
     from test_http import API_KEY, launch
+
     with launch("--http-port", "0", "--drain-delay", "3", "--shutdown-grace", "30") as server:
         server.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -155,16 +172,21 @@ def test_with_a_drain_delay_ready_turns_503_while_requests_are_still_served():
             assert time.monotonic() < deadline, "/ready never turned 503"
             time.sleep(0.05)
         conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": "stories260K", "prompt": "Tom had a red", "max_tokens": 8, "temperature": 0}),
-            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {"model": "stories260K", "prompt": "Tom had a red", "max_tokens": 8, "temperature": 0}
+            ),
+            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         assert response.status == 200, response.read()
         answered = time.monotonic()
         assert answered - signalled < 3, "the completion was not answered within the drain delay: no evidence"
         assert json.loads(response.read())["choices"][0]["text"]
         _wait_until_refused(server.http_port)
-        assert time.monotonic() - signalled >= 3      # the listener stayed open for the whole delay
+        assert time.monotonic() - signalled >= 3  # the listener stayed open for the whole delay
         assert server.proc.wait(timeout=30) == 0
 
 
@@ -181,16 +203,19 @@ def test_clients_resend_what_a_draining_server_refused_to_the_server_that_replac
 
         async def run():
             async with AsyncClient("127.0.0.1", first.port, retries=RESTART_RETRIES) as client:
-                stream = client.generate_stream("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0)
+                stream = client.generate_stream(
+                    "Once upon a time", max_tokens=400, ignore_eos=True, temperature=0
+                )
                 chunks = stream.__aiter__()
                 await chunks.__anext__()
                 first.proc.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(_wait_until_refused, first.port)
                 call = asyncio.ensure_future(client.generate("Tom had a red", max_tokens=8, temperature=0))
-                sync_call = asyncio.ensure_future(asyncio.to_thread(
-                    sync_client.generate, "Tom had a red", max_tokens=8, temperature=0))
+                sync_call = asyncio.ensure_future(
+                    asyncio.to_thread(sync_client.generate, "Tom had a red", max_tokens=8, temperature=0)
+                )
                 await asyncio.sleep(0.2)
-                assert not call.done() and not sync_call.done()     # waiting for a server, not failed
+                assert not call.done() and not sync_call.done()  # waiting for a server, not failed
                 await asyncio.to_thread(servers.enter_context, launch_server("--port", str(first.port)))
                 results = await asyncio.gather(call, sync_call)
                 async for _ in chunks:
@@ -199,7 +224,7 @@ def test_clients_resend_what_a_draining_server_refused_to_the_server_that_replac
 
         stream_result, results = asyncio.run(run())
         assert [r.token_ids for r in results] == [want, want]
-        assert stream_result.completion_tokens == 400          # the stream finished where it began
+        assert stream_result.completion_tokens == 400  # the stream finished where it began
         assert first.proc.wait(timeout=30) == 0
 
 
@@ -226,8 +251,10 @@ def test_calls_a_killed_server_never_answered_are_resent_and_started_streams_rai
                 chunks = stream.__aiter__()
                 await chunks.__anext__()
                 first.proc.send_signal(signal.SIGSTOP)
-                calls = [asyncio.ensure_future(client.generate(prompt, max_tokens=8, temperature=0)),
-                         asyncio.ensure_future(asyncio.to_thread(sync_call))]
+                calls = [
+                    asyncio.ensure_future(client.generate(prompt, max_tokens=8, temperature=0)),
+                    asyncio.ensure_future(asyncio.to_thread(sync_call)),
+                ]
                 await asyncio.sleep(0.5)
                 first.proc.kill()
                 first.proc.wait()
@@ -241,4 +268,4 @@ def test_calls_a_killed_server_never_answered_are_resent_and_started_streams_rai
 
         results = asyncio.run(run())
         assert [r.token_ids for r in results] == [want, want]
-        first.proc.returncode = 0   # killed on purpose; launch_server's exit-status check is about draining
+        first.proc.returncode = 0  # killed on purpose; launch_server's exit-status check is about draining

@@ -4,6 +4,7 @@ A copy lands in shared memory only when the issuing thread's cp_async_wait relea
 that the destination reads as NaN. So a double-buffered kernel is right under every fiber order, while
 one that reads a stage before waiting for it, or waits for the wrong group, produces NaN.
 """
+
 from __future__ import annotations
 
 import platform
@@ -15,7 +16,9 @@ import pytest
 from minisarathi.backends import emulator
 from minisarathi.paths import cuda_dir
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
 
 SOURCE = Path(__file__).parents[1] / "kernels" / "cp_async_checks.cu"
 VARIANTS = {  # name -> (bytes per chunk, zero-filled tail)
@@ -45,12 +48,12 @@ def run_copy(name, chunk_bytes, n, out_len):
 def test_double_buffered_copy_matches_numpy(name, order):
     chunk_bytes, zero_filled = VARIANTS[name]
     tile = THREADS * chunk_bytes // 4
-    n = 7 * tile + 12                       # 7 full tiles over 3 blocks, and a partial one
+    n = 7 * tile + 12  # 7 full tiles over 3 blocks, and a partial one
     out_len = 8 * tile if zero_filled else n
     with emulator.schedule(order, seed=3):
         x, out = run_copy(name, chunk_bytes, n, out_len)
     np.testing.assert_array_equal(out[:n], 2 * x)
-    if zero_filled:                         # chunks past n were zero-filled, not read
+    if zero_filled:  # chunks past n were zero-filled, not read
         np.testing.assert_array_equal(out[n:], 0.0)
 
 
@@ -61,7 +64,7 @@ def test_reading_a_stage_before_its_wait_reads_poison(name, order):
     with emulator.schedule(order):
         x, out = run_copy(name, 16, n, n)
     wrong = ~(out == 2 * x)
-    assert np.isnan(out[:THREADS * 4]).all()   # the first tile read before it landed
+    assert np.isnan(out[: THREADS * 4]).all()  # the first tile read before it landed
     assert wrong.mean() > 0.5, wrong.mean()
 
 

@@ -4,6 +4,7 @@ The kernels in tests/kernels/mma_checks.cu lay elements into fragments by the PT
 expected values here come from plain matrix products and from the ISA's ldmatrix rule written in NumPy.
 A deliberately mis-indexed A fragment must give the product of the wrongly laid-out matrix, as on a GPU.
 """
+
 from __future__ import annotations
 
 import platform
@@ -20,7 +21,9 @@ CHECKS = Path(__file__).parents[1] / "kernels" / "mma_checks.cu"
 TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 KERNELS = [f"{k}<{t}>" for k in ("mma_from_global", "ldmatrix_mma", "pack_pairs") for t in TYPES.values()]
 KERNELS.append("ldmatrix_registers")
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def ldmatrix_expected(m: np.ndarray, rows: np.ndarray, count: int, trans: bool) 
     lane l gets M_i[l/4][2(l%4) + {0,1}], or with .trans M_i[2(l%4) + {0,1}][l/4]."""
     out = np.zeros((32, 4), np.uint32)
     for i in range(count):
-        matrix = m[rows[8 * i:8 * i + 8]].astype(np.uint32)   # [8 rows, 8 elements]
+        matrix = m[rows[8 * i : 8 * i + 8]].astype(np.uint32)  # [8 rows, 8 elements]
         if trans:
             matrix = matrix.T
         for lane in range(32):
@@ -105,8 +108,8 @@ def test_ldmatrix_feeds_mma_as_attention_kernels_do(module, order, dtype):
     bt = np.ascontiguousarray(b.T)
     out, out2 = np.full((16, 16), np.nan, np.float32), np.full((16, 16), np.nan, np.float32)
     module.get_function(f"ldmatrix_mma<{TYPES[dtype]}>")((1,), (32,), (a, b, bt, out, out2))
-    np.testing.assert_allclose(out, a64 @ b64, rtol=0, atol=2e-5)    # B via ldmatrix .trans (V-like)
-    np.testing.assert_allclose(out2, a64 @ b64, rtol=0, atol=2e-5)   # B^T via ldmatrix (K-like)
+    np.testing.assert_allclose(out, a64 @ b64, rtol=0, atol=2e-5)  # B via ldmatrix .trans (V-like)
+    np.testing.assert_allclose(out2, a64 @ b64, rtol=0, atol=2e-5)  # B^T via ldmatrix (K-like)
 
 
 @pytest.mark.parametrize("dtype", TYPES)
@@ -125,4 +128,6 @@ def test_mma_needs_the_whole_warp(module):
     (a, _), (b, _) = random_16bit(rng, (16, 16), "float16"), random_16bit(rng, (16, 8), "float16")
     with pytest.raises(RuntimeError, match="mma.sync"):
         mma_kernel = module.get_function("mma_from_global<__half>")
-        mma_kernel((1,), (16,), (a, b, np.zeros((16, 8), np.float32), np.zeros((16, 8), np.float32), np.int32(0)))
+        mma_kernel(
+            (1,), (16,), (a, b, np.zeros((16, 8), np.float32), np.zeros((16, 8), np.float32), np.int32(0))
+        )

@@ -3,6 +3,7 @@
 Every kernel runs under two fiber orders (forward, reverse) so a missing barrier shows up, on small odd
 shapes, in float32, float16 and bfloat16 (inputs rounded to the type, reference computed from them).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,16 +15,25 @@ import pytest
 
 from minisarathi.backends import cuda_ops, emulator
 from minisarathi.backends.reference import ReferenceOps
-from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.config import rope_cos_sin_table
-from minisarathi.testing import scattered_batch
+from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.paths import cuda_dir
+from minisarathi.testing import scattered_batch
 
 CHECKS = Path(__file__).parents[1] / "kernels" / "emulator_checks.cu"
-CHECK_KERNELS = ["racy_broadcast", "synced_broadcast", "read_uninitialized", "early_exit_barrier", "scaled_warp_sum",
-                 "round_trip_16bit", "flush_to_zero"]
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the values' scale
+CHECK_KERNELS = [
+    "racy_broadcast",
+    "synced_broadcast",
+    "read_uninitialized",
+    "early_exit_barrier",
+    "scaled_warp_sum",
+    "round_trip_16bit",
+    "flush_to_zero",
+]
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
+TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}  # relative to the values' scale
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +66,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [45, 64])   # odd rows take 1 element per access, 64 takes 16 bytes
+@pytest.mark.parametrize("hidden", [45, 64])  # odd rows take 1 element per access, 64 takes 16 bytes
 def test_embedding(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(0)
     table = on_device(rng.standard_normal((37, hidden)), dtype)
@@ -70,14 +80,17 @@ def test_embedding(order, dtype, hidden):
 @pytest.mark.parametrize("hidden", [77, 1000])
 def test_rms_norm_and_fused_residual_add(order, dtype, hidden):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(1)
-    x, residual = on_device(rng.standard_normal((5, hidden)) * 3, dtype), on_device(rng.standard_normal((5, hidden)), dtype)
+    x, residual = (
+        on_device(rng.standard_normal((5, hidden)) * 3, dtype),
+        on_device(rng.standard_normal((5, hidden)), dtype),
+    )
     w = on_device(rng.standard_normal(hidden), dtype)
     assert_close(ops.rms_norm(x, w, 1e-5), ReferenceOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
 
     expected_residual = as_float32(residual) + as_float32(x)
     expected = ReferenceOps().rms_norm(as_float32(on_device(expected_residual, dtype)), as_float32(w), 1e-5)
     out, new_residual = ops.add_rms_norm(x, residual, w, 1e-5)
-    assert new_residual is residual   # updated in place
+    assert new_residual is residual  # updated in place
     assert_close(residual, expected_residual, dtype)
     assert_close(out, expected, dtype)
 
@@ -87,7 +100,7 @@ def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
     """A row that starts off a 16-byte boundary takes the one-element path, with the same results."""
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(13)
     buffer = on_device(rng.standard_normal(1 + 3 * 128), dtype)
-    x = buffer[1:].reshape(3, 128)                       # contiguous, but 2 or 4 bytes past alignment
+    x = buffer[1:].reshape(3, 128)  # contiguous, but 2 or 4 bytes past alignment
     assert x.ctypes.data % 16
     w = on_device(rng.standard_normal(128), dtype)
     assert_close(ops.rms_norm(x, w, 1e-5), ReferenceOps().rms_norm(as_float32(x), as_float32(w), 1e-5), dtype)
@@ -110,11 +123,17 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
     T, block_size, num_blocks = 6, 4, 5
     qkv = on_device(rng.standard_normal((T, (Hq + 2 * Hk) * D)), dtype)
     before = qkv.copy()
-    split = lambda a: (a[:, :Hq * D].reshape(T, Hq, D), a[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),   # noqa: E731
-                       a[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+
+    def split(a):
+        return (
+            a[:, : Hq * D].reshape(T, Hq, D),
+            a[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D),
+            a[:, (Hq + Hk) * D :].reshape(T, Hk, D),
+        )
+
     positions = np.array([0, 1, 2, 511, 4097, 70000], dtype=np.int32)
-    slots = np.array([19, 0, -1, 7, 3, 12], dtype=np.int32)             # scattered, one padding token
-    inv_freq = (1.0 / 10000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)   # the model's frequencies
+    slots = np.array([19, 0, -1, 7, 3, 12], dtype=np.int32)  # scattered, one padding token
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)  # the model's frequencies
     cos_sin = rope_cos_sin_table(inv_freq, 70001)
     k_cache, v_cache = ops.zeros((num_blocks, Hk, block_size, D)), ops.zeros((num_blocks, Hk, block_size, D))
     ops.rope_store_kv(*split(qkv), k_cache, v_cache, positions, slots, ops.constant(cos_sin))
@@ -122,36 +141,43 @@ def test_rope_store_kv_rotates_q_and_stores_rotated_k_and_v(order, dtype, shape)
     reference = as_float32(before)
     ref_k_cache, ref_v_cache = np.zeros(k_cache.shape, np.float32), np.zeros(v_cache.shape, np.float32)
     ReferenceOps().rope_store_kv(*split(reference), ref_k_cache, ref_v_cache, positions, slots, cos_sin)
-    assert_close(qkv[:, :Hq * D], as_float32(on_device(reference[:, :Hq * D], dtype)), dtype)
-    np.testing.assert_array_equal(qkv[:, Hq * D:], before[:, Hq * D:])   # k and v are read only
+    assert_close(qkv[:, : Hq * D], as_float32(on_device(reference[:, : Hq * D], dtype)), dtype)
+    np.testing.assert_array_equal(qkv[:, Hq * D :], before[:, Hq * D :])  # k and v are read only
     assert_close(k_cache, as_float32(on_device(ref_k_cache, dtype)), dtype)
-    np.testing.assert_array_equal(as_float32(v_cache), ref_v_cache)       # values are copied bit for bit
+    np.testing.assert_array_equal(as_float32(v_cache), ref_v_cache)  # values are copied bit for bit
 
     # Independent float64 truth at far positions: the table's float64 angles keep them exact to float32.
     half = D // 2
     angles = positions[:, None].astype(np.float64) * inv_freq.astype(np.float64)
-    x = as_float32(before)[:, :Hq * D].reshape(T, Hq, D).astype(np.float64)
+    x = as_float32(before)[:, : Hq * D].reshape(T, Hq, D).astype(np.float64)
     c, s_ = np.cos(angles)[:, None], np.sin(angles)[:, None]
-    truth = np.concatenate([x[..., :half] * c - x[..., half:] * s_, x[..., half:] * c + x[..., :half] * s_], axis=2)
-    assert_close(qkv[:, :Hq * D].reshape(T, Hq, D), truth, dtype)
+    truth = np.concatenate(
+        [x[..., :half] * c - x[..., half:] * s_, x[..., half:] * c + x[..., :half] * s_], axis=2
+    )
+    assert_close(qkv[:, : Hq * D].reshape(T, Hq, D), truth, dtype)
     with pytest.raises(ValueError, match="positions"):
-        ops.rope_store_kv(*split(qkv), k_cache, v_cache, np.full(T, 70001, np.int32), slots, ops.constant(cos_sin))
+        ops.rope_store_kv(
+            *split(qkv), k_cache, v_cache, np.full(T, 70001, np.int32), slots, ops.constant(cos_sin)
+        )
 
 
 def attention_case(rng, dtype, Hq, Hk, D, block_size, runs):
     """runs: (already cached tokens, new tokens) per sequence; blocks scattered over a shuffled pool."""
     batch, num_blocks = scattered_batch(rng, runs, block_size)
     shape = (num_blocks, Hk, block_size, D)
-    k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
+    k_cache, v_cache = (
+        on_device(rng.standard_normal(shape), dtype),
+        on_device(rng.standard_normal(shape), dtype),
+    )
     q = on_device(rng.standard_normal((batch.num_tokens, Hq, D)), dtype)
     return batch, q, k_cache, v_cache
 
 
 ATTENTION_SHAPES = [  # Hq, Hk, D, block_size
-    (4, 4, 8, 1),       # MHA, one token per block
-    (8, 2, 16, 4),      # GQA 4
-    (6, 3, 12, 5),      # GQA 2, odd block size
-    (16, 1, 8, 16),     # 16 query heads on one KV head (MQA)
+    (4, 4, 8, 1),  # MHA, one token per block
+    (8, 2, 16, 4),  # GQA 4
+    (6, 3, 12, 5),  # GQA 2, odd block size
+    (16, 1, 8, 16),  # 16 query heads on one KV head (MQA)
 ]
 MIXED_RUNS = [(0, 1), (0, 7), (3, 1), (4, 1), (5, 1), (15, 2), (16, 1), (9, 9), (0, 17)]
 
@@ -159,24 +185,27 @@ MIXED_RUNS = [(0, 1), (0, 7), (3, 1), (4, 1), (5, 1), (15, 2), (16, 1), (9, 9), 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "Hq{}-Hk{}-D{}-bs{}".format(*s))
 def test_paged_attention_mixed_batch(order, dtype, shape):
-    """Prefills from 0, chunks continuing a history, decodes at context 1 and at block boundaries, in one batch."""
+    """Prefills from 0, chunks continuing a history, decodes at context 1 and at block boundaries, in one
+    batch."""
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(4)
     batch, q, k_cache, v_cache = attention_case(rng, dtype, *shape, MIXED_RUNS)
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, 0.3)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.3
+    )
     assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_paged_attention_long_contexts_split_into_partitions(order, dtype):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(5)
-    runs = [(1100, 1), (511, 1), (512, 1), (1020, 5)]   # 3, 1, 2 and 3 partitions of 512 keys
+    runs = [(1100, 1), (511, 1), (512, 1), (1020, 5)]  # 3, 1, 2 and 3 partitions of 512 keys
     batch, q, k_cache, v_cache = attention_case(rng, dtype, 4, 2, 8, 16, runs)
     assert batch.max_context_len > cuda_ops.PA_PARTITION_SIZE
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.5)
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, 0.5)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, 0.5
+    )
     assert_close(out, expected, dtype)
 
 
@@ -186,7 +215,7 @@ def test_paged_attention_float64_reference_with_strided_query():
     Hq, Hk, D, bs = 4, 2, 8, 3
     batch, _, k_cache, v_cache = attention_case(rng, "float32", Hq, Hk, D, bs, [(2, 3), (6, 1)])
     qkv = rng.standard_normal((batch.num_tokens, (Hq + 2 * Hk) * D)).astype(np.float32)
-    q = qkv[:, :Hq * D].reshape(-1, Hq, D)
+    q = qkv[:, : Hq * D].reshape(-1, Hq, D)
     out = ops.paged_attention(q, k_cache, v_cache, batch, 0.35)
     for s in range(batch.num_seqs):
         for t in range(batch.query_start[s], batch.query_start[s + 1]):
@@ -202,7 +231,7 @@ def test_paged_attention_float64_reference_with_strided_query():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [74, 128])   # 37 columns: one element per access; 64: 16 bytes
+@pytest.mark.parametrize("width", [74, 128])  # 37 columns: one element per access; 64: 16 bytes
 def test_silu_and_mul(order, dtype, width):
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(7)
     x = on_device(rng.standard_normal((3, width)) * 6, dtype)
@@ -217,6 +246,7 @@ def test_linear_with_bias_in_bfloat16():
 
 
 # ---- sampling kernels --------------------------------------------------------------------------------
+
 
 def test_greedy_argmax_breaks_ties_to_lowest_index(order):
     ops, rng = cuda_ops.emulated(), np.random.default_rng(9)
@@ -248,13 +278,20 @@ def reference_sample(logits, temperature, top_k, top_p, min_p, u) -> int:
 def test_sample_kernel_matches_float64_reference(order, V):
     ops, rng = cuda_ops.emulated(), np.random.default_rng(10)
     params = [  # temperature, top_k, top_p, min_p
-        (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
-        (1.0, 0, 1.0, 0.2), (0.9, 20, 0.5, 0.05), (1.0, 1, 1.0, 0.0), (2.0, 400, 0.99, 0.0),
-        (1.0, 50, 0.6, 0.3),   # min-p removes tokens inside the top-k set: top-p sees the smaller mass
-        (0.8, 50, 0.9, 0.0), (1.0, 3, 1.0, 0.0),
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.2),
+        (0.9, 20, 0.5, 0.05),
+        (1.0, 1, 1.0, 0.0),
+        (2.0, 400, 0.99, 0.0),
+        (1.0, 50, 0.6, 0.3),  # min-p removes tokens inside the top-k set: top-p sees the smaller mass
+        (0.8, 50, 0.9, 0.0),
+        (1.0, 3, 1.0, 0.0),
     ]
     logits = (rng.standard_normal((len(params), V)) * 2).astype(np.float32)
-    logits[-1, :7] = logits[-1].max()   # 7 tokens tie for the top: top-k 3 keeps all of them
+    logits[-1, :7] = logits[-1].max()  # 7 tokens tie for the top: top-k 3 keeps all of them
     for trial in range(3):
         u = rng.uniform(size=len(params))
         columns = list(zip(*params))
@@ -281,6 +318,7 @@ def test_apply_penalties(order):
 
 # ---- the emulator itself -------------------------------------------------------------------------------
 
+
 def check_kernel(name):
     return emulator.load_module(CHECKS, CHECK_KERNELS, (cuda_dir(),)).get_function(name)
 
@@ -293,8 +331,8 @@ def test_missing_barrier_is_caught_by_reverse_order():
             out = np.zeros(64, dtype=np.float32)
             check_kernel("racy_broadcast")((1,), (64,), (x, out))
             results[order] = out
-    assert np.all(results["forward"] == 42.0)            # looks right when thread 0 happens to run first
-    assert np.isnan(results["reverse"][1:]).all()         # the others read shared memory nobody wrote yet
+    assert np.all(results["forward"] == 42.0)  # looks right when thread 0 happens to run first
+    assert np.isnan(results["reverse"][1:]).all()  # the others read shared memory nobody wrote yet
     for order in ("forward", "reverse", "random"):
         with emulator.schedule(order, seed=5):
             out = np.zeros(64, dtype=np.float32)
@@ -319,29 +357,52 @@ def test_launch_checks_exact_parameter_types_and_limits():
     kernel((2,), (32,), (x, out, np.float32(0.5)))
     np.testing.assert_allclose(out, [x[:32].sum() / 2, x[32:].sum() / 2])
     with pytest.raises(TypeError, match="numpy.float32"):
-        kernel((2,), (32,), (x, out, 0.5))        # CuPy would pass a Python float as a double
+        kernel((2,), (32,), (x, out, 0.5))  # CuPy would pass a Python float as a double
     with pytest.raises(TypeError, match="float32"):
         kernel((2,), (32,), (x.astype(np.float64), out, np.float32(1)))
     with pytest.raises(TypeError, match="takes 3 arguments"):
         kernel((2,), (32,), (x, out))
-    with pytest.raises(emulator.CUDADriverError, match="65536 bytes of dynamic shared memory"):   # as CuPy raises
+    with pytest.raises(
+        emulator.CUDADriverError, match="65536 bytes of dynamic shared memory"
+    ):  # as CuPy raises
         kernel((1,), (32,), (x, out, np.float32(1)), shared_mem=64 * 1024)
     with pytest.raises(RuntimeError, match="does not exist"):
-        kernel((1,), (48,), (x, out, np.float32(1)))   # warp shuffles with a partial warp
+        kernel((1,), (48,), (x, out, np.float32(1)))  # warp shuffles with a partial warp
 
 
 def test_16bit_conversions_round_to_nearest_even():
     rng = np.random.default_rng(12)
-    specials = [0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9,
-                1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, np.inf, -np.inf, np.nan]
-    x = np.concatenate([specials, rng.standard_normal(500) * 10.0 ** rng.integers(-8, 6, 500)]).astype(np.float32)
+    specials = [
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e6,
+        -1e6,
+        6.1e-5,
+        5.96e-8,
+        2.98e-8,
+        1e-9,
+        1.0 + 2.0**-11,
+        1.0 + 3 * 2.0**-11,
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-8,
+        np.inf,
+        -np.inf,
+        np.nan,
+    ]
+    x = np.concatenate([specials, rng.standard_normal(500) * 10.0 ** rng.integers(-8, 6, 500)]).astype(
+        np.float32
+    )
     half, bf16 = np.empty_like(x), np.empty_like(x)
     check_kernel("round_trip_16bit")((-(-len(x) // 64),), (64,), (x, half, bf16, np.int32(len(x))))
-    with np.errstate(over="ignore"):   # 1e6 -> inf in float16, as intended
+    with np.errstate(over="ignore"):  # 1e6 -> inf in float16, as intended
         np.testing.assert_array_equal(half, x.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(bf16, bf16_to_float32(float32_to_bf16(x)))
-    ties = bf16[[specials.index(1.0 + 2.0 ** -8), specials.index(1.0 + 3 * 2.0 ** -8)]]
-    np.testing.assert_array_equal(ties, [1.0, 1.0 + 2.0 ** -6])   # halfway cases go to the even neighbour
+    ties = bf16[[specials.index(1.0 + 2.0**-8), specials.index(1.0 + 3 * 2.0**-8)]]
+    np.testing.assert_array_equal(ties, [1.0, 1.0 + 2.0**-6])  # halfway cases go to the even neighbour
 
 
 def test_float32_denormals_flush_to_zero_as_under_ftz():

@@ -6,6 +6,7 @@ Each step runs through bench.learn_kernels.attend, the launches the bench times 
 whose blocks are scattered, with contexts of one key, at and past block boundaries and past a tile; the
 expected output is ReferenceOps.paged_attention on the same values in float32.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,13 @@ from minisarathi.testing import scattered_batch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from bench.learn_kernels import STEPS, LearnKernels, attend, name_expressions
+from bench.learn_kernels import STEPS, LearnKernels, attend, name_expressions  # noqa: E402
 
 LEARN_FILES = sorted(STEPS.values())
-TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}   # relative to the output's scale
-emulated_only = pytest.mark.skipif(platform.machine() != "x86_64",
-                                   reason="the CUDA emulator is x86-64 Linux only")
+TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}  # relative to the output's scale
+emulated_only = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +47,23 @@ def check(kernels, step, dtype, Hq, Hk, D, block_size, runs, seed=0, **options):
     """runs: (cached tokens, new tokens) per sequence."""
     batch, num_blocks = scattered_batch(np.random.default_rng(seed), runs, block_size)
     state = np.random.RandomState(seed)
-    q, k_cache, v_cache = (convert(state.standard_normal(shape).astype(np.float32), "float32", dtype)
-                           for shape in [(batch.num_tokens, Hq, D)] + 2 * [(num_blocks, Hk, block_size, D)])
+    q, k_cache, v_cache = (
+        convert(state.standard_normal(shape).astype(np.float32), "float32", dtype)
+        for shape in [(batch.num_tokens, Hq, D)] + 2 * [(num_blocks, Hk, block_size, D)]
+    )
     out = attend(kernels, step, q, k_cache, v_cache, batch, 0.3, **options)
-    expected = ReferenceOps().paged_attention(*(to_float32(x, dtype) for x in (q, k_cache, v_cache)), batch,
-                                              0.3)
-    np.testing.assert_allclose(to_float32(out, dtype), expected, rtol=0,
-                               atol=TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max())))
+    expected = ReferenceOps().paged_attention(
+        *(to_float32(x, dtype) for x in (q, k_cache, v_cache)), batch, 0.3
+    )
+    np.testing.assert_allclose(
+        to_float32(out, dtype),
+        expected,
+        rtol=0,
+        atol=TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max())),
+    )
 
 
-DECODES = [(0, 1), (15, 1), (16, 1), (44, 1), (99, 1)]   # contexts 1, 16, 17 (block boundary), 45, 100
+DECODES = [(0, 1), (15, 1), (16, 1), (44, 1), (99, 1)]  # contexts 1, 16, 17 (block boundary), 45, 100
 
 
 @emulated_only
@@ -68,8 +77,18 @@ def test_decode_steps_match_the_reference(kernels, step, dtype):
 @emulated_only
 def test_flash_decoding_merges_uneven_splits_under_reverse_order(kernels):
     with emulator.schedule("reverse"):
-        check(kernels, "03_flash_decoding", "float16", 4, 4, 32, 8, [(0, 1), (31, 1), (32, 1), (96, 1)],
-              seed=3, partition_keys=32)
+        check(
+            kernels,
+            "03_flash_decoding",
+            "float16",
+            4,
+            4,
+            32,
+            8,
+            [(0, 1), (31, 1), (32, 1), (96, 1)],
+            seed=3,
+            partition_keys=32,
+        )
 
 
 @emulated_only
@@ -87,6 +106,7 @@ def test_decode_steps_refuse_query_runs(kernels):
 
 
 # ---- compile checks: the kernels as a GPU would run them ---------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("file", LEARN_FILES)
@@ -118,11 +138,27 @@ def test_compiles_with_nvcc_without_spills(file, arch):
     with tempfile.TemporaryDirectory() as tmp:
         wrapper = Path(tmp) / "all.cu"
         # Taking each kernel's address instantiates the templates, as NVRTC's name expressions do.
-        wrapper.write_text(f'#include "{cuda_dir() / "learn" / file}"\n' + "".join(
-            f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(name_expressions(file))))
-        built = subprocess.run([nvcc, "--cubin", f"-arch={arch}", "-std=c++17", f"-I{cuda_dir()}", "-Xptxas",
-                                "-v,-warn-spills", "-o", str(Path(tmp) / "out.cubin"), str(wrapper)],
-                               capture_output=True, text=True, check=False)
+        wrapper.write_text(
+            f'#include "{cuda_dir() / "learn" / file}"\n'
+            + "".join(f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(name_expressions(file)))
+        )
+        built = subprocess.run(
+            [
+                nvcc,
+                "--cubin",
+                f"-arch={arch}",
+                "-std=c++17",
+                f"-I{cuda_dir()}",
+                "-Xptxas",
+                "-v,-warn-spills",
+                "-o",
+                str(Path(tmp) / "out.cubin"),
+                str(wrapper),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     assert built.returncode == 0, built.stderr
     used = resources(built.stderr)
     assert len(used) >= len(name_expressions(file)) and not local_memory_users(used), (file, arch, used)
@@ -134,12 +170,22 @@ def test_every_learn_file_is_a_step():
 
 # ---- the bench ----------------------------------------------------------------------------------------
 
+
 @emulated_only
 def test_bench_dry_run_prints_a_line_per_kernel_and_shape():
-    run = subprocess.run([sys.executable, "-m", "bench.learn_kernels", "--device", "cuda-emulated"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.learn_kernels", "--device", "cuda-emulated"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     assert [(r["kernel"], r["shape"]) for r in rows] == [(s, "decode") for s in STEPS] + [
-        ("production", "decode"), ("04_tensor_core", "prefill"), ("production", "prefill")]
+        ("production", "decode"),
+        ("04_tensor_core", "prefill"),
+        ("production", "prefill"),
+    ]
     assert all(r["ms"] > 0 for r in rows)

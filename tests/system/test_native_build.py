@@ -1,5 +1,6 @@
 """native_build's cache folder: the temporary fallback is used only when it is private to this user, and the
 compiler is a command line as CXX allows."""
+
 import os
 import stat
 import tempfile
@@ -11,7 +12,8 @@ from minisarathi.backends import native_build
 
 @pytest.fixture
 def home_unwritable(tmp_path, monkeypatch):
-    """MINISARATHI_CACHE_DIR under a file, so the per-user cache cannot be made; the temporary folder in tmp_path."""
+    """MINISARATHI_CACHE_DIR under a file, so the per-user cache cannot be made; the temporary folder in
+    tmp_path."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(blocker / "cache"))
@@ -26,7 +28,7 @@ def test_the_temporary_folder_is_made_private(home_unwritable):
 
 def test_a_folder_others_can_write_is_refused(home_unwritable):
     home_unwritable.mkdir()
-    home_unwritable.chmod(0o777)   # as another user could have left it, with a library planted in it
+    home_unwritable.chmod(0o777)  # as another user could have left it, with a library planted in it
     with pytest.raises(RuntimeError, match="writable only by it"):
         native_build.cache_dir("kind")
 
@@ -44,7 +46,9 @@ def test_a_folder_of_another_user_is_refused(home_unwritable, monkeypatch):
 
     def lstat_as_another_owner(path):
         st = real_lstat(path)
-        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1, *tuple(st)[5:10]))
+        return os.stat_result(
+            (st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1, *tuple(st)[5:10])
+        )
 
     monkeypatch.setattr(os, "lstat", lstat_as_another_owner)
     with pytest.raises(RuntimeError, match="owner uid"):
@@ -54,6 +58,13 @@ def test_a_folder_of_another_user_is_refused(home_unwritable, monkeypatch):
 def test_the_compiler_is_a_command_line(tmp_path, monkeypatch):
     """CXX="ccache g++" is a program and its first argument, not one program's name."""
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))
-    path = native_build.build_shared_library("kind", "answer", 'extern "C" int answer() { return 42; }\n', [],
-                                             "env g++", ["-shared", "-fPIC"], "a test")
+    path = native_build.build_shared_library(
+        "kind",
+        "answer",
+        'extern "C" int answer() { return 42; }\n',
+        [],
+        "env g++",
+        ["-shared", "-fPIC"],
+        "a test",
+    )
     assert path.is_file() and path.parent == tmp_path / "kind"

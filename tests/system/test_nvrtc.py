@@ -2,20 +2,21 @@
 without a stack frame or spills (what the GPU runs is NVRTC's code, which can differ from nvcc's).
 
 NVRTC is called through CuPy's thin binding (cupy.cuda.nvrtc), which works without a driver, with the
-options CuPy's RawModule uses at run time. Needs `pip install "cuda-toolkit[nvrtc,cudart]==13.0.*" cupy-cuda13x`.
-Without them the tests skip, except under CI (the CI environment variable set), where they fail unless
-MINISARATHI_SKIP_NVRTC=1 says the job has no NVRTC on purpose.
+options CuPy's RawModule uses at run time. Needs `pip install "cuda-toolkit[nvrtc,cudart]==13.0.*"
+cupy-cuda13x`. Without them the tests skip, except under CI (the CI environment variable set), where they fail
+unless MINISARATHI_SKIP_NVRTC=1 says the job has no NVRTC on purpose.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+from test_sass import local_memory_users, resources
 
 from minisarathi.backends import cuda_ops
 from minisarathi.paths import cuda_dir
-from test_sass import local_memory_users, resources
 
 ARCHITECTURES = ["sm_80", "sm_90"]
 CHECK_KERNELS = Path(__file__).parents[1] / "kernels"
@@ -25,9 +26,11 @@ CHECK_KERNELS = Path(__file__).parents[1] / "kernels"
 def nvrtc_options():
     try:
         import cupy
-        from cuda import pathfinder
         from cupy.cuda import nvrtc
-        nvrtc.getVersion()   # loads libnvrtc: fails here when only the binding is installed
+
+        from cuda import pathfinder
+
+        nvrtc.getVersion()  # loads libnvrtc: fails here when only the binding is installed
         cudart_include = pathfinder.find_nvidia_header_directory("cudart")
         if cudart_include is None:
             raise ImportError("cudart headers not found (cuda-toolkit[cudart])")
@@ -38,8 +41,14 @@ def nvrtc_options():
         pytest.skip(message)
     cupy_include = Path(cupy.__file__).parent / "_core" / "include"
     # What RawModule(code=..., options=cuda_ops.NVRTC_OPTIONS + (-I cuda_dir,)) ends up passing.
-    return nvrtc, [*cuda_ops.NVRTC_OPTIONS, f"-I{cuda_dir()}", "-ftz=true", "--device-as-default-execution-space",
-                   f"-I{cudart_include}", f"-I{cupy_include}"]
+    return nvrtc, [
+        *cuda_ops.NVRTC_OPTIONS,
+        f"-I{cuda_dir()}",
+        "-ftz=true",
+        "--device-as-default-execution-space",
+        f"-I{cudart_include}",
+        f"-I{cupy_include}",
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -52,14 +61,16 @@ def test_kernel_file_compiles(nvrtc_options, file, arch):
         for name in names:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*options, f"-arch={arch}", "-Xptxas=-v"])   # -v: ptxas's resource report
+            nvrtc.compileProgram(
+                program, [*options, f"-arch={arch}", "-Xptxas=-v"]
+            )  # -v: ptxas's resource report
         except nvrtc.NVRTCError as exc:
             pytest.fail(f"{file} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}")
         log = nvrtc.getProgramLog(program).strip()
         assert "warning" not in log.lower(), log
         used = resources(log)
         for name in names:
-            assert nvrtc.getLoweredName(program, name) in used, name   # the instantiation exists
+            assert nvrtc.getLoweredName(program, name) in used, name  # the instantiation exists
         assert not local_memory_users(used), f"{file} ({arch}): {local_memory_users(used)}"
         assert len(nvrtc.getCUBIN(program)) > 0
     finally:

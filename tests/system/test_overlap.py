@@ -1,6 +1,8 @@
 """Overlap of the host with the device (engine.py): a step launched before the previous one's ids are on the
-host must change nothing a client sees. Every test runs the same requests with overlap off and on and wants the
-same tokens, texts, finish reasons and logprobs, no token streamed twice or lost, and the KV pool free at the end."""
+host must change nothing a client sees. Every test runs the same requests with overlap off and on and wants
+the same tokens, texts, finish reasons and logprobs, no token streamed twice or lost, and the KV pool free at
+the end."""
+
 import argparse
 
 import pytest
@@ -12,24 +14,37 @@ from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import Tokenizer
 
-STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-         "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball. She wanted to play with it, but it was too high."
+)
 
 
 @pytest.fixture(scope="module")
 def prompts():
     tok = Tokenizer.from_pretrained(default_model_dir())
     story = tok.encode(STORY)
-    return [story[:60], story[:25] + tok.encode("Tom had a red")[1:], story[:3], "Lily and Tom went to the park.",
-            story[:40], [1]]
+    return [
+        story[:60],
+        story[:25] + tok.encode("Tom had a red")[1:],
+        story[:3],
+        "Lily and Tom went to the park.",
+        story[:40],
+        [1],
+    ]
 
 
 @pytest.fixture(scope="module")
 def greedy_tokens(prompts):
     """Each prompt's greedy continuation (overlap off), to pick stop ids and strings that fire mid-stream."""
     engine = LLMEngine(overlap=False)
-    outs = drive(engine, [(f"g{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-                          for i, p in enumerate(prompts)])[0]
+    outs = drive(
+        engine,
+        [
+            (f"g{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ],
+    )[0]
     return [outs[f"g{i}"].outputs[0] for i in range(len(prompts))]
 
 
@@ -44,8 +59,15 @@ def mixed_requests(prompts, greedy_tokens):
         SamplingParams(temperature=0, max_tokens=20, stop=[g[1].text[8:12]], logprobs=3),
         SamplingParams(max_tokens=12, n=3, stop_token_ids=list(range(300, 330)), **seeded),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-        SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={5: 3.0},
-                       logprobs=2, stop_token_ids=list(range(250, 270)), **seeded),
+        SamplingParams(
+            max_tokens=16,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            logit_bias={5: 3.0},
+            logprobs=2,
+            stop_token_ids=list(range(250, 270)),
+            **seeded,
+        ),
         SamplingParams(temperature=0, max_tokens=16, min_tokens=4, stop_token_ids=[g[5].token_ids[2]]),
     ]
     return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -53,9 +75,9 @@ def mixed_requests(prompts, greedy_tokens):
 
 def drive(engine, requests, stagger=3, abort=None, pause=None):
     """Run requests to the end, the last ones added after two steps; check the invariants every step and that
-    streams only grow. abort: (request id, k): abort it once its stream shows k tokens. pause: (request id, k):
-    pause it once its stream shows k tokens and resume it two steps later. Returns the final outputs by id and
-    the streams' last snapshots."""
+    streams only grow. abort: (request id, k): abort it once its stream shows k tokens. pause: (request id,
+    k): pause it once its stream shows k tokens and resume it two steps later. Returns the final outputs by id
+    and the streams' last snapshots."""
     finals, streamed = {}, {}
     late, resume_at = requests[stagger:], None
     for rid, prompt, params in requests[:stagger]:
@@ -73,8 +95,8 @@ def drive(engine, requests, stagger=3, abort=None, pause=None):
             assert out.request_id not in finals, "a finished request reported again"
             for completion in out.outputs:
                 before = streamed.get((out.request_id, completion.index))
-                if before is not None:   # cumulative and never retracted
-                    assert completion.token_ids[:len(before)] == before
+                if before is not None:  # cumulative and never retracted
+                    assert completion.token_ids[: len(before)] == before
                 streamed[(out.request_id, completion.index)] = completion.token_ids
             if out.finished:
                 finals[out.request_id] = out
@@ -96,13 +118,20 @@ def assert_same_outputs(off, on):
     assert off.keys() == on.keys()
     for rid in off:
         for a, b in zip(off[rid].outputs, on[rid].outputs, strict=True):
-            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
-                   (b.token_ids, b.text, b.finish_reason, b.stop_reason), rid
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+            ), rid
             assert (a.logprobs is None) == (b.logprobs is None)
             for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
                 assert x.keys() == y.keys()
-                for t in x:   # the same logits up to the rounding of a different batch mix
-                    assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5) and x[t].decoded_token == y[t].decoded_token
+                for t in x:  # the same logits up to the rounding of a different batch mix
+                    assert (
+                        x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5)
+                        and x[t].decoded_token == y[t].decoded_token
+                    )
 
 
 def both_ways(requests, **options):
@@ -122,9 +151,9 @@ def test_every_stop_kind_sampling_option_and_fork_gives_the_same_outputs(prompts
     off, on, engines = both_ways(requests, num_kv_blocks=256, **HYBRID)
     reasons = {rid: [c.finish_reason for c in out.outputs] for rid, out in off.items()}
     assert reasons["r0"] == reasons["r1"] == reasons["r4"] == reasons["r5"] == ["stop"]
-    assert reasons["r3"] == ["length"] and sorted(set(reasons["r2"])) == ["length", "stop"]   # n = 3
+    assert reasons["r3"] == ["length"] and sorted(set(reasons["r2"])) == ["length", "stop"]  # n = 3
     r5 = off["r5"].outputs[0].token_ids
-    assert len(r5) > 4 and greedy_tokens[5].token_ids[2] not in r5[:4]   # min_tokens held the stop id back
+    assert len(r5) > 4 and greedy_tokens[5].token_ids[2] not in r5[:4]  # min_tokens held the stop id back
     decodes = [sum(r.num_decode_tokens for r in e.step_records) for e in engines]
     assert decodes[1] > decodes[0], "no request stopped by a token while the next step was in flight"
 
@@ -134,8 +163,11 @@ def test_a_wasted_row_draws_no_random_number(prompts):
     stopped would shift every later draw. All admitted in the first step and nothing else binding, the
     batches are the same both ways, so the draws, and the tokens, must be too."""
     unseeded = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
-    requests = [("early", prompts[3], SamplingParams(stop_token_ids=list(range(320, 340)), **unseeded)),
-                ("a", prompts[2], SamplingParams(**unseeded)), ("b", prompts[5], SamplingParams(**unseeded))]
+    requests = [
+        ("early", prompts[3], SamplingParams(stop_token_ids=list(range(320, 340)), **unseeded)),
+        ("a", prompts[2], SamplingParams(**unseeded)),
+        ("b", prompts[5], SamplingParams(**unseeded)),
+    ]
     off, _, _ = both_ways(requests, num_kv_blocks=256, chunk_size=512, block_size=4)
     assert off["early"].outputs[0].finish_reason == "stop" and 1 < len(off["early"].outputs[0].token_ids) < 11
 
@@ -150,9 +182,11 @@ def test_a_request_ending_by_length_wastes_no_row(prompts):
     """The host knows which token is a request's last by length: no step is launched after it, so a request
     that needs the whole pool never has to preempt itself for a row it would waste, nor reach past
     max_model_len."""
-    requests = [("a", prompts[0][:15], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
-                ("b", prompts[0][:15], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))]
-    for request in requests:   # 20 tokens: 19 in the cache, 5 blocks of 4, all the pool has
+    requests = [
+        ("a", prompts[0][:15], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+        ("b", prompts[0][:15], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)),
+    ]
+    for request in requests:  # 20 tokens: 19 in the cache, 5 blocks of 4, all the pool has
         _, _, engines = both_ways([request], num_kv_blocks=5, max_model_len=20, **HYBRID)
         assert [e.scheduler.num_preemptions for e in engines] == [0, 0]
         assert len({sum(r.num_decode_tokens for r in e.step_records) for e in engines}) == 1
@@ -160,8 +194,14 @@ def test_a_request_ending_by_length_wastes_no_row(prompts):
 
 @pytest.mark.parametrize("scheduler", ["vllm", "orca", "simple_chunking", "faster_transformer"])
 def test_other_policies_and_prefix_caching_give_the_same_outputs(prompts, greedy_tokens, scheduler):
-    both_ways(mixed_requests(prompts, greedy_tokens), scheduler=scheduler, chunk_size=16, block_size=4,
-              num_kv_blocks=256, enable_prefix_caching=True)
+    both_ways(
+        mixed_requests(prompts, greedy_tokens),
+        scheduler=scheduler,
+        chunk_size=16,
+        block_size=4,
+        num_kv_blocks=256,
+        enable_prefix_caching=True,
+    )
 
 
 @pytest.mark.parametrize("num_kv_blocks", [256, 22])
@@ -197,8 +237,10 @@ def test_a_request_preempted_while_its_last_token_is_in_flight_finishes():
     """A 4-block pool: when "a" needs a block, "b" (the latest) is preempted by the scheduling of the step
     after the one sampling b's last token; with overlap that token arrives after the preemption, and b
     finishes in the waiting queue (it leaves it, holding no block)."""
-    requests = [("a", [1, 5, 6, 7], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
-                ("b", [1, 8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+    requests = [
+        ("a", [1, 5, 6, 7], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+        ("b", [1, 8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+    ]
     _, on, engines = both_ways(requests, num_kv_blocks=4, **HYBRID)
     assert on["b"].outputs[0].finish_reason == "length" and on["b"].metrics.preemption_times
     assert not engines[1].scheduler.waiting
@@ -208,9 +250,15 @@ def test_emulated_cuda_kernels_give_the_same_outputs(prompts, greedy_tokens):
     """The CUDA backend's path (the next forward takes the ids on the device, the sampler's ids and logprobs
     come back after) on the emulator: few, short requests."""
     g = greedy_tokens
-    requests = [("a", prompts[0][:12], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[g[0].token_ids[2]])),
-                ("b", prompts[3], SamplingParams(max_tokens=5, n=2, temperature=0.9, seed=3, logprobs=2)),
-                ("c", prompts[5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+    requests = [
+        (
+            "a",
+            prompts[0][:12],
+            SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[g[0].token_ids[2]]),
+        ),
+        ("b", prompts[3], SamplingParams(max_tokens=5, n=2, temperature=0.9, seed=3, logprobs=2)),
+        ("c", prompts[5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+    ]
     _, _, engines = both_ways(requests, device="cuda-emulated", num_kv_blocks=32, **HYBRID)
     assert engines[1].model.ops.device == "cuda-emulated"
 
@@ -226,7 +274,7 @@ def test_the_step_log_splits_host_time_from_the_wait_for_ids(prompts):
 
 
 def test_overlap_defaults_and_switch():
-    assert LLMEngine().overlap is False                        # the NumPy backend computes while it issues
+    assert LLMEngine().overlap is False  # the NumPy backend computes while it issues
     assert LLMEngine(device="cuda-emulated").overlap is False  # so does the emulator
     assert LLMEngine(overlap=True).overlap is True
     with pytest.raises(ValueError, match="overlap needs tensor_parallel_size 1"):

@@ -1,4 +1,5 @@
 """A non-editable install must carry the kernels and the bundled model inside the wheel."""
+
 import subprocess
 import sys
 import zipfile
@@ -8,8 +9,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_ships_kernels_and_bundled_model(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+    )
     (wheel,) = tmp_path.glob("minisarathi-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     kernels = {p.name for p in (ROOT / "cuda").iterdir() if p.suffix in (".cu", ".cuh")}

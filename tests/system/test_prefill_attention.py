@@ -4,6 +4,7 @@ merged by paged_attention_reduce_kernel) on the CPU emulator against ReferenceOp
 CI runs a subset (every head_dim and both 16-bit types once; the edge sizes on bfloat16, head_dim 64) under
 two fiber orders; `python bench/attention_matrix.py` runs the whole matrix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,10 @@ from minisarathi.backends.reference import ReferenceOps
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 from minisarathi.testing import scattered_batch
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
-TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}   # relative to the output's scale; P is rounded to the type
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
+TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}  # relative to the output's scale; P is rounded to the type
 
 
 @pytest.fixture(params=["forward", "reverse"])
@@ -41,7 +44,10 @@ def attention_case(seed: int, dtype: str, Hq: int, Hk: int, D: int, block_size: 
     rng = np.random.default_rng(seed)
     batch, num_blocks = scattered_batch(rng, runs, block_size)
     shape = (num_blocks, Hk, block_size, D)
-    k_cache, v_cache = on_device(rng.standard_normal(shape), dtype), on_device(rng.standard_normal(shape), dtype)
+    k_cache, v_cache = (
+        on_device(rng.standard_normal(shape), dtype),
+        on_device(rng.standard_normal(shape), dtype),
+    )
     q = on_device(rng.standard_normal((batch.num_tokens, Hq, D)), dtype)
     return batch, q, k_cache, v_cache
 
@@ -53,8 +59,9 @@ def check(dtype, Hq, Hk, D, block_size, runs, seed=0, splits=None):
     batch, q, k_cache, v_cache = attention_case(seed, dtype, Hq, Hk, D, block_size, runs)
     ops = cuda_ops.emulated(dtype)
     scale = 1 / np.sqrt(D)
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_cache), as_float32(v_cache),
-                                              batch, scale)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_cache), as_float32(v_cache), batch, scale
+    )
     atol = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
 
@@ -109,7 +116,7 @@ def test_small_grid_splits_itself(monkeypatch):
     choose = cuda_ops._prefill_splits
     monkeypatch.setattr(cuda_ops, "_prefill_splits", lambda *args: chosen.append(choose(*args)) or chosen[-1])
     check("bfloat16", 4, 2, 64, 16, [(1100, 5), (0, 1)], seed=6)
-    assert chosen == [2, 2]   # the kernel alone, then inside the mixed-batch op
+    assert chosen == [2, 2]  # the kernel alone, then inside the mixed-batch op
 
 
 def test_key_splits_at_head_dim_128():
@@ -119,11 +126,13 @@ def test_key_splits_at_head_dim_128():
 
 def test_split_choice():
     """Splits only for grids under 2 waves whose last wave is mostly empty, at 512 keys a split or more."""
-    sms = 132   # H100/H200: 264 resident CTAs
-    assert cuda_ops._prefill_splits(8 * 512 // 32, 8192 // 64 + 8, sms) == 5    # 512 tokens, GQA 4, 8k history
-    assert cuda_ops._prefill_splits(8 * 2048 // 32, 8192 // 64 + 32, sms) == 1  # 2048 tokens: 512 CTAs, 1.94 waves
-    assert cuda_ops._prefill_splits(8 * 512 // 32, 8, sms) == 1                 # no history: 8 tiles, nothing to split
-    assert cuda_ops._prefill_splits(4, 20, sms) == 2                            # 1280 keys: two splits of 640
+    sms = 132  # H100/H200: 264 resident CTAs
+    assert cuda_ops._prefill_splits(8 * 512 // 32, 8192 // 64 + 8, sms) == 5  # 512 tokens, GQA 4, 8k history
+    assert (
+        cuda_ops._prefill_splits(8 * 2048 // 32, 8192 // 64 + 32, sms) == 1
+    )  # 2048 tokens: 512 CTAs, 1.94 waves
+    assert cuda_ops._prefill_splits(8 * 512 // 32, 8, sms) == 1  # no history: 8 tiles, nothing to split
+    assert cuda_ops._prefill_splits(4, 20, sms) == 2  # 1280 keys: two splits of 640
 
 
 def test_strided_query_view(order):
@@ -137,28 +146,37 @@ def test_strided_query_view(order):
 
 
 def reserved_only(shape, dtype=np.uint16):
-    """A zeroed array of `shape` backed by address space only (MAP_NORESERVE): pages cost memory once written."""
+    """A zeroed array of `shape` backed by address space only (MAP_NORESERVE): pages cost memory once
+    written."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)   # 0x4000: MAP_NORESERVE
+    mapping = mmap.mmap(
+        -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000
+    )  # 0x4000: MAP_NORESERVE
     return np.frombuffer(mapping, dtype=dtype).reshape(shape)
 
 
 def test_cache_rows_past_int32():
-    """A cache of more than 2^31 key rows (num_blocks x Hk x block_size): the sequences' blocks sit at its end,
-    rows on both sides of 2^31, which a 32-bit row index would wrap (this test's failure before the kernel's
-    rows became 64-bit). 64 GiB of address space per cache at D = 16, of which a few blocks are written."""
+    """A cache of more than 2^31 key rows (num_blocks x Hk x block_size): the sequences' blocks sit at its
+    end, rows on both sides of 2^31, which a 32-bit row index would wrap (this test's failure before the
+    kernel's rows became 64-bit). 64 GiB of address space per cache at D = 16, of which a few blocks are
+    written."""
     dtype, Hq, Hk, D, block_size = "bfloat16", 4, 1, 16, 16
     batch, q, k_small, v_small = attention_case(5, dtype, Hq, Hk, D, block_size, [(40, 30), (0, 9), (3, 1)])
-    base = 2 ** 31 // (Hk * block_size) - 2   # block base + 2 starts at row 2^31
+    base = 2**31 // (Hk * block_size) - 2  # block base + 2 starts at row 2^31
     shape = (base + k_small.shape[0], Hk, block_size, D)
     k_cache, v_cache = reserved_only(shape), reserved_only(shape)
     k_cache[base:], v_cache[base:] = k_small, v_small
     far = dataclasses.replace(batch, block_tables=batch.block_tables + np.int32(base))
     scale = 1 / np.sqrt(D)
-    expected = ReferenceOps().paged_attention(as_float32(q), as_float32(k_small), as_float32(v_small),
-                                              batch, scale)
+    expected = ReferenceOps().paged_attention(
+        as_float32(q), as_float32(k_small), as_float32(v_small), batch, scale
+    )
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
     out = on_device(np.full(q.shape, np.nan, np.float32), dtype)
     cuda_ops.emulated(dtype)._prefill_attention(q, k_cache, v_cache, far, scale, out)
-    np.testing.assert_allclose(as_float32(out)[prefill_rows], expected[prefill_rows], rtol=0,
-                               atol=TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max())))
+    np.testing.assert_allclose(
+        as_float32(out)[prefill_rows],
+        expected[prefill_rows],
+        rtol=0,
+        atol=TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max())),
+    )

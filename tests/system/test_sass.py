@@ -6,6 +6,7 @@ nvidia-cuda-nvdisasm, found through cuda.pathfinder; the `test` extra installs t
 `compile_file` and `functions` are the helpers: one compile per file and architecture, every name
 expression instantiated, SASS split per kernel (mangled name).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,6 +33,7 @@ def _tool(name: str) -> str | None:
         return found
     try:
         from cuda import pathfinder
+
         return pathfinder.find_nvidia_binary_utility(name)
     except Exception:
         return None
@@ -40,7 +42,9 @@ def _tool(name: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def compile_file(file: str, arch: str) -> tuple[str, str]:
     """(SASS text, ptxas -v log) of cuda/<file> with every name expression instantiated."""
-    nvcc = _tool("nvcc") or (Path("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    nvcc = _tool("nvcc") or (
+        Path("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
     cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
     if nvcc is None:
         pytest.skip("nvcc not found (no CUDA toolkit): SASS checks need it")
@@ -49,12 +53,29 @@ def compile_file(file: str, arch: str) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         wrapper = Path(tmp) / "all.cu"
         # Taking each kernel's address instantiates the templates, as NVRTC's name expressions do.
-        wrapper.write_text(f'#include "{cuda_dir() / file}"\n' + "".join(
-            f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(cuda_ops.name_expressions(file))))
+        wrapper.write_text(
+            f'#include "{cuda_dir() / file}"\n'
+            + "".join(
+                f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(cuda_ops.name_expressions(file))
+            )
+        )
         cubin = Path(tmp) / "out.cubin"
-        built = subprocess.run([str(nvcc), "--cubin", f"-arch={arch}", "-std=c++17", f"-I{cuda_dir()}",
-                                "-Xptxas", "-v,-warn-spills", "-o", str(cubin), str(wrapper)],
-                               capture_output=True, text=True)
+        built = subprocess.run(
+            [
+                str(nvcc),
+                "--cubin",
+                f"-arch={arch}",
+                "-std=c++17",
+                f"-I{cuda_dir()}",
+                "-Xptxas",
+                "-v,-warn-spills",
+                "-o",
+                str(cubin),
+                str(wrapper),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert built.returncode == 0, built.stderr
         env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
@@ -90,8 +111,8 @@ def loop_bodies(code: list[tuple[int, str]]) -> list[list[str]]:
 
 class Resources(NamedTuple):
     registers: int
-    stack: int           # bytes: the kernel's stack frame, or with calls the cumulative stack size if larger
-    spill_stores: int    # bytes
+    stack: int  # bytes: the kernel's stack frame, or with calls the cumulative stack size if larger
+    spill_stores: int  # bytes
     spill_loads: int
 
 
@@ -101,7 +122,9 @@ def resources(log: str) -> dict[str, Resources]:
     for block in re.split(r"ptxas info\s+: Compiling entry function ", log)[1:]:
         name = block.split("'")[1]
         regs = int(re.search(r"Used (\d+) registers", block).group(1))
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        frame = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block
+        )
         cumulative = re.search(r"(\d+) bytes cumulative stack size", block)
         stack = max(int(frame.group(1)), int(cumulative.group(1)) if cumulative else 0)
         out[name] = Resources(regs, stack, int(frame.group(2)), int(frame.group(3)))
@@ -114,9 +137,13 @@ def local_memory_users(used: dict[str, Resources]) -> dict[str, Resources]:
 
 
 def decode_instantiations() -> list[tuple[str, str]]:
-    return [(f"decode_attention_kernel<{cuda_ops.CXX_TYPES[d]}, {g}, {lanes}>",
-             f"_Z23decode_attention_kernelI{MANGLED_TYPES[cuda_ops.CXX_TYPES[d]]}Li{g}ELi{lanes}E")
-            for d, g, lanes in decode_plan.INSTANTIATIONS]
+    return [
+        (
+            f"decode_attention_kernel<{cuda_ops.CXX_TYPES[d]}, {g}, {lanes}>",
+            f"_Z23decode_attention_kernelI{MANGLED_TYPES[cuda_ops.CXX_TYPES[d]]}Li{g}ELi{lanes}E",
+        )
+        for d, g, lanes in decode_plan.INSTANTIATIONS
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -126,8 +153,10 @@ def test_no_kernel_spills_or_has_a_stack_frame(file, arch):
     for local memory in their loops only, and spills also land outside loops (around barriers, row loops)."""
     sass, log = compile_file(file, arch)
     used = resources(log)
-    assert set(used) == set(functions(sass)) and len(used) >= len(cuda_ops.name_expressions(file)), \
-        (list(used), list(functions(sass)))
+    assert set(used) == set(functions(sass)) and len(used) >= len(cuda_ops.name_expressions(file)), (
+        list(used),
+        list(functions(sass)),
+    )
     assert not local_memory_users(used), f"{file} ({arch}): {local_memory_users(used)}"
 
 
@@ -141,8 +170,10 @@ def test_decode_attention_main_loop_streams_16_byte_async_copies(arch):
         code = kernels[mangled[0]]
         loops = loop_bodies(code)
         # The tile loop holds the wait for a stage and the 16-byte asynchronous copies of a later tile.
-        assert any(any(t.startswith("DEPBAR") for t in body) and any("LDGSTS.E.BYPASS.128" in t for t in body)
-                   for body in loops), f"{name} ({arch}): no loop with LDGSTS.128 and its wait"
+        assert any(
+            any(t.startswith("DEPBAR") for t in body) and any("LDGSTS.E.BYPASS.128" in t for t in body)
+            for body in loops
+        ), f"{name} ({arch}): no loop with LDGSTS.128 and its wait"
         assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"
         assert used[mangled[0]].registers <= 192, f"{name} ({arch}) {used[mangled[0]].registers} registers"
 
@@ -162,31 +193,35 @@ def test_prefill_attention_main_loop_runs_on_tensor_cores(arch):
         assert len(mangled) == 1, (name, list(kernels))
         code = kernels[mangled[0]]
         mma = "HMMA.16816.F32.BF16" if cxx == "__nv_bfloat16" else "HMMA.16816.F32"
-        softmax_keys = cuda_ops.PF["PF_KEYS"] // (1 if int(head_dim) <= 96 else 2)   # pf_softmax_keys<D>()
+        softmax_keys = cuda_ops.PF["PF_KEYS"] // (1 if int(head_dim) <= 96 else 2)  # pf_softmax_keys<D>()
         expected = cuda_ops.PF["PF_WARP_BLOCKS"] * 2 * (softmax_keys // 8) * (int(head_dim) // 16)
         tile_loops = [body for body in loop_bodies(code) if any(t.startswith("HMMA") for t in body)]
         assert tile_loops, f"{name} ({arch}): no loop issues HMMA"
         loop = max(tile_loops, key=len)
         assert sum(t.startswith(mma) for t in loop) == expected, f"{name} ({arch}): HMMA per tile"
-        assert any(t.startswith("LDSM.16.M88") for t in loop) and any(t.startswith("LDSM.16.MT88") for t in loop), \
-            f"{name} ({arch}): K and V fragments not loaded by ldmatrix / ldmatrix.trans"
-        assert any("LDGSTS.E.BYPASS.128" in t for t in loop) and any(t.startswith("DEPBAR") for t in loop), \
+        assert any(t.startswith("LDSM.16.M88") for t in loop) and any(
+            t.startswith("LDSM.16.MT88") for t in loop
+        ), f"{name} ({arch}): K and V fragments not loaded by ldmatrix / ldmatrix.trans"
+        assert any("LDGSTS.E.BYPASS.128" in t for t in loop) and any(t.startswith("DEPBAR") for t in loop), (
             f"{name} ({arch}): no 16-byte cp.async of the next tile and its wait in the tile loop"
+        )
         assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_sample_kernel_token_loops_read_shared_memory_with_native_atomics(arch):
-    """sample_kernel (cuda/sampling.cu): the chunk comes in by 16-byte cp.async; the per-token loops (the short
-    loops reading shared memory: max, weights, digit histograms, draw) never touch local memory; the digit
-    histograms use native 32-bit shared atomics (a 64-bit shared atomicAdd is a compare-and-swap loop, ATOMS.CAS,
-    on sm_90); at most 64 registers, so one 1024-thread CTA fits on an SM."""
+    """sample_kernel (cuda/sampling.cu): the chunk comes in by 16-byte cp.async; the per-token loops (the
+    short loops reading shared memory: max, weights, digit histograms, draw) never touch local memory; the
+    digit histograms use native 32-bit shared atomics (a 64-bit shared atomicAdd is a compare-and-swap loop,
+    ATOMS.CAS, on sm_90); at most 64 registers, so one 1024-thread CTA fits on an SM."""
     sass, log = compile_file("sampling.cu", arch)
     code = functions(sass)["sample_kernel"]
     assert any("LDGSTS.E.BYPASS.128" in t for _, t in code), arch
     atomics = [t for _, t in code if t.startswith("ATOMS")]
     assert atomics and not any(".CAS" in t for t in atomics), atomics
-    token_loops = [body for body in loop_bodies(code) if len(body) < 64 and any(t.startswith("LDS") for t in body)]
+    token_loops = [
+        body for body in loop_bodies(code) if len(body) < 64 and any(t.startswith("LDS") for t in body)
+    ]
     assert any(any(t.startswith("ATOMS") for t in body) for body in token_loops), "no histogram loop"
     assert any(any(t.startswith("MUFU.EX2") for t in body) for body in token_loops), "no weights loop"
     for body in token_loops:

@@ -2,6 +2,7 @@
 cost the others. Each test failed on the server before the fix (see docs/reliability.md for how that was
 checked); none of them measures time, they check bounds, orders and states.
 """
+
 import asyncio
 import collections
 import concurrent.futures
@@ -17,11 +18,18 @@ import tracemalloc
 
 import msgpack
 import pytest
+from test_server import REPO, RawConnection, launch_server, wait_until_idle
 
 from minisarathi.client import Client, RPCError
-from minisarathi.server.protocol import (INVALID_MESSAGE, INVALID_PARAMS, OVERLOADED, PROMPT_TOO_LONG,
-                                         UNAUTHORIZED, ServerLimits, make_unpacker)
-from test_server import REPO, RawConnection, launch_server, wait_until_idle
+from minisarathi.server.protocol import (
+    INVALID_MESSAGE,
+    INVALID_PARAMS,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    UNAUTHORIZED,
+    ServerLimits,
+    make_unpacker,
+)
 
 KEY = "hardening-test-key"
 
@@ -31,11 +39,28 @@ def server(tmp_path_factory):
     """Small limits so each bound is cheap to reach; a key, so the unauthenticated rules apply."""
     key_file = tmp_path_factory.mktemp("key") / "key.txt"
     key_file.write_text(KEY)
-    with launch_server("--api-key-file", str(key_file), "--max-num-seqs", "96",
-                       "--max-connections", "30", "--max-unauthenticated-connections", "12",
-                       "--max-unauthenticated-per-address", "8", "--auth-timeout", "1.5",
-                       "--message-timeout", "1.5", "--max-tokenize-bytes", "300000",
-                       "--max-message-bytes", str(1 << 20), "--log-level", "INFO") as s:
+    with launch_server(
+        "--api-key-file",
+        str(key_file),
+        "--max-num-seqs",
+        "96",
+        "--max-connections",
+        "30",
+        "--max-unauthenticated-connections",
+        "12",
+        "--max-unauthenticated-per-address",
+        "8",
+        "--auth-timeout",
+        "1.5",
+        "--message-timeout",
+        "1.5",
+        "--max-tokenize-bytes",
+        "300000",
+        "--max-message-bytes",
+        str(1 << 20),
+        "--log-level",
+        "INFO",
+    ) as s:
         s.key = KEY
         yield s
 
@@ -58,27 +83,33 @@ def stats(server) -> dict:
 
 # ------------------------------------------------------------------ bounds on legal requests
 
-@pytest.mark.parametrize("fields, named", [
-    ({"stop": ["x"] * 17}, "stop"),                           # more strings than max_stop_strings (16)
-    ({"stop": ["y" * 600, "z" * 600]}, "stop"),               # more characters than max_stop_chars (1024)
-    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),   # more than max_stop_token_ids (64)
-    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),   # more than max_logit_bias (1024)
-    ({"repetition_penalty": 1e-300}, "repetition_penalty"),   # 0 in float32: logits / 0
-    ({"repetition_penalty": 1e39}, "repetition_penalty"),     # inf in float32
-    ({"temperature": 1e-300}, "temperature"),                 # 0 in float32, not 0 in float64
-])
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"stop": ["x"] * 17}, "stop"),  # more strings than max_stop_strings (16)
+        ({"stop": ["y" * 600, "z" * 600]}, "stop"),  # more characters than max_stop_chars (1024)
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),  # more than max_stop_token_ids (64)
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),  # more than max_logit_bias (1024)
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: logits / 0
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),  # inf in float32
+        ({"temperature": 1e-300}, "temperature"),  # 0 in float32, not 0 in float64
+    ],
+)
 def test_costly_or_degenerate_params_are_refused_naming_the_field(server, fields, named):
     with client(server) as c:
         with pytest.raises(RPCError) as info:
             c.generate("Zoo", max_tokens=4, **fields)
         assert info.value.code == INVALID_PARAMS and named in info.value.message
-        assert c.generate("Zoo", max_tokens=2, stop=["x"] * 16, stop_token_ids=list(range(600, 664))).completion_tokens
+        assert c.generate(
+            "Zoo", max_tokens=2, stop=["x"] * 16, stop_token_ids=list(range(600, 664))
+        ).completion_tokens
 
 
 def test_a_huge_prompt_is_refused_by_its_bytes_before_it_is_tokenized(server):
     with client(server) as c:
         with pytest.raises(RPCError) as info:
-            c.generate("Once upon a time " * 50_000, max_tokens=2)    # 850 KB
+            c.generate("Once upon a time " * 50_000, max_tokens=2)  # 850 KB
         assert info.value.code == PROMPT_TOO_LONG and "bytes" in info.value.message
 
 
@@ -98,16 +129,19 @@ def test_big_tokenize_and_detokenize_run_off_the_event_loop(server):
     meanwhile. On the loop, each would be answered in turn, health last."""
     conn = authed_raw(server)
     text = "Once upon a time there was a girl. " * 7700
-    conn.send(*[[0, i, "tokenize", [text]] for i in range(1, 5)], [0, 5, "detokenize", [[400] * 60_000]],
-              [0, 6, "health", []])
+    conn.send(
+        *[[0, i, "tokenize", [text]] for i in range(1, 5)],
+        [0, 5, "detokenize", [[400] * 60_000]],
+        [0, 6, "health", []],
+    )
     order = [conn.receive()[1] for _ in range(6)]
     assert order.index(6) < order.index(5), order
     conn.close()
 
 
 def test_pipelined_cheap_calls_are_bounded_per_connection(server):
-    """A client pipelining thousands of stats calls holds at most max_pending_calls_per_connection (16) of them
-    in the server at once: it is read no faster than they are answered."""
+    """A client pipelining thousands of stats calls holds at most max_pending_calls_per_connection (16) of
+    them in the server at once: it is read no faster than they are answered."""
     n = 5000
     conn = authed_raw(server)
     flood = b"".join(msgpack.packb([0, i, "stats", []]) for i in range(1, n + 1))
@@ -120,22 +154,30 @@ def test_pipelined_cheap_calls_are_bounded_per_connection(server):
         while reader.is_alive():
             seen.append(watcher.stats()["pending_calls"])
     assert len(answered) == n and all(m[2] is None for m in answered)
-    assert max(seen) > 1, seen                                                   # the flood was under way
-    assert max(seen) <= ServerLimits().max_pending_calls_per_connection + 1, max(seen)   # +1: the watcher's own
+    assert max(seen) > 1, seen  # the flood was under way
+    assert max(seen) <= ServerLimits().max_pending_calls_per_connection + 1, max(
+        seen
+    )  # +1: the watcher's own
     conn.close()
 
 
 def test_one_connection_holds_no_more_requests_than_the_engine_runs(server):
     """max_inflight_per_connection (256 by default) is capped at the engine's max_num_seqs (96 here)."""
     conn = authed_raw(server)
-    conn.send(*[[0, i, "generate", [{"prompt": "Zoo", "max_tokens": 400, "ignore_eos": True}]]
-                for i in range(1, 98)])
+    conn.send(
+        *[
+            [0, i, "generate", [{"prompt": "Zoo", "max_tokens": 400, "ignore_eos": True}]]
+            for i in range(1, 98)
+        ]
+    )
     errors = {}
     while len(errors) < 1:
         message = conn.receive()
         if message[0] == 1 and message[2] is not None:
             errors[message[1]] = message[2]
-    assert errors == {97: {"code": OVERLOADED, "message": "more than 96 requests in flight on this connection"}}
+    assert errors == {
+        97: {"code": OVERLOADED, "message": "more than 96 requests in flight on this connection"}
+    }
     conn.close()
     wait_until_idle(server, api_key=KEY)
 
@@ -147,9 +189,20 @@ def test_streams_a_client_does_not_read_are_paused_not_generated_to_the_end(serv
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(msgpack.packb([0, 0, "auth", [KEY]]) + b"".join(
-        msgpack.packb([0, i, "generate", [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                                          "stream": True}]]) for i in range(1, 65)))
+    sock.sendall(
+        msgpack.packb([0, 0, "auth", [KEY]])
+        + b"".join(
+            msgpack.packb(
+                [
+                    0,
+                    i,
+                    "generate",
+                    [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}],
+                ]
+            )
+            for i in range(1, 65)
+        )
+    )
     deadline = time.monotonic() + 60
     while stats(server)["paused"] < 64:
         assert time.monotonic() < deadline, stats(server)
@@ -158,15 +211,19 @@ def test_streams_a_client_does_not_read_are_paused_not_generated_to_the_end(serv
     with client(server) as bystander:
         assert bystander.generate("Zoo", max_tokens=16, ignore_eos=True).completion_tokens == 16
     after = stats(server)
-    assert after["tokens_generated"] - before["tokens_generated"] == 16, (before, after)   # only the bystander's
+    assert after["tokens_generated"] - before["tokens_generated"] == 16, (
+        before,
+        after,
+    )  # only the bystander's
     assert after["pending_requests"] == 64 and after["running"] == 0
     assert after["write_buffer_bytes"] < 200_000
-    assert after["tokens_generated"] < 64 * 400 // 4     # far from generated to the end
+    assert after["tokens_generated"] < 64 * 400 // 4  # far from generated to the end
     sock.close()
     wait_until_idle(server, api_key=KEY)
 
 
 # ------------------------------------------------------------------ clients without the key
+
 
 def test_auth_is_checked_before_params(server):
     conn = RawConnection(server)
@@ -177,9 +234,11 @@ def test_auth_is_checked_before_params(server):
 
 def test_unauthenticated_messages_are_small(server):
     conn = RawConnection(server)
-    conn.sock.sendall(b"\x94\x00\x01\xa4auth\x91\xda\x40\x00" + b"k" * 9000)   # 9 KB of a 16 KiB key
+    conn.sock.sendall(b"\x94\x00\x01\xa4auth\x91\xda\x40\x00" + b"k" * 9000)  # 9 KB of a 16 KiB key
     kind, method, params = conn.receive()
-    assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE) and "size" in params[0]["message"]
+    assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE) and "size" in params[0][
+        "message"
+    ]
     assert conn.receive() is None
 
 
@@ -233,7 +292,7 @@ def test_wrong_keys_are_throttled_and_not_logged_one_by_one(server):
     answers = []
     while (message := conn.receive()) is not None:
         answers.append(message)
-    assert 1 <= len(answers) <= 16, len(answers)      # closed after 16 failures, each one slower
+    assert 1 <= len(answers) <= 16, len(answers)  # closed after 16 failures, each one slower
     assert all(m[2]["code"] == UNAUTHORIZED for m in answers)
     assert open(server.log_path).read().count("wrong API key") == log_before
     assert stats(server)["auth_failures"] >= len(answers)
@@ -252,6 +311,7 @@ def test_an_unpacker_reserves_little_memory():
 
 # ------------------------------------------------------------------ smaller findings
 
+
 def test_model_info_names_the_model_without_its_path(server):
     with client(server) as c:
         info = c.model_info()
@@ -269,18 +329,27 @@ def test_errors_use_protocol_words_not_python_types(server):
 
 
 def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minisarathi", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "minisarathi", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--host", ""], "--host"),
-    (["--host", "0.0.0.0"], "--host 0.0.0.0"),
-    (["--api-key-file", "/nonexistent/key.txt"], "--api-key-file /nonexistent/key.txt"),
-    (["--port", "70000"], "--port"),
-    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "--tls-cert"),
-    (["--max-stop-strings", "0"], "--max-stop-strings"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--host", ""], "--host"),
+        (["--host", "0.0.0.0"], "--host 0.0.0.0"),
+        (["--api-key-file", "/nonexistent/key.txt"], "--api-key-file /nonexistent/key.txt"),
+        (["--port", "70000"], "--port"),
+        (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "--tls-cert"),
+        (["--max-stop-strings", "0"], "--max-stop-strings"),
+    ],
+)
 def test_serve_refuses_bad_setups_naming_the_flag_without_a_traceback(args, named):
     result = run_cli("serve", "--port", "0", *args) if "--port" not in args else run_cli("serve", *args)
     assert result.returncode == 2, result.stderr
@@ -293,30 +362,43 @@ def test_serve_on_a_port_in_use_names_it_without_a_traceback():
         taken.listen()
         port = taken.getsockname()[1]
         result = run_cli("serve", "--port", str(port))
-    assert result.returncode == 2 and f"--port {port}" in result.stderr and "Traceback" not in result.stderr, \
-        result.stderr
+    assert (
+        result.returncode == 2 and f"--port {port}" in result.stderr and "Traceback" not in result.stderr
+    ), result.stderr
 
 
-@pytest.mark.parametrize("broken, named", [
-    ({"config.json": '{"vocab_size": '}, "config.json"),
-    ({"config.json": "[1, 2]"}, "config.json"),
-    ({"tokenizer.json": "{}"}, "tokenizer.json"),
-    ({"tokenizer_config.json": "["}, "tokenizer_config.json"),
-    ({"model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"w": {"x": 1}} '}, "model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "broken, named",
+    [
+        ({"config.json": '{"vocab_size": '}, "config.json"),
+        ({"config.json": "[1, 2]"}, "config.json"),
+        ({"tokenizer.json": "{}"}, "tokenizer.json"),
+        ({"tokenizer_config.json": "["}, "tokenizer_config.json"),
+        (
+            {"model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"w": {"x": 1}} '},
+            "model.safetensors",
+        ),
+    ],
+)
 def test_broken_model_folders_are_named_without_a_traceback(tmp_path, broken, named):
     import shutil
+
     from minisarathi.paths import default_model_dir
+
     model = tmp_path / "model"
     shutil.copytree(default_model_dir(), model)
     for name, content in broken.items():
         (model / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     result = run_cli("generate", "hi", "--model", str(model), "--max-tokens", "1")
-    assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, (
+        result.stderr
+    )
     assert re.search(r"error: .*" + re.escape(named), result.stderr)
 
 
-# ------------------------------------------------------------------ work that must not grow with a greedy request
+# ------------------------------------------------------------------ work that must not grow with a greedy
+# request
+
 
 def _ran_beside(work) -> bool:
     """Whether this thread ran while `work` was running on another thread. With a switch interval longer
@@ -342,6 +424,7 @@ def test_big_tokenizer_calls_leave_the_gil_to_the_loop_and_the_engine():
     the loop: a bystander's generate was 12x slower while such calls ran."""
     from minisarathi.paths import default_model_dir
     from minisarathi.tokenizer import Tokenizer
+
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     text = "Once upon a time there was a big red ball. " * 6000
     ids = [400] * ServerLimits().max_detokenize_tokens
@@ -352,24 +435,30 @@ def test_big_tokenizer_calls_leave_the_gil_to_the_loop_and_the_engine():
 
 def test_short_tokenizer_calls_keep_the_gil():
     """Short inputs went through the batch forms too, which hand their one input to a pool thread and take the
-    GIL back afterwards: on the busy 2-core server ~30-70 us of wake-ups for a 3 us encode, and a GIL hand-over
-    with the engine thread's step at every request admitted. Up to GIL_HOLDING_MAX_CHARS characters (ids) a call
-    uses the GIL-holding forms, with the batch forms' results; a longer one still the batch forms (the test
-    above: they leave the GIL to others)."""
+    GIL back afterwards: on the busy 2-core server ~30-70 us of wake-ups for a 3 us encode, and a GIL
+    hand-over with the engine thread's step at every request admitted. Up to GIL_HOLDING_MAX_CHARS characters
+    (ids) a call uses the GIL-holding forms, with the batch forms' results; a longer one still the batch forms
+    (the test above: they leave the GIL to others)."""
     from minisarathi.paths import default_model_dir
-    from minisarathi.tokenizer import (GIL_HOLDING_MAX_CHARS, GIL_HOLDING_MAX_IDS, GIL_HOLDING_MAX_NON_ASCII_CHARS,
-                                       Tokenizer)
+    from minisarathi.tokenizer import (
+        GIL_HOLDING_MAX_CHARS,
+        GIL_HOLDING_MAX_IDS,
+        GIL_HOLDING_MAX_NON_ASCII_CHARS,
+        Tokenizer,
+    )
+
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     hf, called = tokenizer.hf, []
 
-    class Recorder:   # tokenizers' Tokenizer is a native class: its methods cannot be patched
+    class Recorder:  # tokenizers' Tokenizer is a native class: its methods cannot be patched
         def __getattr__(self, name):
             called.append(name)
             return getattr(hf, name)
+
     tokenizer.hf = Recorder()
     story = "Once upon a time there was a big red ball. " * 100
     ids = hf.encode(story).ids
-    short, long = story[:GIL_HOLDING_MAX_CHARS], story[:GIL_HOLDING_MAX_CHARS + 1]
+    short, long = story[:GIL_HOLDING_MAX_CHARS], story[: GIL_HOLDING_MAX_CHARS + 1]
     for special in (True, False):
         called.clear()
         assert tokenizer.encode(short, special) == hf.encode_batch([short], add_special_tokens=special)[0].ids
@@ -377,15 +466,21 @@ def test_short_tokenizer_calls_keep_the_gil():
         assert called == ["encode", "encode_batch"]
     # Encoding costs by byte: 512 emoji (byte-fallback tokens) held the GIL ~0.5 ms; non-ASCII text holds it
     # only up to the smaller count, a text 512 characters long and non-ASCII in its last is released
-    emoji = "\U0001F600" * GIL_HOLDING_MAX_CHARS
+    emoji = "\U0001f600" * GIL_HOLDING_MAX_CHARS
     called.clear()
-    for text in (emoji[:GIL_HOLDING_MAX_NON_ASCII_CHARS], emoji[:GIL_HOLDING_MAX_NON_ASCII_CHARS + 1],
-                 short[:-1] + "\u00e9"):
+    for text in (
+        emoji[:GIL_HOLDING_MAX_NON_ASCII_CHARS],
+        emoji[: GIL_HOLDING_MAX_NON_ASCII_CHARS + 1],
+        short[:-1] + "\u00e9",
+    ):
         assert tokenizer.encode(text) == hf.encode_batch([text])[0].ids
     assert called == ["encode", "encode_batch", "encode_batch"]
     called.clear()
     assert tokenizer.decode(ids[:GIL_HOLDING_MAX_IDS]) == hf.decode_batch([ids[:GIL_HOLDING_MAX_IDS]])[0]
-    assert tokenizer.decode(ids[:GIL_HOLDING_MAX_IDS + 1]) == hf.decode_batch([ids[:GIL_HOLDING_MAX_IDS + 1]])[0]
+    assert (
+        tokenizer.decode(ids[: GIL_HOLDING_MAX_IDS + 1])
+        == hf.decode_batch([ids[: GIL_HOLDING_MAX_IDS + 1]])[0]
+    )
     assert called == ["decode", "decode_batch"]
     tokenizer.hf = hf
     assert not _ran_beside(lambda: tokenizer.encode(story[:GIL_HOLDING_MAX_CHARS]))
@@ -397,15 +492,19 @@ def test_stop_strings_are_searched_only_where_they_can_start():
     one could start: none here, so no str.find or startswith runs, however many stops there are."""
     from minisarathi.paths import default_model_dir
     from minisarathi.tokenizer import IncrementalDetokenizer, Tokenizer
+
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
-    stops = ["".join(chr(0x4e00 + 64 * i + j) for j in range(64)) for i in range(16)]   # never generated
+    stops = ["".join(chr(0x4E00 + 64 * i + j) for j in range(64)) for i in range(16)]  # never generated
     prompt = tokenizer.encode("Once upon a time")
-    output = tokenizer.encode(" there was a little girl named Lily. She loved to play", add_special_tokens=False)
+    output = tokenizer.encode(
+        " there was a little girl named Lily. She loved to play", add_special_tokens=False
+    )
     calls = collections.Counter()
 
     def count(frame, event, arg):
         if event == "c_call":
             calls[arg.__name__] += 1
+
     plain = IncrementalDetokenizer(tokenizer, prompt)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, stops)
     sys.setprofile(count)
@@ -423,10 +522,12 @@ def in_process_server(engine, http: bool = False):
     engine); yields (hub, msgpack port, loop), and with http the HTTP door's port after them."""
     from minisarathi.server.hub import Hub
     from minisarathi.server.msgpack_door import MsgpackDoor
+
     hub = Hub(engine)
     hub.doors.append(MsgpackDoor(hub, "127.0.0.1", 0))
     if http:
         from minisarathi.server.http import HttpDoor
+
         hub.doors.append(HttpDoor(hub, "127.0.0.1", 0, "stories260K", None, None))
     loop = asyncio.new_event_loop()
     started = concurrent.futures.Future()
@@ -437,11 +538,12 @@ def in_process_server(engine, http: bool = False):
         while not server_stop.is_set():
             await asyncio.sleep(0.02)
         await hub.shutdown()
+
     server_stop = threading.Event()
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     try:
-        yield (hub, *started.result(timeout=60)[:1 + http], loop)
+        yield (hub, *started.result(timeout=60)[: 1 + http], loop)
     finally:
         server_stop.set()
         thread.join(timeout=60)
@@ -453,6 +555,7 @@ def test_unstreamed_requests_cost_no_output_per_step():
     per request per step: a copy of each request's tokens on the engine thread and a delivery on the loop at
     every step, which every other request waited for. Each now gets one output, at its end."""
     from minisarathi.engine.engine import LLMEngine
+
     engine = LLMEngine()
     outputs = collections.Counter()
     step = engine.step
@@ -461,11 +564,14 @@ def test_unstreamed_requests_cost_no_output_per_step():
         result = step()
         outputs.update(output.request_id for output in result)
         return result
+
     engine.step = counted_step
     with in_process_server(engine) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as c:
             unstreamed = c.generate("Once upon a time", max_tokens=16, ignore_eos=True, request_id="whole")
-            streamed = list(c.generate_stream("Once upon a time", max_tokens=16, ignore_eos=True, request_id="streamed"))
+            streamed = list(
+                c.generate_stream("Once upon a time", max_tokens=16, ignore_eos=True, request_id="streamed")
+            )
     assert unstreamed.completion_tokens == 16 and sum(len(chunk.token_ids) for chunk in streamed) == 16
     assert outputs["msgpack:whole"] == 1, outputs
     assert outputs["msgpack:streamed"] == 16, outputs
@@ -475,6 +581,7 @@ def test_a_closed_connections_queued_tokenizer_work_is_dropped():
     """A client that queues big tokenize calls and goes away left them all to run (~150 ms each, one after
     another): the next clients' big calls waited behind a connection that no longer existed."""
     from minisarathi.engine.engine import LLMEngine
+
     engine = LLMEngine()
     encode, running, release, big_calls = engine.tokenizer.encode, threading.Event(), threading.Event(), []
 
@@ -484,10 +591,13 @@ def test_a_closed_connections_queued_tokenizer_work_is_dropped():
             running.set()
             release.wait(60)
         return encode(text, *args, **kwargs)
+
     engine.tokenizer.encode = blocking_encode
     with in_process_server(engine) as (server, port, _loop):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"".join(msgpack.packb([0, i, "tokenize", ["Once upon a time. " * 1000]]) for i in range(8)))
+        sock.sendall(
+            b"".join(msgpack.packb([0, i, "tokenize", ["Once upon a time. " * 1000]]) for i in range(8))
+        )
         assert running.wait(60)
         sock.close()
         with Client("127.0.0.1", port, timeout=60) as c:
@@ -496,7 +606,9 @@ def test_a_closed_connections_queued_tokenizer_work_is_dropped():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             release.set()
-            assert c.tokenize("Once upon a time. " * 1000)   # one tokenizer thread: after anything still queued
+            assert c.tokenize(
+                "Once upon a time. " * 1000
+            )  # one tokenizer thread: after anything still queued
     assert big_calls == [18_000, 18_000], big_calls
 
 
@@ -511,24 +623,29 @@ def _blocking_big_encodes(engine):
             running.set()
             release.wait(60)
         return encode(text, *args, **kwargs)
+
     engine.tokenizer.encode = blocking_encode
     return running, release, big_calls
 
 
 def test_small_tokenizer_calls_are_not_queued_behind_big_ones():
     """While a big tokenize holds the tokenizer thread (here it waits until released), another client's small
-    tokenize, detokenize and a generate with a short prompt are answered: they run on the loop, not behind it."""
+    tokenize, detokenize and a generate with a short prompt are answered: they run on the loop, not behind
+    it."""
     from minisarathi.engine.engine import LLMEngine
+
     engine = LLMEngine()
     running, release, big_calls = _blocking_big_encodes(engine)
     with in_process_server(engine) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as big, Client("127.0.0.1", port, timeout=10) as small:
-            answer = concurrent.futures.ThreadPoolExecutor(1).submit(big.tokenize, "Once upon a time. " * 1000)
+            answer = concurrent.futures.ThreadPoolExecutor(1).submit(
+                big.tokenize, "Once upon a time. " * 1000
+            )
             assert running.wait(60)
             ids = small.tokenize("Once upon a time")
             assert small.detokenize(ids) == "Once upon a time"
             assert small.generate("Once upon a time", max_tokens=4, ignore_eos=True).completion_tokens == 4
-            assert not answer.done()   # still held on the tokenizer thread
+            assert not answer.done()  # still held on the tokenizer thread
             release.set()
             assert len(answer.result(60)) > 1000
     assert big_calls == [18_000], big_calls
@@ -541,12 +658,16 @@ def test_the_tokenizer_thread_runs_at_a_lower_cpu_priority():
     engine thread and the loop, which keep the process's priority."""
     from minisarathi.engine.engine import LLMEngine
     from minisarathi.server.hub import TOKENIZER_NICE_INCREMENT
+
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
     with in_process_server(LLMEngine()) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as c:
-            assert c.tokenize("Once upon a time. " * 1000)   # big: on the tokenizer thread, which now exists
-            nice = {t.name.split("_")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
-                    if t.name.startswith(("tokenizer", "engine"))}
+            assert c.tokenize("Once upon a time. " * 1000)  # big: on the tokenizer thread, which now exists
+            nice = {
+                t.name.split("_")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                for t in threading.enumerate()
+                if t.name.startswith(("tokenizer", "engine"))
+            }
     assert nice == {"tokenizer": min(19, base + TOKENIZER_NICE_INCREMENT), "engine": base}, (nice, base)
 
 
@@ -557,12 +678,13 @@ def test_big_tokenizer_calls_work_where_the_priority_may_not_be_changed(monkeypa
 
     def refused(*args):
         raise PermissionError(1, "Operation not permitted")
+
     monkeypatch.setattr(os, "setpriority", refused)
     text = "Once upon a time. " * 1000
     engine = LLMEngine()
     with in_process_server(engine) as (_, port, _loop):
         with Client("127.0.0.1", port, timeout=60) as c:
-            for _ in range(2):   # big: on the tokenizer thread
+            for _ in range(2):  # big: on the tokenizer thread
                 assert c.tokenize(text) == engine.tokenizer.encode(text)
 
 
@@ -573,27 +695,34 @@ def test_the_http_door_tokenizes_big_prompts_off_the_event_loop_after_a_bytes_ch
     pytest.importorskip("aiohttp")
     import http.client
     import json
+
     from minisarathi.engine.engine import LLMEngine
+
     engine = LLMEngine()
     running, release, big_calls = _blocking_big_encodes(engine)
 
     def post(port, prompt) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": prompt, "max_tokens": 2}),
+            {"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         return response.status, json.loads(response.read())
+
     with in_process_server(engine, http=True) as (server, _, http_port, _loop):
-        big = "Once upon a time. " * 300                      # 5400 characters, ~1500 tokens
+        big = "Once upon a time. " * 300  # 5400 characters, ~1500 tokens
         answer = concurrent.futures.ThreadPoolExecutor(1).submit(post, http_port, big)
         assert running.wait(60)
         health = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
         health.request("GET", "/health")
-        assert health.getresponse().status == 200        # answered while the prompt is being tokenized
+        assert health.getresponse().status == 200  # answered while the prompt is being tokenized
         release.set()
         status, body = answer.result(60)
         assert status == 400 and body["error"]["param"] == "prompt" and "tokens" in body["error"]["message"]
-        status, body = post(http_port, "Once upon a time. " * 20_000)   # 360 KB
+        status, body = post(http_port, "Once upon a time. " * 20_000)  # 360 KB
         assert status == 400 and body["error"]["param"] == "prompt" and "bytes" in body["error"]["message"]
     assert big_calls == [len(big)], big_calls
 
@@ -605,23 +734,25 @@ def _rss_mb() -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_memory_kept_free_for_steps_is_given_back():
-    """The engine keeps up to 256 MiB of freed memory in the process (process_setup: no page faults per step), so a
-    server's RSS only ever rose, to its highest peak so far: over a soak's rounds it crept up ~1.5 MB a
+    """The engine keeps up to 256 MiB of freed memory in the process (process_setup: no page faults per step),
+    so a server's RSS only ever rose, to its highest peak so far: over a soak's rounds it crept up ~1.5 MB a
     round with no object kept. release_free_memory gives it back."""
     from minisarathi.backends.cpu.process_setup import release_free_memory, tune_allocator
+
     if not tune_allocator():
         pytest.skip("not glibc")
-    blocks = [bytearray(1 << 20) for _ in range(128)]   # 128 MiB on the heap (below the raised mmap threshold)
+    blocks = [bytearray(1 << 20) for _ in range(128)]  # 128 MiB on the heap (below the raised mmap threshold)
     held = _rss_mb()
-    del blocks                                          # freed, but kept by the allocator (under 256 MiB)
+    del blocks  # freed, but kept by the allocator (under 256 MiB)
     release_free_memory()
-    assert _rss_mb() < held - 64, (held, _rss_mb())     # given back
+    assert _rss_mb() < held - 64, (held, _rss_mb())  # given back
 
 
 def test_an_idle_engine_thread_gives_back_the_memory_kept_for_steps(monkeypatch):
     """Idle for IDLE_RELEASE_S, the engine thread calls release_free_memory, so a soak's RSS levels off."""
     import minisarathi.server.engine_worker as engine_worker
     from minisarathi.engine.engine import LLMEngine
+
     releases = []
     monkeypatch.setattr(engine_worker, "release_free_memory", lambda: releases.append(time.monotonic()))
     with in_process_server(LLMEngine()) as (_, port, _loop):

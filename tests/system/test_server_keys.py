@@ -1,6 +1,8 @@
 """Named keys with quotas (a keys file, SIGHUP reload, per-key stats) and TLS, on a real server process."""
+
 import asyncio
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -10,24 +12,24 @@ import subprocess
 import sys
 import time
 
-import importlib.util
-
 import pytest
 import trustme
+from test_server import REPO, launch_server
 
 from minisarathi.client import AsyncClient, Client, RPCError
 from minisarathi.server.auth import add_key
 from minisarathi.server.protocol import INVALID_PARAMS, RATE_LIMITED, UNAUTHORIZED
-from test_server import REPO, launch_server, wait_until_idle
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
-    secrets = {"alice": add_key(path, "alice", rpm=3, max_tokens=50),
-               "bob": add_key(path, "bob", tpm=200),
-               "carol": add_key(path, "carol", concurrent=1),
-               "erin": add_key(path, "erin", rpm=2)}
+    secrets = {
+        "alice": add_key(path, "alice", rpm=3, max_tokens=50),
+        "bob": add_key(path, "bob", tpm=200),
+        "carol": add_key(path, "carol", concurrent=1),
+        "erin": add_key(path, "erin", rpm=2),
+    }
     with launch_server("--keys-file", str(path), *HTTP_ARGS) as server:
         server.keys_path, server.secrets = path, secrets
         server.http_port = http_port(server)
@@ -38,7 +40,8 @@ HTTP_ARGS = ("--http-port", "0") if importlib.util.find_spec("aiohttp") else ()
 
 
 def http_port(server, scheme: str = "http") -> int | None:
-    """The HTTP door's port: the line after launch_server's two (TCP, then Unix socket), which names its scheme."""
+    """The HTTP door's port: the line after launch_server's two (TCP, then Unix socket), which names its
+    scheme."""
     if not HTTP_ARGS:
         return None
     line = server.proc.stdout.readline()
@@ -47,8 +50,11 @@ def http_port(server, scheme: str = "http") -> int | None:
 
 
 def post(port: int, path: str, body: dict, key: str | None, context: ssl.SSLContext | None = None):
-    connection = (http.client.HTTPConnection("127.0.0.1", port, timeout=60) if context is None
-                  else http.client.HTTPSConnection("127.0.0.1", port, timeout=60, context=context))
+    connection = (
+        http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        if context is None
+        else http.client.HTTPSConnection("127.0.0.1", port, timeout=60, context=context)
+    )
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     connection.request("POST", path, json.dumps(body), headers)
     response = connection.getresponse()
@@ -66,11 +72,14 @@ def test_requests_per_minute_then_rate_limited_with_retry_after(keyed):
         with pytest.raises(RPCError) as info:
             alice.generate("Zoo", max_tokens=2)
         assert info.value.code == RATE_LIMITED and info.value.name == "rate_limited"
-        assert 0 < info.value.retry_after_s <= 20       # one request comes back every 20 s
-        with pytest.raises(RPCError) as info:          # the key's max_tokens cap, checked first
+        assert 0 < info.value.retry_after_s <= 20  # one request comes back every 20 s
+        with pytest.raises(RPCError) as info:  # the key's max_tokens cap, checked first
             alice.generate("Zoo", max_tokens=51)
-        assert info.value.code == INVALID_PARAMS and "max_tokens must be <= 50 for this key" in info.value.message
-        with connect(keyed, "bob") as bob:             # other keys are not affected
+        assert (
+            info.value.code == INVALID_PARAMS
+            and "max_tokens must be <= 50 for this key" in info.value.message
+        )
+        with connect(keyed, "bob") as bob:  # other keys are not affected
             assert bob.generate("Zoo", max_tokens=2).completion_tokens == 2
 
 
@@ -79,13 +88,15 @@ def test_tokens_per_minute_are_charged_at_admission_and_refunded_at_finish(keyed
         # 4 prompt tokens + max_tokens 150 charged; stopping at "," early refunds what was not generated
         first = bob.generate("Once upon a time", max_tokens=150, stop=[","], temperature=0)
         assert first.finish_reason == "stop" and first.completion_tokens < 20
-        second = bob.generate("Once upon a time", max_tokens=150, stop=[","], temperature=0)   # fits after refund
+        second = bob.generate(
+            "Once upon a time", max_tokens=150, stop=[","], temperature=0
+        )  # fits after refund
         assert second.token_ids == first.token_ids
-        with pytest.raises(RPCError) as info:          # 155 + 155 + 155 - refunds: no room for 150 more ...
+        with pytest.raises(RPCError) as info:  # 155 + 155 + 155 - refunds: no room for 150 more ...
             for _ in range(3):
                 bob.generate("Once upon a time", max_tokens=150, ignore_eos=True)
         assert info.value.code == RATE_LIMITED and info.value.retry_after_s > 0
-        with pytest.raises(RPCError) as info:          # ... and more than a minute's worth can never be
+        with pytest.raises(RPCError) as info:  # ... and more than a minute's worth can never be
             bob.generate([1] * 60, max_tokens=150)
         assert info.value.code == INVALID_PARAMS and "tokens per minute (200)" in info.value.message
 
@@ -93,10 +104,13 @@ def test_tokens_per_minute_are_charged_at_admission_and_refunded_at_finish(keyed
 def test_concurrent_requests_per_key(keyed):
     async def run():
         async with AsyncClient("127.0.0.1", keyed.port, api_key=keyed.secrets["carol"]) as carol:
-            results = await asyncio.gather(carol.generate("Zoo", max_tokens=30, ignore_eos=True),
-                                           carol.generate("Zoo", max_tokens=30, ignore_eos=True),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                carol.generate("Zoo", max_tokens=30, ignore_eos=True),
+                carol.generate("Zoo", max_tokens=30, ignore_eos=True),
+                return_exceptions=True,
+            )
             return results, await carol.generate("Zoo", max_tokens=2)
+
     (one, two), after = asyncio.run(run())
     assert one.completion_tokens == 30 and isinstance(two, RPCError) and two.code == RATE_LIMITED
     assert after.completion_tokens == 2
@@ -115,20 +129,25 @@ def test_the_http_door_checks_the_same_keys_and_quotas(keyed):
     status, headers, error = post(keyed.http_port, "/v1/completions", body, erin)
     assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(headers["Retry-After"]) <= 30
-    with connect(keyed, "erin") as c:                 # one quota for both doors
+    with connect(keyed, "erin") as c:  # one quota for both doors
         with pytest.raises(RPCError) as info:
             c.generate("Zoo", max_tokens=2)
         assert info.value.code == RATE_LIMITED
-    status, _, error = post(keyed.http_port, "/v1/completions", {**body, "max_tokens": 51}, keyed.secrets["alice"])
+    status, _, error = post(
+        keyed.http_port, "/v1/completions", {**body, "max_tokens": 51}, keyed.secrets["alice"]
+    )
     assert status == 400 and "max_tokens must be <= 50 for this key" in error["error"]["message"]
     from prometheus_client.parser import text_string_to_metric_families
+
     connection = http.client.HTTPConnection("127.0.0.1", keyed.http_port, timeout=60)
     connection.request("GET", "/metrics")
-    samples = {(s.name, s.labels.get("key")): s.value
-               for family in text_string_to_metric_families(connection.getresponse().read().decode())
-               for s in family.samples}
+    samples = {
+        (s.name, s.labels.get("key")): s.value
+        for family in text_string_to_metric_families(connection.getresponse().read().decode())
+        for s in family.samples
+    }
     assert samples[("minisarathi:key_requests_total", "erin")] == 2
-    assert samples[("minisarathi:key_rate_limited_total", "erin")] == 2      # one per door
+    assert samples[("minisarathi:key_rate_limited_total", "erin")] == 2  # one per door
     assert samples[("minisarathi:key_generation_tokens_total", "erin")] == 8
     assert samples[("minisarathi:auth_failures_total", None)] >= 2
     assert {key for name, key in samples if name == "minisarathi:key_requests_total"} == set(keyed.secrets)
@@ -145,9 +164,25 @@ def test_stats_count_per_key_by_name(keyed):
 def test_sighup_reloads_the_keys_file_without_dropping_connections(keyed):
     alice = connect(keyed, "alice")
     bob = connect(keyed, "bob")
-    result = subprocess.run([sys.executable, "-m", "minisarathi", "keys", "add", "dave", "--file",
-                             str(keyed.keys_path), "--rpm", "100"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minisarathi",
+            "keys",
+            "add",
+            "dave",
+            "--file",
+            str(keyed.keys_path),
+            "--rpm",
+            "100",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     dave_secret = result.stdout.strip()
     assert dave_secret.startswith("ms-") and dave_secret not in keyed.keys_path.read_text()
@@ -165,8 +200,8 @@ def test_sighup_reloads_the_keys_file_without_dropping_connections(keyed):
         except RPCError as e:
             assert e.code == UNAUTHORIZED and time.monotonic() < deadline
             time.sleep(0.1)
-    assert alice.health()["status"] == "ok"            # the same connection, still open and authenticated
-    with pytest.raises(RPCError) as info:              # a removed key's connection stays, unauthenticated
+    assert alice.health()["status"] == "ok"  # the same connection, still open and authenticated
+    with pytest.raises(RPCError) as info:  # a removed key's connection stays, unauthenticated
         bob.health()
     assert info.value.code == UNAUTHORIZED
     alice.close()
@@ -174,6 +209,7 @@ def test_sighup_reloads_the_keys_file_without_dropping_connections(keyed):
 
 
 # ------------------------------------------------------------------ TLS
+
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
@@ -189,28 +225,50 @@ def tls_files(tmp_path_factory):
 def test_tls_door_with_our_clients_and_the_cli(tls_files):
     ca, folder = tls_files
     context = ssl.create_default_context(cafile=str(folder / "ca.pem"))
-    with launch_server("--tls-cert", str(folder / "server.pem"), "--tls-key", str(folder / "server.key"),
-                       *HTTP_ARGS) as server:
+    with launch_server(
+        "--tls-cert", str(folder / "server.pem"), "--tls-key", str(folder / "server.key"), *HTTP_ARGS
+    ) as server:
         with Client("127.0.0.1", server.port, tls=context) as c:
             expected = c.generate("Once upon a time", max_tokens=8, temperature=0)
-        if HTTP_ARGS:   # the HTTP door speaks TLS too
-            status, _, result = post(http_port(server, "https"), "/v1/completions",
-                                     {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8,
-                                      "temperature": 0}, None, context)
+        if HTTP_ARGS:  # the HTTP door speaks TLS too
+            status, _, result = post(
+                http_port(server, "https"),
+                "/v1/completions",
+                {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
+                None,
+                context,
+            )
             assert status == 200 and result["choices"][0]["text"] == expected.text
 
         async def run():
             async with AsyncClient("127.0.0.1", server.port, tls=context) as c:
                 return await c.generate("Once upon a time", max_tokens=8, temperature=0)
+
         assert asyncio.run(run()).token_ids == expected.token_ids
-        result = subprocess.run([sys.executable, "-m", "minisarathi", "client", "Once upon a time", "--port",
-                                 str(server.port), "--tls-ca", str(folder / "ca.pem"), "--max-tokens", "8"],
-                                cwd=REPO, capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "minisarathi",
+                "client",
+                "Once upon a time",
+                "--port",
+                str(server.port),
+                "--tls-ca",
+                str(folder / "ca.pem"),
+                "--max-tokens",
+                "8",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert result.returncode == 0 and result.stdout.strip() == "Once upon a time" + expected.text
-        with pytest.raises(ssl.SSLError):                 # a client that does not trust the CA
+        with pytest.raises(ssl.SSLError):  # a client that does not trust the CA
             Client("127.0.0.1", server.port, tls=ssl.create_default_context())
-        with pytest.raises((ConnectionError, RPCError, OSError)):   # plain msgpack at a TLS door
+        with pytest.raises((ConnectionError, RPCError, OSError)):  # plain msgpack at a TLS door
             with Client("127.0.0.1", server.port, timeout=10) as plain:
                 plain.health()
         wait_until_idle_tls(server, context)
@@ -224,12 +282,18 @@ def wait_until_idle_tls(server, context):
 
 def test_tls_client_certificates(tls_files):
     ca, folder = tls_files
-    with launch_server("--tls-cert", str(folder / "server.pem"), "--tls-key", str(folder / "server.key"),
-                       "--tls-client-ca", str(folder / "ca.pem")) as server:
+    with launch_server(
+        "--tls-cert",
+        str(folder / "server.pem"),
+        "--tls-key",
+        str(folder / "server.key"),
+        "--tls-client-ca",
+        str(folder / "ca.pem"),
+    ) as server:
         without = ssl.create_default_context(cafile=str(folder / "ca.pem"))
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
             with Client("127.0.0.1", server.port, tls=without, timeout=10) as c:
-                c.health()    # TLS 1.3 reports a refused client certificate at the first read
+                c.health()  # TLS 1.3 reports a refused client certificate at the first read
         with_cert = ssl.create_default_context(cafile=str(folder / "ca.pem"))
         ca.issue_cert("client.example").configure_cert(with_cert)
         with Client("127.0.0.1", server.port, tls=with_cert) as c:

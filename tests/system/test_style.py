@@ -1,4 +1,5 @@
 """The code's format and lint rules (pyproject.toml's [tool.ruff]): ruff format and ruff check both pass."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ def ruff(*args: str) -> subprocess.CompletedProcess:
         import ruff  # noqa: F401
     except ImportError:
         pytest.fail('ruff is not installed: pip install -e ".[test]"')
-    return subprocess.run([sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True
+    )
 
 
 def test_the_code_is_formatted():

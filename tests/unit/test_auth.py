@@ -1,4 +1,5 @@
 """auth.py on its own: the keys file, token-bucket quotas (on a fake clock), failed-auth throttling."""
+
 import pytest
 
 from minisarathi.server import auth
@@ -36,11 +37,16 @@ def test_keys_add_stores_only_the_hash_and_the_key_authenticates(tmp_path):
         add_key(path, "no spaces")
 
 
-@pytest.mark.parametrize("limits, rule", [({"rpm": -1}, "rpm must be a positive integer, got -1"),
-                                          ({"tpm": 0}, "tpm must be a positive integer"),
-                                          ({"max_tokens": 1.5}, "max_tokens must be a positive integer"),
-                                          ({"priority": 2**31}, "priority must be an integer in [-2147483648, "),
-                                          ({"colour": 1}, "unknown key field 'colour'")])
+@pytest.mark.parametrize(
+    "limits, rule",
+    [
+        ({"rpm": -1}, "rpm must be a positive integer, got -1"),
+        ({"tpm": 0}, "tpm must be a positive integer"),
+        ({"max_tokens": 1.5}, "max_tokens must be a positive integer"),
+        ({"priority": 2**31}, "priority must be an integer in [-2147483648, "),
+        ({"colour": 1}, "unknown key field 'colour'"),
+    ],
+)
 def test_keys_add_checks_the_key_before_touching_the_file(tmp_path, limits, rule):
     path = tmp_path / "keys.toml"
     add_key(path, "alice", priority=-3)
@@ -54,16 +60,25 @@ def test_keys_add_checks_the_key_before_touching_the_file(tmp_path, limits, rule
     assert not (tmp_path / "new.toml").exists()
 
 
-@pytest.mark.parametrize("content, rule", [
-    ('[[keys]]\nname = "a"\n', "sha256"),
-    ('[[keys]]\nname = "a b"\nsha256 = "' + "0" * 64 + '"\n', "name"),
-    ('[[keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\nrpm = 0\n', "rpm must be a positive integer"),
-    ('[[keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\ncolour = 1\n', "unknown field 'colour'"),
-    ('[[keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\n[[keys]]\nname = "a"\nsha256 = "' + "1" * 64 + '"\n',
-     "unique"),
-    ("keys = 3\n", "[[keys]]"),
-    ("[[keys]\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "content, rule",
+    [
+        ('[[keys]]\nname = "a"\n', "sha256"),
+        ('[[keys]]\nname = "a b"\nsha256 = "' + "0" * 64 + '"\n', "name"),
+        ('[[keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\nrpm = 0\n', "rpm must be a positive integer"),
+        ('[[keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\ncolour = 1\n', "unknown field 'colour'"),
+        (
+            '[[keys]]\nname = "a"\nsha256 = "'
+            + "0" * 64
+            + '"\n[[keys]]\nname = "a"\nsha256 = "'
+            + "1" * 64
+            + '"\n',
+            "unique",
+        ),
+        ("keys = 3\n", "[[keys]]"),
+        ("[[keys]\n", "not valid TOML"),
+    ],
+)
 def test_bad_keys_files_are_refused_naming_file_entry_and_rule(tmp_path, content, rule):
     path = tmp_path / "keys.toml"
     path.write_text(content)
@@ -80,7 +95,7 @@ def test_missing_keys_file_names_it(tmp_path):
 def test_request_quota_refills_continuously(clock):
     quota = Quota(Key("k", "0" * 64, rpm=2))
     assert quota.admit(10) is None and quota.admit(10) is None
-    assert quota.admit(10) == pytest.approx(30.0)        # one request per 30 s comes back
+    assert quota.admit(10) == pytest.approx(30.0)  # one request per 30 s comes back
     clock.now += 29.0
     assert quota.admit(10) == pytest.approx(1.0)
     clock.now += 1.0
@@ -89,12 +104,12 @@ def test_request_quota_refills_continuously(clock):
 
 
 def test_token_quota_charges_at_admission_and_refunds_at_finish(clock):
-    quota = Quota(Key("k", "0" * 64, tpm=600))         # 10 tokens per second
-    assert quota.admit(500) is None                    # prompt 100 + max_tokens 400
-    assert quota.admit(200) == pytest.approx(10.0)     # 100 left: 100 more needed
-    quota.finish(500, prompt_tokens=100, completion_tokens=50)   # 350 unused come back
+    quota = Quota(Key("k", "0" * 64, tpm=600))  # 10 tokens per second
+    assert quota.admit(500) is None  # prompt 100 + max_tokens 400
+    assert quota.admit(200) == pytest.approx(10.0)  # 100 left: 100 more needed
+    quota.finish(500, prompt_tokens=100, completion_tokens=50)  # 350 unused come back
     assert quota.admit(200) is None
-    assert quota.admit(10_000) == float("inf")          # more than a minute's worth: never
+    assert quota.admit(10_000) == float("inf")  # more than a minute's worth: never
     assert quota.counters["prompt_tokens"] == 100 and quota.counters["completion_tokens"] == 50
 
 
@@ -114,7 +129,7 @@ def test_reload_keeps_bucket_levels_and_drops_removed_keys(tmp_path, clock):
     assert store.quota(key).admit(1) is None and store.quota(key).admit(1) is None
     other = add_key(path, "bob")
     store.reload()
-    assert store.current(key) == key and store.quota(key).admit(1) is not None   # still empty
+    assert store.current(key) == key and store.quota(key).admit(1) is not None  # still empty
     assert store.authenticate(other).name == "bob"
     path.write_text("")
     store.reload()
@@ -128,12 +143,13 @@ def test_failed_auth_backoff_doubles_per_address_and_logs_a_summary(clock, caplo
     throttle = AuthThrottle()
     delays = [throttle.failed("10.0.0.1") for _ in range(10)]
     assert delays[:3] == [0.05, 0.1, 0.2] and delays[-1] == AuthThrottle.MAX_DELAY_S
-    assert throttle.failed("10.0.0.2") == 0.05          # per address
+    assert throttle.failed("10.0.0.2") == 0.05  # per address
     throttle.succeeded("10.0.0.1")
     assert throttle.failed("10.0.0.1") == 0.05
-    assert not caplog.records                           # no line per failure ...
+    assert not caplog.records  # no line per failure ...
     clock.now += AuthThrottle.LOG_INTERVAL_S
     throttle.failed("10.0.0.3")
-    assert [r.getMessage() for r in caplog.records] == [   # ... one summary per interval
-        "13 failed auth attempts from 3 addresses in the last 60s"]
+    assert [r.getMessage() for r in caplog.records] == [  # ... one summary per interval
+        "13 failed auth attempts from 3 addresses in the last 60s"
+    ]
     assert throttle.failures_total == 13

@@ -1,4 +1,5 @@
 """Both backends implement the one interface of minisarathi/backends/base.py, and devices resolve to them."""
+
 import pytest
 
 from minisarathi.backends import cuda_ops
@@ -9,16 +10,30 @@ from minisarathi.backends.devices import make_backend, resolve_device
 
 def test_the_interface_lists_placement_and_the_ops_of_the_forward_pass():
     names = interface_names()
-    assert {"device", "activation_dtype", "weight", "zeros", "to_numpy", "free_memory_bytes", "new_sampler",
-            "constant", "embedding", "rms_norm", "add_rms_norm", "linear", "rope_store_kv", "paged_attention",
-            "silu_and_mul"} <= set(names)
+    assert {
+        "device",
+        "activation_dtype",
+        "weight",
+        "zeros",
+        "to_numpy",
+        "free_memory_bytes",
+        "new_sampler",
+        "constant",
+        "embedding",
+        "rms_norm",
+        "add_rms_norm",
+        "linear",
+        "rope_store_kv",
+        "paged_attention",
+        "silu_and_mul",
+    } <= set(names)
 
 
 @pytest.mark.parametrize("backend", [CpuOps(), cuda_ops.emulated()], ids=["cpu", "cuda-emulated"])
 def test_every_backend_has_every_name_of_the_interface(backend):
     missing = [name for name in interface_names() if not hasattr(backend, name)]
     assert not missing, f"{type(backend).__name__} lacks {missing}"
-    assert backend.free_memory_bytes() is None   # both hold their arrays in host memory
+    assert backend.free_memory_bytes() is None  # both hold their arrays in host memory
 
 
 def test_devices_build_their_backends():

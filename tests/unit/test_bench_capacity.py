@@ -1,4 +1,5 @@
 """Capacity search on a fake system whose threshold is known."""
+
 import numpy as np
 import pytest
 
@@ -7,9 +8,13 @@ from minisarathi.bench.metrics import RequestRecord, compute_metrics
 
 
 def fake_metrics(p99_tbt, median_delay, completed=10, requests=10, remote=False):
-    return {"completed": completed, "requests": requests, "tbt": {"p99": p99_tbt},
-            "ttft": {"p50": median_delay},
-            "scheduling_delay": {"count": 0 if remote else completed, "p50": None if remote else median_delay}}
+    return {
+        "completed": completed,
+        "requests": requests,
+        "tbt": {"p99": p99_tbt},
+        "ttft": {"p50": median_delay},
+        "scheduling_delay": {"count": 0 if remote else completed, "p50": None if remote else median_delay},
+    }
 
 
 def fake_system(threshold):
@@ -20,6 +25,7 @@ def fake_system(threshold):
     def run_trial(qps):
         seen.append(qps)
         return judge(qps, fake_metrics(0.037 * qps / threshold, 0.1), slo)
+
     return run_trial, seen
 
 
@@ -49,10 +55,10 @@ def test_nothing_passes_gives_zero_and_stops_at_max_trials():
 def test_judge_checks_every_criterion():
     slo = Slo(p99_tbt=0.1, median_scheduling_delay=2.0)
     assert judge(1.0, fake_metrics(0.1, 2.0), slo).passed
-    assert not judge(1.0, fake_metrics(0.11, 0.1), slo).passed                       # TBT over the SLO
-    assert not judge(1.0, fake_metrics(0.01, 2.5), slo).passed                       # queueing
-    assert not judge(1.0, fake_metrics(0.01, 0.1, completed=9), slo).passed          # timed out requests
-    remote = judge(1.0, fake_metrics(0.01, 3.0, remote=True), slo)                   # TTFT stands in
+    assert not judge(1.0, fake_metrics(0.11, 0.1), slo).passed  # TBT over the SLO
+    assert not judge(1.0, fake_metrics(0.01, 2.5), slo).passed  # queueing
+    assert not judge(1.0, fake_metrics(0.01, 0.1, completed=9), slo).passed  # timed out requests
+    remote = judge(1.0, fake_metrics(0.01, 3.0, remote=True), slo)  # TTFT stands in
     assert not remote.passed and remote.median_scheduling_delay == 3.0
     assert "FAIL" in remote.describe()
     stopped = judge(1.0, fake_metrics(0.01, 0.1, completed=3) | {"stopped": "P99 TBT over 100 ms"}, slo)
@@ -60,14 +66,29 @@ def test_judge_checks_every_criterion():
 
 
 def test_judge_on_computed_metrics():
-    requests = [RequestRecord(f"r{i}", 4, arrival=i, first_scheduled=i + 0.5, token_times=[i + 1, i + 1.05, i + 1.1],
-                              finished=i + 1.1) for i in range(4)]
+    requests = [
+        RequestRecord(
+            f"r{i}",
+            4,
+            arrival=i,
+            first_scheduled=i + 0.5,
+            token_times=[i + 1, i + 1.05, i + 1.1],
+            finished=i + 1.1,
+        )
+        for i in range(4)
+    ]
     trial = judge(2.0, compute_metrics(requests), Slo(p99_tbt=0.06))
     assert trial.passed and trial.p99_tbt == pytest.approx(0.05) and trial.median_scheduling_delay == 0.5
 
 
-@pytest.mark.parametrize("kwargs, name", [({"start_qps": 0}, "start_qps"), ({"granularity": 1.5}, "granularity"),
-                                           ({"max_trials": 0}, "max_trials")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"start_qps": 0}, "start_qps"),
+        ({"granularity": 1.5}, "granularity"),
+        ({"max_trials": 0}, "max_trials"),
+    ],
+)
 def test_bad_search_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         find_capacity(lambda q: None, **kwargs)

@@ -1,25 +1,46 @@
 """Metrics on a hand-made timeline whose answers are known exactly."""
+
 import csv
 
 import pytest
 
-from minisarathi.bench.metrics import (BatchRecord, RequestRecord, compute_metrics, format_table, load_run,
-                                       metrics_by_group, save_run, summarize)
+from minisarathi.bench.metrics import (
+    BatchRecord,
+    RequestRecord,
+    compute_metrics,
+    format_table,
+    load_run,
+    metrics_by_group,
+    save_run,
+    summarize,
+)
 
 
 def timeline():
     return [
-        RequestRecord("a", prompt_len=10, arrival=0.0, first_scheduled=0.5, token_times=[1.0, 1.5, 2.5],
-                      finished=2.5),
+        RequestRecord(
+            "a", prompt_len=10, arrival=0.0, first_scheduled=0.5, token_times=[1.0, 1.5, 2.5], finished=2.5
+        ),
         # Preempted once: the stall shows up as the 1.75 s gap, as the user sees it.
-        RequestRecord("b", prompt_len=20, arrival=1.0, first_scheduled=1.0, token_times=[2.0, 3.75],
-                      finished=3.75, num_preemptions=1),
+        RequestRecord(
+            "b",
+            prompt_len=20,
+            arrival=1.0,
+            first_scheduled=1.0,
+            token_times=[2.0, 3.75],
+            finished=3.75,
+            num_preemptions=1,
+        ),
         RequestRecord("c", prompt_len=30, arrival=0.2, token_times=[0.9], error="aborted at the time limit"),
     ]
 
 
 def batches():
-    return [BatchRecord(0.5, 2, 30, 1, 0.25), BatchRecord(1.0, 3, 0, 3, 0.125), BatchRecord(1.5, 1, 0, 1, 0.125)]
+    return [
+        BatchRecord(0.5, 2, 30, 1, 0.25),
+        BatchRecord(1.0, 3, 0, 3, 0.125),
+        BatchRecord(1.5, 1, 0, 1, 0.125),
+    ]
 
 
 def test_request_metrics_known_answers():
@@ -30,7 +51,7 @@ def test_request_metrics_known_answers():
     assert m["tbt"]["count"] == 3
     assert m["tbt"]["mean"] == pytest.approx(3.25 / 3, abs=1e-12)
     assert m["tbt"]["p50"] == 1.0 and m["tbt"]["max"] == 1.75
-    assert m["tbt"]["p90"] == pytest.approx(1.0 + 0.8 * 0.75, abs=1e-12)     # linear interpolation
+    assert m["tbt"]["p90"] == pytest.approx(1.0 + 0.8 * 0.75, abs=1e-12)  # linear interpolation
     assert m["tbt"]["p99"] == pytest.approx(1.0 + 0.98 * 0.75, abs=1e-12)
     assert m["e2e_latency"]["p50"] == 2.625 and m["e2e_latency"]["max"] == 2.75
     assert m["normalized_latency"]["mean"] == pytest.approx((2.5 / 3 + 2.75 / 2) / 2, abs=1e-12)
@@ -44,7 +65,11 @@ def test_request_metrics_known_answers():
 
 def test_batch_metrics_known_answers():
     m = compute_metrics(timeline(), batches())
-    assert m["batch_tokens"]["mean"] == pytest.approx(35 / 3, abs=1e-12) and m["batch_tokens"]["max"] == 31 and m["batch_tokens"]["p50"] == 3
+    assert (
+        m["batch_tokens"]["mean"] == pytest.approx(35 / 3, abs=1e-12)
+        and m["batch_tokens"]["max"] == 31
+        and m["batch_tokens"]["p50"] == 3
+    )
     assert m["batch_seqs"]["mean"] == 2.0
     assert m["batch_execution_time"]["p50"] == 0.125 and m["batch_execution_time"]["max"] == 0.25
 

@@ -1,4 +1,5 @@
 """Block manager: allocation, ref counts, prefix cache (chained hashes, LRU eviction), invariants."""
+
 import hashlib
 
 import numpy as np
@@ -33,7 +34,7 @@ def test_lazy_growth_and_free():
     assert len(seq.block_table) == 1 and bm.num_free_blocks == 7
     bm.grow(seq, 9)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
-    bm.grow(seq, 9)   # already covered
+    bm.grow(seq, 9)  # already covered
     assert len(seq.block_table) == 3
     bm.check_invariants([seq])
     bm.free(seq)
@@ -44,7 +45,7 @@ def test_lazy_growth_and_free():
 def test_max_growth_counts_last_block_space():
     bm = BlockManager(num_blocks=4, block_size=4)
     seq = make_seq(range(5))
-    admit(bm, seq, 5)             # 2 blocks, 3 free slots in the second
+    admit(bm, seq, 5)  # 2 blocks, 3 free slots in the second
     seq.num_computed_tokens = 5
     assert bm.max_growth(seq) == 3 + 2 * 4
 
@@ -60,13 +61,13 @@ def test_prefix_cache_shares_full_blocks_with_ref_counts():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     a = make_seq(range(10), "a")
     assert admit(bm, a) == []
-    compute_all(bm, a)                              # blocks 0, 1 full and registered; block 2 partial
+    compute_all(bm, a)  # blocks 0, 1 full and registered; block 2 partial
     b = make_seq(list(range(8)) + [99, 98, 97], "b")
     cached = admit(bm, b)
     assert cached == a.block_table[:2]
     assert b.num_computed_tokens == 8
     assert [bm.ref_counts[x] for x in cached] == [2, 2]
-    assert b.block_table[2] != a.block_table[2]     # the first block it writes is its own
+    assert b.block_table[2] != a.block_table[2]  # the first block it writes is its own
     bm.check_invariants([a, b])
     assert (bm.prefix_queries, bm.prefix_hits) == (10 + 11, 8)
 
@@ -76,8 +77,8 @@ def test_prefix_cache_leaves_last_token_to_compute():
     a = make_seq(range(8), "a")
     admit(bm, a)
     compute_all(bm, a)
-    same = make_seq(range(8), "same")               # identical prompt, exactly 2 full blocks
-    assert admit(bm, same) == a.block_table[:1]     # the last block is recomputed, not shared
+    same = make_seq(range(8), "same")  # identical prompt, exactly 2 full blocks
+    assert admit(bm, same) == a.block_table[:1]  # the last block is recomputed, not shared
     assert same.num_computed_tokens == 4
     bm.check_invariants([a, same])
 
@@ -108,20 +109,20 @@ def test_freed_cached_blocks_stay_reusable_until_evicted_lru():
     a = make_seq([1, 2, 3, 4, 5], "a")
     admit(bm, a)
     compute_all(bm, a)
-    bm.free(a)                                       # blocks [1,2] and [3,4] cached, the partial one free
+    bm.free(a)  # blocks [1,2] and [3,4] cached, the partial one free
     assert bm.num_free_blocks == 4 and len(bm.evictable) == 2
     bm.check_invariants([])
     again = make_seq([1, 2, 3, 4, 7], "again")
-    assert len(admit(bm, again)) == 2               # revived from the evictable list
+    assert len(admit(bm, again)) == 2  # revived from the evictable list
     bm.check_invariants([again])
     bm.free(again)
     # tail blocks are freed first, so the LRU order evicts [3,4] before the more shared [1,2]
     other = make_seq([9, 9, 9, 9, 9], "other")
-    admit(bm, other)                                 # 3 blocks: the 2 free ones, then evicts one
+    admit(bm, other)  # 3 blocks: the 2 free ones, then evicts one
     compute_all(bm, other)
     bm.check_invariants([other])
     probe = make_seq([1, 2, 0], "probe")
-    assert len(bm.lookup_prefix(probe)) == 1        # [1,2] survived, [3,4] was evicted
+    assert len(bm.lookup_prefix(probe)) == 1  # [1,2] survived, [3,4] was evicted
     probe_34 = make_seq([1, 2, 3, 4, 0], "probe34")
     assert len(bm.lookup_prefix(probe_34)) == 1
 
@@ -135,16 +136,16 @@ def test_can_admit_counts_revived_blocks_and_watermark():
     b = make_seq([1, 2, 3, 4, 6], "b")
     cached = bm.lookup_prefix(b)
     assert len(cached) == 2
-    assert bm.can_admit(b, cached, 5, watermark=0)        # 2 revived + 1 new = 3
+    assert bm.can_admit(b, cached, 5, watermark=0)  # 2 revived + 1 new = 3
     assert not bm.can_admit(b, cached, 5, watermark=1)
-    assert not bm.can_admit(b, cached, 7, watermark=0)    # 4 blocks > 3
+    assert not bm.can_admit(b, cached, 7, watermark=0)  # 4 blocks > 3
 
 
 def test_twin_blocks_computed_concurrently_stay_private():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     a, b = make_seq([1, 2, 3], "a"), make_seq([1, 2, 3], "b")
     admit(bm, a)
-    admit(bm, b)                                     # nothing cached yet: both compute [1,2]
+    admit(bm, b)  # nothing cached yet: both compute [1,2]
     compute_all(bm, a)
     compute_all(bm, b)
     bm.check_invariants([a, b])
@@ -160,22 +161,23 @@ def test_check_invariants_catches_a_leak():
     seq = make_seq([1, 2, 3])
     admit(bm, seq)
     with pytest.raises(AssertionError):
-        bm.check_invariants([])                       # the sequence's blocks are unaccounted for
+        bm.check_invariants([])  # the sequence's blocks are unaccounted for
 
 
 def test_tables_matrix_mirrors_block_tables_as_it_grows():
-    """Each admitted sequence's row of `tables` is its block table, zero-padded, through row and width growth."""
+    """Each admitted sequence's row of `tables` is its block table, zero-padded, through row and width
+    growth."""
     bm = BlockManager(num_blocks=200, block_size=1)
-    seqs = [make_seq(range(3), f"s{i}") for i in range(20)]           # more than the initial 16 rows
+    seqs = [make_seq(range(3), f"s{i}") for i in range(20)]  # more than the initial 16 rows
     for seq in seqs:
         admit(bm, seq)
-    bm.grow(seqs[0], 40)                                               # wider than the initial 16 columns
+    bm.grow(seqs[0], 40)  # wider than the initial 16 columns
     bm.check_invariants(seqs)
     assert bm.tables.shape[0] >= 20 and bm.tables.shape[1] >= 40
     assert bm.tables[seqs[0].block_row, :40].tolist() == seqs[0].block_table
     freed_row = seqs[5].block_row
     bm.free(seqs[5])
-    assert not bm.tables[freed_row].any()                             # zeroed for the next sequence
+    assert not bm.tables[freed_row].any()  # zeroed for the next sequence
     again = make_seq(range(7), "again")
     admit(bm, again)
     assert again.block_row == freed_row
@@ -190,14 +192,14 @@ def test_a_pending_copy_source_is_no_destination_in_the_same_step():
         admit(bm, parent)
         parent.num_computed_tokens = 5
         bm.fork(parent, child)
-    bm.grow(p, 6)                   # copies its shared tail into the last free block
-    (source, _), = bm.pending_copies
-    bm.free(p_child)                # preempted in the same pass: it held the source's last other reference
-    if bm.max_growth(q) >= 1:       # the scheduler grows q only if the manager says there is room
+    bm.grow(p, 6)  # copies its shared tail into the last free block
+    ((source, _),) = bm.pending_copies
+    bm.free(p_child)  # preempted in the same pass: it held the source's last other reference
+    if bm.max_growth(q) >= 1:  # the scheduler grows q only if the manager says there is room
         bm.grow(q, 6)
     sources = {s for s, _ in bm.pending_copies}
     assert not sources & {d for _, d in bm.pending_copies}, "a step's copies run in parallel"
     bm.check_invariants([p, q, q_child])
-    bm.take_copies()                # once copied, the source is free again
+    bm.take_copies()  # once copied, the source is free again
     assert source in bm.free_blocks
     bm.check_invariants([p, q, q_child])

@@ -4,11 +4,25 @@ import pytest
 from minisarathi.config import EngineConfig, ModelConfig, RopeScaling
 from minisarathi.paths import default_model_dir
 
-BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def config(**changes) -> ModelConfig:
@@ -17,7 +31,13 @@ def config(**changes) -> ModelConfig:
 
 def test_bundled_model_config():
     c = ModelConfig.from_pretrained(default_model_dir())
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 5, 8, 4, 8)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        64,
+        5,
+        8,
+        4,
+        8,
+    )
     assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (512, 172, 512)
     assert c.tie_word_embeddings and c.rope_scaling is None and c.rope_theta == 10000.0
     assert c.dtype == "float32"
@@ -39,9 +59,10 @@ def test_defaults_and_biases():
 def test_rope_key_styles_read_identically(rope_scaling):
     v4 = config(rope_theta=500000.0, rope_scaling=rope_scaling)
     v5 = config(rope_parameters={"rope_theta": 500000.0, **(rope_scaling or {"rope_type": "default"})})
-    old_type_key = config(rope_theta=500000.0,
-                          rope_scaling=rope_scaling and {"type" if k == "rope_type" else k: v
-                                                         for k, v in rope_scaling.items()})
+    old_type_key = config(
+        rope_theta=500000.0,
+        rope_scaling=rope_scaling and {"type" if k == "rope_type" else k: v for k, v in rope_scaling.items()},
+    )
     assert v4 == v5 == old_type_key
     assert v4.rope_theta == 500000.0
     assert np.array_equal(v4.rope_inv_freq(), v5.rope_inv_freq())
@@ -65,27 +86,34 @@ def test_inv_freq_variants():
 
 
 def test_mistral_window_covering_everything_is_fine():
-    assert config(architectures=["MistralForCausalLM"], sliding_window=None).architecture == "MistralForCausalLM"
-    assert config(architectures=["MistralForCausalLM"], sliding_window=256).architecture == "MistralForCausalLM"
+    assert (
+        config(architectures=["MistralForCausalLM"], sliding_window=None).architecture == "MistralForCausalLM"
+    )
+    assert (
+        config(architectures=["MistralForCausalLM"], sliding_window=256).architecture == "MistralForCausalLM"
+    )
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"architectures": ["GPT2LMHeadModel"]}, ["architectures", "GPT2LMHeadModel"]),
-    ({"architectures": None}, ["architectures"]),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, ["sliding_window", "128"]),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type", "yarn"]),
-    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["rope_type", "dynamic"]),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
-    ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),
-    ({"quantization_config": {"quant_method": "awq"}}, ["quantization_config", "awq"]),
-    ({"mlp_bias": True}, ["mlp_bias", "True"]),
-    ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
-    ({"num_key_value_heads": 3}, ["num_key_value_heads", "3"]),
-    ({"hidden_size": 0}, ["hidden_size", "0"]),
-    ({"dtype": "float8_e4m3fn"}, ["dtype", "float8_e4m3fn"]),
-    ({"head_dim": 7}, ["head_dim", "7"]),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, ["architectures", "GPT2LMHeadModel"]),
+        ({"architectures": None}, ["architectures"]),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, ["sliding_window", "128"]),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type", "yarn"]),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["rope_type", "dynamic"]),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
+        ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),
+        ({"quantization_config": {"quant_method": "awq"}}, ["quantization_config", "awq"]),
+        ({"mlp_bias": True}, ["mlp_bias", "True"]),
+        ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
+        ({"num_key_value_heads": 3}, ["num_key_value_heads", "3"]),
+        ({"hidden_size": 0}, ["hidden_size", "0"]),
+        ({"dtype": "float8_e4m3fn"}, ["dtype", "float8_e4m3fn"]),
+        ({"head_dim": 7}, ["head_dim", "7"]),
+    ],
+)
 def test_unsupported_configs_name_the_field(changes, words):
     with pytest.raises(ValueError) as error:
         config(**changes)
@@ -103,9 +131,20 @@ def test_rope_scaling_is_a_value():
 
 
 def test_engine_config_checks_its_fields():
-    assert EngineConfig().kv_cache_bytes is None and EngineConfig(kv_cache_bytes=1 << 20).kv_cache_bytes == 1 << 20
-    for bad in ({"kv_cache_bytes": 0}, {"kv_cache_bytes": True}, {"num_kv_blocks": -1}, {"chunk_size": 0},
-                {"device": "tpu"}, {"scheduler": "fifo"}, {"seed": -1}, {"max_num_seqs": None}):
+    assert (
+        EngineConfig().kv_cache_bytes is None
+        and EngineConfig(kv_cache_bytes=1 << 20).kv_cache_bytes == 1 << 20
+    )
+    for bad in (
+        {"kv_cache_bytes": 0},
+        {"kv_cache_bytes": True},
+        {"num_kv_blocks": -1},
+        {"chunk_size": 0},
+        {"device": "tpu"},
+        {"scheduler": "fifo"},
+        {"seed": -1},
+        {"max_num_seqs": None},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)
 
@@ -113,13 +152,18 @@ def test_engine_config_checks_its_fields():
 def test_scheduling_options_are_checked():
     from minisarathi.config import EngineConfig
 
-    EngineConfig(tbt_slo_ms=50, max_partial_prefills=4, long_prefill_threshold=2048, max_long_partial_prefills=2)
-    for options, field in [(dict(tbt_slo_ms=0), "tbt_slo_ms"), (dict(tbt_slo_ms="50"), "tbt_slo_ms"),
-                           (dict(tbt_slo_ms=50, scheduler="vllm"), "tbt_slo_ms"),
-                           (dict(max_partial_prefills=0), "max_partial_prefills"),
-                           (dict(long_prefill_threshold=64), "long_prefill_threshold"),
-                           (dict(max_partial_prefills=2, scheduler="orca"), "max_partial_prefills"),
-                           (dict(max_partial_prefills=2, max_long_partial_prefills=3), "max_long_partial_prefills"),
-                           (dict(priority_aging_s=-1), "priority_aging_s")]:
+    EngineConfig(
+        tbt_slo_ms=50, max_partial_prefills=4, long_prefill_threshold=2048, max_long_partial_prefills=2
+    )
+    for options, field in [
+        (dict(tbt_slo_ms=0), "tbt_slo_ms"),
+        (dict(tbt_slo_ms="50"), "tbt_slo_ms"),
+        (dict(tbt_slo_ms=50, scheduler="vllm"), "tbt_slo_ms"),
+        (dict(max_partial_prefills=0), "max_partial_prefills"),
+        (dict(long_prefill_threshold=64), "long_prefill_threshold"),
+        (dict(max_partial_prefills=2, scheduler="orca"), "max_partial_prefills"),
+        (dict(max_partial_prefills=2, max_long_partial_prefills=3), "max_long_partial_prefills"),
+        (dict(priority_aging_s=-1), "priority_aging_s"),
+    ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**options)

@@ -1,10 +1,13 @@
-"""The step cost model: least squares recovers known coefficients, stays non-negative, sizes chunks exactly."""
+"""The step cost model: least squares recovers known coefficients, stays non-negative, sizes chunks
+exactly."""
+
 import numpy as np
 import pytest
 
 from minisarathi.engine.cost_model import FEATURES, CostModel, StepShape, chunk_attention
 
-# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode attention
+# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode
+# attention
 TRUE = np.array([4e-3, 1.1e-3, 0.4e-3, 2e-7, 5e-7])
 
 
@@ -21,8 +24,10 @@ def random_shapes(rng, n, decode_only=False):
 
 
 def true_time(shape, coefficients=TRUE):
-    return float(coefficients @ [1, shape.prefill_tokens, shape.decode_seqs, shape.prefill_attention,
-                                 shape.decode_attention])
+    return float(
+        coefficients
+        @ [1, shape.prefill_tokens, shape.decode_seqs, shape.prefill_attention, shape.decode_attention]
+    )
 
 
 def test_recovers_known_coefficients_from_noisy_steps():
@@ -35,8 +40,8 @@ def test_recovers_known_coefficients_from_noisy_steps():
     summary = model.summary()
     assert list(summary["coefficients"]) == list(FEATURES)
     counts = summary["error_histogram"]
-    assert sum(counts.values()) == 600 - 10          # predictions exist from the first fit, after 10 steps
-    assert counts["<=1.05"] > 0.9 * sum(counts.values())   # 0.3% noise: nearly all within 5%
+    assert sum(counts.values()) == 600 - 10  # predictions exist from the first fit, after 10 steps
+    assert counts["<=1.05"] > 0.9 * sum(counts.values())  # 0.3% noise: nearly all within 5%
 
 
 def test_an_offline_model_fits_only_when_read():
@@ -48,26 +53,27 @@ def test_an_offline_model_fits_only_when_read():
     assert model.num_fits == 0 and not model.fitted
     assert model.summary()["coefficients"]["decode_attention"] == pytest.approx(TRUE[4])
     model.summary()
-    assert model.num_fits == 1   # nothing new since: no second fit
+    assert model.num_fits == 1  # nothing new since: no second fit
 
 
 def test_early_refits_are_rate_limited():
     """A noisy machine makes most long steps miss their prediction by 20%: refitting on each would put a fit
     in nearly every step. At most one early refit per EARLY_REFIT_GAP steps."""
     from minisarathi.engine.cost_model import EARLY_REFIT_GAP
+
     rng = np.random.default_rng(2)
     model = CostModel()
     for shape in random_shapes(rng, 16):
         model.add(shape, true_time(shape), model.predict(shape))
     fits = model.num_fits
-    for k, shape in enumerate(random_shapes(rng, 32)):   # every step 30% over or under: each one "missed"
+    for k, shape in enumerate(random_shapes(rng, 32)):  # every step 30% over or under: each one "missed"
         model.add(shape, true_time(shape) * (1.3 if k % 2 else 0.7), model.predict(shape))
     assert model.num_fits - fits <= 32 // EARLY_REFIT_GAP + 32 // 16
 
 
 def test_coefficients_stay_non_negative():
     rng = np.random.default_rng(1)
-    truth = TRUE * [1, 1, 0, 1, 0]      # no cost per decode: noise alone would fit a negative one
+    truth = TRUE * [1, 1, 0, 1, 0]  # no cost per decode: noise alone would fit a negative one
     model = CostModel()
     for shape in random_shapes(rng, 200):
         model.add(shape, true_time(shape, truth) + rng.normal(0, 1e-3))
@@ -81,9 +87,9 @@ def test_profile_anchors_what_the_window_does_not_show():
     profile = random_shapes(rng, 12)
     model.add_profile(profile, [true_time(s) for s in profile])
     np.testing.assert_allclose(model.coefficients, TRUE, rtol=1e-6)
-    for shape in random_shapes(rng, 200, decode_only=True):   # a decode-only stretch fills the window
+    for shape in random_shapes(rng, 200, decode_only=True):  # a decode-only stretch fills the window
         model.add(shape, true_time(shape))
-    np.testing.assert_allclose(model.coefficients, TRUE, rtol=1e-6)   # the prefill cost is still known
+    np.testing.assert_allclose(model.coefficients, TRUE, rtol=1e-6)  # the prefill cost is still known
 
 
 def test_max_prefill_tokens_is_the_largest_chunk_within_the_time():

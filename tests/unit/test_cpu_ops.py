@@ -1,6 +1,7 @@
 """CpuOps' ops against float64 (paged attention over scattered blocks, the elementwise ops, RoPE), and its
 own tricks: zeros (the KV cache's memory) resident from the start, not mapped on first write; linear's two
 products; RoPE's column tables bit for bit the pairwise formula."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,13 @@ print(grown)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_zeros_are_resident_at_once():
-    done = subprocess.run([sys.executable, "-c", MEASURE], cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     grown = int(done.stdout)
     assert grown >= 0.9 * (64 << 20), f"only {grown >> 20} MiB of the 64 MiB cache became resident"
 
@@ -51,7 +57,7 @@ def test_the_transposed_product_is_taken_only_where_it_was_measured_faster():
 
 @pytest.mark.parametrize("core", ["SkylakeX", "Haswell"])
 @pytest.mark.parametrize("rows", [1, 2, 31, 128, 129, 300])
-@pytest.mark.parametrize("feature_major", [False, True])   # x as a transposed linear hands it on (F order)
+@pytest.mark.parametrize("feature_major", [False, True])  # x as a transposed linear hands it on (F order)
 def test_linear_matches_float64_on_both_sides_of_the_threshold(core, rows, feature_major):
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 96), dtype=np.float32)
@@ -95,8 +101,8 @@ def test_rope_store_kv_is_the_pairwise_float32_formula_bit_for_bit_batch_after_b
     k_cache, v_cache = ops.zeros((16, Hk, block_size, D)), ops.zeros((16, Hk, block_size, D))
 
     def pairwise(x, positions):
-        cos, sin = cos_sin[positions, None, :D // 2], cos_sin[positions, None, D // 2:]
-        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        cos, sin = cos_sin[positions, None, : D // 2], cos_sin[positions, None, D // 2 :]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     for T, layers, feature_major in [(5, 3, False), (1, 2, False), (3, 2, True), (5, 2, False)]:
@@ -106,22 +112,36 @@ def test_rope_store_kv_is_the_pairwise_float32_formula_bit_for_bit_batch_after_b
             qkv = rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32)
             qkv = np.asfortranarray(qkv) if feature_major else qkv
             original = qkv.copy()
-            q, k, v = (qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
-                       qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+            q, k, v = (
+                qkv[:, : Hq * D].reshape(T, Hq, D),
+                qkv[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D),
+                qkv[:, (Hq + Hk) * D :].reshape(T, Hk, D),
+            )
             ops.rope_store_kv(q, k, v, k_cache, v_cache, positions, slots, cos_sin)
-            assert np.array_equal(q, pairwise(original[:, :Hq * D].reshape(T, Hq, D), positions))
-            assert np.array_equal(qkv[:, Hq * D:], original[:, Hq * D:])
+            assert np.array_equal(q, pairwise(original[:, : Hq * D].reshape(T, Hq, D), positions))
+            assert np.array_equal(qkv[:, Hq * D :], original[:, Hq * D :])
             stored = k_cache[slots // block_size, :, slots % block_size]
-            k_original = original[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
+            k_original = original[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D)
             assert np.array_equal(stored, pairwise(k_original, positions))
             assert np.array_equal(v_cache[slots // block_size, :, slots % block_size], v)
 
 
 # (history, query tokens) per sequence
-RUNS = {"mixed": lambda block_size: [(0, 5), (7, 1), (13, 4), (0, 1), (30, 1), (2, 9), (block_size, 1),
-                                     (block_size - 1, 1), (5, 300)],           # 300: several query tiles
-        "equal decodes": lambda block_size: [(20, 1), (20, 1), (3, 6), (20, 1)],   # no padding mask
-        "long decodes": lambda block_size: [(450, 1), (3, 6), (400, 1)]}          # scores computed transposed
+RUNS = {
+    "mixed": lambda block_size: [
+        (0, 5),
+        (7, 1),
+        (13, 4),
+        (0, 1),
+        (30, 1),
+        (2, 9),
+        (block_size, 1),
+        (block_size - 1, 1),
+        (5, 300),
+    ],  # 300: several query tiles
+    "equal decodes": lambda block_size: [(20, 1), (20, 1), (3, 6), (20, 1)],  # no padding mask
+    "long decodes": lambda block_size: [(450, 1), (3, 6), (400, 1)],
+}  # scores computed transposed
 
 
 @pytest.mark.parametrize("runs", RUNS)
@@ -138,13 +158,14 @@ def test_paged_attention_matches_dense_float64(Hq, Hk, D, block_size, runs):
     v_cache = rng.standard_normal((num_blocks, Hk, block_size, D)).astype(np.float32)
     keys = [rng.standard_normal((h + q, Hk, D)).astype(np.float32) for h, q in runs]
     values = [rng.standard_normal((h + q, Hk, D)).astype(np.float32) for h, q in runs]
-    whole = build_batch([ScheduledChunk([0] * (h + q), 0, t, True) for (h, q), t in zip(runs, tables)],
-                        block_size)
+    whole = build_batch(
+        [ScheduledChunk([0] * (h + q), 0, t, True) for (h, q), t in zip(runs, tables)], block_size
+    )
     ops.store_kv(np.concatenate(keys), np.concatenate(values), k_cache, v_cache, whole.slot_mapping)
 
     batch = build_batch([ScheduledChunk([0] * q, h, t, True) for (h, q), t in zip(runs, tables)], block_size)
     q = rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32)
-    scale = D ** -0.5
+    scale = D**-0.5
     out = ops.paged_attention(q, k_cache, v_cache, batch, scale)
     assert out.shape == (batch.num_tokens, Hq, D) and out.dtype == np.float32
 
@@ -168,7 +189,7 @@ def test_store_kv_writes_the_mapped_slots():
     assert np.array_equal(k_cache[2, :, 1], k[0]) and np.array_equal(k_cache[0, :, 2], k[1])
     assert np.array_equal(v_cache[2, :, 1], -k[0]) and np.count_nonzero(k_cache) == np.count_nonzero(k)
     before = k_cache.copy()
-    ops.store_kv(k + 100, k, k_cache, v_cache, np.array([-1, 5], dtype=np.int32))   # negative slot: padding
+    ops.store_kv(k + 100, k, k_cache, v_cache, np.array([-1, 5], dtype=np.int32))  # negative slot: padding
     assert np.array_equal(k_cache[1, :, 1], k[1] + 100)
     k_cache[1, :, 1] = before[1, :, 1]
     assert np.array_equal(k_cache, before)
@@ -179,14 +200,14 @@ def test_elementwise_ops_match_float64():
     x = rng.standard_normal((5, 12)).astype(np.float32)
     w = rng.standard_normal(12).astype(np.float32)
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    want_norm = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w64
+    want_norm = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5) * w64
     assert np.abs(ops.rms_norm(x, w, 1e-5) - want_norm).max() < 1e-5
 
     residual = rng.standard_normal((5, 12)).astype(np.float32)
     want_residual = residual.astype(np.float64) + x64
     normed, new_residual = ops.add_rms_norm(x, residual, w, 1e-5)
     assert new_residual is residual and np.abs(residual - want_residual).max() < 1e-6
-    want = want_residual / np.sqrt((want_residual ** 2).mean(axis=1, keepdims=True) + 1e-5) * w64
+    want = want_residual / np.sqrt((want_residual**2).mean(axis=1, keepdims=True) + 1e-5) * w64
     assert np.abs(normed - want).max() < 1e-5
 
     gate_up = rng.standard_normal((5, 8)).astype(np.float32) * 30
@@ -203,8 +224,11 @@ def test_rope_store_kv_rotates_q_in_place_and_stores_rotated_k_and_v():
     T, Hq, Hk, D, block_size = 6, 4, 2, 8, 4
     qkv = rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np.float32)
     original = qkv.astype(np.float64)
-    q, k, v = (qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D),
-               qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D))
+    q, k, v = (
+        qkv[:, : Hq * D].reshape(T, Hq, D),
+        qkv[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D),
+        qkv[:, (Hq + Hk) * D :].reshape(T, Hk, D),
+    )
     positions = np.array([0, 1, 2, 50, 51, 100000], dtype=np.int32)
     slots = np.array([3, 0, 9, -1, 4, 11], dtype=np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
@@ -214,16 +238,16 @@ def test_rope_store_kv_rotates_q_in_place_and_stores_rotated_k_and_v():
     angle = positions[:, None, None].astype(np.float64) * inv_freq.astype(np.float64)  # [T, 1, D/2]
 
     def rotated(start, heads):
-        x = original[:, start:start + heads * D].reshape(T, heads, D)
+        x = original[:, start : start + heads * D].reshape(T, heads, D)
         # half-split pairs as complex numbers
-        want = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * angle)
+        want = (x[..., : D // 2] + 1j * x[..., D // 2 :]) * np.exp(1j * angle)
         return np.concatenate([want.real, want.imag], axis=-1)
 
-    assert np.abs(q - rotated(0, Hq)).max() < 1e-4          # exact to float32 even at position 100000
-    assert np.array_equal(qkv[:, Hq * D:], original[:, Hq * D:].astype(np.float32))   # k and v untouched
+    assert np.abs(q - rotated(0, Hq)).max() < 1e-4  # exact to float32 even at position 100000
+    assert np.array_equal(qkv[:, Hq * D :], original[:, Hq * D :].astype(np.float32))  # k and v untouched
     want_k, want_v = np.zeros_like(k_cache), np.zeros_like(v_cache)
     for t, slot in enumerate(slots):
-        if slot >= 0:                                        # -1: a padding token, stored nowhere
+        if slot >= 0:  # -1: a padding token, stored nowhere
             want_k[slot // block_size, :, slot % block_size] = rotated(Hq * D, Hk)[t]
             want_v[slot // block_size, :, slot % block_size] = v[t]
     assert np.abs(k_cache - want_k).max() < 1e-4 and np.array_equal(v_cache, want_v)

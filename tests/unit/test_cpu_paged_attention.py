@@ -3,6 +3,7 @@ decode groups, per-batch plans and kept decode K/V change nothing but speed; kep
 with the cache, not in a step. (Exactness against a float64 dense reference:
 tests/unit/test_cpu_ops.py::test_paged_attention_matches_dense_float64; the native kernel:
 tests/unit/test_native_attention.py.)"""
+
 import dataclasses
 import subprocess
 import sys
@@ -29,8 +30,13 @@ def case(seed: int, runs):
     rng = np.random.default_rng(seed)
     needs = [-(-(h + n) // BLOCK_SIZE) for h, n in runs]
     pool = rng.permutation(sum(needs) + 3).tolist()
-    batch = build_batch([ScheduledChunk([0] * n, h, [pool.pop() for _ in range(need)], True)
-                         for (h, n), need in zip(runs, needs)], BLOCK_SIZE)
+    batch = build_batch(
+        [
+            ScheduledChunk([0] * n, h, [pool.pop() for _ in range(need)], True)
+            for (h, n), need in zip(runs, needs)
+        ],
+        BLOCK_SIZE,
+    )
     shape = (sum(needs) + 3, Hk, BLOCK_SIZE, D)
     k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
     q = rng.standard_normal((batch.num_tokens, Hq, D)).astype(np.float32)
@@ -42,7 +48,7 @@ DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1)]
 
 
 @pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN])
-@pytest.mark.parametrize("group_bytes", [1, 2 * Hk * 32 * D * 4 * 2, 1 << 30])   # 1 sequence, 2, all
+@pytest.mark.parametrize("group_bytes", [1, 2 * Hk * 32 * D * 4 * 2, 1 << 30])  # 1 sequence, 2, all
 def test_decode_groups_give_the_same_output(monkeypatch, runs, group_bytes):
     """Decodes gathered group by group each step (the path when their K/V is not kept across steps)."""
     batch, q, k_cache, v_cache = case(1, runs)
@@ -80,17 +86,21 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     finish and new ones take their freed blocks (written anew through store_kv); copy_blocks overwrites a
     block. Each step's output must equal a fresh backend's, which copies everything, and the path that
     gathers every step."""
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 1)   # keep even this small decode K/V
-    monkeypatch.setattr(np, "empty", born_full_of_nan)   # whatever is read of a buffer (padding too) was written
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 1)  # keep even this small decode K/V
+    monkeypatch.setattr(
+        np, "empty", born_full_of_nan
+    )  # whatever is read of a buffer (padding too) was written
     kept_steps = 0
     rng = np.random.default_rng(7)
     num_blocks = 48
-    k_cache, v_cache = (rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D)).astype(np.float32) for _ in range(2))
+    k_cache, v_cache = (
+        rng.standard_normal((num_blocks, Hk, BLOCK_SIZE, D)).astype(np.float32) for _ in range(2)
+    )
     free = list(rng.permutation(num_blocks))
-    seqs = []      # [length in the cache, blocks]
+    seqs = []  # [length in the cache, blocks]
 
     def admit(length):
-        blocks = [free.pop() for _ in range(-(-(length + 15) // BLOCK_SIZE))]   # room for 15 decodes
+        blocks = [free.pop() for _ in range(-(-(length + 15) // BLOCK_SIZE))]  # room for 15 decodes
         prompt = build_batch([ScheduledChunk([0] * length, 0, blocks, True)], BLOCK_SIZE)
         kv = rng.standard_normal((length, Hk, D)).astype(np.float32)
         ops.store_kv(kv, -kv, k_cache, v_cache, prompt.slot_mapping)
@@ -100,11 +110,11 @@ def test_kept_decode_kv_follows_every_write_and_batch_change(monkeypatch):
     for length in (5, 13, 2, 9):
         admit(length)
     for step in range(14):
-        if step in (4, 9):                 # the second sequence finishes; a new one reuses its blocks
+        if step in (4, 9):  # the second sequence finishes; a new one reuses its blocks
             _, blocks = seqs.pop(1)
             free.extend(blocks[::-1])
             admit(int(rng.integers(1, 12)))
-        if step in (6, 11):                # copy-on-write: a block of the first sequence is overwritten
+        if step in (6, 11):  # copy-on-write: a block of the first sequence is overwritten
             ops.copy_blocks([(k_cache, v_cache)], [seqs[-1][1][0]], [seqs[0][1][0]])
         batch = build_batch([ScheduledChunk([0], n, blocks, True) for n, blocks in seqs], BLOCK_SIZE)
         kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
@@ -127,31 +137,34 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
     context enters new blocks (kept K/V laid out anew) and sequences join, against the path that gathers every
     step; the kept K/V handed to the products lies in the memory made with the caches."""
     made = []
-    monkeypatch.setattr(attention, "kept_memory", lambda size, make=attention.kept_memory:
-                        made.append(make(size)) or made[-1])
-    tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4             # K and V of one block
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)   # kept from 11 blocks on
+    monkeypatch.setattr(
+        attention, "kept_memory", lambda size, make=attention.kept_memory: made.append(make(size)) or made[-1]
+    )
+    tile_bytes = 2 * Hk * BLOCK_SIZE * D * 4  # K and V of one block
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 10 * tile_bytes)  # kept from 11 blocks on
     ops = CpuOps()
-    assert ops.zeros((5, Hk, BLOCK_SIZE, D)) is not None and made == []   # too small ever to keep: none made
+    assert ops.zeros((5, Hk, BLOCK_SIZE, D)) is not None and made == []  # too small ever to keep: none made
     num_blocks = 40
     k_cache, v_cache = ops.zeros((num_blocks, Hk, BLOCK_SIZE, D)), ops.zeros((num_blocks, Hk, BLOCK_SIZE, D))
     assert [m.size for m in made] == [k_cache.size, v_cache.size]
-    assert all(not m.any() for m in made)      # zeros: padding read from it is finite
+    assert all(not m.any() for m in made)  # zeros: padding read from it is finite
 
     def no_allocation_in_a_step(size):
         raise AssertionError("kept_memory called in a step")
+
     monkeypatch.setattr(attention, "kept_memory", no_allocation_in_a_step)
     kept_views = []
     gather = attention.DecodeKV.gather
-    monkeypatch.setattr(attention.DecodeKV, "gather",
-                        lambda *a: kept_views.append(gather(*a)) or kept_views[-1])
+    monkeypatch.setattr(
+        attention.DecodeKV, "gather", lambda *a: kept_views.append(gather(*a)) or kept_views[-1]
+    )
 
     rng = np.random.default_rng(3)
     free = list(rng.permutation(num_blocks))
-    seqs = []      # [length in the cache, blocks]
+    seqs = []  # [length in the cache, blocks]
 
     def admit(length):
-        blocks = [free.pop() for _ in range(-(-(length + 12) // BLOCK_SIZE))]   # room for 12 decodes
+        blocks = [free.pop() for _ in range(-(-(length + 12) // BLOCK_SIZE))]  # room for 12 decodes
         prompt = build_batch([ScheduledChunk([0] * length, 0, blocks, True)], BLOCK_SIZE)
         kv = rng.standard_normal((length, Hk, D)).astype(np.float32)
         ops.store_kv(kv, kv - 1, k_cache, v_cache, prompt.slot_mapping)
@@ -161,7 +174,7 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
         admit(length)
     keeps = []
     for step in range(12):
-        if step in (2, 3, 7):      # decodes join, one by one and between kept steps
+        if step in (2, 3, 7):  # decodes join, one by one and between kept steps
             admit(int(rng.integers(2, 9)))
         batch = build_batch([ScheduledChunk([0], n, blocks, True) for n, blocks in seqs], BLOCK_SIZE)
         kv = rng.standard_normal((len(seqs), Hk, D)).astype(np.float32)
@@ -175,7 +188,7 @@ def test_kept_decode_kv_lives_in_memory_made_with_the_cache(monkeypatch):
         for s in seqs:
             s[0] += 1
     kept_widths = {width for kept, width in keeps if kept}
-    assert not keeps[0][0] and keeps[-1][0] and len(kept_widths) >= 2   # switched on; laid out anew since
+    assert not keeps[0][0] and keeps[-1][0] and len(kept_widths) >= 2  # switched on; laid out anew since
     assert len(kept_views) == sum(kept for kept, _ in keeps)
     for views in kept_views:
         for view, memory in zip(views, made):
@@ -201,8 +214,15 @@ print(resident_bytes() - before, DECODE_GROUP_BYTES, memory.nbytes)
 def test_kept_memory_is_resident_for_the_switch_and_room_beyond():
     """Resident from the start for what the first kept step copies (so that step faults in no page), the rest
     of the room not until used (else the pool's resident memory would double)."""
-    done = subprocess.run([sys.executable, "-c", MEASURE_KEPT_MEMORY], cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE_KEPT_MEMORY],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     grown, written, room = map(int, done.stdout.split())
     assert room == 64 << 20
-    assert 0.9 * written <= grown <= written + (4 << 20), f"{grown >> 20} MiB resident, {written >> 20} MiB written"
+    assert 0.9 * written <= grown <= written + (4 << 20), (
+        f"{grown >> 20} MiB resident, {written >> 20} MiB written"
+    )

@@ -1,5 +1,6 @@
 """The package's import graph: no module imports another's underscore name, and no import circle exists
 (a reader never has to hold a circle in their head). Every import statement counts, also inside functions."""
+
 import ast
 from pathlib import Path
 
@@ -14,7 +15,7 @@ def module_name(path: Path) -> str:
 def import_graph() -> tuple[dict[str, set[str]], list[str]]:
     modules = {module_name(f): f for f in PACKAGE.rglob("*.py")}
 
-    def owner(name: str) -> str | None:   # the package module a dotted name lives in
+    def owner(name: str) -> str | None:  # the package module a dotted name lives in
         while name and name not in modules:
             name = name.rpartition(".")[0]
         return name or None
@@ -47,13 +48,19 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
     def visit(root):
         work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on_stack.add(root)
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
         while work:
             node, children = work[-1]
             child = next(children, None)
             if child is not None:
                 if child not in index:
-                    index[child] = low[child] = counter[0]; counter[0] += 1; stack.append(child); on_stack.add(child)
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
                     work.append((child, iter(sorted(edges[child]))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
@@ -64,7 +71,9 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             if low[node] == index[node]:
                 component = []
                 while True:
-                    member = stack.pop(); on_stack.discard(member); component.append(member)
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
                     if member == node:
                         break
                 if len(component) > 1:
@@ -78,7 +87,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_and_no_private_imports():
     edges, private = import_graph()
-    assert len(edges) > 30   # the walk found the package
+    assert len(edges) > 30  # the walk found the package
     assert cycles(edges) == []
     assert private == []
 

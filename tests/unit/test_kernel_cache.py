@@ -1,5 +1,6 @@
 """CuPy keys its compiled-kernel cache by a kernel file's text and NVRTC options only: the options carry a
 digest of every header the file includes, so an edited header never loads a stale cubin."""
+
 import shutil
 
 import pytest
@@ -26,9 +27,9 @@ def test_an_edited_header_changes_the_options_of_the_files_that_include_it(kerne
     assert {file for file in files if after[file] != before[file]} == includes_vec
     (kernel_dir / "common.cuh").write_text((kernel_dir / "common.cuh").read_text() + "\n// edited\n")
     latest = {file: cuda_ops.nvrtc_options(file) for file in files}
-    assert all(latest[file] != after[file] for file in files)   # every file includes it
+    assert all(latest[file] != after[file] for file in files)  # every file includes it
     (kernel_dir / "sampling.cu").write_text((kernel_dir / "sampling.cu").read_text() + "\n// edited\n")
-    assert {file: cuda_ops.nvrtc_options(file) for file in files} == latest   # CuPy hashes a .cu's own text
+    assert {file: cuda_ops.nvrtc_options(file) for file in files} == latest  # CuPy hashes a .cu's own text
 
 
 def test_the_gpu_launcher_compiles_with_those_options():
@@ -44,7 +45,7 @@ def test_the_gpu_launcher_compiles_with_those_options():
     class FakeCupy:
         RawModule = FakeModule
 
-    launcher = object.__new__(cuda_ops.CupyLauncher)   # no GPU here: only what kernel() uses
+    launcher = object.__new__(cuda_ops.CupyLauncher)  # no GPU here: only what kernel() uses
     launcher.xp, launcher._modules, launcher._kernels = FakeCupy, {}, {}
     assert launcher.kernel("rms_norm.cu", "rms_norm_kernel<float>") == "rms_norm_kernel<float>"
     assert made[0]["options"] == cuda_ops.nvrtc_options("rms_norm.cu")

@@ -1,4 +1,6 @@
-"""The offline API: prompt forms, order, per-prompt params, fail-before-running, and the bundled model's golden story."""
+"""The offline API: prompt forms, order, per-prompt params, fail-before-running, and the bundled model's
+golden story."""
+
 import pytest
 
 from minisarathi import LLM, SamplingParams
@@ -31,14 +33,16 @@ def test_prompt_forms_and_order(llm):
     alone = [llm.generate(t, GREEDY)[0] for t in texts]
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
     ids = batch[0].prompt_token_ids
-    (by_ids,) = llm.generate(ids, GREEDY)       # one prompt given as token ids
+    (by_ids,) = llm.generate(ids, GREEDY)  # one prompt given as token ids
     assert by_ids.prompt is None and by_ids.outputs[0].token_ids == batch[0].outputs[0].token_ids
     assert batch[1].outputs[0].text.startswith(", there was a little girl")
 
 
 def test_params_per_prompt(llm):
-    outs = llm.generate(["Tom had a red", "Tom had a red"],
-                        [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0, max_tokens=7)])
+    outs = llm.generate(
+        ["Tom had a red", "Tom had a red"],
+        [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0, max_tokens=7)],
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
     assert outs[1].outputs[0].token_ids[:3] == outs[0].outputs[0].token_ids
 
@@ -66,8 +70,10 @@ def test_priority_orders_the_prompts():
     outs = llm.generate(["Tom had a red", "Once upon a time", "Lily went"], GREEDY, priority=[1, 2, 0])
     order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
     assert order == [2, 0, 1]
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(
-        ["Tom had a red", "Once upon a time", "Lily went"], GREEDY)]
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids
+        for o in llm.generate(["Tom had a red", "Once upon a time", "Lily went"], GREEDY)
+    ]
     with pytest.raises(ValueError, match="priority"):
         llm.generate(["a", "b"], GREEDY, priority=[0])
     with pytest.raises(ValueError, match="priority"):

@@ -18,7 +18,7 @@ def float_from_bits(bits: np.ndarray, exponent_bits: int, mantissa_bits: int) ->
     bits = bits.astype(np.int64)
     sign = np.where(bits >> (exponent_bits + mantissa_bits) & 1, -1.0, 1.0)
     exponent = bits >> mantissa_bits & ((1 << exponent_bits) - 1)
-    mantissa = (bits & ((1 << mantissa_bits) - 1)) / 2.0 ** mantissa_bits
+    mantissa = (bits & ((1 << mantissa_bits) - 1)) / 2.0**mantissa_bits
     bias = (1 << (exponent_bits - 1)) - 1
     normal = np.ldexp(1 + mantissa, exponent - bias)
     subnormal = np.ldexp(mantissa, 1 - bias)
@@ -42,7 +42,7 @@ def test_16_bit_conversion_is_exact_for_every_value(dtype, exponent_bits, mantis
 
 def test_bf16_known_values():
     bits = np.array([0x3F80, 0xC000, 0x0000, 0x8000, 0x7F80, 0x0001, 0x4049], dtype=np.uint16)
-    assert bf16_to_float32(bits).tolist() == [1.0, -2.0, 0.0, -0.0, np.inf, 2.0 ** -133, 3.140625]
+    assert bf16_to_float32(bits).tolist() == [1.0, -2.0, 0.0, -0.0, np.inf, 2.0**-133, 3.140625]
 
 
 def test_sharded_bf16_checkpoint_reads_every_tensor():
@@ -51,7 +51,9 @@ def test_sharded_bf16_checkpoint_reads_every_tensor():
     stored = read_checkpoint(GOLDEN / "llama_gqa_bf16")
     assert set(stored) == set(index["weight_map"])
     assert {t.dtype for t in stored.values()} == {"bfloat16"}
-    assert all(t.data.dtype == np.uint16 and not t.data.flags.writeable for t in stored.values())   # raw bits, mapped
+    assert all(
+        t.data.dtype == np.uint16 and not t.data.flags.writeable for t in stored.values()
+    )  # raw bits, mapped
 
 
 def test_fusion_and_tied_embeddings():
@@ -61,11 +63,17 @@ def test_fusion_and_tied_embeddings():
     weights = load_weights(path, config)
     assert "lm_head" not in weights and "lm_head.weight" not in ref
     attn = "model.layers.1.self_attn."
-    assert np.array_equal(weights["layers.1.qkv_proj"], np.concatenate([ref[attn + p + "_proj.weight"] for p in "qkv"]))
-    assert np.array_equal(weights["layers.1.qkv_bias"], np.concatenate([ref[attn + p + "_proj.bias"] for p in "qkv"]))
+    assert np.array_equal(
+        weights["layers.1.qkv_proj"], np.concatenate([ref[attn + p + "_proj.weight"] for p in "qkv"])
+    )
+    assert np.array_equal(
+        weights["layers.1.qkv_bias"], np.concatenate([ref[attn + p + "_proj.bias"] for p in "qkv"])
+    )
     mlp = "model.layers.0.mlp."
-    assert np.array_equal(weights["layers.0.gate_up_proj"],
-                          np.concatenate([ref[mlp + "gate_proj.weight"], ref[mlp + "up_proj.weight"]]))
+    assert np.array_equal(
+        weights["layers.0.gate_up_proj"],
+        np.concatenate([ref[mlp + "gate_proj.weight"], ref[mlp + "up_proj.weight"]]),
+    )
     assert np.array_equal(weights["embed_tokens"], ref["model.embed_tokens.weight"])
     assert all(w.dtype == "float32" and np.asarray(w).dtype == np.float32 for w in weights.values())
 
@@ -79,11 +87,15 @@ def test_bf16_weights_stay_raw_bits_and_fuse_bit_exactly():
     qkv = weights["layers.1.qkv_proj"]
     assert qkv.data.dtype == np.uint16
     assert np.array_equal(qkv.data, np.concatenate([stored[attn + p + "_proj.weight"].data for p in "qkv"]))
-    assert np.array_equal(weights["layers.1.gate_up_proj"].data,
-                          np.concatenate([stored[mlp + p + "_proj.weight"].data for p in ("gate", "up")]))
+    assert np.array_equal(
+        weights["layers.1.gate_up_proj"].data,
+        np.concatenate([stored[mlp + p + "_proj.weight"].data for p in ("gate", "up")]),
+    )
     down = weights["layers.1.down_proj"].data
-    assert not down.flags.writeable and np.array_equal(down, stored[mlp + "down_proj.weight"].data)   # the map itself
-    assert np.array_equal(np.asarray(qkv), bf16_to_float32(qkv.data))   # NumPy code sees float32 values
+    assert not down.flags.writeable and np.array_equal(
+        down, stored[mlp + "down_proj.weight"].data
+    )  # the map itself
+    assert np.array_equal(np.asarray(qkv), bf16_to_float32(qkv.data))  # NumPy code sees float32 values
 
 
 def copy_with(tmp_path: Path, edit) -> tuple[Path, ModelConfig]:
@@ -105,6 +117,7 @@ def test_missing_tensor_is_named(tmp_path):
 def test_wrong_shape_is_named(tmp_path):
     def edit(t):
         t["model.layers.0.mlp.down_proj.weight"] = np.zeros((64, 63), dtype=np.float32)
+
     path, config = copy_with(tmp_path, edit)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\[64, 63\].*\[64, 64\]"):
         load_weights(path, config)
@@ -112,7 +125,10 @@ def test_wrong_shape_is_named(tmp_path):
 
 def test_fused_tensors_must_share_a_dtype(tmp_path):
     def edit(t):
-        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].astype(np.float16)
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].astype(
+            np.float16
+        )
+
     path, config = copy_with(tmp_path, edit)
     with pytest.raises(ValueError, match=r"k_proj\.weight.*layers\.0\.qkv_proj.*float32, float16, float32"):
         load_weights(path, config)

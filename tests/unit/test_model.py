@@ -68,8 +68,14 @@ def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size
         chunks = []
         for s in chosen:
             n = min(len(tokens[s]) - cached[s], int(rng.integers(1, 24)))
-            chunks.append(ScheduledChunk(tokens[s][cached[s]:cached[s] + n], cached[s], tables[s],
-                                         sample=cached[s] + n == len(tokens[s])))
+            chunks.append(
+                ScheduledChunk(
+                    tokens[s][cached[s] : cached[s] + n],
+                    cached[s],
+                    tables[s],
+                    sample=cached[s] + n == len(tokens[s]),
+                )
+            )
             cached[s] += n
         q_lens = {len(c.token_ids) for c in chunks}
         mixed_steps += 1 in q_lens and len(q_lens) > 1
@@ -79,7 +85,7 @@ def test_mixed_batches_with_scattered_blocks_match_solo_runs(stories, block_size
             tokens[s].append(int(logits[row].argmax()))
     assert mixed_steps > 0
     for s, (solo_logits, solo_tokens) in enumerate(solo):
-        assert tokens[s][len(prompts[s]):] == solo_tokens
+        assert tokens[s][len(prompts[s]) :] == solo_tokens
         assert relative_error(sampled_logits[s][0], solo_logits[-1]) <= 1e-5
 
 

@@ -1,5 +1,6 @@
 """The native decode attention (minisarathi/backends/cpu/native_attention.py) against float64 NumPy, its batch
 invariance, CpuOps' rule for it, and the fallback to NumPy's attention where it cannot run."""
+
 import logging
 
 import numpy as np
@@ -9,8 +10,9 @@ from minisarathi.backends.cpu import native_attention
 from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.testing import ScheduledChunk, build_batch
 
-needs_kernel = pytest.mark.skipif(native_attention.kernel() is None,
-                                  reason="no AVX-512 CPU or no C++ compiler here")
+needs_kernel = pytest.mark.skipif(
+    native_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +33,8 @@ def test_the_rule_keeps_numpys_path_past_small_head_dims(monkeypatch):
 
 def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
     """A batch of (history, new tokens) runs over blocks scattered in a pool whose every slot holds random
-    numbers (the slots no run owns, and the ones past each context, must not change a result), and its queries."""
+    numbers (the slots no run owns, and the ones past each context, must not change a result), and its
+    queries."""
     rng = np.random.default_rng(seed)
     needs = [-(-(h + n) // block_size) for h, n in runs]
     pool = rng.permutation(sum(needs) + spare_blocks).tolist()
@@ -39,7 +42,7 @@ def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
     batch = build_batch([ScheduledChunk([0] * n, h, t, True) for (h, n), t in zip(runs, tables)], block_size)
     shape = (sum(needs) + spare_blocks, Hk, block_size, D)
     k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    q = (3 * rng.standard_normal((batch.num_tokens, Hq, D))).astype(np.float32)   # scores spread wide
+    q = (3 * rng.standard_normal((batch.num_tokens, Hq, D))).astype(np.float32)  # scores spread wide
     return batch, q, k_cache, v_cache
 
 
@@ -51,13 +54,15 @@ def reference(q, k_cache, v_cache, batch, scale):
     out = np.empty((T, Hq, D))
     for s in range(batch.num_seqs):
         start, end, n = int(batch.query_start[s]), int(batch.query_start[s + 1]), int(batch.context_lens[s])
-        blocks = batch.block_tables[s, :-(-n // block_size)]
-        k, v = ((cache[blocks].transpose(1, 0, 2, 3).reshape(Hk, -1, D)[:, :n]).astype(np.float64)
-                for cache in (k_cache, v_cache))                                            # [Hk, n, D]
+        blocks = batch.block_tables[s, : -(-n // block_size)]
+        k, v = (
+            (cache[blocks].transpose(1, 0, 2, 3).reshape(Hk, -1, D)[:, :n]).astype(np.float64)
+            for cache in (k_cache, v_cache)
+        )  # [Hk, n, D]
         for row in range(start, end):
             visible = n - (end - 1 - row)
             qs = (q[row] * np.float32(scale)).astype(np.float64).reshape(Hk, Hq // Hk, D)
-            scores = qs @ k[:, :visible].swapaxes(-1, -2)                                  # [Hk, G, visible]
+            scores = qs @ k[:, :visible].swapaxes(-1, -2)  # [Hk, G, visible]
             weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
             weights /= weights.sum(axis=-1, keepdims=True)
             out[row] = (weights @ v[:, :visible]).reshape(Hq, D)
@@ -74,8 +79,13 @@ def check_close(got, ref):
 def test_exp_within_one_ulp_of_float64():
     """The kernel's polynomial exp over all the softmax feeds it (scores minus their max: x <= 0), into the
     subnormals and to 0; NaN stays NaN."""
-    x = np.concatenate([-np.logspace(-8, np.log10(110), 100_000), np.linspace(-110, 0, 200_001),
-                        [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45]]).astype(np.float32)
+    x = np.concatenate(
+        [
+            -np.logspace(-8, np.log10(110), 100_000),
+            np.linspace(-110, 0, 200_001),
+            [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45],
+        ]
+    ).astype(np.float32)
     got = native_attention.kernel().exp(x).astype(np.float64)
     ref = np.exp(x.astype(np.float64))
     ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
@@ -91,15 +101,28 @@ LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)
 
 @needs_kernel
 @pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN, LONG_RAGGED])
-@pytest.mark.parametrize("Hq, Hk, D, block_size", [(8, 4, 8, 16), (8, 4, 32, 16), (8, 4, 64, 16), (32, 8, 128, 16),
-                                                   (6, 2, 10, 3), (3, 3, 6, 5), (4, 1, 8, 1), (4, 4, 17, 7),
-                                                   (6, 2, 200, 32), (2, 1, 1, 2), (16, 2, 16, 4)])
+@pytest.mark.parametrize(
+    "Hq, Hk, D, block_size",
+    [
+        (8, 4, 8, 16),
+        (8, 4, 32, 16),
+        (8, 4, 64, 16),
+        (32, 8, 128, 16),
+        (6, 2, 10, 3),
+        (3, 3, 6, 5),
+        (4, 1, 8, 1),
+        (4, 4, 17, 7),
+        (6, 2, 200, 32),
+        (2, 1, 1, 2),
+        (16, 2, 16, 4),
+    ],
+)
 def test_matches_float64(runs, Hq, Hk, D, block_size):
     """CpuOps.paged_attention as the engine calls it (decodes on the kernel, prefill chunks on NumPy)."""
     batch, q, k_cache, v_cache = case(Hq * 1000 + D * 10 + block_size, runs, Hq, Hk, D, block_size)
-    out = CpuOps().paged_attention(q, k_cache, v_cache, batch, D ** -0.5)
+    out = CpuOps().paged_attention(q, k_cache, v_cache, batch, D**-0.5)
     assert out.shape == q.shape
-    check_close(out, reference(q, k_cache, v_cache, batch, D ** -0.5))
+    check_close(out, reference(q, k_cache, v_cache, batch, D**-0.5))
 
 
 @needs_kernel
@@ -120,8 +143,10 @@ def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
     in any number and order, and beside prefill chunks."""
     runs = [(h, 1) for h in (0, 5, 16, 33, 100, 250, 7, 64)] + [(20, 7)]
     batch, q, k_cache, v_cache = case(11, runs, Hq, Hk, D, block_size)
-    tables = [batch.block_tables[s, :-(-int(batch.context_lens[s]) // block_size)].tolist()
-              for s in range(batch.num_seqs)]
+    tables = [
+        batch.block_tables[s, : -(-int(batch.context_lens[s]) // block_size)].tolist()
+        for s in range(batch.num_seqs)
+    ]
     ops = CpuOps()
     whole = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
 
@@ -133,7 +158,12 @@ def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
         return ops.paged_attention(q[rows], k_cache, v_cache, sub, 0.3), rows
 
     rng = np.random.default_rng(2)
-    for order in [[s] for s in range(8)] + [list(rng.permutation(9)), [8, 3, 1], [2, 6], list(range(7, -1, -1))]:
+    for order in [[s] for s in range(8)] + [
+        list(rng.permutation(9)),
+        [8, 3, 1],
+        [2, 6],
+        list(range(7, -1, -1)),
+    ]:
         got, rows = alone_in(order)
         decode_rows = [i for i, s in enumerate(order) if runs[s][1] == 1]
         np.testing.assert_array_equal(got[decode_rows], whole[rows[decode_rows]])
@@ -146,7 +176,7 @@ def test_cpu_ops_runs_it_and_keeps_no_decode_kv_memory(monkeypatch):
     calls = []
     decode = native_attention.CpuAttention.decode
     monkeypatch.setattr(native_attention.CpuAttention, "decode", lambda *a: calls.append(1) or decode(*a))
-    big = (4096, 4, 16, 64)   # 2 x 16 MiB: a cache whose decode K/V NumPy's path would keep
+    big = (4096, 4, 16, 64)  # 2 x 16 MiB: a cache whose decode K/V NumPy's path would keep
     ops = CpuOps()
     assert native_attention.runs(big[-1])
     ops.zeros(big)
@@ -197,20 +227,22 @@ def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_CPU_ATTENTION", "0")
     assert native_attention.kernel() is None and not native_attention.runs(8)
     batch, q, k_cache, v_cache = case(6, DECODES_BETWEEN, 8, 4, 8, 16)
-    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
-                reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(
+        CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3)
+    )
 
 
 def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):
     monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
-    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))  # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu.native_attention"):
         assert native_attention.kernel() is None
     assert "native decode attention off" in caplog.text
     batch, q, k_cache, v_cache = case(7, DECODES_FIRST, 8, 4, 8, 16)
-    check_close(CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3),
-                reference(q, k_cache, v_cache, batch, 0.3))
+    check_close(
+        CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3)
+    )
 
 
 @needs_kernel
@@ -218,7 +250,7 @@ def test_a_library_that_cannot_load_falls_back_to_numpy(monkeypatch, tmp_path, c
     """A corrupt cached library (or one on a noexec mount) makes ctypes raise OSError: NumPy, a warning."""
     monkeypatch.delenv("MINISARATHI_CPU_ATTENTION", raising=False)
     monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))
-    library = native_attention.library_path()   # built into tmp_path, not loaded
+    library = native_attention.library_path()  # built into tmp_path, not loaded
     library.write_bytes(b"junk")
     with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.native_attention"):
         assert native_attention.kernel() is None

@@ -1,5 +1,6 @@
 """The OpenAI request parser on plain dicts: what foreign clients send that changes nothing is taken, what
 would change the output is refused naming the field."""
+
 import pytest
 
 from minisarathi.server.openai_api import DoorLimits, OpenAIError, parse_chat
@@ -10,8 +11,9 @@ USER = {"role": "user", "content": "Hi"}
 
 def chat(**body):
     rendered = []
-    request = parse_chat({"messages": [USER], **body}, "m", LIMITS,
-                         lambda messages, add: rendered.append(messages) or "x")
+    request = parse_chat(
+        {"messages": [USER], **body}, "m", LIMITS, lambda messages, add: rendered.append(messages) or "x"
+    )
     return request, rendered[0]
 
 
@@ -26,8 +28,15 @@ def test_harmless_fields_of_foreign_clients_are_taken():
     chat(store=False, metadata={"user": "x"}, service_tier="auto")
     chat(store=None, metadata=None, service_tier=None)
     # an assistant message echoed back from an earlier answer, as the SDKs serialize it
-    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": [], "function_call": None,
-              "audio": None, "annotations": []}
+    echoed = {
+        "role": "assistant",
+        "content": "Hello",
+        "refusal": None,
+        "tool_calls": [],
+        "function_call": None,
+        "audio": None,
+        "annotations": [],
+    }
     _, messages = chat(messages=[USER, echoed, USER])
     assert messages[1] == {"role": "assistant", "content": "Hello"}
 
@@ -36,6 +45,11 @@ def test_fields_that_would_change_the_output_are_refused():
     assert refused(store=True) == "store"
     assert refused(service_tier="flex") == "service_tier"
     assert refused(metadata={"n": 1}) == "metadata"
-    for key, value in [("tool_calls", [{"id": "1", "type": "function"}]), ("refusal", "no"),
-                       ("function_call", {"name": "f"}), ("audio", {"id": "a"}), ("annotations", [{"x": 1}])]:
+    for key, value in [
+        ("tool_calls", [{"id": "1", "type": "function"}]),
+        ("refusal", "no"),
+        ("function_call", {"name": "f"}),
+        ("audio", {"id": "a"}),
+        ("annotations", [{"x": 1}]),
+    ]:
         assert refused(messages=[{**USER, key: value}]) == f"messages[0].{key}"

@@ -1,6 +1,7 @@
 """n > 1: the choices of a request share its prompt's KV blocks (computed once; a shared partial block is
 copied when a choice first writes into it), and each choice samples exactly as a separate request seeded
 with seed + index would."""
+
 import numpy as np
 import pytest
 
@@ -30,18 +31,29 @@ def test_each_choice_samples_as_a_request_seeded_with_seed_plus_index(block_size
     options = dict(chunk_size=8, block_size=block_size, num_kv_blocks=128)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=11, max_tokens=14, logprobs=2)
     together = run(LLMEngine(**options), {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)})
-    alone = run(LLMEngine(**options), {f"r{i}-{k}": (p, SamplingParams(temperature=1.0, top_p=0.9, seed=11 + k,
-                                                                        max_tokens=14, logprobs=2))
-                                       for i, p in enumerate(PROMPTS) for k in range(3)})
+    alone = run(
+        LLMEngine(**options),
+        {
+            f"r{i}-{k}": (
+                p,
+                SamplingParams(temperature=1.0, top_p=0.9, seed=11 + k, max_tokens=14, logprobs=2),
+            )
+            for i, p in enumerate(PROMPTS)
+            for k in range(3)
+        },
+    )
     for i in range(len(PROMPTS)):
         outputs = together[f"r{i}"].outputs
         assert [c.index for c in outputs] == [0, 1, 2]
         for k, choice in enumerate(outputs):
             want = alone[f"r{i}-{k}"].outputs[0]
-            assert (choice.token_ids, choice.text, choice.finish_reason) == (want.token_ids, want.text,
-                                                                             want.finish_reason)
+            assert (choice.token_ids, choice.text, choice.finish_reason) == (
+                want.token_ids,
+                want.text,
+                want.finish_reason,
+            )
             assert [sorted(p) for p in choice.logprobs] == [sorted(p) for p in want.logprobs]
-        assert len({tuple(c.token_ids) for c in outputs}) > 1   # the streams differ
+        assert len({tuple(c.token_ids) for c in outputs}) > 1  # the streams differ
 
 
 def test_the_prompt_is_computed_once_and_the_partial_block_copied_on_write(monkeypatch):
@@ -55,14 +67,16 @@ def test_the_prompt_is_computed_once_and_the_partial_block_copied_on_write(monke
         # the source still holds the prompt's K/V when the copy runs
         copies.append((list(sources), list(destinations), kv_cache[0][0][sources].copy()))
         copy_blocks(kv_cache, sources, destinations)
+
     monkeypatch.setattr(engine.model.ops, "copy_blocks", spy)
     out = run(engine, {"a": (prompt, SamplingParams(n=4, temperature=0, max_tokens=6))})["a"]
-    assert sum(r.num_prefill_tokens for r in engine.step_records) == len(prompt)   # once, not 4 times
+    assert sum(r.num_prefill_tokens for r in engine.step_records) == len(prompt)  # once, not 4 times
     # 4 choices share the partial block: the first 3 writers copy it, the last writes in place
     assert sum(len(s) for s, _, _ in copies) == 3
     assert all(len(set(s)) == 1 for s, _, _ in copies)
-    greedy = LLM(chunk_size=64, block_size=4, num_kv_blocks=64).generate([prompt], SamplingParams(temperature=0,
-                                                                                                max_tokens=6))
+    greedy = LLM(chunk_size=64, block_size=4, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6)
+    )
     assert all(c.token_ids == greedy[0].outputs[0].token_ids for c in out.outputs)
     assert all(np.any(block != 0) for _, _, block in copies)
 
@@ -74,7 +88,9 @@ def test_preemption_and_abort_with_shared_blocks():
     engine = LLMEngine(**options)
     together = run(engine, {f"r{i}": (p, params) for i, p in enumerate(PROMPTS[:2])})
     assert engine.scheduler.num_preemptions > 0
-    alone = LLM(**options).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    alone = LLM(**options).generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
     for i, want in enumerate(alone):
         assert all(c.token_ids == want.outputs[0].token_ids for c in together[f"r{i}"].outputs)
 
@@ -92,7 +108,9 @@ def test_preemption_and_abort_with_shared_blocks():
 
 def test_stream_outputs_carry_every_choice():
     engine = LLMEngine(chunk_size=64, block_size=4, num_kv_blocks=64)
-    engine.add_request("s", PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5), stream=True)
+    engine.add_request(
+        "s", PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5), stream=True
+    )
     seen = []
     while engine.has_unfinished_requests():
         seen += [out for out in engine.step() if out.request_id == "s"]

@@ -6,6 +6,7 @@
     ReferenceOps as on CpuOps. The batches mix prefill chunks with decodes over scattered block tables, with
     GQA, a padding row (slot -1) and tables wider than any sequence needs.
 """
+
 from __future__ import annotations
 
 import platform
@@ -35,7 +36,9 @@ RUNS = [(0, 9), (6, 5), (13, 1), (4, 1), (0, 1), (2, 3)]
 # native decode kernel, 32 its NumPy path and the emulator's decode_attention.cu; block size 1 puts every key
 # in a block of its own.
 SHAPES = [(4, 2, 8, 4), (8, 2, 32, 16), (2, 2, 16, 1)]
-emulator_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only")
+emulator_only = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"
+)
 
 
 def mixed_batch(rng: np.random.Generator, block_size: int) -> tuple[Batch, int]:
@@ -43,14 +46,16 @@ def mixed_batch(rng: np.random.Generator, block_size: int) -> tuple[Batch, int]:
     bucket pads (token 0 at position 0 over block 0, slot -1); tables two blocks wider than needed (zeros)."""
     needs = [-(-(start + n) // block_size) for start, n in RUNS]
     pool = rng.permutation(sum(needs) + 3)
-    tables = np.zeros((len(RUNS) + 1, max(needs) + 2), np.int32)   # int32[S, B]
+    tables = np.zeros((len(RUNS) + 1, max(needs) + 2), np.int32)  # int32[S, B]
     used = 0
     for s, need in enumerate(needs):
-        tables[s, :need] = pool[used:used + need]
+        tables[s, :need] = pool[used : used + need]
         used += need
     counts = [n for _, n in RUNS] + [1]
     ids = rng.integers(0, 50, sum(counts)).tolist()
-    batch = make_batch(ids, [start for start, _ in RUNS] + [0], counts, tables, [True] * len(counts), block_size)
+    batch = make_batch(
+        ids, [start for start, _ in RUNS] + [0], counts, tables, [True] * len(counts), block_size
+    )
     batch.slot_mapping[-1] = -1
     return batch, len(pool)
 
@@ -58,20 +63,21 @@ def mixed_batch(rng: np.random.Generator, block_size: int) -> tuple[Batch, int]:
 @dataclass
 class Case:
     """One set of host inputs for every op: float32, small, random."""
-    table: np.ndarray      # float32[V, H] embedding table
-    x: np.ndarray          # float32[T, H]
-    residual: np.ndarray   # float32[T, H]
-    norm_w: np.ndarray     # float32[H]
-    lin_w: np.ndarray      # float32[N, H]
-    lin_b: np.ndarray      # float32[N]
-    lin_x2: np.ndarray     # float32[T, 320]: deep enough for CpuOps' packed matmul, where it runs
-    lin_w2: np.ndarray     # float32[N, 320]
-    gate_up: np.ndarray    # float32[T, 2I], a few very negative gates (exp overflows)
-    qkv: np.ndarray        # float32[T, (Hq + 2 Hk) D]
-    k_cache: np.ndarray    # float32[blocks, Hk, block_size, D], random: the history no step of the test wrote
+
+    table: np.ndarray  # float32[V, H] embedding table
+    x: np.ndarray  # float32[T, H]
+    residual: np.ndarray  # float32[T, H]
+    norm_w: np.ndarray  # float32[H]
+    lin_w: np.ndarray  # float32[N, H]
+    lin_b: np.ndarray  # float32[N]
+    lin_x2: np.ndarray  # float32[T, 320]: deep enough for CpuOps' packed matmul, where it runs
+    lin_w2: np.ndarray  # float32[N, 320]
+    gate_up: np.ndarray  # float32[T, 2I], a few very negative gates (exp overflows)
+    qkv: np.ndarray  # float32[T, (Hq + 2 Hk) D]
+    k_cache: np.ndarray  # float32[blocks, Hk, block_size, D], random: the history no step of the test wrote
     v_cache: np.ndarray
-    cos_sin: np.ndarray    # float32[P, D]
-    inv_freq: np.ndarray   # float32[D/2]
+    cos_sin: np.ndarray  # float32[P, D]
+    inv_freq: np.ndarray  # float32[D/2]
     batch: Batch
     heads: tuple[int, int, int]
     scale: float
@@ -82,18 +88,34 @@ def make_case(shape, seed: int = 0) -> Case:
     rng = np.random.default_rng(seed)
     batch, blocks = mixed_batch(rng, block_size)
     T, H, N, inter = batch.num_tokens, 48, 40, 24
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)   # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     gate_up = f(T, 2 * inter)
     gate_up[0, :3] = [-100.0, -1000.0, 90.0]
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-    return Case(f(50, H), f(T, H), f(T, H), f(H) + 1, f(N, H), f(N), f(T, 320), f(N, 320) / 10, gate_up,
-                f(T, (Hq + 2 * Hk) * D), f(blocks, Hk, block_size, D), f(blocks, Hk, block_size, D),
-                rope_cos_sin_table(inv_freq, 64), inv_freq, batch, (Hq, Hk, D), D ** -0.5)
+    return Case(
+        f(50, H),
+        f(T, H),
+        f(T, H),
+        f(H) + 1,
+        f(N, H),
+        f(N),
+        f(T, 320),
+        f(N, 320) / 10,
+        gate_up,
+        f(T, (Hq + 2 * Hk) * D),
+        f(blocks, Hk, block_size, D),
+        f(blocks, Hk, block_size, D),
+        rope_cos_sin_table(inv_freq, 64),
+        inv_freq,
+        batch,
+        (Hq, Hk, D),
+        D**-0.5,
+    )
 
 
 def every_op(ops, c: Case) -> dict[str, np.ndarray]:
     """Each op of the interface run on `ops` from the case's host inputs; float32 NumPy copies, by name."""
-    put = lambda a: ops.weight(np.array(a))   # noqa: E731  a copy: CpuOps.weight may hand back its input
+    put = lambda a: ops.weight(np.array(a))  # noqa: E731  a copy: CpuOps.weight may hand back its input
     Hq, Hk, D = c.heads
     T = c.batch.num_tokens
     out = {"embedding": ops.embedding(put(c.table), c.batch.input_ids)}
@@ -107,17 +129,24 @@ def every_op(ops, c: Case) -> dict[str, np.ndarray]:
     out = {name: np.array(ops.to_numpy(a)) for name, a in out.items()}
     # RoPE and the cache writes, then attention over what they wrote and the random history before it
     qkv, k_cache, v_cache = put(c.qkv), put(c.k_cache), put(c.v_cache)
-    q = qkv[:, :Hq * D].reshape(T, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
-    v = qkv[:, (Hq + Hk) * D:].reshape(T, Hk, D)
+    q = qkv[:, : Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D :].reshape(T, Hk, D)
     ops.upload_batch(c.batch)
-    ops.rope_store_kv(q, k, v, k_cache, v_cache, c.batch.positions, c.batch.slot_mapping, ops.constant(c.cos_sin))
+    ops.rope_store_kv(
+        q, k, v, k_cache, v_cache, c.batch.positions, c.batch.slot_mapping, ops.constant(c.cos_sin)
+    )
     out["rope q"], out["k untouched"] = np.array(ops.to_numpy(q)), np.array(ops.to_numpy(k))
     out["k_cache"], out["v_cache"] = np.array(ops.to_numpy(k_cache)), np.array(ops.to_numpy(v_cache))
-    out["paged_attention"] = np.array(ops.to_numpy(ops.paged_attention(q, k_cache, v_cache, c.batch, c.scale)))
+    out["paged_attention"] = np.array(
+        ops.to_numpy(ops.paged_attention(q, k_cache, v_cache, c.batch, c.scale))
+    )
     last = len(c.k_cache) - 1
     ops.copy_blocks([(k_cache, v_cache)], [0, last], [last - 1, 1])
-    out["copy_blocks k"], out["copy_blocks v"] = np.array(ops.to_numpy(k_cache)), np.array(ops.to_numpy(v_cache))
+    out["copy_blocks k"], out["copy_blocks v"] = (
+        np.array(ops.to_numpy(k_cache)),
+        np.array(ops.to_numpy(v_cache)),
+    )
     return out
 
 
@@ -125,22 +154,34 @@ def every_op_in_float64(c: Case) -> dict[str, np.ndarray]:
     """every_op's results computed in float64, each op written another way than ReferenceOps writes it."""
     Hq, Hk, D = c.heads
     b, T = c.batch, c.batch.num_tokens
-    f64 = lambda a: np.array(a, np.float64)   # noqa: E731
+    f64 = lambda a: np.array(a, np.float64)  # noqa: E731
     x, w = f64(c.x), f64(c.norm_w)
-    norm = lambda h: h * w / np.sqrt((h ** 2).sum(1, keepdims=True) / h.shape[1] + EPS)   # noqa: E731
+    norm = lambda h: h * w / np.sqrt((h**2).sum(1, keepdims=True) / h.shape[1] + EPS)  # noqa: E731
     residual = x + f64(c.residual)
     gate, up = np.split(f64(c.gate_up), 2, axis=1)
-    out = {"embedding": f64(c.table)[b.input_ids], "rms_norm": norm(x),
-           "add_rms_norm": norm(residual), "add_rms_norm residual": residual,
-           "linear": x @ f64(c.lin_w).T, "linear + bias": x @ f64(c.lin_w).T + f64(c.lin_b),
-           "linear K=320": f64(c.lin_x2) @ f64(c.lin_w2).T,
-           "silu_and_mul": gate * (0.5 + 0.5 * np.tanh(gate / 2)) * up}   # sigmoid(g) = (1 + tanh(g/2)) / 2
+    out = {
+        "embedding": f64(c.table)[b.input_ids],
+        "rms_norm": norm(x),
+        "add_rms_norm": norm(residual),
+        "add_rms_norm residual": residual,
+        "linear": x @ f64(c.lin_w).T,
+        "linear + bias": x @ f64(c.lin_w).T + f64(c.lin_b),
+        "linear K=320": f64(c.lin_x2) @ f64(c.lin_w2).T,
+        "silu_and_mul": gate * (0.5 + 0.5 * np.tanh(gate / 2)) * up,
+    }  # sigmoid(g) = (1 + tanh(g/2)) / 2
     qkv = f64(c.qkv)
-    q, k, v = (qkv[:, a:z].reshape(T, -1, D) for a, z in ((0, Hq * D), (Hq * D, (Hq + Hk) * D), ((Hq + Hk) * D, None)))
-    angle = b.positions[:, None, None].astype(np.float64) * f64(c.inv_freq)        # float64[T, 1, D/2]
-    def rotated(h):   # pair by pair: (h_i, h_{i+D/2}) turned by the angle
-        lo, hi = h[..., :D // 2], h[..., D // 2:]
-        return np.concatenate([lo * np.cos(angle) - hi * np.sin(angle), hi * np.cos(angle) + lo * np.sin(angle)], -1)
+    q, k, v = (
+        qkv[:, a:z].reshape(T, -1, D)
+        for a, z in ((0, Hq * D), (Hq * D, (Hq + Hk) * D), ((Hq + Hk) * D, None))
+    )
+    angle = b.positions[:, None, None].astype(np.float64) * f64(c.inv_freq)  # float64[T, 1, D/2]
+
+    def rotated(h):  # pair by pair: (h_i, h_{i+D/2}) turned by the angle
+        lo, hi = h[..., : D // 2], h[..., D // 2 :]
+        return np.concatenate(
+            [lo * np.cos(angle) - hi * np.sin(angle), hi * np.cos(angle) + lo * np.sin(angle)], -1
+        )
+
     q, k_cache, v_cache = rotated(q), f64(c.k_cache), f64(c.v_cache)
     block_size = k_cache.shape[2]
     for t in range(T):
@@ -153,9 +194,9 @@ def every_op_in_float64(c: Case) -> dict[str, np.ndarray]:
         rows = np.arange(b.query_start[s], b.query_start[s + 1])
         ctx = b.context_lens[s]
         slots = [b.block_tables[s, j // block_size] * block_size + j % block_size for j in range(ctx)]
-        keys = np.stack([k_cache[slot // block_size, :, slot % block_size] for slot in slots])    # [ctx, Hk, D]
+        keys = np.stack([k_cache[slot // block_size, :, slot % block_size] for slot in slots])  # [ctx, Hk, D]
         values = np.stack([v_cache[slot // block_size, :, slot % block_size] for slot in slots])
-        later = np.arange(ctx)[None, :] > b.positions[rows][:, None]                        # bool[rows, ctx]
+        later = np.arange(ctx)[None, :] > b.positions[rows][:, None]  # bool[rows, ctx]
         for h in range(Hq):
             scores = np.where(later, -np.inf, q[rows, h] @ keys[:, h * Hk // Hq].T * c.scale)
             p = np.exp(scores - scores.max(1, keepdims=True))
@@ -169,13 +210,16 @@ def every_op_in_float64(c: Case) -> dict[str, np.ndarray]:
 
 
 def mismatches(got: dict, want: dict, tol: float) -> list[str]:
-    """The ops whose result is off by more than tol of its largest magnitude, or is not float32 [same shape]."""
+    """The ops whose result is off by more than tol of its largest magnitude, or is not float32 [same
+    shape]."""
     bad = []
     for name, expected in want.items():
         g = got[name]
         error = np.abs(g - expected).max() / max(np.abs(expected).max(), 1e-30)
         if g.dtype != np.float32 or g.shape != expected.shape or not error <= tol:
-            bad.append(f"{name}: {g.dtype}{list(g.shape)} vs {list(expected.shape)}, relative error {error:.2e}")
+            bad.append(
+                f"{name}: {g.dtype}{list(g.shape)} vs {list(expected.shape)}, relative error {error:.2e}"
+            )
     return bad
 
 
@@ -189,7 +233,9 @@ def reference(case) -> dict[str, np.ndarray]:
     return every_op(ReferenceOps(), case)
 
 
-# (a) ReferenceOps against float64 ------------------------------------------------------------------------------
+# (a) ReferenceOps against float64
+# ------------------------------------------------------------------------------
+
 
 def test_every_op_matches_float64(case, reference):
     bad = mismatches(reference, every_op_in_float64(case), 2e-6)
@@ -198,12 +244,12 @@ def test_every_op_matches_float64(case, reference):
 
 def test_padding_token_stores_nothing_and_the_rest_of_the_cache_is_untouched(case, reference):
     block_size = case.k_cache.shape[2]
-    stored = np.zeros(case.k_cache.shape[::2], bool)   # bool[blocks, block_size]
+    stored = np.zeros(case.k_cache.shape[::2], bool)  # bool[blocks, block_size]
     for slot in case.batch.slot_mapping[case.batch.slot_mapping >= 0]:
         stored[slot // block_size, slot % block_size] = True
     assert case.batch.slot_mapping[-1] == -1 and stored.sum() == case.batch.num_tokens - 1
     for name, cache in (("k_cache", case.k_cache), ("v_cache", case.v_cache)):
-        changed = (reference[name] != cache).any(axis=(1, 3))   # bool[blocks, block_size]
+        changed = (reference[name] != cache).any(axis=(1, 3))  # bool[blocks, block_size]
         assert not changed[~stored].any()
 
 
@@ -214,16 +260,25 @@ def test_block_table_entries_past_a_context_never_read(case, reference):
     tables = b.block_tables.copy()
     nan_block = len(case.k_cache)
     for s in range(b.num_seqs):
-        tables[s, -(-int(b.context_lens[s]) // block_size):] = nan_block
-    poisoned = Case(**{**vars(case), "k_cache": np.concatenate([case.k_cache, np.full_like(case.k_cache[:1], np.nan)]),
-                       "v_cache": np.concatenate([case.v_cache, np.full_like(case.v_cache[:1], np.nan)]),
-                       "batch": Batch(**{**vars(b), "block_tables": tables})})
+        tables[s, -(-int(b.context_lens[s]) // block_size) :] = nan_block
+    poisoned = Case(
+        **{
+            **vars(case),
+            "k_cache": np.concatenate([case.k_cache, np.full_like(case.k_cache[:1], np.nan)]),
+            "v_cache": np.concatenate([case.v_cache, np.full_like(case.v_cache[:1], np.nan)]),
+            "batch": Batch(**{**vars(b), "block_tables": tables}),
+        }
+    )
     assert np.array_equal(every_op(ReferenceOps(), poisoned)["paged_attention"], reference["paged_attention"])
 
 
 def test_upload_batch_takes_the_previous_steps_ids():
     batch = build_batch([ScheduledChunk([0], 3, [0], True), ScheduledChunk([5, 6], 0, [1], True)], 4)
-    batch.previous_ids, batch.previous_rows, batch.previous_sources = np.array([7, 8]), np.array([0]), np.array([1])
+    batch.previous_ids, batch.previous_rows, batch.previous_sources = (
+        np.array([7, 8]),
+        np.array([0]),
+        np.array([1]),
+    )
     assert ReferenceOps().upload_batch(batch) is None and batch.input_ids.tolist() == [8, 5, 6]
 
 
@@ -231,13 +286,17 @@ def test_has_the_whole_interface_and_is_a_device():
     ops = ReferenceOps()
     assert not [name for name in interface_names() if not hasattr(ops, name)]
     assert ops.free_memory_bytes() is None and ops.activation_dtype == np.float32
-    assert isinstance(make_backend("reference", "bfloat16"), ReferenceOps)   # a checkpoint's dtype: float32 here
+    assert isinstance(
+        make_backend("reference", "bfloat16"), ReferenceOps
+    )  # a checkpoint's dtype: float32 here
     with pytest.raises(ValueError, match="device 'reference' computes in float32"):
         make_backend("reference", "bfloat16", explicit_dtype=True)
     assert EngineConfig(device="reference").device == "reference"
 
 
-# (b), (c) every other backend against ReferenceOps, op by op -----------------------------------------------------
+# (b), (c) every other backend against ReferenceOps, op by op
+# -----------------------------------------------------
+
 
 def test_cpu_ops_match_the_reference(case, reference, blas_core):
     bad = mismatches(every_op(CpuOps(), case), reference, 1e-5)
@@ -250,7 +309,8 @@ def test_emulated_cuda_kernels_match_the_reference(case, reference):
     assert not bad, "\n".join(bad)
 
 
-# (d) the bundled model ------------------------------------------------------------------------------------------
+# (d) the bundled model
+# ------------------------------------------------------------------------------------------
 
 PROMPTS = ["Once upon a time", "Tom had a red ball. He", "Lily and Tom went to the park. They saw a big"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -286,11 +346,14 @@ def test_bundled_model_logits_match_cpu_ops_over_mixed_steps():
     for ops in (ReferenceOps(), CpuOps()):
         model, block_size = LlamaModel(config, weights, ops), 4
         cache = model.new_kv_cache(24, block_size)
-        tables = [list(range(23 - 8 * s, 15 - 8 * s, -1)) for s in range(3)]   # 8 blocks each, reversed
+        tables = [list(range(23 - 8 * s, 15 - 8 * s, -1)) for s in range(3)]  # 8 blocks each, reversed
         tokens, done, logits = [list(p) for p in prompts], [0, 0, 0], []
         while any(len(t) < 20 for t in tokens):
-            chunks = [ScheduledChunk(t[d:d + 5], d, table, d + 5 >= len(t))
-                      for t, d, table in zip(tokens, done, tables) if len(t) < 20]
+            chunks = [
+                ScheduledChunk(t[d : d + 5], d, table, d + 5 >= len(t))
+                for t, d, table in zip(tokens, done, tables)
+                if len(t) < 20
+            ]
             live = [s for s, t in enumerate(tokens) if len(t) < 20]
             step = model.forward(build_batch(chunks, block_size), cache)
             logits.append(step)

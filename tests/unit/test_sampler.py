@@ -1,9 +1,10 @@
 """Sampler against float64 NumPy references, exclusion invariants over many draws, and a chi-square fit.
 
 The tests that go through `sample` run four times: on the NumPy Sampler (with its native inverse CDF where it
-builds, and with NumPy's), and on the CUDA backend's GpuSampler with the kernels of cuda/sampling.cu on the CPU
-emulator (same rule, same draws), once with one CTA per row and once with every row split over three CTAs (the
-path of large vocabularies, forced on these small ones)."""
+builds, and with NumPy's), and on the CUDA backend's GpuSampler with the kernels of cuda/sampling.cu on the
+CPU emulator (same rule, same draws), once with one CTA per row and once with every row split over three CTAs
+(the path of large vocabularies, forced on these small ones)."""
+
 import logging
 import platform
 
@@ -16,38 +17,62 @@ from minisarathi.sampling_params import SamplingParams as SP
 
 V = 16
 # chi-square critical values at p = 0.001 for 1..15 degrees of freedom
-CHI2_CRIT_001 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91,
-                 34.53, 36.12, 37.70]
+CHI2_CRIT_001 = [
+    10.83,
+    13.82,
+    16.27,
+    18.47,
+    20.52,
+    22.46,
+    24.32,
+    26.12,
+    27.88,
+    29.59,
+    31.26,
+    32.91,
+    34.53,
+    36.12,
+    37.70,
+]
 
 
 def gpu_sampler_on_the_emulator(vocab_size, seed=0, eos_token_ids=()):
     from minisarathi.backends import cuda_ops
     from minisarathi.backends.gpu_sampling import GpuSampler
+
     return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids)
 
 
 def gpu_sampler_with_split_rows(vocab_size, seed=0, eos_token_ids=()):
     from minisarathi.backends import cuda_ops
     from minisarathi.backends.gpu_sampling import GpuSampler
+
     return GpuSampler(cuda_ops.emulated(), vocab_size, seed, eos_token_ids, ctas_per_row=3)
 
 
 def sampler_without_the_native_cdf(vocab_size, seed=0, eos_token_ids=()):
     sampler = Sampler(vocab_size, seed, eos_token_ids)
-    sampler._draw = sampler._inverse_cdf   # what runs where native_sampling.cpp cannot be built
+    sampler._draw = sampler._inverse_cdf  # what runs where native_sampling.cpp cannot be built
     return sampler
 
 
 # The emulated GPU sampler runs every test too, in the slow tier.
-EMULATED = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"),
-            pytest.mark.system]
+EMULATED = [
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the CUDA emulator is x86-64 Linux only"),
+    pytest.mark.system,
+]
 NEEDS_NATIVE_CDF = pytest.mark.skipif(native_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
 
 
-@pytest.fixture(params=[Sampler, sampler_without_the_native_cdf,
-                        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=EMULATED),
-                        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=EMULATED)],
-                ids=lambda p: getattr(p, "__name__", p))
+@pytest.fixture(
+    params=[
+        Sampler,
+        sampler_without_the_native_cdf,
+        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=EMULATED),
+        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=EMULATED),
+    ],
+    ids=lambda p: getattr(p, "__name__", p),
+)
 def make_sampler(request):
     """Sampler(vocab_size, seed=0, eos_token_ids=()) or the GpuSampler on emulated kernels."""
     return request.param
@@ -70,7 +95,7 @@ def reference_probs(logits, p: SP) -> np.ndarray:
     probs[probs < p.min_p * probs.max()] = 0
     order = sorted(range(len(probs)), key=lambda t: -probs[t])
     if 0 < p.top_k < len(probs):
-        probs[order[p.top_k:]] = 0
+        probs[order[p.top_k :]] = 0
     probs /= probs.sum()
     mass = 0.0
     for t in order:
@@ -104,7 +129,9 @@ def test_greedy_fast_path_agrees_with_the_full_path():
     logits = rand_logits(8)
     logits[2, [4, 7]] = 50.0
     greedy = run(Sampler(V), logits, [SP(temperature=0)] * 8).token_ids
-    mixed = run(Sampler(V), np.concatenate([logits, logits[:1]]), [SP(temperature=0)] * 8 + [SP(temperature=1)])
+    mixed = run(
+        Sampler(V), np.concatenate([logits, logits[:1]]), [SP(temperature=0)] * 8 + [SP(temperature=1)]
+    )
     assert greedy.dtype == mixed.token_ids.dtype == np.int64
     assert greedy.tolist() == mixed.token_ids[:8].tolist() == logits.argmax(axis=1).tolist()
     assert greedy[2] == 4
@@ -119,21 +146,41 @@ def test_greedy_path_masks_only_where_the_argmax_is_not_allowed_yet():
     masked_rows = 0
     for _ in range(100):
         n = int(rng.integers(1, 9))
-        params = [SP(temperature=0, min_tokens=int(rng.integers(0, 4)), max_tokens=8, ignore_eos=bool(rng.integers(2)),
-                     stop_token_ids=rng.integers(0, V + 3, rng.integers(0, 4)).tolist()) for _ in range(n)]
+        params = [
+            SP(
+                temperature=0,
+                min_tokens=int(rng.integers(0, 4)),
+                max_tokens=8,
+                ignore_eos=bool(rng.integers(2)),
+                stop_token_ids=rng.integers(0, V + 3, rng.integers(0, 4)).tolist(),
+            )
+            for _ in range(n)
+        ]
         outputs = [[1] * int(rng.integers(0, 4)) for _ in range(n)]
         logits = rand_logits(n, seed=int(rng.integers(1 << 30)))
         for row, p in enumerate(params[::2]):
             logits[2 * row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20
         reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits).argmax(axis=1)
-        fast = Sampler(V, eos_token_ids=(2,)).sample(np.asfortranarray(logits), params, [None] * n, [[1]] * n,
-                                                     outputs).token_ids
-        full = Sampler(V, eos_token_ids=(2,)).sample(np.concatenate([logits, logits[:1]]), params + [SP()],
-                                                     [None] * (n + 1), [[1]] * (n + 1), outputs + [[]]).token_ids
+        fast = (
+            Sampler(V, eos_token_ids=(2,))
+            .sample(np.asfortranarray(logits), params, [None] * n, [[1]] * n, outputs)
+            .token_ids
+        )
+        full = (
+            Sampler(V, eos_token_ids=(2,))
+            .sample(
+                np.concatenate([logits, logits[:1]]),
+                params + [SP()],
+                [None] * (n + 1),
+                [[1]] * (n + 1),
+                outputs + [[]],
+            )
+            .token_ids
+        )
         assert fast.dtype == np.int64
         assert fast.tolist() == reference.tolist() == full[:n].tolist()
         masked_rows += int((reference != logits.argmax(axis=1)).sum())
-    assert masked_rows > 30   # rows whose plain argmax was not allowed yet
+    assert masked_rows > 30  # rows whose plain argmax was not allowed yet
 
 
 def test_seeded_rows_do_not_depend_on_the_batch(make_sampler):
@@ -174,11 +221,16 @@ def test_draw_order_and_masks_shared_with_the_gpu_sampler():
     u = draw_uniforms(shared, [None, own, None])
     unseeded, seeded = make_generator(1).random(2), make_generator(2).random()
     assert u.tolist() == [unseeded[0], seeded, unseeded[1]]
-    params = [SP(min_tokens=2, stop_token_ids=[7, 99]), SP(min_tokens=2, ignore_eos=True, stop_token_ids=[3]),
-              SP(min_tokens=1)]
+    params = [
+        SP(min_tokens=2, stop_token_ids=[7, 99]),
+        SP(min_tokens=2, ignore_eos=True, stop_token_ids=[3]),
+        SP(min_tokens=1),
+    ]
     assert stop_token_indexes(params, [[5], [], [5]], np.array([2]), V).tolist() == [7, V + 3, 2]
-    assert [is_penalized(p) for p in (SP(), SP(repetition_penalty=1.1), SP(frequency_penalty=0.5),
-                                      SP(presence_penalty=-1))] == [False, True, True, True]
+    assert [
+        is_penalized(p)
+        for p in (SP(), SP(repetition_penalty=1.1), SP(frequency_penalty=0.5), SP(presence_penalty=-1))
+    ] == [False, True, True, True]
 
 
 def masked_by_rows(params, output_ids, eos, vocab):
@@ -194,15 +246,22 @@ def masked_by_rows(params, output_ids, eos, vocab):
 
 @pytest.mark.parametrize("eos", [(), (2,), (2, 5, 2)])
 def test_stop_token_indexes_are_what_each_row_may_not_sample_yet(eos):
-    """Random mixed batches (rows before and past min_tokens, with and without ignore_eos, stop ids repeated or
-    beyond the vocabulary) against the row-by-row reference; masking every row's ids regardless of min_tokens
-    (the negative control) differs from it."""
+    """Random mixed batches (rows before and past min_tokens, with and without ignore_eos, stop ids repeated
+    or beyond the vocabulary) against the row-by-row reference; masking every row's ids regardless of
+    min_tokens (the negative control) differs from it."""
     rng = np.random.default_rng(len(eos))
     controls = 0
     for _ in range(200):
         n = int(rng.integers(1, 9))
-        params = [SP(min_tokens=int(rng.integers(0, 5)), max_tokens=8, ignore_eos=bool(rng.integers(2)),
-                     stop_token_ids=rng.integers(0, V + 4, rng.integers(0, 6)).tolist()) for _ in range(n)]
+        params = [
+            SP(
+                min_tokens=int(rng.integers(0, 5)),
+                max_tokens=8,
+                ignore_eos=bool(rng.integers(2)),
+                stop_token_ids=rng.integers(0, V + 4, rng.integers(0, 6)).tolist(),
+            )
+            for _ in range(n)
+        ]
         outputs = [[1] * int(rng.integers(0, 5)) for _ in range(n)]
         expected = masked_by_rows(params, outputs, eos, V)
         flat = stop_token_indexes(params, outputs, np.array(eos, np.int64), V)
@@ -210,8 +269,15 @@ def test_stop_token_indexes_are_what_each_row_may_not_sample_yet(eos):
         got = np.zeros(n * V, bool)
         got[flat] = True
         np.testing.assert_array_equal(got.reshape(n, V), expected)
-        regardless = masked_by_rows([SP(min_tokens=8, max_tokens=8, ignore_eos=p.ignore_eos,
-                                        stop_token_ids=p.stop_token_ids) for p in params], [[]] * n, eos, V)
+        regardless = masked_by_rows(
+            [
+                SP(min_tokens=8, max_tokens=8, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids)
+                for p in params
+            ],
+            [[]] * n,
+            eos,
+            V,
+        )
         controls += not np.array_equal(regardless, expected)
     assert controls > 50
 
@@ -221,47 +287,59 @@ def test_masked_logits_equal_the_reference_in_mixed_batches(make_sampler):
     whose highest logits are stop or EOS ids take the best allowed token only before min_tokens."""
     rng = np.random.default_rng(4)
     logits = rand_logits(6, seed=9)
-    params = [SP(temperature=0, logprobs=2, min_tokens=int(rng.integers(0, 4)), max_tokens=8,
-                 ignore_eos=bool(rng.integers(2)), stop_token_ids=rng.integers(0, V + 2, 4).tolist())
-              for _ in range(6)]
+    params = [
+        SP(
+            temperature=0,
+            logprobs=2,
+            min_tokens=int(rng.integers(0, 4)),
+            max_tokens=8,
+            ignore_eos=bool(rng.integers(2)),
+            stop_token_ids=rng.integers(0, V + 2, 4).tolist(),
+        )
+        for _ in range(6)
+    ]
     outputs = [[1] * int(rng.integers(0, 4)) for _ in range(6)]
-    for row, p in enumerate(params):   # the stop ids and EOS most likely
+    for row, p in enumerate(params):  # the stop ids and EOS most likely
         logits[row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20
     reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits)
     out = make_sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 6, [[1]] * 6, outputs)
     assert out.token_ids.tolist() == reference.argmax(axis=1).tolist()
     raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
-    np.testing.assert_allclose([lps[0][1] for lps in out.logprobs], raw[np.arange(6), out.token_ids], atol=1e-5)
-    assert out.token_ids.tolist() != logits.argmax(axis=1).tolist()   # some rows masked
-    assert any(not masked_by_rows([p], [o], (2,), V).any() for p, o in zip(params, outputs))   # some not
+    np.testing.assert_allclose(
+        [lps[0][1] for lps in out.logprobs], raw[np.arange(6), out.token_ids], atol=1e-5
+    )
+    assert out.token_ids.tolist() != logits.argmax(axis=1).tolist()  # some rows masked
+    assert any(not masked_by_rows([p], [o], (2,), V).any() for p, o in zip(params, outputs))  # some not
 
 
 def test_the_stop_mask_follows_the_batch_step_after_step():
-    """The NumPy Sampler keeps the last step's mask while the same params are under min_tokens in the same rows:
-    step after step (rows passing min_tokens, rows reordered, a request replaced by one with the same settings
-    but other stop ids, the caller's list changed in place) the masked rows take the reference's tokens."""
+    """The NumPy Sampler keeps the last step's mask while the same params are under min_tokens in the same
+    rows: step after step (rows passing min_tokens, rows reordered, a request replaced by one with the same
+    settings but other stop ids, the caller's list changed in place) the masked rows take the reference's
+    tokens."""
     rng = np.random.default_rng(8)
     sampler = Sampler(V, eos_token_ids=(2,))
 
     def request(stops):
         return SP(temperature=0, logprobs=0, min_tokens=3, max_tokens=8, stop_token_ids=stops)
+
     params = [request([7]), request([9]), request([11, 12]), SP(temperature=0, logprobs=0)]
     outputs = [[], [1], [1, 1], []]
     checked = 0
     for step in range(12):
         if step == 4:
-            params[1] = request([13])               # the same settings, other stop ids, in the same list
+            params[1] = request([13])  # the same settings, other stop ids, in the same list
         if step == 7:
             order = [2, 0, 3, 1]
             params, outputs = [params[i] for i in order], [outputs[i] for i in order]
         logits = rand_logits(4, seed=step)
-        for row, p in enumerate(params):               # the banned ids most likely
+        for row, p in enumerate(params):  # the banned ids most likely
             logits[row, [t for t in [*p.stop_token_ids, 2] if t < V]] += 20 + rng.random()
         out = sampler.sample(logits, params, [None] * 4, [[1]] * 4, outputs)
         reference = np.where(masked_by_rows(params, outputs, (2,), V), -np.inf, logits).argmax(axis=1)
         assert out.token_ids.tolist() == reference.tolist(), step
         checked += int((reference != logits.argmax(axis=1)).sum())
-        outputs = [o + [1] if step % 3 == 2 else o for o in outputs]   # rows pass min_tokens now and then
+        outputs = [o + [1] if step % 3 == 2 else o for o in outputs]  # rows pass min_tokens now and then
     assert checked > 15
 
 
@@ -273,17 +351,25 @@ def test_unseeded_rows_follow_the_engine_seed(make_sampler):
     assert first.tolist() != run(c, logits, params).token_ids.tolist()
 
 
-@pytest.mark.parametrize("p", [
-    SP(top_k=3), SP(top_p=0.5), SP(min_p=0.2), SP(top_k=5, top_p=0.7, temperature=0.7),
-    SP(top_k=1, temperature=2.0), SP(top_p=0.3, min_p=0.05, temperature=1.5), SP(top_p=1e-6),
-])
+@pytest.mark.parametrize(
+    "p",
+    [
+        SP(top_k=3),
+        SP(top_p=0.5),
+        SP(min_p=0.2),
+        SP(top_k=5, top_p=0.7, temperature=0.7),
+        SP(top_k=1, temperature=2.0),
+        SP(top_p=0.3, min_p=0.05, temperature=1.5),
+        SP(top_p=1e-6),
+    ],
+)
 def test_filters_never_return_excluded_tokens(p, make_sampler):
     n = 4000
     logits = np.repeat(rand_logits(4, seed=1), n // 4, axis=0)
     out = run(make_sampler(V, seed=2), logits, [p] * n).token_ids
     for row in range(4):
         allowed = reference_probs(logits[row * (n // 4)], p) > 0
-        drawn = out[row * (n // 4):(row + 1) * (n // 4)]
+        drawn = out[row * (n // 4) : (row + 1) * (n // 4)]
         assert allowed[drawn].all()
         likely = reference_probs(logits[row * (n // 4)], p) > 0.02
         assert np.isin(np.flatnonzero(likely), drawn).all()
@@ -293,7 +379,7 @@ def large_vocab_case():
     # vocab above the nucleus candidate count, so both the partial and the full-sort paths run
     vocab, n = 3000, 16
     logits = rand_logits(n, vocab, seed=4, scale=1.0)
-    logits[: n // 2] *= 8          # peaked rows: the nucleus is among the top candidates
+    logits[: n // 2] *= 8  # peaked rows: the nucleus is among the top candidates
     params = [SP(top_p=0.9), SP(top_k=40, top_p=0.8), SP(top_k=2000), SP(top_k=1500, top_p=0.95)] * (n // 4)
     return vocab, logits, params
 
@@ -308,7 +394,6 @@ def test_large_vocab_draws_stay_in_the_reference_set(make_sampler):
 
 def test_large_vocab_top_k_and_top_p_match_reference():
     vocab, logits, params = large_vocab_case()
-    n = len(params)
     sampler = Sampler(vocab)
     top_k, top_p = np.array([p.top_k or vocab for p in params]), np.array([p.top_p for p in params])
     kept = sampler._top_k_top_p(np.exp(logits - logits.max(axis=1, keepdims=True)), top_k, top_p)
@@ -322,17 +407,20 @@ def inverse_cdfs(vocab):
     return sampler._inverse_cdf, native_sampling.kernel(vocab, sampler._cdf_block)
 
 
-@pytest.mark.parametrize("implementation", [0, pytest.param(1, id="native", marks=NEEDS_NATIVE_CDF)],
-                         ids=lambda i: "numpy" if i == 0 else "native")
+@pytest.mark.parametrize(
+    "implementation",
+    [0, pytest.param(1, id="native", marks=NEEDS_NATIVE_CDF)],
+    ids=lambda i: "numpy" if i == 0 else "native",
+)
 def test_inverse_cdf_matches_a_full_running_sum(implementation):
-    vocab, n = 64, 5000                          # blocks of 8 tokens
+    vocab, n = 64, 5000  # blocks of 8 tokens
     inverse_cdf = inverse_cdfs(vocab)[implementation]
     rng = np.random.default_rng(12)
     probs = rng.random((n, vocab)).astype(np.float32) * (rng.random((n, vocab)) < 0.3)
-    probs[:, 0] = 0                              # leading and trailing zeros in every row
+    probs[:, 0] = 0  # leading and trailing zeros in every row
     probs[:, -9:] = 0
-    probs[:10, 8:] = 0                           # rows whose only kept tokens are in the first block
-    probs[:, 5] += 0.01                          # every row keeps a token, as the filters guarantee
+    probs[:10, 8:] = 0  # rows whose only kept tokens are in the first block
+    probs[:, 5] += 0.01  # every row keeps a token, as the filters guarantee
     u = rng.random(n)
     u[:3] = 0.0
     u[3:6] = np.nextafter(1.0, 0)
@@ -343,18 +431,39 @@ def test_inverse_cdf_matches_a_full_running_sum(implementation):
     assert drawn.tolist() == expected
     assert (probs[np.arange(n), drawn] > 0).all()
     # A wide range of magnitudes: the block's own running sum ends below the block's sum.
-    row = np.array([[1.1205673e-12, 6.0346647e-04, 2.6465859e-08, 1.4253071e-09, 2.5853273e-01, 1.8554821e-12,
-                     3.3386619e-05, 1.6383106e-12, 3.8373475e-08, 5.6326015e-09, 9.2066988e-12, 2.5019434e-03,
-                     7.2830080e-06, 8.4729793e-12, 5.3215086e-01, 2.1325310e-11]], np.float32)
-    row = np.concatenate([np.zeros((1, 48), np.float32), row], axis=1)    # 64 tokens: blocks of 8
+    row = np.array(
+        [
+            [
+                1.1205673e-12,
+                6.0346647e-04,
+                2.6465859e-08,
+                1.4253071e-09,
+                2.5853273e-01,
+                1.8554821e-12,
+                3.3386619e-05,
+                1.6383106e-12,
+                3.8373475e-08,
+                5.6326015e-09,
+                9.2066988e-12,
+                2.5019434e-03,
+                7.2830080e-06,
+                8.4729793e-12,
+                5.3215086e-01,
+                2.1325310e-11,
+            ]
+        ],
+        np.float32,
+    )
+    row = np.concatenate([np.zeros((1, 48), np.float32), row], axis=1)  # 64 tokens: blocks of 8
     assert inverse_cdf(row, np.array([np.nextafter(1.0, 0)])).tolist() == [63]
 
 
 def targets_on_boundaries(probs, block, rng):
-    """u (float64[R]) placing each row's target u * mass exactly on a running sum of NumPy's inverse CDF (a block's
-    or a token's inside the block), where a sum one ulp off would pick another token; NaN where none was found."""
+    """u (float64[R]) placing each row's target u * mass exactly on a running sum of NumPy's inverse CDF (a
+    block's or a token's inside the block), where a sum one ulp off would pick another token; NaN where none
+    was found."""
     rows = len(probs)
-    block_cdf = probs.reshape(rows, -1, block).sum(axis=2, dtype=np.float64).cumsum(axis=1)   # as _inverse_cdf
+    block_cdf = probs.reshape(rows, -1, block).sum(axis=2, dtype=np.float64).cumsum(axis=1)  # as _inverse_cdf
     u = np.full(rows, np.nan)
     for i in range(rows):
         b = int(rng.integers(block_cdf.shape[1]))
@@ -362,7 +471,10 @@ def targets_on_boundaries(probs, block, rng):
             boundary = block_cdf[i, b]
         else:
             before = block_cdf[i, b - 1] if b else 0.0
-            boundary = before + np.cumsum(probs[i, b * block:(b + 1) * block], dtype=np.float64)[rng.integers(block)]
+            boundary = (
+                before
+                + np.cumsum(probs[i, b * block : (b + 1) * block], dtype=np.float64)[rng.integers(block)]
+            )
         guess = boundary / block_cdf[i, -1]
         for candidate in (guess, np.nextafter(guess, 0), np.nextafter(guess, 2)):
             if candidate < 1 and candidate * block_cdf[i, -1] == boundary:
@@ -372,18 +484,20 @@ def targets_on_boundaries(probs, block, rng):
 
 
 @NEEDS_NATIVE_CDF
-@pytest.mark.parametrize("vocab", [15, 16, 64, 512, 4096, 32000, 65536])   # blocks of 1, 4, 8, 16, 64, 128, 256
+@pytest.mark.parametrize(
+    "vocab", [15, 16, 64, 512, 4096, 32000, 65536]
+)  # blocks of 1, 4, 8, 16, 64, 128, 256
 def test_native_inverse_cdf_picks_numpys_tokens_bit_for_bit(vocab):
     """Targets placed exactly on NumPy's running sums, so that a block sum or running sum one ulp off (another
-    summation order) picks another token: nudging u by one ulp changes the pick in many rows (the control), the
-    native kernel in none. Rows span wide magnitudes and hold zeros, as after top-k, top-p and min-p."""
+    summation order) picks another token: nudging u by one ulp changes the pick in many rows (the control),
+    the native kernel in none. Rows span wide magnitudes and hold zeros, as after top-k, top-p and min-p."""
     numpy_cdf, native_cdf = inverse_cdfs(vocab)
     rng = np.random.default_rng(vocab)
     rows = max(64, 400_000 // vocab)
     z = (rng.standard_normal((rows, vocab)) * rng.choice([1.0, 8.0, 30.0], (rows, 1))).astype(np.float32)
     probs = np.exp(z - z.max(axis=1, keepdims=True))
     probs *= rng.random((rows, vocab)) < rng.random((rows, 1))
-    probs[np.arange(rows), rng.integers(vocab, size=rows)] = 1     # every row keeps a token
+    probs[np.arange(rows), rng.integers(vocab, size=rows)] = 1  # every row keeps a token
     u = targets_on_boundaries(probs, Sampler(vocab)._cdf_block, rng)
     found = ~np.isnan(u)
     assert found.mean() > 0.5
@@ -402,30 +516,35 @@ def fresh_library():
     native_sampling._library.cache_clear()
 
 
-def test_native_cdf_turned_off_or_without_a_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog,
-                                                                         fresh_library):
+def test_native_cdf_turned_off_or_without_a_compiler_falls_back_to_numpy(
+    monkeypatch, tmp_path, caplog, fresh_library
+):
     logits, params = rand_logits(32, seed=2), [SP(temperature=1.0)] * 32
     expected = run(sampler_without_the_native_cdf(V, seed=3), logits, params).token_ids.tolist()
     monkeypatch.setenv("MINISARATHI_CPU_SAMPLING", "0")
     native_sampling._library.cache_clear()
     assert native_sampling.kernel(V, 4) is None
     sampler = Sampler(V, seed=3)
-    assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+    assert (
+        sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+    )
     native_sampling._library.cache_clear()
     monkeypatch.delenv("MINISARATHI_CPU_SAMPLING")
-    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))   # nothing built yet
+    monkeypatch.setenv("MINISARATHI_CACHE_DIR", str(tmp_path))  # nothing built yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="minisarathi.backends.cpu.native_sampling"):
         sampler = Sampler(V, seed=3)
     assert "native inverse CDF off" in caplog.text and "no-such-compiler" in caplog.text
-    assert sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+    assert (
+        sampler._draw == sampler._inverse_cdf and run(sampler, logits, params).token_ids.tolist() == expected
+    )
 
 
 def test_seeded_and_shared_streams_pick_the_reference_tokens():
-    """Through sample(), mixed batches (greedy, unseeded and seeded rows, several temperatures) over steps: each
-    sampled row takes the token where a float64 running sum of its softmax passes u times its mass, u drawn
-    as the rule says (the shared generator's draws in row order, one call a step; a seeded row's from its own).
-    A changed draw, draw order or mapping picks other tokens."""
+    """Through sample(), mixed batches (greedy, unseeded and seeded rows, several temperatures) over steps:
+    each sampled row takes the token where a float64 running sum of its softmax passes u times its mass, u
+    drawn as the rule says (the shared generator's draws in row order, one call a step; a seeded row's from
+    its own). A changed draw, draw order or mapping picks other tokens."""
     vocab, rng = 512, np.random.default_rng(21)
     temperatures = [0, 1.0, 0.7, 1.0, 0, 1.3, 1.0, 1.0, 0.5]
     seeds = [None, None, 5, None, None, 9, None, 13, None]
@@ -453,6 +572,7 @@ def test_seeded_and_shared_streams_pick_the_reference_tokens():
 
 class FixedDraw:
     """Stands in for a request's generator: always draws u."""
+
     def __init__(self, u):
         self.u = u
 
@@ -462,14 +582,15 @@ class FixedDraw:
 
 def test_extreme_draws_stay_inside_the_kept_set(make_sampler):
     logits = np.zeros((2, V), np.float32)
-    logits[:, 7:9] = 3.0                         # top-2 in the middle: tokens at both ends are excluded
+    logits[:, 7:9] = 3.0  # top-2 in the middle: tokens at both ends are excluded
     params = [SP(top_k=2, seed=0)] * 2
     out = run(make_sampler(V), logits, params, [FixedDraw(0.0), FixedDraw(np.nextafter(1.0, 0))])
     assert out.token_ids.tolist() == [7, 8]
 
 
-@pytest.mark.parametrize("p", [SP(), SP(temperature=0.6, top_k=6),
-                               SP(temperature=1.4, top_p=0.8, min_p=0.02)])
+@pytest.mark.parametrize(
+    "p", [SP(), SP(temperature=0.6, top_k=6), SP(temperature=1.4, top_p=0.8, min_p=0.02)]
+)
 def test_frequencies_fit_the_distribution(p, make_sampler):
     n = 20000
     logits = rand_logits(1, seed=9)
@@ -488,9 +609,14 @@ def test_penalties_match_reference():
     logits = rand_logits(n, seed=6)
     prompts = [rng.integers(0, V, 10).tolist() for _ in range(n)]
     outputs = [rng.integers(0, V, k).tolist() for k in (0, 1, 5, 9, 20, 3)]
-    params = [SP(repetition_penalty=1.3, temperature=0), SP(frequency_penalty=0.7, temperature=0),
-              SP(presence_penalty=-1.1, temperature=0), SP(repetition_penalty=0.8, frequency_penalty=-0.4,
-              presence_penalty=1.5, temperature=0), SP(repetition_penalty=2.0, presence_penalty=2.0), SP()]
+    params = [
+        SP(repetition_penalty=1.3, temperature=0),
+        SP(frequency_penalty=0.7, temperature=0),
+        SP(presence_penalty=-1.1, temperature=0),
+        SP(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=1.5, temperature=0),
+        SP(repetition_penalty=2.0, presence_penalty=2.0),
+        SP(),
+    ]
     sampler = Sampler(V)
     penalized = sampler._apply_penalties(logits, params, prompts, outputs)
     for i, p in enumerate(params):
@@ -499,16 +625,18 @@ def test_penalties_match_reference():
     greedy = run(sampler, logits[:4], params[:4], None, prompts[:4], outputs[:4]).token_ids
     expected = [reference_penalties(logits[i], params[i], prompts[i], outputs[i]).argmax() for i in range(4)]
     assert greedy.tolist() == expected
-    assert (logits == rand_logits(n, seed=6)).all()      # the caller's logits are untouched
+    assert (logits == rand_logits(n, seed=6)).all()  # the caller's logits are untouched
 
 
 def test_min_tokens_masks_eos_and_stop_ids(make_sampler):
     logits = np.zeros((4, V), np.float32)
-    logits[:, 2] = 10      # EOS
-    logits[:, 7] = 9       # a stop token id
+    logits[:, 2] = 10  # EOS
+    logits[:, 7] = 9  # a stop token id
     logits[:, 4] = 8
     params = [SP(temperature=0, min_tokens=3, stop_token_ids=[7, 99])] * 2 + [
-        SP(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]), SP(temperature=0, min_tokens=2)]
+        SP(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]),
+        SP(temperature=0, min_tokens=2),
+    ]
     outputs = [[5, 5], [5, 5, 5], [5], [5, 5]]
     out = make_sampler(V, eos_token_ids=(2,)).sample(logits, params, [None] * 4, [[1]] * 4, outputs)
     assert out.token_ids.tolist() == [4, 2, 2, 2]
@@ -516,9 +644,14 @@ def test_min_tokens_masks_eos_and_stop_ids(make_sampler):
 
 def test_logprobs_are_raw_log_softmax(make_sampler):
     logits = rand_logits(5, seed=8)
-    logits[0, [1, 6]] = 5.0         # a tie: ranked by lowest id
-    params = [SP(temperature=0, logprobs=3), SP(logprobs=0, repetition_penalty=1.7, temperature=0.5),
-              SP(temperature=0), SP(logprobs=V, top_k=2, seed=1), SP(logprobs=20, presence_penalty=2.0)]
+    logits[0, [1, 6]] = 5.0  # a tie: ranked by lowest id
+    params = [
+        SP(temperature=0, logprobs=3),
+        SP(logprobs=0, repetition_penalty=1.7, temperature=0.5),
+        SP(temperature=0),
+        SP(logprobs=V, top_k=2, seed=1),
+        SP(logprobs=20, presence_penalty=2.0),
+    ]
     out = run(make_sampler(V), logits, params, None, [[0, 1, 2]] * 5, [[3, 4]] * 5)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
     for i, p in enumerate(params):
@@ -548,21 +681,32 @@ def test_bad_shapes():
 def test_logit_bias_moves_the_choice_but_not_the_raw_logprobs(make_sampler):
     logits = rand_logits(4, seed=9)
     top = logits.argmax(axis=1)
-    params = [SP(temperature=0, logit_bias={7: 100.0}), SP(temperature=0, logit_bias={int(top[1]): -100.0}),
-              SP(temperature=0, logprobs=1, logit_bias={"3": 50}), SP(temperature=0.7, seed=2, logit_bias={5: -100})]
+    params = [
+        SP(temperature=0, logit_bias={7: 100.0}),
+        SP(temperature=0, logit_bias={int(top[1]): -100.0}),
+        SP(temperature=0, logprobs=1, logit_bias={"3": 50}),
+        SP(temperature=0.7, seed=2, logit_bias={5: -100}),
+    ]
     out = run(make_sampler(V), logits, params, [None, None, None, make_generator(2)])
     second = np.argsort(-logits[1], kind="stable")[1]
     assert out.token_ids.tolist()[:3] == [7, second, 3] and out.token_ids[3] != 5
     ref = logits[2].astype(np.float64) - np.log(np.exp(logits[2].astype(np.float64)).sum())
-    assert out.logprobs[2][0][0] == 3 and out.logprobs[2][0][1] == pytest.approx(ref[3], abs=1e-6)   # raw
+    assert out.logprobs[2][0][0] == 3 and out.logprobs[2][0][1] == pytest.approx(ref[3], abs=1e-6)  # raw
     biased = [SP(temperature=1.0, logit_bias={t: -100 for t in range(V // 2)})] * 200
     draws = run(make_sampler(V, seed=4), np.repeat(rand_logits(1, seed=3), 200, axis=0), biased).token_ids
     assert (draws >= V // 2).all()
 
 
-@pytest.mark.parametrize("bias, message", [({-1: 1.0}, "logit_bias token id"), ({"x": 1.0}, "logit_bias token id"),
-                                           ({1: 101}, r"\[-100, 100\]"), ({1: float("nan")}, "logit_bias value"),
-                                           ([1, 2], "map of token id")])
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({-1: 1.0}, "logit_bias token id"),
+        ({"x": 1.0}, "logit_bias token id"),
+        ({1: 101}, r"\[-100, 100\]"),
+        ({1: float("nan")}, "logit_bias value"),
+        ([1, 2], "map of token id"),
+    ],
+)
 def test_bad_logit_bias(bias, message):
     with pytest.raises(ValueError, match=message):
         SP(logit_bias=bias)

@@ -1,4 +1,6 @@
-"""Scheduling policies as pure logic: a fake model appends tokens; every step is checked against each policy's rules."""
+"""Scheduling policies as pure logic: a fake model appends tokens; every step is checked against each policy's
+rules."""
+
 import logging
 import random
 
@@ -9,8 +11,8 @@ from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.cost_model import CostModel, step_shape
 from minisarathi.engine.scheduler import POLICIES
-from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.sequence import Sequence, SequenceStatus
+from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.outputs import RequestMetrics
 from minisarathi.sampling_params import SamplingParams
 
@@ -19,8 +21,14 @@ MAX_MODEL_LEN = 256
 
 def make_seq(seq_id, prompt_len, max_tokens, shared_prefix=()):
     prompt = list(shared_prefix) + [(seq_id * 7 + i) % 500 for i in range(prompt_len - len(shared_prefix))]
-    seq = Sequence(f"r{seq_id}", None, prompt, SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0),
-                   max_kv_tokens=prompt_len + max_tokens - 1)
+    seq = Sequence(
+        f"r{seq_id}",
+        None,
+        prompt,
+        SamplingParams(max_tokens=max_tokens),
+        RequestMetrics(0.0),
+        max_kv_tokens=prompt_len + max_tokens - 1,
+    )
     seq.seq_id = seq_id
     return seq
 
@@ -32,19 +40,36 @@ def workload(seed, num=12, num_blocks=16, block_size=4):
     for i in range(num):
         max_tokens = rng.randint(1, 24)
         prompt_len = rng.randint(1, min(60, num_blocks * block_size - max_tokens))
-        prefix = shared[:min(prompt_len, rng.choice([0, 8, 20]))]
+        prefix = shared[: min(prompt_len, rng.choice([0, 8, 20]))]
         seqs.append((rng.randint(0, 30), make_seq(i, prompt_len, max_tokens, prefix)))
     return seqs
 
 
-def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, caching=False, cost_model=None,
-          on_schedule=None, **options):
+def drive(
+    policy,
+    arrivals,
+    num_blocks,
+    block_size,
+    chunk_size,
+    max_num_seqs=8,
+    caching=False,
+    cost_model=None,
+    on_schedule=None,
+    **options,
+):
     """Run the policy to the end under a fake model; check the shared rules every step; return the steps.
     Each sequence's metrics get the step numbers of its first scheduling and its first token.
-    options: more EngineConfig fields; cost_model: the scheduler's (tbt_slo_ms mode); on_schedule(scheduler, out)
-    is called right after each schedule()."""
-    config = EngineConfig(scheduler=policy, chunk_size=chunk_size, block_size=block_size, num_kv_blocks=num_blocks,
-                          max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **options)
+    options: more EngineConfig fields; cost_model: the scheduler's (tbt_slo_ms mode); on_schedule(scheduler,
+    out) is called right after each schedule()."""
+    config = EngineConfig(
+        scheduler=policy,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=caching,
+        **options,
+    )
     blocks = BlockManager(num_blocks, block_size, caching)
     scheduler = make_scheduler(config, blocks, MAX_MODEL_LEN, cost_model)
     pending = sorted(arrivals, key=lambda a: (a[0], a[1].seq_id))
@@ -58,8 +83,11 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
             if not pending:
                 break
             continue
-        before = {"running": list(scheduler.running), "decoding": [s for s in scheduler.running if not s.in_prefill],
-                  "prefilling": {s: s.in_prefill for s in scheduler.running}}
+        before = {
+            "running": list(scheduler.running),
+            "decoding": [s for s in scheduler.running if not s.in_prefill],
+            "prefilling": {s: s.in_prefill for s in scheduler.running},
+        }
         out = scheduler.schedule()
         assert out.scheduled, "work left but nothing scheduled"
         if on_schedule:
@@ -69,14 +97,16 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
         for seq, n in out.scheduled.items():
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
-            before["prefilling"].setdefault(seq, True)       # admitted this step
+            before["prefilling"].setdefault(seq, True)  # admitted this step
         scheduler.check_invariants()
-        if out.preempted:   # the victims are the last in queue order, and wait at their place in it
-            assert max((s.queue_key for s in scheduler.running), default=(-1,)) < min(s.queue_key for s in out.preempted)
+        if out.preempted:  # the victims are the last in queue order, and wait at their place in it
+            assert max((s.queue_key for s in scheduler.running), default=(-1,)) < min(
+                s.queue_key for s in out.preempted
+            )
         assert [s.queue_key for s in scheduler.waiting] == sorted(s.queue_key for s in scheduler.waiting)
         steps.append((before, out))
         finished = []
-        for seq, n in out.scheduled.items():   # the fake model: compute, and sample at the end of a chunk
+        for seq, n in out.scheduled.items():  # the fake model: compute, and sample at the end of a chunk
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = step
             seq.num_computed_tokens += n
@@ -86,7 +116,10 @@ def drive(policy, arrivals, num_blocks, block_size, chunk_size, max_num_seqs=8, 
                     seq.metrics.first_token_time = step
                 seq.output_token_ids.append((seq.seq_id * 13 + seq.num_tokens) % 500)
                 if len(seq.output_token_ids) == seq.params.max_tokens:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"   # as the engine's _finish
+                    seq.status, seq.finish_reason = (
+                        SequenceStatus.FINISHED,
+                        "length",
+                    )  # as the engine's _finish
                     finished.append(seq)
         scheduler.remove_finished(finished)
         blocks.check_invariants(scheduler.running)
@@ -110,9 +143,11 @@ def test_sarathi_stall_free_within_budget(seed, caching):
     steps, scheduler = drive("sarathi", workload(seed), 16, 4, chunk_size=10, caching=caching)
     for before, out in steps:
         assert out.num_tokens <= 10
-        for seq in before["decoding"]:    # every running decode is in the batch (unless preempted)
+        for seq in before["decoding"]:  # every running decode is in the batch (unless preempted)
             assert out.scheduled.get(seq) == 1 or seq in out.preempted
-    assert any(any(is_prefill(b, s) for s in o.scheduled) and b["decoding"] for b, o in steps), "no hybrid batch"
+    assert any(any(is_prefill(b, s) for s in o.scheduled) and b["decoding"] for b, o in steps), (
+        "no hybrid batch"
+    )
     if seed == 0:
         assert scheduler.num_preemptions > 0
 
@@ -123,7 +158,7 @@ def test_vllm_batches_are_prefill_only_or_decode_only(seed, caching):
     for before, out in steps:
         kinds = {is_prefill(before, s) for s in out.scheduled}
         assert len(kinds) == 1
-        if kinds == {True}:   # whole prompts, never cut to the chunk size
+        if kinds == {True}:  # whole prompts, never cut to the chunk size
             assert all(n == before["uncomputed"][s] for s, n in out.scheduled.items())
 
 
@@ -163,7 +198,7 @@ def test_faster_transformer_is_static_batching(seed, caching):
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_one_sequence_that_fills_the_pool_runs_alone(policy):
-    arrivals = [(0, make_seq(0, 30, 34)), (0, make_seq(1, 5, 4)), (1, make_seq(2, 9, 9))]   # r0 needs 63 slots
+    arrivals = [(0, make_seq(0, 30, 34)), (0, make_seq(1, 5, 4)), (1, make_seq(2, 9, 9))]  # r0 needs 63 slots
     drive(policy, arrivals, num_blocks=16, block_size=4, chunk_size=8)
 
 
@@ -174,19 +209,19 @@ def test_sarathi_preempts_newest_and_requeues_it_first():
     scheduler.add(old)
     scheduler.add(new)
     out = scheduler.schedule()
-    assert out.scheduled == {old: 3, new: 3}           # two blocks each: the pool is full
+    assert out.scheduled == {old: 3, new: 3}  # two blocks each: the pool is full
     for seq in (old, new):
         seq.num_computed_tokens += 3
         seq.output_token_ids.append(5)
-    out = scheduler.schedule()                          # both decode at position 3: still in their blocks
+    out = scheduler.schedule()  # both decode at position 3: still in their blocks
     assert out.scheduled == {old: 1, new: 1} and not out.preempted
     for seq in (old, new):
         seq.num_computed_tokens += 1
         seq.output_token_ids.append(5)
-    out = scheduler.schedule()                          # position 4 needs a third block each: none free
+    out = scheduler.schedule()  # position 4 needs a third block each: none free
     assert out.scheduled == {old: 1} and out.preempted == [new]
     assert list(scheduler.waiting) == [new] and new.block_table == [] and new.num_computed_tokens == 0
-    assert new.num_tokens == 5                          # it keeps its generated tokens and recomputes them
+    assert new.num_tokens == 5  # it keeps its generated tokens and recomputes them
     blocks.check_invariants([old])
 
 
@@ -214,9 +249,10 @@ def test_sarathi_splits_a_long_prompt_into_chunks():
     assert len(seq.block_table) == 10
 
 
-# fair partial prefills -----------------------------------------------------------------------------------------
+# fair partial prefills
+# -----------------------------------------------------------------------------------------
 
-FAIR_LIMITS = [(1, 1), (2, 1), (3, 2)]   # (max_partial_prefills, max_long_partial_prefills)
+FAIR_LIMITS = [(1, 1), (2, 1), (3, 2)]  # (max_partial_prefills, max_long_partial_prefills)
 
 
 @pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
@@ -225,9 +261,18 @@ FAIR_LIMITS = [(1, 1), (2, 1), (3, 2)]   # (max_partial_prefills, max_long_parti
 def test_partial_prefill_limits_hold_every_step(policy, limits, seed):
     max_partial, max_long = limits
     stops = []
-    steps, _ = drive(policy, workload(seed, num=16), 32, 4, chunk_size=12, caching=seed == 1,
-                     on_schedule=lambda _, out: stops.append(out.admission_stop),
-                     max_partial_prefills=max_partial, long_prefill_threshold=20, max_long_partial_prefills=max_long)
+    steps, _ = drive(
+        policy,
+        workload(seed, num=16),
+        32,
+        4,
+        chunk_size=12,
+        caching=seed == 1,
+        on_schedule=lambda _, out: stops.append(out.admission_stop),
+        max_partial_prefills=max_partial,
+        long_prefill_threshold=20,
+        max_long_partial_prefills=max_long,
+    )
     assert "partial_prefills" in stops, "the limits never bound: the invariant went unexercised"
     for before, out in steps:
         if policy == "sarathi":
@@ -235,18 +280,18 @@ def test_partial_prefill_limits_hold_every_step(policy, limits, seed):
 
 
 def test_short_prompts_overtake_a_long_one():
-    def arrivals():   # one 200-token prompt, then short ones arriving while it prefills
+    def arrivals():  # one 200-token prompt, then short ones arriving while it prefills
         return [(0, make_seq(0, 200, 2))] + [(1 + 2 * i, make_seq(1 + i, 6, 2)) for i in range(4)]
 
-    def ttft(seq):   # in steps, from arrival (arrival = the step it was added)
+    def ttft(seq):  # in steps, from arrival (arrival = the step it was added)
         return seq.metrics.first_token_time - seq.metrics.arrival_time
 
     fcfs, fair = arrivals(), arrivals()
     drive("sarathi", fcfs, 128, 4, chunk_size=16)
     drive("sarathi", fair, 128, 4, chunk_size=16, max_partial_prefills=2, long_prefill_threshold=32)
-    assert all(ttft(seq) >= 5 for _, seq in fcfs[1:3])       # behind the long prompt's 13 chunks
-    assert all(ttft(seq) <= 1 for _, seq in fair[1:])        # half the budget each step: 6 tokens fit at once
-    assert ttft(fair[0][1]) <= ttft(fcfs[0][1]) + 4           # the long one's cost: a few steps
+    assert all(ttft(seq) >= 5 for _, seq in fcfs[1:3])  # behind the long prompt's 13 chunks
+    assert all(ttft(seq) <= 1 for _, seq in fair[1:])  # half the budget each step: 6 tokens fit at once
+    assert ttft(fair[0][1]) <= ttft(fcfs[0][1]) + 4  # the long one's cost: a few steps
 
 
 def test_a_long_prompt_over_the_limit_is_passed_over():
@@ -262,12 +307,15 @@ def test_a_long_prompt_over_the_limit_is_passed_over():
     assert scheduler.waiting == [second_long] and out.admission_stop == "partial_prefills"
 
 
-# priorities ------------------------------------------------------------------------------------------------------
+# priorities
+# ------------------------------------------------------------------------------------------------------
+
 
 def test_priority_orders_the_waiting_queue_and_ages():
     blocks = BlockManager(num_blocks=64, block_size=4)
-    scheduler = make_scheduler(EngineConfig(chunk_size=100, max_num_seqs=2, priority_aging_s=10), blocks,
-                               MAX_MODEL_LEN)
+    scheduler = make_scheduler(
+        EngineConfig(chunk_size=100, max_num_seqs=2, priority_aging_s=10), blocks, MAX_MODEL_LEN
+    )
     seqs = [make_seq(i, 5, 3) for i in range(4)]
     for seq, priority in zip(seqs, [1, 0, 2, 0]):
         seq.priority = priority
@@ -291,18 +339,18 @@ def test_preemption_victim_is_the_lowest_priority_then_the_newest():
     for seq in (old_low, new_high, newest_high):
         scheduler.add(seq)
     out = scheduler.schedule()
-    assert list(out.scheduled) == [new_high, newest_high, old_low]      # queue order: priority, then arrival
+    assert list(out.scheduled) == [new_high, newest_high, old_low]  # queue order: priority, then arrival
     for seq in out.scheduled:
         seq.num_computed_tokens += 3
         seq.output_token_ids.append(5)
-    for _ in range(2):   # positions 3 (in their blocks) and 4 (a third block each: none free)
+    for _ in range(2):  # positions 3 (in their blocks) and 4 (a third block each: none free)
         out = scheduler.schedule()
         for seq in out.scheduled:
             seq.num_computed_tokens += 1
             seq.output_token_ids.append(5)
     assert out.preempted == [old_low] and set(out.scheduled) == {new_high, newest_high}
     assert scheduler.waiting == [old_low]
-    out = scheduler.schedule()   # position 5: the newest of the two high-priority ones goes next
+    out = scheduler.schedule()  # position 5: the newest of the two high-priority ones goes next
     assert out.preempted == [] and set(out.scheduled) == {new_high, newest_high}
     for seq in out.scheduled:
         seq.num_computed_tokens += 1
@@ -313,17 +361,19 @@ def test_preemption_victim_is_the_lowest_priority_then_the_newest():
 
 def test_preemption_victim_is_the_latest_aged_key():
     """Unequal priorities: the victim is the latest virtual arrival, not the lowest priority. A priority-1
-    request arrived at t=0 (key 0 + 1 x 10) is kept; the priority-0 one arrived at t=20 (key 20) is preempted."""
+    request arrived at t=0 (key 0 + 1 x 10) is kept; the priority-0 one arrived at t=20 (key 20) is
+    preempted."""
     blocks = BlockManager(num_blocks=4, block_size=2)
-    scheduler = make_scheduler(EngineConfig(chunk_size=8, block_size=2, priority_aging_s=10.0), blocks,
-                               MAX_MODEL_LEN)
+    scheduler = make_scheduler(
+        EngineConfig(chunk_size=8, block_size=2, priority_aging_s=10.0), blocks, MAX_MODEL_LEN
+    )
     old_low, new_high = make_seq(0, 3, 8), make_seq(1, 3, 8)
     old_low.priority, new_high.metrics.arrival_time = 1, 20.0
     scheduler.add(new_high)
     scheduler.add(old_low)
     out = scheduler.schedule()
     assert list(out.scheduled) == [old_low, new_high]
-    for _ in range(2):   # positions 3 (in their second blocks), then 4: a third block each, none free
+    for _ in range(2):  # positions 3 (in their second blocks), then 4: a third block each, none free
         for seq in out.scheduled:
             seq.num_computed_tokens += out.scheduled[seq]
             seq.output_token_ids.append(5)
@@ -334,13 +384,15 @@ def test_preemption_victim_is_the_latest_aged_key():
 def test_partial_prefill_limits_are_an_engine_invariant():
     """engine.check_invariants checks the fair-prefill limits through the scheduler."""
     from minisarathi.engine.engine import LLMEngine
-    engine = LLMEngine(chunk_size=8, block_size=4, num_kv_blocks=32, max_partial_prefills=2,
-                       long_prefill_threshold=100)
+
+    engine = LLMEngine(
+        chunk_size=8, block_size=4, num_kv_blocks=32, max_partial_prefills=2, long_prefill_threshold=100
+    )
     engine.add_request("a", list(range(3, 23)))
     engine.add_request("b", list(range(3, 23)))
     engine.step()
-    engine.check_invariants()   # two 20-token prompts mid-prefill: within the limits
-    engine.scheduler.max_partial_prefills = 1   # the same state under a tighter limit
+    engine.check_invariants()  # two 20-token prompts mid-prefill: within the limits
+    engine.scheduler.max_partial_prefills = 1  # the same state under a tighter limit
     with pytest.raises(AssertionError, match="max_partial_prefills"):
         engine.check_invariants()
     engine.scheduler.max_partial_prefills, engine.scheduler.long_prefill_threshold = 2, 4
@@ -348,7 +400,7 @@ def test_partial_prefill_limits_are_an_engine_invariant():
         engine.check_invariants()
 
 
-@pytest.mark.parametrize("aging", [10, 10 ** 9])
+@pytest.mark.parametrize("aging", [10, 10**9])
 def test_starvation_is_bounded_by_aging(aging):
     """A priority-2 request arriving at step 10 into the queue of a saturating stream of priority-0 ones: with
     aging A it ranks as a priority-0 request arriving at step 10 + 2 A, so no request arriving after that
@@ -366,9 +418,11 @@ def test_starvation_is_bounded_by_aging(aging):
         assert len(overtook) == len(stream)
 
 
-# tbt_slo_ms: the budget from a latency target -------------------------------------------------------------------
+# tbt_slo_ms: the budget from a latency target
+# -------------------------------------------------------------------
 
-# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode attention
+# seconds: per step, per prefill token, per decode, per unit of prefill attention, per unit of decode
+# attention
 KNOWN_COSTS = (2e-3, 1e-3, 0.5e-3, 1e-5, 2e-5)
 
 
@@ -391,18 +445,32 @@ def test_slo_budget_keeps_the_predicted_step_time_under_the_limit(seed, target_m
         predicted = model.predict(step_shape(out.scheduled))
         assert out.time_limit == pytest.approx(scheduler.slo.target - scheduler.slo.margin)
         # the decodes always run; besides them only the liveness grants (a block: 4 tokens) may pass the limit
-        decodes = model.predict(step_shape({seq: n for seq, n in out.scheduled.items() if not seq.in_prefill}))
-        floor_grants = sum(model.prefill_time(seq.num_computed_tokens, n) for seq, n in out.scheduled.items()
-                           if seq.in_prefill and n <= 4)
+        decodes = model.predict(
+            step_shape({seq: n for seq, n in out.scheduled.items() if not seq.in_prefill})
+        )
+        floor_grants = sum(
+            model.prefill_time(seq.num_computed_tokens, n)
+            for seq, n in out.scheduled.items()
+            if seq.in_prefill and n <= 4
+        )
         assert predicted - floor_grants <= max(out.time_limit, decodes) + 1e-12
         if out.overloaded:
             seen["overloaded"] += 1
             assert not any(seq.num_computed_tokens == 0 for seq in out.scheduled), "admitted while overloaded"
         elif out.num_tokens < 64 and any(n < seq.num_uncomputed_tokens for seq, n in out.scheduled.items()):
-            seen["time_bound"] += 1   # a prompt cut short of the token budget
+            seen["time_bound"] += 1  # a prompt cut short of the token budget
 
-    drive("sarathi", workload(seed, num=16), 64, 4, chunk_size=64, caching=seed % 2 == 1, cost_model=model,
-          on_schedule=check, tbt_slo_ms=target_ms)
+    drive(
+        "sarathi",
+        workload(seed, num=16),
+        64,
+        4,
+        chunk_size=64,
+        caching=seed % 2 == 1,
+        cost_model=model,
+        on_schedule=check,
+        tbt_slo_ms=target_ms,
+    )
     assert seen["time_bound"] > 0, "the time limit never bound a step"
     if target_ms == 3.5:
         assert seen["overloaded"] > 0
@@ -410,22 +478,30 @@ def test_slo_budget_keeps_the_predicted_step_time_under_the_limit(seed, target_m
 
 def test_slo_budget_takes_the_largest_prefill_that_fits():
     model = known_cost_model()
-    scheduler = make_scheduler(EngineConfig(chunk_size=512, block_size=4, tbt_slo_ms=40),
-                               BlockManager(num_blocks=128, block_size=4), MAX_MODEL_LEN, model)
+    scheduler = make_scheduler(
+        EngineConfig(chunk_size=512, block_size=4, tbt_slo_ms=40),
+        BlockManager(num_blocks=128, block_size=4),
+        MAX_MODEL_LEN,
+        model,
+    )
     seq = make_seq(0, 250, 2)
     scheduler.add(seq)
     out = scheduler.schedule()
     n = out.scheduled[seq]
     limit = out.time_limit
-    assert limit == pytest.approx(0.9 * 0.040)      # the initial margin: 10% of the target
+    assert limit == pytest.approx(0.9 * 0.040)  # the initial margin: 10% of the target
     assert model.predict(step_shape(out.scheduled)) <= limit < model.predict(step_shape({seq: n + 1}))
     assert out.admission_stop is None and 0 < n < 250
 
 
 def test_overload_stops_admission_and_keeps_the_decodes(caplog):
-    model = known_cost_model((2e-3, 1e-3, 10e-3, 0, 0))   # a decode costs 10 ms: three take 32 ms
-    scheduler = make_scheduler(EngineConfig(chunk_size=64, block_size=4, tbt_slo_ms=30),
-                               BlockManager(num_blocks=64, block_size=4), MAX_MODEL_LEN, model)
+    model = known_cost_model((2e-3, 1e-3, 10e-3, 0, 0))  # a decode costs 10 ms: three take 32 ms
+    scheduler = make_scheduler(
+        EngineConfig(chunk_size=64, block_size=4, tbt_slo_ms=30),
+        BlockManager(num_blocks=64, block_size=4),
+        MAX_MODEL_LEN,
+        model,
+    )
     running = [make_seq(i, 4, 8) for i in range(3)]
     for seq in running:
         scheduler.add(seq)
@@ -446,7 +522,7 @@ def test_overload_stops_admission_and_keeps_the_decodes(caplog):
         seq.output_token_ids.append(5)
     running[0].status, running[0].finish_reason = SequenceStatus.FINISHED, "length"
     scheduler.remove_finished([running[0]])
-    out = scheduler.schedule()                              # two decodes: 22 ms, 5 ms left for the prompt
+    out = scheduler.schedule()  # two decodes: 22 ms, 5 ms left for the prompt
     assert not out.overloaded and out.scheduled == {running[1]: 1, running[2]: 1, newcomer: 4}
     assert scheduler.slo.overloaded_steps == 1
 
@@ -459,7 +535,7 @@ def test_an_slo_below_a_single_decode_falls_back_to_the_fixed_budget(caplog):
     arrivals = [(0, make_seq(i, 4, 6)) for i in range(4)]
     with caplog.at_level(logging.WARNING):
         steps, scheduler = drive("sarathi", arrivals, 64, 4, chunk_size=64, cost_model=model, tbt_slo_ms=10)
-    assert len(steps) <= 8      # together: 6 tokens each in ~6 steps, not ~4 x 6 one after the other
+    assert len(steps) <= 8  # together: 6 tokens each in ~6 steps, not ~4 x 6 one after the other
     assert all(out.admission_stop != "overload" for _, out in steps)
     assert all(out.time_limit is None for _, out in steps if out.overloaded)
     assert scheduler.slo.overloaded_steps > 0 and scheduler.slo.summary()["infeasible"]

@@ -17,6 +17,7 @@ only what was written since, typically each sequence's last block, instead of ev
 Its memory (kept_memory) is made with the cache, room for the pool's blocks, and partly written then, so
 that the step that starts keeping (which copies it all) allocates nothing and faults in no page.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -44,15 +45,22 @@ _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float
 def cache_tiles(block_table: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """int[..., Hk, B]: the rows of the [num_blocks * Hk, block_size, D] cache view holding each head's keys
     of the blocks in block_table[..., B], head by head."""
-    heads = np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]   # int[Hk, 1]
+    heads = np.arange(num_kv_heads, dtype=block_table.dtype)[:, None]  # int[Hk, 1]
     return block_table[..., None, :] * num_kv_heads + heads
 
 
 class AttentionPlan:
     """Per batch, for every layer alike: which rows decode, which tiles each run reads, the decode padding."""
 
-    def __init__(self, batch: Batch, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 native_query_heads: int | None = None):
+    def __init__(
+        self,
+        batch: Batch,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        native_query_heads: int | None = None,
+    ):
         """native_query_heads: Hq, where the decodes run on the native kernel (native_attention.py), which
         reads the cache in place: no tiles, mask or kept K/V are planned for them; None: they run on NumPy."""
         self.batch = batch
@@ -60,8 +68,11 @@ class AttentionPlan:
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
         q_lens = np.diff(batch.query_start)
         decodes = np.flatnonzero(q_lens == 1)
-        self.native_decodes = None if native_query_heads is None or not len(decodes) else \
-            DecodeRows(batch, decodes, self.cache_shape, native_query_heads)
+        self.native_decodes = (
+            None
+            if native_query_heads is None or not len(decodes)
+            else DecodeRows(batch, decodes, self.cache_shape, native_query_heads)
+        )
         # The engine puts decodes first: then their rows are a slice and q, out are views, not copies.
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
         self.decode_rows = slice(0, len(decodes)) if first_are_decodes else batch.query_start[decodes]
@@ -71,16 +82,20 @@ class AttentionPlan:
             context_lens = batch.context_lens[decodes]
             longest = int(context_lens.max())
             blocks_per_seq = -(-longest // block_size)
-            self.decode_blocks = batch.block_tables[decodes, :blocks_per_seq]             # int[S, B]
+            self.decode_blocks = batch.block_tables[decodes, :blocks_per_seq]  # int[S, B]
             # bool[S, B]: the entries within each context (past it, the table's padding: masked out)
             self.decode_blocks_used = np.arange(blocks_per_seq) < -(-context_lens[:, None] // block_size)
-            self.decode_keys = longest   # the products read no key past the longest context
+            self.decode_keys = longest  # the products read no key past the longest context
             # float32[S, 1, 1, longest]: -inf on the keys past each context (padding reads whatever the
             # block-table entries past a context name, so the cache must hold finite numbers); None when
             # every context is the longest (a burst of equal requests)
-            self.decode_mask = None if (context_lens == longest).all() else np.where(
-                np.arange(longest) >= context_lens[:, None], np.float32(-np.inf),
-                np.float32(0))[:, None, None, :]
+            self.decode_mask = (
+                None
+                if (context_lens == longest).all()
+                else np.where(
+                    np.arange(longest) >= context_lens[:, None], np.float32(-np.inf), np.float32(0)
+                )[:, None, None, :]
+            )
             # Decode K/V that fits one group is gathered again each step: the copy brings it into the CPU's
             # cache just before the products read it (kept across steps, the products would read it from
             # memory). Larger, it is kept across steps (DecodeKV: a step copies only the blocks written
@@ -90,22 +105,37 @@ class AttentionPlan:
             decode_bytes = 2 * self.decode_blocks.size * num_kv_heads * block_size * head_dim * 4
             self.keeps_decode_kv = DECODE_GROUP_BYTES < decode_bytes and self.decode_blocks.size <= num_blocks
             self.decode_tiles = cache_tiles(self.decode_blocks, num_kv_heads).ravel()
-            self.decode_group = max(1, DECODE_GROUP_BYTES // (2 * self.decode_blocks.size // self.num_decodes
-                                                                * num_kv_heads * block_size * head_dim * 4))
-        self.prefills = []    # (first row, last row + 1, tiles, context length) per longer run
+            self.decode_group = max(
+                1,
+                DECODE_GROUP_BYTES
+                // (
+                    2 * self.decode_blocks.size // self.num_decodes * num_kv_heads * block_size * head_dim * 4
+                ),
+            )
+        self.prefills = []  # (first row, last row + 1, tiles, context length) per longer run
         for s in np.flatnonzero(q_lens > 1).tolist():
             context_len = int(batch.context_lens[s])
-            table = batch.block_tables[s, :-(-context_len // block_size)]
-            self.prefills.append((int(batch.query_start[s]), int(batch.query_start[s + 1]),
-                                  cache_tiles(table, num_kv_heads).ravel(), context_len))
-
+            table = batch.block_tables[s, : -(-context_len // block_size)]
+            self.prefills.append(
+                (
+                    int(batch.query_start[s]),
+                    int(batch.query_start[s + 1]),
+                    cache_tiles(table, num_kv_heads).ravel(),
+                    context_len,
+                )
+            )
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
         """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like
         k_cache."""
         query_start, context_lens, block_tables = self._arrays
-        return (batch is self.batch and k_cache.shape == self.cache_shape and batch.query_start is query_start
-                and batch.context_lens is context_lens and batch.block_tables is block_tables)
+        return (
+            batch is self.batch
+            and k_cache.shape == self.cache_shape
+            and batch.query_start is query_start
+            and batch.context_lens is context_lens
+            and batch.block_tables is block_tables
+        )
 
 
 class GatherBuffers:
@@ -114,8 +144,9 @@ class GatherBuffers:
     def __init__(self):
         self._k = self._v = np.empty(0, np.float32)
 
-    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray,
-               tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather(
+        self, k_cache: np.ndarray, v_cache: np.ndarray, tiles: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """float32[len(tiles), block_size, D] each: the K and V tiles, in the buffers (valid until the next
         call)."""
         num_blocks, Hk, block_size, D = k_cache.shape
@@ -146,10 +177,10 @@ class DecodeKV:
 
     def __init__(self, k_cache: np.ndarray, memory: tuple[np.ndarray, np.ndarray]):
         num_blocks, Hk, block_size, D = k_cache.shape
-        self._clock = 0                                         # counts this layer's reported writes
-        self._block_written = np.zeros(num_blocks, np.int64)    # the clock at each block's last write
-        self._held = np.empty((0, 0), np.int64)   # [rows, B]: the block each place holds, -1 none
-        self._copied = np.empty((0, 0), np.int64)               # [rows, B]: the clock when it was copied
+        self._clock = 0  # counts this layer's reported writes
+        self._block_written = np.zeros(num_blocks, np.int64)  # the clock at each block's last write
+        self._held = np.empty((0, 0), np.int64)  # [rows, B]: the block each place holds, -1 none
+        self._copied = np.empty((0, 0), np.int64)  # [rows, B]: the clock when it was copied
         self._memory = memory
         self._k = self._v = np.empty((0, Hk, 0, block_size, D), np.float32)
 
@@ -157,8 +188,9 @@ class DecodeKV:
         self._clock += 1
         self._block_written[blocks] = self._clock
 
-    def gather(self, k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray,
-               used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather(
+        self, k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray, used: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """float32[S, Hk, B * block_size, D] each: the K and V of blocks (int[S, B], each decode's block-table
         entries) head by head, views valid until the next call. Between changes of B only the entries where
         used (bool[S, B]) are copied: the others are padding, masked out, which needs only finite numbers (the
@@ -167,11 +199,16 @@ class DecodeKV:
         S, B = blocks.shape
         if B != self._held.shape[1]:
             self._lay_out(num_blocks // B, B)
-            tiles = cache_tiles(blocks, Hk).ravel()     # int[S * Hk * B]: the memory's order
+            tiles = cache_tiles(blocks, Hk).ravel()  # int[S * Hk * B]: the memory's order
             for cache, kept in ((k_cache, self._k), (v_cache, self._v)):
                 # mode="clip": with out=, the default "raise" copies through a temporary buffer
-                np.take(cache.reshape(num_blocks * Hk, block_size, D), tiles, axis=0, mode="clip",
-                        out=kept[:S].reshape(S * Hk * B, block_size, D))
+                np.take(
+                    cache.reshape(num_blocks * Hk, block_size, D),
+                    tiles,
+                    axis=0,
+                    mode="clip",
+                    out=kept[:S].reshape(S * Hk * B, block_size, D),
+                )
             self._held[:S], self._copied[:S] = blocks, self._clock
         else:
             held = self._held[:S]
@@ -179,7 +216,7 @@ class DecodeKV:
             stale_rows, stale_columns = np.nonzero(stale & used)
             if len(stale_rows):
                 source = blocks[stale_rows, stale_columns]
-                self._k[stale_rows, :, stale_columns] = k_cache[source]      # [stale, Hk, block_size, D]
+                self._k[stale_rows, :, stale_columns] = k_cache[source]  # [stale, Hk, block_size, D]
                 self._v[stale_rows, :, stale_columns] = v_cache[source]
                 held[stale_rows, stale_columns] = source
                 self._copied[stale_rows, stale_columns] = self._clock
@@ -190,8 +227,10 @@ class DecodeKV:
         """The memory seen as [rows, Hk, B, block_size, D], holding no block yet."""
         _, Hk, _, block_size, D = self._k.shape
         self._held, self._copied = np.full((rows, B), -1, np.int64), np.zeros((rows, B), np.int64)
-        self._k, self._v = (memory[:rows * Hk * B * block_size * D].reshape(rows, Hk, B, block_size, D)
-                            for memory in self._memory)
+        self._k, self._v = (
+            memory[: rows * Hk * B * block_size * D].reshape(rows, Hk, B, block_size, D)
+            for memory in self._memory
+        )
 
 
 def kept_memory(size: int) -> np.ndarray:
@@ -206,16 +245,23 @@ def kept_memory(size: int) -> np.ndarray:
     Writing it all now would double the KV pool's resident memory for the rare batch that fills the pool.
     Transparent huge pages, as NumPy asks for its own large arrays: the products read them faster."""
     mapping = mmap.mmap(-1, max(size, 1) * 4, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):   # Linux
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         mapping.madvise(mmap.MADV_HUGEPAGE)
     memory = np.frombuffer(mapping, np.float32)
-    memory[:DECODE_GROUP_BYTES // 4] = 0   # faults those pages in
+    memory[: DECODE_GROUP_BYTES // 4] = 0  # faults those pages in
     return memory
 
 
-def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan,
-                    buffers: GatherBuffers, scale: float, decode_kv: DecodeKV | None = None,
-                    native: tuple[CpuAttention, tuple[int, int]] | None = None) -> np.ndarray:
+def paged_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    plan: AttentionPlan,
+    buffers: GatherBuffers,
+    scale: float,
+    decode_kv: DecodeKV | None = None,
+    native: tuple[CpuAttention, tuple[int, int]] | None = None,
+) -> np.ndarray:
     """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
     Single-token runs (decodes) are done together: by the native kernel where the plan says so (native: the
@@ -233,9 +279,9 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
     if plan.prefills or plan.num_decodes and plan.native_decodes is None:
         q = (q * np.float32(scale)).reshape(T, Hk, G, D)
     if plan.num_decodes and plan.native_decodes is None:
-        q_decode = q[plan.decode_rows]                        # float32[S, Hk, G, D]
+        q_decode = q[plan.decode_rows]  # float32[S, Hk, G, D]
         if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
-            q_decode_t = np.ascontiguousarray(q_decode.swapaxes(-1, -2))   # float32[S, Hk, D, G]
+            q_decode_t = np.ascontiguousarray(q_decode.swapaxes(-1, -2))  # float32[S, Hk, D, G]
         out_decode = out[plan.decode_rows] if isinstance(plan.decode_rows, slice) else np.empty_like(q_decode)
         if decode_kv is not None:
             kept = decode_kv.gather(k_cache, v_cache, plan.decode_blocks, plan.decode_blocks_used)
@@ -245,13 +291,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
         for first in range(0, plan.num_decodes, group):
             rows = slice(first, min(first + group, plan.num_decodes))
             if decode_kv is not None:
-                k, v = kept                                   # float32[S, Hk, B * block_size, D] each
+                k, v = kept  # float32[S, Hk, B * block_size, D] each
             else:
                 entries = slice(rows.start * tiles_per_seq, rows.stop * tiles_per_seq)
                 k, v = buffers.gather(k_cache, v_cache, plan.decode_tiles[entries])
                 shape = (-1, Hk, tiles_per_seq // Hk * block_size, D)
                 k, v = k.reshape(shape), v.reshape(shape)
-            k, v = k[:, :, :plan.decode_keys], v[:, :, :plan.decode_keys]
+            k, v = k[:, :, : plan.decode_keys], v[:, :, : plan.decode_keys]
             # transposed: [s, Hk, n, D] @ [s, Hk, D, G], then laid out [s, Hk, G, n]
             if plan.decode_keys >= TRANSPOSED_SCORES_KEYS:
                 scores = np.ascontiguousarray((k @ q_decode_t[rows]).swapaxes(-1, -2))
@@ -260,19 +306,20 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pla
             if plan.decode_mask is not None:
                 scores += plan.decode_mask[rows]
             denominator = _exp_in_place(scores)
-            np.matmul(scores, v, out=out_decode[rows])        # float32[s, Hk, G, D]
+            np.matmul(scores, v, out=out_decode[rows])  # float32[s, Hk, G, D]
             out_decode[rows] /= denominator
         if not isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = out_decode
     for start, end, tiles, context_len in plan.prefills:
         k, v = buffers.gather(k_cache, v_cache, tiles)
-        k, v = k.reshape(Hk, 1, -1, D), v.reshape(Hk, 1, -1, D)   # [Hk, 1, n, D]: padding past context_len
+        k, v = k.reshape(Hk, 1, -1, D), v.reshape(Hk, 1, -1, D)  # [Hk, 1, n, D]: padding past context_len
         _prefill_attention(q[start:end], k, v, context_len, out[start:end])
     return out.reshape(T, Hq, D)
 
 
-def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int,
-                       out: np.ndarray) -> None:
+def _prefill_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int, out: np.ndarray
+) -> None:
     q_len = q.shape[0]
     history = context_len - q_len  # keys every query of the chunk sees
     for start in range(0, q_len, QUERY_TILE):
@@ -280,7 +327,7 @@ def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len:
         visible = history + end
         # float32[Hk, G, t, visible]
         scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)
-        scores[..., history + start:] += _CAUSAL_TILE[:end - start, :end - start]
+        scores[..., history + start :] += _CAUSAL_TILE[: end - start, : end - start]
         denominator = _exp_in_place(scores)
         tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
         tile /= denominator
@@ -292,4 +339,4 @@ def _exp_in_place(scores: np.ndarray) -> np.ndarray:
     after the product with V (on D numbers per row instead of n)."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    return np.einsum("...n->...", scores)[..., None]   # the sum: einsum is faster than .sum(axis=-1) here
+    return np.einsum("...n->...", scores)[..., None]  # the sum: einsum is faster than .sum(axis=-1) here

@@ -1,5 +1,6 @@
 """How the CPU backend's native kernels (packed_gemm.cpp, native_attention.cpp, native_sampling.cpp) are
 built for this CPU, loaded, or turned off: their one way, over minisarathi/backends/native_build.py."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,12 +15,26 @@ from minisarathi.backends.native_build import build_shared_library
 def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
     """`source` (a .cpp file) built with CXX (default g++) and `flags` for this CPU (cached); RuntimeError or
     OSError where it cannot be."""
-    return build_shared_library("cpu_kernels", source.stem, f'#include "{source}"\n', [source],
-                                os.environ.get("CXX", "g++"), flags, purpose)
+    return build_shared_library(
+        "cpu_kernels",
+        source.stem,
+        f'#include "{source}"\n',
+        [source],
+        os.environ.get("CXX", "g++"),
+        flags,
+        purpose,
+    )
 
 
-def load_cpu_library(source: Path, flags: list[str], name: str, switch: str, needs_avx512: bool,
-                     hold_gil: bool, log: logging.Logger) -> ctypes.CDLL | None:
+def load_cpu_library(
+    source: Path,
+    flags: list[str],
+    name: str,
+    switch: str,
+    needs_avx512: bool,
+    hold_gil: bool,
+    log: logging.Logger,
+) -> ctypes.CDLL | None:
     """A CPU-backend kernel's library, built at first use and loaded; None where it cannot run here, `log`
     saying why ("NAME off ..."): the environment variable `switch` set to 0 (to measure against NumPy), a CPU
     without AVX-512 where the kernel needs it, no compiler or a failed build, no safe cache folder, a library

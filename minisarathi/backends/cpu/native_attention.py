@@ -10,6 +10,7 @@ NumPy), `kernel()` is None and decodes run on NumPy.
 Whether a model's decodes use it is decided once, from the model's shapes (`runs`), never per batch: its
 results differ from NumPy's in the last bits, and a row's output must not depend on the batch it is in.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,20 +35,33 @@ class DecodeRows:
     as the kernel's DecodeBatch (int64 fields) once per batch (AttentionPlan) and shared by its layers, so
     that a layer's call passes 7 arguments and reads 2 addresses (.ctypes.data is slow)."""
 
-    def __init__(self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int],
-                 query_heads: int):
+    def __init__(
+        self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int], query_heads: int
+    ):
         num_blocks, Hk, block_size, D = cache_shape
-        self.seqs = decodes.astype(np.int64)                                   # int64[S]: decode sequences
-        self.rows = batch.query_start[decodes].astype(np.int64)               # int64[S]: their token rows
-        self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)   # int32[num_seqs, B]
-        self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)   # int32[num_seqs]
-        self.fields = np.array([self.block_tables.ctypes.data, self.block_tables.shape[1],
-                                self.context_lens.ctypes.data, self.seqs.ctypes.data, self.rows.ctypes.data,
-                                len(self.seqs), num_blocks, Hk, query_heads // Hk, D, block_size],
-                               np.int64)   # DecodeBatch
+        self.seqs = decodes.astype(np.int64)  # int64[S]: decode sequences
+        self.rows = batch.query_start[decodes].astype(np.int64)  # int64[S]: their token rows
+        self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)  # int32[num_seqs, B]
+        self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)  # int32[num_seqs]
+        self.fields = np.array(
+            [
+                self.block_tables.ctypes.data,
+                self.block_tables.shape[1],
+                self.context_lens.ctypes.data,
+                self.seqs.ctypes.data,
+                self.rows.ctypes.data,
+                len(self.seqs),
+                num_blocks,
+                Hk,
+                query_heads // Hk,
+                D,
+                block_size,
+            ],
+            np.int64,
+        )  # DecodeBatch
         self.address = self.fields.ctypes.data
         self.query_shape = (query_heads, D)
-        self.head_strides = (D * 4, 4)   # of q's rows as the kernel reads them: [Hq, D] contiguous
+        self.head_strides = (D * 4, 4)  # of q's rows as the kernel reads them: [Hq, D] contiguous
 
 
 class CpuAttention:
@@ -69,8 +83,14 @@ class CpuAttention:
         self.lib.exp_nonpositive_of(x.ctypes.data, x.size, out.ctypes.data)
         return out
 
-    def decode(self, q: np.ndarray, cache_addresses: tuple[int, int], decodes: DecodeRows, scale: float,
-               out: np.ndarray) -> None:
+    def decode(
+        self,
+        q: np.ndarray,
+        cache_addresses: tuple[int, int],
+        decodes: DecodeRows,
+        scale: float,
+        out: np.ndarray,
+    ) -> None:
         """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D]).
         cache_addresses: the data of the caches (C order, of the shape `decodes` was made for)."""
         if q.dtype != np.float32 or out.dtype != np.float32:
@@ -79,13 +99,16 @@ class CpuAttention:
             raise ValueError(f"q: {q.shape[1:]} heads x head_dim, the plan is for {decodes.query_shape}")
         if q.strides[1:] != decodes.head_strides:
             q = np.ascontiguousarray(q)
-        status = self._call(decodes.address, q.ctypes.data, q.strides[0] // 4, *cache_addresses, scale,
-                            out.ctypes.data)
+        status = self._call(
+            decodes.address, q.ctypes.data, q.strides[0] // 4, *cache_addresses, scale, out.ctypes.data
+        )
         if status == -1:
             raise MemoryError(f"decode attention: no memory for the scores of {len(decodes.seqs)} decodes")
         if status:
-            raise IndexError(f"decode attention: a block table names a block outside the cache's "
-                             f"{decodes.fields[6]}, or a context is longer than its block-table row")
+            raise IndexError(
+                f"decode attention: a block table names a block outside the cache's "
+                f"{decodes.fields[6]}, or a context is longer than its block-table row"
+            )
 
 
 # Models whose decodes use the kernel: head_dim up to this. It wins the whole decode forward at small head_dim
@@ -110,6 +133,13 @@ def kernel() -> CpuAttention | None:
     """The library for this CPU, built at first use; None where it cannot run here (the log says why). Called
     with the GIL held: a call takes a few us on the models it runs for (runs), and releasing the GIL around it
     could hand it to the server's event loop and hold the engine up."""
-    lib = load_cpu_library(SOURCE, FLAGS, "native decode attention", "MINISARATHI_CPU_ATTENTION",
-                           needs_avx512=True, hold_gil=True, log=log)
+    lib = load_cpu_library(
+        SOURCE,
+        FLAGS,
+        "native decode attention",
+        "MINISARATHI_CPU_ATTENTION",
+        needs_avx512=True,
+        hold_gil=True,
+        log=log,
+    )
     return None if lib is None else CpuAttention(lib)

@@ -6,6 +6,7 @@ first time; the library is cached by content (minisarathi/backends/cpu/native.py
 or MINISARATHI_CPU_SAMPLING=0 is set (to measure against NumPy), `kernel()` is None and the Sampler keeps
 NumPy's.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,8 +20,16 @@ from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
 
 SOURCE = Path(__file__).resolve().parent / "native_sampling.cpp"
 # No -ffast-math, no FMA contraction: every float64 operation must round as NumPy's does (see the source).
-FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall",
-         "-Wl,-z,defs"]
+FLAGS = [
+    "-std=c++17",
+    "-O2",
+    "-ffp-contract=off",
+    "-shared",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wl,-z,defs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +38,9 @@ class InverseCdf:
     """The kernel for one vocabulary size and block size."""
 
     def __init__(self, function, vocab_size: int, block: int):
-        self._function = function   # the library's inverse_cdf
+        self._function = function  # the library's inverse_cdf
         self.vocab_size, self.block = vocab_size, block
-        self._out = np.empty(0, np.int64)   # the tokens, written in place (.ctypes.data is slow)
+        self._out = np.empty(0, np.int64)  # the tokens, written in place (.ctypes.data is slow)
         self._out_address = self._out.ctypes.data
 
     def __call__(self, probs: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -41,8 +50,9 @@ class InverseCdf:
         u = np.ascontiguousarray(u, dtype=np.float64)
         rows = len(probs)
         if probs.shape != (rows, self.vocab_size) or u.shape != (rows,):
-            raise ValueError(f"probs must be [R, {self.vocab_size}] and u [R], "
-                             f"got {probs.shape} and {u.shape}")
+            raise ValueError(
+                f"probs must be [R, {self.vocab_size}] and u [R], got {probs.shape} and {u.shape}"
+            )
         if len(self._out) < rows:
             self._out = np.empty(2 * rows, np.int64)
             self._out_address = self._out.ctypes.data
@@ -59,8 +69,15 @@ def library_path() -> Path:
 def _library() -> ctypes.CDLL | None:
     """Called with the GIL held: the call takes a few us, and releasing the GIL around it could hand it to the
     server's event loop and hold the engine thread up. Needs no AVX-512 (plain float64 arithmetic)."""
-    lib = load_cpu_library(SOURCE, FLAGS, "native inverse CDF", "MINISARATHI_CPU_SAMPLING",
-                           needs_avx512=False, hold_gil=True, log=log)
+    lib = load_cpu_library(
+        SOURCE,
+        FLAGS,
+        "native inverse CDF",
+        "MINISARATHI_CPU_SAMPLING",
+        needs_avx512=False,
+        hold_gil=True,
+        log=log,
+    )
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]

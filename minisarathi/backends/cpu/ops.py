@@ -6,6 +6,7 @@ It is held to the plain reference (minisarathi/backends/reference.py) op by op a
 layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
 transposed product `w @ x.T` (transposed_linear).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -40,22 +41,22 @@ class CpuOps:
     """
 
     device = "cpu"
-    activation_dtype = np.dtype(np.float32)   # of activations and the KV cache
+    activation_dtype = np.dtype(np.float32)  # of activations and the KV cache
 
     def __init__(self):
-        self.blas_core = openblas_core()   # the OpenBLAS kernels in force, which choose linear's product
-        self._rope_tables = (None, None, {})   # (positions, cos_sin, column tables by head count), last call
-        self._rope_partners: dict[tuple[int, int], np.ndarray] = {}   # rotate_half's columns, by (heads, D)
-        self._slots = (None,) * 5   # (slot_mapping, block_size, stored, blocks, offsets), last store
+        self.blas_core = openblas_core()  # the OpenBLAS kernels in force, which choose linear's product
+        self._rope_tables = (None, None, {})  # (positions, cos_sin, column tables by head count), last call
+        self._rope_partners: dict[tuple[int, int], np.ndarray] = {}  # rotate_half's columns, by (heads, D)
+        self._slots = (None,) * 5  # (slot_mapping, block_size, stored, blocks, offsets), last store
         self._attention_plan: AttentionPlan | None = None
         self._gather_buffers = GatherBuffers()
-        self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}   # by id(k_cache), one per layer
-        self._kept_memory: dict[int, np.ndarray] = {}   # by id(cache): its DecodeKV memory, made with it
+        self._decode_kv: dict[int, tuple[weakref.ref, DecodeKV]] = {}  # by id(k_cache), one per layer
+        self._kept_memory: dict[int, np.ndarray] = {}  # by id(cache): its DecodeKV memory, made with it
         # by id(k_cache): the layer's caches and their data addresses, for the native decode attention
         self._cache_addresses: dict[int, tuple[weakref.ref, weakref.ref, tuple[int, int]]] = {}
 
     def free_memory_bytes(self) -> None:
-        return None   # host memory: the engine uses its CPU default for the KV cache
+        return None  # host memory: the engine uses its CPU default for the KV cache
 
     def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(vocab_size, seed, eos_token_ids)
@@ -75,7 +76,7 @@ class CpuOps:
     def upload_batch(self, batch: Batch, into: None = None) -> None:
         """The batch's arrays are already where this backend computes: only the tokens the previous step
         sampled (batch.previous_ids) go into their rows of input_ids."""
-        if getattr(batch, "previous_ids", None) is not None:   # an OverlapBatch (engine/overlap.py)
+        if getattr(batch, "previous_ids", None) is not None:  # an OverlapBatch (engine/overlap.py)
             batch.input_ids[batch.previous_rows] = batch.previous_ids[batch.previous_sources]
 
     def constant(self, array: np.ndarray) -> np.ndarray:
@@ -107,13 +108,15 @@ class CpuOps:
         out *= w
         return out
 
-    def add_rms_norm(self, x: np.ndarray, residual: np.ndarray, w: np.ndarray,
-                     eps: float) -> tuple[np.ndarray, np.ndarray]:
+    def add_rms_norm(
+        self, x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         residual += x
         return self.rms_norm(residual, w, eps), residual
 
-    def linear(self, x: np.ndarray, w: PackedWeight | np.ndarray,
-               bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(
+        self, x: np.ndarray, w: PackedWeight | np.ndarray, bias: np.ndarray | None = None
+    ) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
         transposed_linear chooses the transposed product of an unpacked weight."""
         if isinstance(w, PackedWeight):
@@ -126,14 +129,15 @@ class CpuOps:
             out += bias
         return out
 
-    def store_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                 slot_mapping: np.ndarray) -> None:
+    def store_kv(
+        self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray
+    ) -> None:
         """Scatters token t's k[t], v[t] into slot slot_mapping[t]; a negative slot is padding, not stored."""
         block_size = k_cache.shape[2]
         last_slot_mapping, last_block_size, stored, blocks, offsets = self._slots
         if slot_mapping is not last_slot_mapping or block_size != last_block_size:
             stored = slot_mapping >= 0
-            stored = None if stored.all() else stored       # None: every token is stored
+            stored = None if stored.all() else stored  # None: every token is stored
             blocks, offsets = np.divmod(slot_mapping if stored is None else slot_mapping[stored], block_size)
             self._slots = slot_mapping, block_size, stored, blocks, offsets
         if stored is not None:
@@ -143,8 +147,9 @@ class CpuOps:
         k_cache[blocks, :, offsets] = k
         v_cache[blocks, :, offsets] = v
 
-    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
-                        scale: float) -> np.ndarray:
+    def paged_attention(
+        self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, scale: float
+    ) -> np.ndarray:
         """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
 
         Single-token runs (decodes) are done together: by the native kernel, which reads the cache in place,
@@ -157,12 +162,14 @@ class CpuOps:
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
             native_query_heads = q.shape[1] if native_attention.runs(k_cache.shape[-1]) else None
-            plan = self._attention_plan = AttentionPlan(batch, *k_cache.shape,
-                                                        native_query_heads=native_query_heads)
+            plan = self._attention_plan = AttentionPlan(
+                batch, *k_cache.shape, native_query_heads=native_query_heads
+            )
         if plan.native_decodes is not None:
             native = native_attention.kernel(), self._addresses(k_cache, v_cache)
-            return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale,
-                                                   native=native)
+            return attention.paged_attention(
+                q, k_cache, v_cache, plan, self._gather_buffers, scale, native=native
+            )
         decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
         return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
 
@@ -193,12 +200,20 @@ class CpuOps:
             memory = tuple(self._kept_memory.pop(id(cache), None) for cache in (k_cache, v_cache))
             memory = tuple(attention.kept_memory(k_cache.size) if m is None else m for m in memory)
             kept = self._decode_kv[id(k_cache)] = weakref.ref(k_cache), DecodeKV(k_cache, memory)
-            weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)   # a dead cache's copy goes too
+            weakref.finalize(k_cache, self._decode_kv.pop, id(k_cache), None)  # a dead cache's copy goes too
         return kept[1]
 
-    def rope_store_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray,
-                      v_cache: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                      cos_sin: np.ndarray) -> None:
+    def rope_store_kv(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        cos_sin: np.ndarray,
+    ) -> None:
         """Rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
         slot_mapping (negative slot: not stored); k and v are left as they are. cos_sin: config.rope_cos_sin()
         (float32[P, D]); pairs are (i, i + D/2) as in HF's rotate_half.
@@ -221,7 +236,7 @@ class CpuOps:
         column, made at the batch's first layer: broadcast into place (fewer calls than np.tile)."""
         columns = tables.get(heads)
         if columns is None:
-            table = cos_sin.take(positions, axis=0)                              # float32[T, D]: cos | sin
+            table = cos_sin.take(positions, axis=0)  # float32[T, D]: cos | sin
             T, D = table.shape
             half = D // 2
             cos = np.empty((T, heads, 2, half), np.float32)
@@ -230,8 +245,8 @@ class CpuOps:
             np.negative(table[:, None, half:], out=sin[:, :, 0])
             sin[:, :, 1] = table[:, None, half:]
             partner = self._rope_partners.get((heads, D))
-            if partner is None:   # the other half of the same head
-                partner = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()   # int[heads * D]
+            if partner is None:  # the other half of the same head
+                partner = np.arange(heads * D).reshape(heads, 2, half)[:, ::-1].ravel()  # int[heads * D]
                 self._rope_partners[heads, D] = partner
             columns = tables[heads] = cos.reshape(T, heads * D), sin.reshape(T, heads * D), partner
         return columns
@@ -242,13 +257,14 @@ class CpuOps:
         cos_rows, sin_rows, partner = columns
         T, H, D = x.shape
         rows = x.reshape(T, H * D)
-        rotated = rows.take(partner, axis=1)    # rotate_half(x)
+        rotated = rows.take(partner, axis=1)  # rotate_half(x)
         rotated *= sin_rows
         rotated += rows * cos_rows
         return rotated.reshape(T, H, D)
 
-    def copy_blocks(self, kv_cache: list[tuple[np.ndarray, np.ndarray]], sources: list[int],
-                    destinations: list[int]) -> None:
+    def copy_blocks(
+        self, kv_cache: list[tuple[np.ndarray, np.ndarray]], sources: list[int], destinations: list[int]
+    ) -> None:
         for k_cache, v_cache in kv_cache:
             k_cache[destinations] = k_cache[sources]
             v_cache[destinations] = v_cache[sources]

@@ -6,6 +6,7 @@ library is cached by content (minisarathi/backends/cpu/native.py). Where either 
 MINISARATHI_PACKED_GEMM=0 is set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's
 matmul. The kernel runs one thread, so weights are packed only where BLAS runs one thread too (`packs`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,9 +34,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight w[N, K] as the kernel reads it."""
-    panels: np.ndarray   # float32[ceil(N / NR), K, NR], C order, 64-byte aligned; features past N are zeros
-    out_features: int    # N
-    address: int         # of panels' data, read once (.ctypes.data is slow)
+
+    panels: np.ndarray  # float32[ceil(N / NR), K, NR], C order, 64-byte aligned; features past N are zeros
+    out_features: int  # N
+    address: int  # of panels' data, read once (.ctypes.data is slow)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,7 +52,7 @@ class PackedGemm:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.lib.packed_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
         self.lib.packed_gemm.restype = ctypes.c_int
-        self.panel_width = self.lib.packed_gemm_panel_width()   # NR
+        self.panel_width = self.lib.packed_gemm_panel_width()  # NR
 
     def pack(self, w: np.ndarray) -> PackedWeight:
         """w: float32[N, K]."""
@@ -60,12 +62,12 @@ class PackedGemm:
         # 64-byte aligned, so a panel row is one cache line pair and never splits a vector load
         raw = np.empty(panels * k * nr + 16, dtype=np.float32)
         start = (-raw.ctypes.data % 64) // 4
-        packed = raw[start:start + panels * k * nr].reshape(panels, k, nr)   # float32[panels, K, NR]
+        packed = raw[start : start + panels * k * nr].reshape(panels, k, nr)  # float32[panels, K, NR]
         full = n // nr
-        packed[:full] = w[:full * nr].reshape(full, nr, k).transpose(0, 2, 1)
+        packed[:full] = w[: full * nr].reshape(full, nr, k).transpose(0, 2, 1)
         if full < panels:
             packed[full] = 0
-            packed[full, :, :n - full * nr] = w[full * nr:].T
+            packed[full, :, : n - full * nr] = w[full * nr :].T
         return PackedWeight(packed, n, packed.ctypes.data)
 
     def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
@@ -75,8 +77,9 @@ class PackedGemm:
         if k != w.panels.shape[1]:
             raise ValueError(f"x: {k} input features, the weight takes {w.panels.shape[1]}")
         out = np.empty((m, w.out_features), dtype=np.float32)
-        if self.lib.packed_gemm(x.ctypes.data, m, k, k, w.address, w.out_features,
-                                out.ctypes.data, w.out_features):
+        if self.lib.packed_gemm(
+            x.ctypes.data, m, k, k, w.address, w.out_features, out.ctypes.data, w.out_features
+        ):
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
         return out
 
@@ -98,6 +101,7 @@ def library_path() -> Path:
 def kernel() -> PackedGemm | None:
     """The library for this CPU, built at first use; None where it cannot run here (the log says why). CDLL:
     a matmul of many rows runs milliseconds, which the server's event loop may use meanwhile."""
-    lib = load_cpu_library(SOURCE, FLAGS, "packed matmul", "MINISARATHI_PACKED_GEMM", needs_avx512=True,
-                           hold_gil=False, log=log)
+    lib = load_cpu_library(
+        SOURCE, FLAGS, "packed matmul", "MINISARATHI_PACKED_GEMM", needs_avx512=True, hold_gil=False, log=log
+    )
     return None if lib is None else PackedGemm(lib)

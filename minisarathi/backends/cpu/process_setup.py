@@ -16,6 +16,7 @@ so each step's large temporaries (a layer's activations, the gathered K/V) are p
 after step, a large part of a small model's decode step. Keeping allocations up to 32 MiB on the heap and
 freed memory in the process (up to 256 MiB) removes those faults; other allocators are left alone.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,25 +25,27 @@ import os
 import platform
 from dataclasses import dataclass
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 # what OpenBLAS's AVX-512 ("SkylakeX") kernels need, as its own CPU check (driver/others/dynamic.c) reads them
 AVX512_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
-AVX512_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})   # OpenBLAS's cores that use them
-MMAP_THRESHOLD_BYTES = 32 << 20                   # the largest glibc accepts on 64-bit
+AVX512_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})  # OpenBLAS's cores that use them
+MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc accepts on 64-bit
 TRIM_THRESHOLD_BYTES = 256 << 20
 
 
 @dataclass
 class CpuSetup:
-    blas_threads: int | None      # the BLAS thread count in force; None where no BLAS library could be set
-    how: str                      # why that count, for the startup log
+    blas_threads: int | None  # the BLAS thread count in force; None where no BLAS library could be set
+    how: str  # why that count, for the startup log
     allocator_tuned: bool
     blas_kernels: str = "unknown"  # OpenBLAS's core (its kernels) and where it comes from, for the log
 
     def describe(self) -> str:
         threads = "library default" if self.blas_threads is None else str(self.blas_threads)
-        return (f"BLAS threads: {threads} ({self.how}); BLAS kernels: {self.blas_kernels}; "
-                f"allocator: {'glibc thresholds raised' if self.allocator_tuned else 'unchanged'}")
+        return (
+            f"BLAS threads: {threads} ({self.how}); BLAS kernels: {self.blas_kernels}; "
+            f"allocator: {'glibc thresholds raised' if self.allocator_tuned else 'unchanged'}"
+        )
 
 
 def available_cpus() -> int:
@@ -114,11 +117,14 @@ def blas_kernels(cpuinfo_path: str = "/proc/cpuinfo") -> str:
         return f"{core} (OpenBLAS's choice for this CPU)"
     try:
         with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
-            flags = cpu_flags(f.read(1 << 16))     # the first processor's entry is near the top
+            flags = cpu_flags(f.read(1 << 16))  # the first processor's entry is near the top
     except OSError:
         flags = frozenset()
-    hint = ("; this CPU has AVX-512: unset it for OpenBLAS's own choice, faster matmuls"
-            if core not in AVX512_CORES and AVX512_FLAGS <= flags else "")
+    hint = (
+        "; this CPU has AVX-512: unset it for OpenBLAS's own choice, faster matmuls"
+        if core not in AVX512_CORES and AVX512_FLAGS <= flags
+        else ""
+    )
     return f"{core} (OPENBLAS_CORETYPE={forced} in the environment{hint})"
 
 
@@ -127,8 +133,10 @@ def tune_allocator() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-                and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def release_free_memory() -> None:
@@ -144,6 +152,7 @@ def configure_cpu(blas_threads: int | None) -> CpuSetup:
     if not set_blas_threads(threads):
         threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
         if blas_threads is not None:
-            raise ValueError(f"blas_threads ({blas_threads}) needs threadpoolctl: "
-                             "pip install 'minisarathi[cpu]'")
+            raise ValueError(
+                f"blas_threads ({blas_threads}) needs threadpoolctl: pip install 'minisarathi[cpu]'"
+            )
     return CpuSetup(threads, how, tune_allocator(), blas_kernels())

@@ -5,11 +5,39 @@
 
 See docs/cuda.md.
 """
+
 from minisarathi.backends.emulator.builder import build
 from minisarathi.backends.emulator.device import A100, H100, Device
-from minisarathi.backends.emulator.launcher import (ORDERS, CUDADriverError, EmulatedKernel, EmulatedModule, Graph,
-                                                   capture, capturing, join_side_stream, load_module, schedule,
-                                                   side_stream, submit)
+from minisarathi.backends.emulator.launcher import (
+    ORDERS,
+    CUDADriverError,
+    EmulatedKernel,
+    EmulatedModule,
+    Graph,
+    capture,
+    capturing,
+    join_side_stream,
+    load_module,
+    schedule,
+    side_stream,
+    submit,
+)
 
-__all__ = ["A100", "H100", "ORDERS", "CUDADriverError", "Device", "EmulatedKernel", "EmulatedModule", "Graph", "build",
-           "capture", "capturing", "join_side_stream", "load_module", "schedule", "side_stream", "submit"]
+__all__ = [
+    "A100",
+    "H100",
+    "ORDERS",
+    "CUDADriverError",
+    "Device",
+    "EmulatedKernel",
+    "EmulatedModule",
+    "Graph",
+    "build",
+    "capture",
+    "capturing",
+    "join_side_stream",
+    "load_module",
+    "schedule",
+    "side_stream",
+    "submit",
+]

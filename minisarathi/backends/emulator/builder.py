@@ -1,5 +1,6 @@
 """Builds a .cu file with g++ against the emulator's shim header into a shared library, cached by content
 (minisarathi/backends/native_build.py)."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,19 @@ SHIM_HEADER = INCLUDE_DIR / "minisarathi_emu.h"
 
 # -fno-extern-tls-init: `extern __shared__` becomes an extern thread_local; without it every access
 # would go through a TLS wrapper call. -z defs: an unresolved symbol fails at build, not at dlopen.
-FLAGS = ["-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-fno-extern-tls-init",
-         "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unused-variable", "-Wl,-z,defs"]
+FLAGS = [
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-fno-strict-aliasing",
+    "-fno-extern-tls-init",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wno-unused-function",
+    "-Wno-unused-variable",
+    "-Wl,-z,defs",
+]
 
 
 def optimization_flags() -> list[str]:
@@ -30,7 +42,8 @@ def wrapper_source(source: Path, name_expressions: list[str]) -> str:
             f"const emu::LaunchArgs* cfg, void** args, char* error, int error_len) {{",
             f"    return emu::launch(&{expr}, cfg, args, error, error_len);",
             "}",
-            f'extern "C" __attribute__((visibility("default"))) const char* minisarathi_emu_signature_{i}() {{',
+            f'extern "C" __attribute__((visibility("default"))) const char* minisarathi_emu_signature_{i}() '
+            f"{{",
             f"    return emu::signature(&{expr});",
             "}",
         ]
@@ -46,10 +59,30 @@ def build(source: str | Path, name_expressions: list[str], include_dirs: list[st
         raise ValueError(f"source: no such kernel file {source}")
     if not name_expressions:
         raise ValueError("name_expressions: give at least one kernel name")
-    flags = FLAGS + optimization_flags() + [f"-I{INCLUDE_DIR}", f"-I{source.parent}",
-                                            *[f"-I{d}" for d in include_dirs], "-include", str(SHIM_HEADER)]
+    flags = (
+        FLAGS
+        + optimization_flags()
+        + [
+            f"-I{INCLUDE_DIR}",
+            f"-I{source.parent}",
+            *[f"-I{d}" for d in include_dirs],
+            "-include",
+            str(SHIM_HEADER),
+        ]
+    )
     # The kernel file and every header it could include: editing any rebuilds.
-    headers = [path for folder in (source.parent, *include_dirs, INCLUDE_DIR)
-               for pattern in ("*.cuh", "*.h") for path in sorted(folder.glob(pattern))]
-    return build_shared_library("emulator", source.stem, wrapper_source(source, name_expressions),
-                                [source, *headers], os.environ.get("CXX", "g++"), flags, "the CUDA emulator")
+    headers = [
+        path
+        for folder in (source.parent, *include_dirs, INCLUDE_DIR)
+        for pattern in ("*.cuh", "*.h")
+        for path in sorted(folder.glob(pattern))
+    ]
+    return build_shared_library(
+        "emulator",
+        source.stem,
+        wrapper_source(source, name_expressions),
+        [source, *headers],
+        os.environ.get("CXX", "g++"),
+        flags,
+        "the CUDA emulator",
+    )

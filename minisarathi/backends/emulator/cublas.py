@@ -9,6 +9,7 @@ Where a GPU would fail, or would silently do something else, this refuses:
   - cublasSetStream drops the handle's workspace, as cuBLAS does.
 The emulator captures on one stream, CAPTURE_STREAM; outside a capture work goes to LEGACY_STREAM.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,10 +20,10 @@ import numpy as np
 from minisarathi.backends.emulator.launcher import capturing, submit
 from minisarathi.dtypes import bf16_to_float32, float32_to_bf16
 
-LEGACY_STREAM, CAPTURE_STREAM = 0, 0x5EED   # stream "pointers"
+LEGACY_STREAM, CAPTURE_STREAM = 0, 0x5EED  # stream "pointers"
 CUBLAS_STATUS_SUCCESS, CUBLAS_STATUS_NOT_INITIALIZED, CUBLAS_STATUS_INVALID_VALUE = 0, 1, 7
 CUBLAS_STATUS_NOT_SUPPORTED = 15
-ELEMENTS = {0: ctypes.c_float, 2: ctypes.c_uint16, 14: ctypes.c_uint16}   # cudaDataType -> element
+ELEMENTS = {0: ctypes.c_float, 2: ctypes.c_uint16, 14: ctypes.c_uint16}  # cudaDataType -> element
 STORED = {0: np.float32, 2: np.float16, 14: np.uint16}
 
 
@@ -55,7 +56,7 @@ class EmulatedCublas:
     """Stands in for the ctypes.CDLL of libcublas (minisarathi.backends.cublas.load_library)."""
 
     def __init__(self):
-        self._handles: dict[int, dict] = {}   # handle -> {"stream": int, "workspace": int | None}
+        self._handles: dict[int, dict] = {}  # handle -> {"stream": int, "workspace": int | None}
         self._next = itertools.count(1)
 
     def cublasCreate_v2(self, handle_ref) -> int:
@@ -68,7 +69,7 @@ class EmulatedCublas:
         state = self._handles.get(_value(handle))
         if state is None:
             return CUBLAS_STATUS_NOT_INITIALIZED
-        state["stream"], state["workspace"] = _value(stream), None   # back to the default workspace pool
+        state["stream"], state["workspace"] = _value(stream), None  # back to the default workspace pool
         return CUBLAS_STATUS_SUCCESS
 
     def cublasSetWorkspace_v2(self, handle, workspace, nbytes: int) -> int:
@@ -80,8 +81,28 @@ class EmulatedCublas:
         state["workspace"] = _value(workspace) if nbytes else None
         return CUBLAS_STATUS_SUCCESS
 
-    def cublasGemmEx(self, handle, transa, transb, m, n, k, alpha, A, a_type, lda, B, b_type, ldb, beta, C,
-                     c_type, ldc, compute_type, algo) -> int:
+    def cublasGemmEx(
+        self,
+        handle,
+        transa,
+        transb,
+        m,
+        n,
+        k,
+        alpha,
+        A,
+        a_type,
+        lda,
+        B,
+        b_type,
+        ldb,
+        beta,
+        C,
+        c_type,
+        ldc,
+        compute_type,
+        algo,
+    ) -> int:
         state = self._handles.get(_value(handle))
         if state is None:
             return CUBLAS_STATUS_NOT_INITIALIZED
@@ -92,12 +113,16 @@ class EmulatedCublas:
             return CUBLAS_STATUS_INVALID_VALUE
         if capturing():
             if state["stream"] != CAPTURE_STREAM:
-                raise RuntimeError("cublasGemmEx during a capture on a handle bound to another stream: it would "
-                                   "run once now, outside the graph (cublasSetStream to the capturing stream)")
+                raise RuntimeError(
+                    "cublasGemmEx during a capture on a handle bound to another stream: it would "
+                    "run once now, outside the graph (cublasSetStream to the capturing stream)"
+                )
             if state["workspace"] is None:
-                raise RuntimeError("cublasGemmEx during a capture with no workspace set: cuBLAS would allocate "
-                                   "from its default pool (cublasSetWorkspace after every cublasSetStream)")
-        alpha_value, beta_value = _scalar(alpha), _scalar(beta)   # host pointer mode: read at the call
+                raise RuntimeError(
+                    "cublasGemmEx during a capture with no workspace set: cuBLAS would allocate "
+                    "from its default pool (cublasSetWorkspace after every cublasSetStream)"
+                )
+        alpha_value, beta_value = _scalar(alpha), _scalar(beta)  # host pointer mode: read at the call
         a, b, c = _value(A), _value(B), _value(C)
 
         def run() -> None:
@@ -108,6 +133,7 @@ class EmulatedCublas:
             if beta_value:
                 product += beta_value * _to_float32(out, c_type)
             out[...] = float32_to_bf16(product) if c_type == 14 else product.astype(STORED[c_type])
+
         submit(run)
         return CUBLAS_STATUS_SUCCESS
 
@@ -125,19 +151,55 @@ def get_cublas_handle() -> int:
 
 def setStream(handle: int, stream: int) -> None:
     """cupy_backends.cuda.libs.cublas.setStream, which CuPy's matmuls and its gemmEx call first."""
-    if stream == CAPTURE_STREAM and capturing():   # runtime.streamIsCapturing(stream)
-        raise NotImplementedError('calling cuBLAS API during stream capture is currently unsupported')
+    if stream == CAPTURE_STREAM and capturing():  # runtime.streamIsCapturing(stream)
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
     _CUPY_LIBRARY.cublasSetStream_v2(handle, stream)
 
 
-def gemmEx(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, A: int, Atype: int,
-           lda: int, B: int, Btype: int, ldb: int, beta: int, C: int, Ctype: int, ldc: int, computeType: int,
-           algo: int) -> None:
+def gemmEx(
+    handle: int,
+    transa: int,
+    transb: int,
+    m: int,
+    n: int,
+    k: int,
+    alpha: int,
+    A: int,
+    Atype: int,
+    lda: int,
+    B: int,
+    Btype: int,
+    ldb: int,
+    beta: int,
+    C: int,
+    Ctype: int,
+    ldc: int,
+    computeType: int,
+    algo: int,
+) -> None:
     """cupy_backends.cuda.libs.cublas.gemmEx: the handle put on the current stream, then cublasGemmEx with
     alpha and beta as host addresses of float32 values."""
     setStream(handle, current_stream())
     status = _CUPY_LIBRARY.cublasGemmEx(
-        handle, transa, transb, m, n, k, ctypes.pointer(ctypes.c_float.from_address(alpha)), A, Atype, lda, B,
-        Btype, ldb, ctypes.pointer(ctypes.c_float.from_address(beta)), C, Ctype, ldc, computeType, algo)
+        handle,
+        transa,
+        transb,
+        m,
+        n,
+        k,
+        ctypes.pointer(ctypes.c_float.from_address(alpha)),
+        A,
+        Atype,
+        lda,
+        B,
+        Btype,
+        ldb,
+        ctypes.pointer(ctypes.c_float.from_address(beta)),
+        C,
+        Ctype,
+        ldc,
+        computeType,
+        algo,
+    )
     if status != CUBLAS_STATUS_SUCCESS:
         raise RuntimeError(f"cublasGemmEx failed with cublasStatus_t {status}")
