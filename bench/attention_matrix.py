@@ -3,10 +3,10 @@
     python -m bench.attention_matrix             # every case under forward, reverse and random orders
     python -m bench.attention_matrix --quick     # forward order only
 
-tests/test_prefill_attention.py runs a subset in CI; this runs the cross product: both 16-bit types x every
-head_dim x GQA 1/2/4/8 x block sizes 1/5/16 x the run sets below (context 1 via a 2-token chunk at the start,
-block boundaries, chunk lengths around the 64-key tile, history 0 / shorter / longer than the chunk, mixed
-with decodes), scattered block tables. Prints one JSON line per case (max error, tolerance, pass) and a
+tests/system/test_prefill_attention.py runs a subset in CI; this runs the cross product: both 16-bit types x
+every head_dim x GQA 1/2/4/8 x block sizes 1/5/16 x the run sets below (context 1 via a 2-token chunk at the
+start, block boundaries, chunk lengths around the 64-key tile, history 0 / shorter / longer than the chunk,
+mixed with decodes), scattered block tables. Prints one JSON line per case (max error, tolerance, pass) and a
 summary; exits 1 if any case fails.
 """
 

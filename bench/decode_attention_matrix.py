@@ -25,7 +25,7 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, bf16_to_float32, float32_to_bf16
 from minisarathi.testing import ScheduledChunk, build_batch
 
-TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}  # as tests/test_kernels.py
+TOLERANCE = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}  # as tests/system/test_kernels.py
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = ((8, 8), (16, 4), (32, 4), (32, 8), (12, 2), (32, 2))  # (Hq, Hk): GQA 1, 4, 8, 4, 6, 16
 BLOCK_SIZES = (1, 8, 16, 32)

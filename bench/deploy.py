@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument(
         "--repeats", type=int, default=1, help="alternated affinity / round-robin runs per door"
     )
-    parser.add_argument("--sessions", type=int, default=9, help="odd: see tests/test_deploy.py")
+    parser.add_argument("--sessions", type=int, default=9, help="odd: see tests/system/test_deploy.py")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument(

@@ -1,5 +1,5 @@
 """The CUDA backend's first run on a GPU, as one conclusive run: correctness first (every op of CudaOps, the
-samplers and whole models against the NumPy backend, eager), then decode steps as CUDA graphs and overlap
+samplers and whole models against the CPU backend, eager), then decode steps as CUDA graphs and overlap
 against eager, then speed against measured ceilings. One process per section with its own limit
 (bench/gpu_runner.py); the summary says what the engine would serve with given what failed.
 
@@ -37,7 +37,8 @@ from minisarathi.sampling_params import SamplingParams  # noqa: E402
 from minisarathi.testing import ScheduledChunk, build_batch, scattered_batch  # noqa: E402
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cuda-emulated": the checks on the CPU emulator
-BUDGET_S = {"full": 480, "quick": 270}  # gpu_check.sh's outer limits: 500 and 285 s (tests/test_gpu_check.py)
+# gpu_check.sh's outer limits: 500 and 285 s (tests/system/test_gpu_check.py)
+BUDGET_S = {"full": 480, "quick": 270}
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 3e-2}
 INSTALL_HINT = (
     "pip install cupy-cuda13x 'cuda-toolkit[nvrtc,cudart,cublas]==13.0.*' (CUDA 13 driver) or "
@@ -198,7 +199,7 @@ def compile_kernels(report) -> None:
 
 
 # CudaOps methods that only place or move data: the models exercise them. Every other public method is an op
-# that check_ops or check_sampling compares with the NumPy backend; a new one shows up as not checked.
+# that check_ops or check_sampling compares with the CPU backend; a new one shows up as not checked.
 PLACEMENT = {
     "weight",
     "linear_weight",
@@ -503,7 +504,7 @@ def generate(model, prompt: list[int], new_tokens: int, on_device: bool = False,
 
 
 def check_models(report) -> None:
-    """Greedy tokens of whole models, eager, on the GPU against the NumPy backend: the bundled stories260K and
+    """Greedy tokens of whole models, eager, on the GPU against the CPU backend: the bundled stories260K and
     a random model with a 92,544-token vocabulary, in float32 (tokens identical) and bfloat16 (logits close;
     the device's greedy sampler agrees with a host argmax of the same logits)."""
     new_tokens = 8 if report.quick else 24

@@ -538,7 +538,7 @@ class AsyncStream:
                 await asyncio.sleep(_backoff_s(retry))
 
 
-# The server's answer to a request that arrives while it drains (server.py): it did not take the request.
+# The server's answer to a request that arrives while it drains (server/hub.py): it did not take the request.
 _SHUTTING_DOWN = "server is shutting down"
 
 

@@ -66,12 +66,12 @@ class EngineConfig:
     # pip install 'minisarathi[mpi]'); the ranks must answer each step within rank_timeout_s or are stopped
     tensor_parallel_size: int = 1
     rank_timeout_s: float = 120.0
-    # BLAS threads of the process (the NumPy backend's matmuls, the sampler). None: the CPUs other processes
+    # BLAS threads of the process (the CPU backend's matmuls, the sampler). None: the CPUs other processes
     # leave idle at start-up, at least 1 (minisarathi/backends/cpu/process_setup.py).
     blas_threads: int | None = None
     # Overlap the host with the device (docs/performance.md, "Overlap"): each step is scheduled and its
     # forward issued before the host waits for the previous step's sampled ids. None: on for the CUDA backend
-    # on a GPU, off elsewhere (the NumPy backend and the emulator compute while issuing: nothing to overlap).
+    # on a GPU, off elsewhere (the CPU backends and the emulator compute while issuing: nothing to overlap).
     overlap: bool | None = None
     # Decode-only steps padded to batch-size buckets and replayed as one CUDA graph per bucket, every bucket
     # captured at start-up (minisarathi/model/decode_graphs.py; a failed capture: logged, eager steps). None:

@@ -31,7 +31,7 @@ def resolve_device(device: str) -> str:
 
 def make_backend(device: str, dtype: str, explicit_dtype: bool = False) -> Backend:
     """The backend for `device`; dtype is the CUDA backends' activation dtype (emulated or not), usually the
-    checkpoint's. The NumPy backend computes in float32: another dtype asked for explicitly is an error."""
+    checkpoint's. The CPU backends compute in float32: another dtype asked for explicitly is an error."""
     device = resolve_device(device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -1,5 +1,5 @@
 """Replicas behind a real load balancer, on one machine: the recipes of deploy/ run by nginx or HAProxy in
-front of `minisarathi serve` processes, for tests/test_deploy.py and bench/deploy.py.
+front of `minisarathi serve` processes, for tests/system/test_deploy.py and bench/deploy.py.
 
 A recipe is used as written, with its example addresses (127.0.0.1:7000-7002 msgpack, 8000-8002 HTTP)
 replaced by free ports, and its affinity line optionally removed (round robin).

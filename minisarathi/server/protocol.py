@@ -248,7 +248,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     stream: bool
-    priority: int | None  # lower runs first; None: the connection's default (Server.generate)
+    priority: int | None  # lower runs first; None: the connection's default (MsgpackDoor._submit)
     request_id: str | None = None  # the client's id for the request (logs, result, abort), else one is made
 
 

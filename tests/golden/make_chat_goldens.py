@@ -5,7 +5,7 @@
 For each test template (a ChatML-style and a Llama-3-style one, written for these tests) and each
 conversation, it stores what `apply_chat_template` renders, with and without add_generation_prompt, and
 the token ids of `apply_chat_template(..., tokenize=True)` over the bundled model's tokenizer. The chat
-endpoint must render and tokenize exactly the same (tests/test_chat_template.py).
+endpoint must render and tokenize exactly the same (tests/unit/test_chat_template.py).
 """
 
 import json

@@ -1,5 +1,5 @@
 // Kernels that check the emulator's blocks that wait for each other (cuda/common.cuh: blocks_arrive,
-// blocks_wait), used by tests/test_gpu_sampling.py.
+// blocks_wait), used by tests/system/test_gpu_sampling.py.
 #include "common.cuh"
 
 // Every block publishes its index, meets the others at one grid-wide barrier, then sums what all

@@ -1,4 +1,4 @@
-// Kernels for the emulator's cp.async model (tests/test_emulator_cp_async.py): one correct
+// Kernels for the emulator's cp.async model (tests/system/test_emulator_cp_async.py): one correct
 // double-buffered copy and the two classic mistakes, which must read poisoned data on the CPU.
 #include "common.cuh"
 

@@ -1,4 +1,4 @@
-// Tiny kernels that the emulator must catch misbehaving (tests/test_kernels.py).
+// Tiny kernels that the emulator must catch misbehaving (tests/system/test_kernels.py).
 #include "common.cuh"
 
 // Missing barrier: thread 0 writes, the others read without __syncthreads. Correct only when

@@ -1,4 +1,4 @@
-// Tiny kernels that exercise the tensor-core wrappers of cuda/common.cuh (tests/test_emulator_mma.py).
+// Tiny kernels that exercise the tensor-core wrappers of cuda/common.cuh (tests/system/test_emulator_mma.py).
 // One warp each. Matrices are row-major in global memory; the kernels place elements into fragments by
 // the PTX ISA's layout themselves, so the test checks the emulator's ownership rules, not its own.
 #include "common.cuh"

@@ -1,6 +1,6 @@
 """The emulator refuses the launches a GPU refuses: static shared memory (read from the NVRTC cubin) plus
 dynamic above 48 KiB without the opt-in, the opt-in above the device's maximum (sm_90 and sm_80), and
-CudaOps opts each kernel in once, not every step. Cooperative launches: tests/test_gpu_sampling.py."""
+CudaOps opts each kernel in once, not every step. Cooperative launches: tests/system/test_gpu_sampling.py."""
 
 from __future__ import annotations
 
@@ -121,9 +121,9 @@ def test_allow_shared_mem_counts_static_memory_opts_in_once_and_never_lowers(mon
 
 
 def test_prefill_attention_opts_in_once_over_steps(monkeypatch):
-    """Only the opt-in is checked here, so the launch itself is left out (tests/test_prefill_attention.py runs
-    the kernel): each step's shared memory within the kernel's limit, the attribute set at the first step
-    only."""
+    """Only the opt-in is checked here, so the launch itself is left out
+    (tests/system/test_prefill_attention.py runs the kernel): each step's shared memory within the kernel's
+    limit, the attribute set at the first step only."""
     sets = count_attribute_sets(monkeypatch)
     launches = []
     monkeypatch.setattr(

@@ -261,7 +261,9 @@ def test_the_nccl_section_with_one_gpu_says_skipped_and_fails_nothing(gpu_check,
 
 
 def test_the_nccl_section_with_two_gpus_and_no_nccl_names_the_install(gpu_check, monkeypatch, tmp_path):
-    nccl = pytest.importorskip("cupy.cuda.nccl", reason="the section is CuPy's: pip install -e '.[test-cuda]'")
+    nccl = pytest.importorskip(
+        "cupy.cuda.nccl", reason="the section is CuPy's: pip install -e '.[test-cuda]'"
+    )
 
     if nccl.available:
         pytest.skip(

@@ -2,8 +2,9 @@
 the plan's choices, the kernel against a float64 reference of its rule under two fiber orders, edge cases
 at the CTA boundaries, a negative control, and the emulator's blocks that wait for each other.
 
-The NumPy-sampler equivalence and the statistical tests run through the split path too: tests/test_sampler.py
-(the `GpuSampler-emulated-split-rows` sampler) and tests/test_cuda_backend.py (`rows-split-over-3-ctas`)."""
+The NumPy-sampler equivalence and the statistical tests run through the split path too:
+tests/unit/test_sampler.py (the `GpuSampler-emulated-split-rows` sampler) and
+tests/system/test_cuda_backend.py (`rows-split-over-3-ctas`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Overlap of the host with the device (engine.py): a step launched before the previous one's ids are on the
-host must change nothing a client sees. Every test runs the same requests with overlap off and on and wants
-the same tokens, texts, finish reasons and logprobs, no token streamed twice or lost, and the KV pool free at
-the end."""
+"""Overlap of the host with the device (engine/overlap.py): a step launched before the previous one's ids are
+on the host must change nothing a client sees. Every test runs the same requests with overlap off and on and
+wants the same tokens, texts, finish reasons and logprobs, no token streamed twice or lost, and the KV pool
+free at the end."""
 
 import argparse
 
@@ -274,7 +274,7 @@ def test_the_step_log_splits_host_time_from_the_wait_for_ids(prompts):
 
 
 def test_overlap_defaults_and_switch():
-    assert LLMEngine().overlap is False  # the NumPy backend computes while it issues
+    assert LLMEngine().overlap is False  # the CPU backend computes while it issues
     assert LLMEngine(device="cuda-emulated").overlap is False  # so does the emulator
     assert LLMEngine(overlap=True).overlap is True
     with pytest.raises(ValueError, match="overlap needs tensor_parallel_size 1"):

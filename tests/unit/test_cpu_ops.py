@@ -48,7 +48,7 @@ def test_zeros_are_resident_at_once():
 
 
 def test_the_transposed_product_is_taken_only_where_it_was_measured_faster():
-    """OpenBLAS's AVX-512 kernels, 2 to 128 rows (docs/performance.md, "Weight matmuls: which product")."""
+    """OpenBLAS's AVX-512 kernels, 2 to 128 rows (docs/cpu_performance.md, "Weight matmuls")."""
     rows = range(1, 1025)
     for core in AVX512_CORES:
         assert [r for r in rows if transposed_linear(r, core)] == list(range(2, 129))
@@ -75,7 +75,7 @@ def test_linear_matches_float64_on_both_sides_of_the_threshold(core, rows, featu
 
 def test_the_mlp_runs_feature_major_without_a_copy():
     """At the transposed product's rows, gate/up's F-order result stays F-order through silu_and_mul, so the
-    down projection gets a C-order [I, T] operand as it is (bench/matmul_layouts.py's "w@xfm")."""
+    down projection gets a C-order [I, T] operand as it is (docs/cpu_performance.md, "Weight matmuls")."""
     rng = np.random.default_rng(0)
     ops = CpuOps()
     ops.blas_core = "SkylakeX"

@@ -29,7 +29,7 @@ from minisarathi.batch import Batch
 
 # Decodes whose K/V is not kept (it fits one group, or it has more padded blocks than the pool has) are
 # gathered each step, in groups whose K and V take about this many bytes: a group's tiles are still in the
-# CPU's last-level cache when its two products read them (bench/decode_attention_variants.py).
+# CPU's last-level cache when its two products read them (docs/cpu_performance.md, "Decode attention").
 DECODE_GROUP_BYTES = 6 << 20
 # From this many keys on, decode scores are computed transposed, as K @ q^T (n rows by G columns) rather than
 # q @ K^T (G rows by n columns), then laid out [G, n] for the softmax: OpenBLAS's AVX-512 kernels do the

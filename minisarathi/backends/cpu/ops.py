@@ -22,7 +22,8 @@ from minisarathi.sampler import Sampler
 
 # Where CpuOps.linear computes the transposed product w @ x.T ([N, M], handed on as its [M, N] view, no copy;
 # the MLP then runs feature-major without a copy) instead of x @ w.T: OpenBLAS's AVX-512 kernels do that
-# product faster at these row counts (bench/matmul_layouts.py); other kernels and other BLAS keep x @ w.T.
+# product faster at these row counts (docs/cpu_performance.md, "Weight matmuls"); other kernels and other
+# BLAS keep x @ w.T.
 TRANSPOSED_ROWS = range(2, 129)
 
 
