@@ -1,5 +1,5 @@
 """Vocabularies whose sampler launches need more than 48 KiB of shared memory once the kernel's static shared
-memory counts (issue 23): greedy tokens on the CUDA emulator equal the CPU's, with graphs on and off. The
+memory counts: greedy tokens on the CUDA emulator equal the CPU's, with graphs on and off. The
 top_k=1 request goes through sample_kernel (a sampled row), the greedy one through the argmax path."""
 
 import platform

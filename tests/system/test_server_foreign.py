@@ -233,7 +233,7 @@ def test_undecodable_messages_get_an_error_notification(server, garbage, why):
     conn.sock.sendall(garbage)
     kind, method, params = conn.receive()
     assert (kind, method, params[0]["code"]) == (2, "error", INVALID_MESSAGE) and why in params[0]["message"]
-    # the rule, in the protocol's words: never a Python type or exception (issue 13)
+    # the rule, in the protocol's words: never a Python type or exception
     assert not re.search(r"Error|unhashable|'list'|'dict'", params[0]["message"]), params[0]["message"]
     assert conn.receive() is None
     conn.close()
