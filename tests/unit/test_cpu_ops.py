@@ -35,6 +35,7 @@ print(grown)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+@pytest.mark.system  # a fresh interpreter measures its own memory
 def test_zeros_are_resident_at_once():
     done = subprocess.run(
         [sys.executable, "-c", MEASURE],

@@ -211,6 +211,7 @@ print(resident_bytes() - before, DECODE_GROUP_BYTES, memory.nbytes)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+@pytest.mark.system  # a fresh interpreter measures its own memory
 def test_kept_memory_is_resident_for_the_switch_and_room_beyond():
     """Resident from the start for what the first kept step copies (so that step faults in no page), the rest
     of the room not until used (else the pool's resident memory would double)."""
