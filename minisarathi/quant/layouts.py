@@ -1,0 +1,287 @@
+"""The internal layouts of quantized weights, and the lossless conversion of each GGUF tensor type onto them.
+
+A weight matrix has logical shape (..., C); its leading dimensions flatten to R rows, and every layout
+groups each row's C weights into runs of `group` consecutive columns that share their scale. Three layouts:
+
+IntGroups: signed integers, one scale per group; w = scale * value.
+    values  int8[R, C]                       the integers, in [-2**(bits-1), 2**(bits-1))
+    scale   float16 | float32 [R, C // group]
+    Q8_0 -> bits 8, group 32, float16 scales (the block's d, as stored).
+    Q6_K -> bits 6, group 16, float32 scales (d * the sub-block's int8 scale, exact).
+
+UintGroups: unsigned 4- or 5-bit codes, one scale and one minimum per group of 32; w = scale * code - minimum.
+    low      uint8[R, C // 2]    a group's 16 bytes: byte i holds code i's low 4 bits in its low nibble
+                                 and code i+16's in its high nibble
+    high     uint8[R, C // 8]    bits 5 only (else None): code c's fifth bit is bit c % 8 of byte c // 8
+    scale    float32[R, C // 32]
+    minimum  float32[R, C // 32]
+    Q4_0 -> bits 4, scale d, minimum 8 * d (its implicit offset of -8).
+    Q4_K -> bits 4, scale d * sc, minimum dmin * m (the 6-bit sub-block scale and minimum, exact).
+    Q5_K -> bits 5, as Q4_K.
+
+Dense: the weights as stored, float32 | float16 | uint16 (bfloat16 bits) [..., C] (F32, F16, BF16).
+
+Exactness: every fp16 value has 11 significant bits and every K-quant sub-block scale at most 8, so each
+product has at most 19 and is a float32 with no rounding. Each layout's dequantize() performs the same
+float32 operations as the gguf package's dequantization, so the results are bit for bit the same; for Q4_0,
+d * q - 8d equals ggml's d * (q - 8) as a number (both exact), and only a zero weight may differ in its sign.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from minisarathi.dtypes import dtype_name, to_float32
+
+UINT_GROUP = 32  # UintGroups' weights per group
+QK_K = 256  # weights per K-quant super-block
+
+
+class GgmlType(IntEnum):
+    """The GGUF tensor types converted here, by their numbers in the file (ggml's enum ggml_type)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# (weights, bytes) per block of each type
+BLOCKS = {
+    GgmlType.F32: (1, 4),
+    GgmlType.F16: (1, 2),
+    GgmlType.BF16: (1, 2),
+    GgmlType.Q8_0: (32, 2 + 32),
+    GgmlType.Q4_0: (32, 2 + 16),
+    GgmlType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
+    GgmlType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
+    GgmlType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+}
+
+
+class UnsupportedTensorType(ValueError):
+    """A GGUF tensor of a type that has no conversion here."""
+
+
+@dataclass(frozen=True, eq=False)
+class IntGroups:
+    values: np.ndarray  # int8[R, C]
+    scale: np.ndarray  # float16 | float32 [R, C // group]
+    group: int
+    bits: int
+    shape: tuple[int, ...]  # the logical shape, R * C weights
+    source: str  # the GGUF type it came from
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32[shape]."""
+        R, C = self.values.shape
+        values = self.values.reshape(R, C // self.group, self.group).astype(np.float32)
+        return (self.scale.astype(np.float32)[..., None] * values).reshape(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class UintGroups:
+    low: np.ndarray  # uint8[R, C // 2]
+    high: np.ndarray | None  # uint8[R, C // 8] where bits == 5
+    scale: np.ndarray  # float32[R, C // 32]
+    minimum: np.ndarray  # float32[R, C // 32]
+    bits: int
+    shape: tuple[int, ...]
+    source: str
+
+    group = UINT_GROUP
+
+    @property
+    def nbytes(self) -> int:
+        high = 0 if self.high is None else self.high.nbytes
+        return self.low.nbytes + high + self.scale.nbytes + self.minimum.nbytes
+
+    def codes(self) -> np.ndarray:
+        """uint8[R, C]: each weight's code, in [0, 2**bits)."""
+        R, half = self.low.shape
+        low = self.low.reshape(R, -1, 1, UINT_GROUP // 2)
+        codes = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(R, 2 * half)  # uint8[R, C]
+        if self.high is not None:
+            codes |= np.unpackbits(self.high, axis=-1, count=2 * half, bitorder="little") << 4
+        return codes
+
+    def dequantize(self) -> np.ndarray:
+        """float32[shape]."""
+        codes = self.codes()
+        R, C = codes.shape
+        codes = codes.reshape(R, C // UINT_GROUP, UINT_GROUP).astype(np.float32)
+        return (self.scale[..., None] * codes - self.minimum[..., None]).reshape(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Dense:
+    data: np.ndarray  # float32 | float16 | uint16 (bfloat16 bits) [*shape], often a view of the file
+    source: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32[shape] (the data itself where it is float32)."""
+        return to_float32(self.data, dtype_name(self.data))
+
+
+Layout = IntGroups | UintGroups | Dense
+
+
+def type_name(ggml_type: int) -> str:
+    """A GGUF type's name, "Q4_K", also for types not converted here where the gguf package knows them."""
+    if isinstance(ggml_type, IntEnum):
+        return ggml_type.name
+    try:
+        return GgmlType(ggml_type).name
+    except ValueError:
+        pass
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"ggml type {int(ggml_type)}"
+
+
+def from_gguf(name: str, ggml_type: int, data: np.ndarray) -> Layout:
+    """Tensor `name`'s layout from its data as gguf.GGUFReader gives it: for quantized types and BF16 the
+    raw blocks, uint8[..., bytes per row]; for F16 and F32 the typed values (raw bytes are taken too)."""
+    try:
+        kind = GgmlType(int(ggml_type))
+    except ValueError:
+        supported = ", ".join(t.name for t in GgmlType)
+        raise UnsupportedTensorType(
+            f"tensor {name!r} has GGUF type {type_name(ggml_type)}, which is not supported "
+            f"(supported: {supported})"
+        ) from None
+    weights, nbytes = BLOCKS[kind]
+    raw = np.ascontiguousarray(data).view(np.uint8)  # uint8[..., row bytes]; a view, no copy
+    lead, row_bytes = raw.shape[:-1], raw.shape[-1]
+    if row_bytes % nbytes:
+        raise ValueError(
+            f"tensor {name!r} ({kind.name}): {row_bytes} bytes per row is not a whole number of "
+            f"{nbytes}-byte blocks"
+        )
+    shape = (*lead, row_bytes // nbytes * weights)
+    if kind in (GgmlType.F32, GgmlType.F16, GgmlType.BF16):
+        storage = {GgmlType.F32: np.float32, GgmlType.F16: np.float16, GgmlType.BF16: np.uint16}[kind]
+        return Dense(raw.view(storage), kind.name)
+    rows, cols = math.prod(lead), shape[-1]
+    blocks = raw.reshape(-1, nbytes)  # uint8[R * C // weights, nbytes]
+    return CONVERTERS[kind](name, blocks, rows, cols, shape)
+
+
+def from_reader_tensor(tensor) -> Layout:
+    """The layout of one gguf.ReaderTensor."""
+    return from_gguf(tensor.name, tensor.tensor_type, tensor.data)
+
+
+def _f16(field: np.ndarray) -> np.ndarray:
+    """float16[N] from the 2-byte columns uint8[N, 2] of N blocks."""
+    return np.ascontiguousarray(field).view(np.float16)[:, 0]
+
+
+def _pack_low(codes: np.ndarray) -> np.ndarray:
+    """UintGroups.low, uint8[R, C // 2], from codes uint8[R, C]: code i and i+16 of a group share a byte."""
+    R, C = codes.shape
+    pairs = codes.reshape(R, C // UINT_GROUP, 2, UINT_GROUP // 2) & 0x0F
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(R, C // 2)
+
+
+def _q8_0(name, blocks, rows, cols, shape) -> IntGroups:
+    scale = _f16(blocks[:, :2]).reshape(rows, cols // 32)  # float16[R, C // 32]
+    values = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(rows, cols)  # int8[R, C]
+    return IntGroups(values, scale, 32, 8, shape, "Q8_0")
+
+
+def _q4_0(name, blocks, rows, cols, shape) -> UintGroups:
+    d = _f16(blocks[:, :2]).astype(np.float32)  # float32[N]
+    if not np.isfinite(d).all():
+        # inf * q - inf * 8 is NaN where ggml's inf * (q - 8) is not: the mapping is exact only when finite
+        raise ValueError(f"tensor {name!r} (Q4_0): a block's scale is not finite")
+    # Q4_0 already pairs code i with code i+16 in a byte, as UintGroups.low does
+    low = np.ascontiguousarray(blocks[:, 2:]).reshape(rows, cols // 2)  # uint8[R, C // 2]
+    scale = d.reshape(rows, cols // 32)
+    return UintGroups(low, None, scale, scale * np.float32(8), 4, shape, "Q4_0")
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scales and minimums uint8[N, 8] of Q4_K/Q5_K's 8 sub-blocks from their 12 bytes
+    uint8[N, 12]: bytes 0-3 hold scales 0-3, bytes 4-7 minimums 0-3, each with 2 spare top bits that
+    are the top bits of scale / minimum 4-7; bytes 8-11 hold the low 4 bits of those."""
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=1)
+    minimums = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return scales, minimums
+
+
+def _k_low_codes(qs: np.ndarray) -> np.ndarray:
+    """uint8[N, 256] low 4 bits of Q4_K/Q5_K codes from qs uint8[N, 128]: 32 bytes per pair of
+    sub-blocks, low nibbles the first sub-block's, high nibbles the second's."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK_K)
+
+
+def _k_groups(name, kind, blocks, rows, cols, shape, high_bits, qs):
+    d, dmin = _f16(blocks[:, 0:2]).astype(np.float32), _f16(blocks[:, 2:4]).astype(np.float32)  # float32[N]
+    sc, m = _k_scales(blocks[:, 4:16])
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, cols // 32)  # float32[R, C // 32]
+    minimum = (dmin[:, None] * m.astype(np.float32)).reshape(rows, cols // 32)
+    codes = _k_low_codes(qs).reshape(rows, cols)  # uint8[R, C]
+    high = None
+    if high_bits is not None:
+        # Q5_K: bit j of qh[l] is the fifth bit of code l of sub-block j
+        fifth = (high_bits[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # uint8[N, 8, 32]
+        high = np.packbits(fifth.reshape(rows, cols), axis=-1, bitorder="little")  # uint8[R, C // 8]
+    return UintGroups(_pack_low(codes), high, scale, minimum, 4 if high is None else 5, shape, kind)
+
+
+def _q4_k(name, blocks, rows, cols, shape) -> UintGroups:
+    return _k_groups(name, "Q4_K", blocks, rows, cols, shape, None, blocks[:, 16:])
+
+
+def _q5_k(name, blocks, rows, cols, shape) -> UintGroups:
+    return _k_groups(name, "Q5_K", blocks, rows, cols, shape, blocks[:, 16:48], blocks[:, 48:])
+
+
+def _q6_k(name, blocks, rows, cols, shape) -> IntGroups:
+    ql, qh = blocks[:, 0:128], blocks[:, 128:192]
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)  # int8[N, 16]
+    d = _f16(blocks[:, 208:210]).astype(np.float32)
+    # Each half of 128 weights reads 64 bytes of ql and 32 of qh. Quarter k = 2 * nibble + run: the low
+    # 4 bits are byte l (run 0) or l + 32 (run 1) of ql's nibble, the top 2 bits are qh[l] >> 2k.
+    ql = ql.reshape(-1, 2, 1, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)  # uint8[N, half, k, l]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    top = (qh.reshape(-1, 2, 1, 32) >> shifts) & 0x03  # uint8[N, half, k, l]
+    values = ((low | (top << 4)).astype(np.int8) - np.int8(32)).reshape(rows, cols)  # int8[R, C]
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, cols // 16)  # float32[R, C // 16]
+    return IntGroups(values, scale, 16, 6, shape, "Q6_K")
+
+
+CONVERTERS = {
+    GgmlType.Q8_0: _q8_0,
+    GgmlType.Q4_0: _q4_0,
+    GgmlType.Q4_K: _q4_k,
+    GgmlType.Q5_K: _q5_k,
+    GgmlType.Q6_K: _q6_k,
+}
