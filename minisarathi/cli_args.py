@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from minisarathi.config import DEVICES, ENGINE_DTYPES, SCHEDULERS, EngineConfig
+from minisarathi.quant.gguf_file import is_gguf
 
 API_KEY_ENV = "MINISARATHI_API_KEY"
 
@@ -216,9 +217,9 @@ def engine_options_from_args(args: argparse.Namespace) -> dict:
     same name."""
     options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     model, named = model_folder(args)
-    if model is not None and not Path(model).is_dir():
-        why = "is not a folder" if Path(model).exists() else "does not exist"
-        raise ValueError(f"{named} {model}: {why} (give a Hugging Face model folder)")
+    if model is not None and not Path(model).is_dir() and not is_gguf(model):
+        why = "is neither a folder nor a GGUF file" if Path(model).exists() else "does not exist"
+        raise ValueError(f"{named} {model}: {why} (give a Hugging Face model folder or a .gguf file)")
     if args.kv_cache_mb is not None:
         if args.kv_cache_mb < 1:
             raise ValueError(f"--kv-cache-mb must be a positive number of MiB, got {args.kv_cache_mb}")

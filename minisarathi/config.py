@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.dtypes import DTYPES
+from minisarathi.quant.gguf_file import config_dict, is_gguf, open_gguf
 from minisarathi.validation import check_float, check_int
 
 
@@ -165,6 +166,8 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if is_gguf(path):
+            return cls.from_dict(config_dict(open_gguf(path), path))
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"path {str(path)!r} has no config.json")

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from minisarathi.config import read_json_object
+from minisarathi.quant.gguf_file import is_gguf, read_tokenizer
 
 # Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
 # token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
@@ -83,6 +84,8 @@ class Tokenizer:
         """Load tokenizer.json from a Hugging Face model folder; BOS/EOS ids from its config files (the one
         place that reads them: ModelConfig does not)."""
         path = Path(path)
+        if is_gguf(path):  # a GGUF file's vocabulary, rebuilt
+            return cls(*read_tokenizer(path))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: no tokenizer.json in {path}")
         try:

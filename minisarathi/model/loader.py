@@ -21,6 +21,7 @@ import numpy as np
 
 from minisarathi.config import ModelConfig, read_json_object
 from minisarathi.dtypes import to_float32
+from minisarathi.quant.gguf_file import is_gguf, read_gguf
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
 # its bits are read as uint16 (minisarathi/dtypes.py).
@@ -134,8 +135,10 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
 
 
 def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
-    """name -> memory-mapped tensor over model.safetensors or its index's shards."""
+    """name -> memory-mapped tensor over model.safetensors or its index's shards (or a GGUF file's)."""
     model_dir = Path(model_dir)
+    if is_gguf(model_dir):
+        return {name: CheckpointTensor("float32", data) for name, data in read_gguf(model_dir).items()}
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")

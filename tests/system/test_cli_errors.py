@@ -98,7 +98,7 @@ def test_engine_flags_name_themselves(capsys, tmp_path):
         capsys, "generate", "hi", "--model", "/nonexistent"
     )
     (tmp_path / "file").write_text("")
-    assert f"--model {tmp_path / 'file'}: is not a folder" in refused(
+    assert f"--model {tmp_path / 'file'}: is neither a folder nor a GGUF file" in refused(
         capsys, "generate", "hi", "--model", str(tmp_path / "file")
     )
 

@@ -1,0 +1,286 @@
+"""A GGUF file as a model: its config, weights and tokenizer, read with llama.cpp's `gguf` package.
+
+The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
+tensor is converted with minisarathi/quant/layouts.py and dequantized to float32 at load (the reference
+path: no kernel reads the quantized layouts yet). Tensors are renamed to the Hugging Face names that
+model/loader.py fuses, so a GGUF file goes through the same checks and fusion as a safetensors folder.
+
+llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (and their biases) so that
+ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
+computes on the pairs (x[i], x[i + D/2]). minisarathi's RoPE is the half-split one, so those rows are put
+back. Qwen2 files are converted without that reordering (ggml rotates them in the NeoX, half-split way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from minisarathi.quant.layouts import from_reader_tensor, type_name
+
+log = logging.getLogger("minisarathi.gguf")
+
+MAGIC = b"GGUF"
+# general.architecture -> (Hugging Face architecture, whether the converter permuted Q/K for ggml's RoPE)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+TOKENIZER_MODELS = ("llama",)  # SentencePiece BPE with scores
+# ggml tensor names (after "blk.N.") -> the Hugging Face names model/loader.py reads
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+class UnsupportedGGUF(ValueError):
+    """A GGUF file whose architecture, tokenizer or hyper-parameters this loader does not handle."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic (a model folder is not)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+def open_gguf(path: str | Path):
+    """A gguf.GGUFReader over the file (memory-mapped); ImportError naming the extra without gguf."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ImportError(
+            "reading GGUF files needs the gguf package: pip install 'minisarathi[gguf]'"
+        ) from None
+    try:
+        return GGUFReader(str(path), "r")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def metadata(reader) -> dict:
+    """Every key-value field of the file, as Python values (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def architecture(meta: dict, path) -> tuple[str, str, bool]:
+    """(ggml architecture, Hugging Face architecture, Q/K permuted) or UnsupportedGGUF naming it."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedGGUF(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    return arch, *ARCHITECTURES[arch]
+
+
+def _float(value) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not 9.99...e-06)."""
+    return float(str(np.float32(value)))
+
+
+def config_dict(reader, path) -> dict:
+    """A Hugging Face config.json dict of the file's model, for ModelConfig.from_dict."""
+    meta = metadata(reader)
+    arch, hf_arch, _ = architecture(meta, path)
+    names = {t.name for t in reader.tensors}
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedGGUF(f"{path}: the metadata has no {arch}.{key}")
+        return value
+
+    if "rope_freqs.weight" in names:  # Llama 3.1's scaled frequencies, stored as a tensor
+        raise UnsupportedGGUF(
+            f"{path}: tensor 'rope_freqs.weight' (per-frequency RoPE factors) is not supported"
+        )
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = meta.get(f"{arch}.attention.key_length") or hidden // heads
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise UnsupportedGGUF(
+            f"{path}: {arch}.rope.dimension_count {rotary} != head_dim {head_dim} (partial RoPE)"
+        )
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _float(get("rope.scaling.factor"))}
+    elif scaling_type == "none":
+        rope_scaling = None
+    else:
+        raise UnsupportedGGUF(
+            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (linear, none)"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if tokens is None and embed is None:
+        raise UnsupportedGGUF(
+            f"{path}: neither tokenizer.ggml.tokens nor token_embd.weight gives the vocabulary"
+        )
+    return {
+        "architectures": [hf_arch],
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": _float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "vocab_size": len(tokens) if tokens is not None else int(embed.shape[-1]),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": hf_arch == "LlamaForCausalLM" and "blk.0.attn_q.bias" in names,
+        "dtype": "float32",  # what the weights are after dequantization
+    }
+
+
+def unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: within each head its converter interleaves the two halves of the
+    rows (row i and row i + D/2 become rows 2i and 2i + 1); this puts them back as halves."""
+    head_rows = rows.shape[0] // n_head
+    return rows.reshape(n_head, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
+    """name -> float32 array, under the Hugging Face names model/loader.py reads.
+    restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    _, _, permuted = architecture(meta, path)
+    config = config_dict(reader, path)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors, types = {}, Counter()
+    file_bytes = 0
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, path)
+        weights = from_reader_tensor(tensor).dequantize()  # UnsupportedTensorType names the tensor
+        if permuted and restore_rope_order and ".q_proj." in name:
+            weights = unpermute(weights, heads)
+        elif permuted and restore_rope_order and ".k_proj." in name:
+            weights = unpermute(weights, kv_heads)
+        tensors[name] = np.asarray(weights, dtype=np.float32)
+        types[type_name(tensor.tensor_type)] += 1
+        file_bytes += int(tensor.n_bytes)
+    float_bytes = sum(t.nbytes for t in tensors.values())
+    log.info(
+        "%s: GGUF weights %s, %.2f MiB in the file; dequantized to float32 at load (%.2f MiB)",
+        Path(path).name,
+        ", ".join(f"{n} x{count}" for n, count in types.most_common()),
+        file_bytes / 2**20,
+        float_bytes / 2**20,
+    )
+    return tensors
+
+
+def hf_name(name: str, path) -> str:
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    block, _, rest = name.partition(".")
+    layer, _, rest = rest.partition(".")
+    if block == "blk" and layer.isdigit() and rest in LAYER_TENSORS:
+        return f"model.layers.{layer}.{LAYER_TENSORS[rest]}"
+    raise UnsupportedGGUF(f"{path}: tensor {name!r} is not one this loader knows")
+
+
+def read_tokenizer(path: str | Path):
+    """(tokenizers.Tokenizer, bos id, eos ids, add_bos, appended eos id) as tokenizer.Tokenizer takes
+    them, rebuilt from the file's tokenizer.ggml.* metadata."""
+    meta = metadata(open_gguf(path))
+    model = meta.get("tokenizer.ggml.model")
+    if model not in TOKENIZER_MODELS:
+        raise UnsupportedGGUF(
+            f"{path}: tokenizer model {model!r} is not supported (supported: {', '.join(TOKENIZER_MODELS)})"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise UnsupportedGGUF(f"{path}: the metadata has no tokenizer.ggml.tokens")
+    n = len(tokens)
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    hf = llama_tokenizer(
+        tokens,
+        scores,
+        types,
+        meta.get("tokenizer.ggml.merges"),
+        unk,
+        bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+    )
+    eos_ids = tuple(dict.fromkeys(t for t in (eos, meta.get("tokenizer.ggml.eot_token_id")) if t is not None))
+    return hf, bos, eos_ids, add_bos and bos is not None, eos if add_eos else None
+
+
+def merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's: it joins the adjacent pair whose joined piece scores
+    highest, so each split of a normal piece into two pieces is a merge, ranked by that piece's score."""
+    index = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i, piece in enumerate(tokens):
+        if types[i] != NORMAL or len(piece) < 2:
+            continue
+        splits = [
+            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in index and piece[k:] in index
+        ]
+        # of one piece's splits, the one whose parts score higher first (transformers' GGUF converter's order)
+        splits.sort(key=lambda lr: (scores[index[lr[0]]], scores[index[lr[1]]]), reverse=True)
+        merges.extend((-scores[i], i, n, split) for n, split in enumerate(splits))
+    return [split for *_, split in sorted(merges)]
+
+
+def llama_tokenizer(tokens, scores, types, merges, unk, add_space_prefix: bool):
+    """A `tokenizers` BPE tokenizer of a SentencePiece/llama vocabulary: byte fallback to `<0xXX>` tokens,
+    `▁` for spaces (one prepended to the text), merges from the file or else from the scores."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = merges_from_scores(tokens, scores, types)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(
+        vocab,
+        pairs,
+        unk_token=tokens[unk] if unk is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    hf.decoder = decoders.Sequence(steps)
+    special = [i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)]
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+    if user:
+        hf.add_tokens([AddedToken(tokens[i], normalized=False) for i in user])
+    return hf
