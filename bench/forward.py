@@ -1,7 +1,8 @@
-"""NumPy forward-pass speed next to the time its matrix products alone take (random weights, float32).
+"""NumPy forward-pass speed next to the time its matrix products alone take (random weights, float32 or Q8_0).
 
     python -m bench.forward            # hidden 2048, 16 layers, 32/8 heads, I 5632, vocab 32000 (~3.9 GB RAM)
     python -m bench.forward --small    # a quick run on a small shape
+    python -m bench.forward --q8       # the linear weights and lm_head in Q8_0 (int8, a scale per 32)
 
 For each case it times the whole forward (best of --repeats) and the same weight matmuls (q/k/v, o,
 gate/up, down per layer, lm_head for the sampled rows, through the backend's linear) on inputs of the same
@@ -23,6 +24,8 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.config import ModelConfig
 from minisarathi.model.llama import LlamaModel
+from minisarathi.model.loader import CheckpointTensor
+from minisarathi.quant.layouts import IntGroups
 from minisarathi.testing import ScheduledChunk, build_batch
 
 SMALL = dict(
@@ -36,6 +39,16 @@ SMALL = dict(
     decode_batches="1,8",
     context=64,
 )
+
+
+def q8_0(w: np.ndarray) -> CheckpointTensor:
+    """w[N, K] quantized as llama.cpp's Q8_0 does: per 32 weights, d = max |w| / 127 in fp16, round(w / d)."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    d = (np.abs(groups).max(axis=-1) / 127).astype(np.float16)
+    safe = np.where(d == 0, 1, d).astype(np.float32)[..., None]
+    values = np.clip(np.rint(groups / safe), -127, 127).astype(np.int8).reshape(n, k)
+    return CheckpointTensor("q8_0", IntGroups(values, d, 32, 8, (n, k), "Q8_0"))
 
 
 def random_model(args) -> LlamaModel:
@@ -58,19 +71,22 @@ def random_model(args) -> LlamaModel:
     def w(*shape):  # float32, scaled so activations stay O(1)
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[-1] ** -0.5)
 
+    def linear(*shape):  # the weights linear reads; Q8_0 where a row is whole blocks, as llama.cpp's
+        return q8_0(w(*shape)) if args.q8 and shape[-1] % 32 == 0 else w(*shape)
+
     weights = {
         "embed_tokens": w(config.vocab_size, H),
         "norm": np.ones(H, np.float32),
-        "lm_head": w(config.vocab_size, H),
+        "lm_head": linear(config.vocab_size, H),
     }
     for i in range(config.num_hidden_layers):
         weights |= {
             f"layers.{i}.input_layernorm": np.ones(H, np.float32),
-            f"layers.{i}.qkv_proj": w(qkv_rows, H),
-            f"layers.{i}.o_proj": w(H, config.num_attention_heads * D),
+            f"layers.{i}.qkv_proj": linear(qkv_rows, H),
+            f"layers.{i}.o_proj": linear(H, config.num_attention_heads * D),
             f"layers.{i}.post_attention_layernorm": np.ones(H, np.float32),
-            f"layers.{i}.gate_up_proj": w(2 * I, H),
-            f"layers.{i}.down_proj": w(H, I),
+            f"layers.{i}.gate_up_proj": linear(2 * I, H),
+            f"layers.{i}.down_proj": linear(H, I),
         }
     return LlamaModel(config, weights, CpuOps())
 
@@ -160,6 +176,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a small shape for a quick run")
+    parser.add_argument("--q8", action="store_true", help="linear weights and lm_head in Q8_0")
     parser.add_argument(
         "--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time"
     )
@@ -204,7 +221,8 @@ def main():
     c = model.config
     print(
         f"\nmodel: hidden {c.hidden_size}, {c.num_hidden_layers} layers, heads {c.num_attention_heads}/"
-        f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, float32; "
+        f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, "
+        f"{'Q8_0 linear weights' if args.q8 else 'float32'}; "
         f"block size {bs}; numpy {np.__version__}, {platform.machine()}"
     )
     print(

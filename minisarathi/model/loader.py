@@ -22,6 +22,7 @@ import numpy as np
 from minisarathi.config import ModelConfig, read_json_object
 from minisarathi.dtypes import to_float32
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
+from minisarathi.quant.layouts import IntGroups, concatenate_rows
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
 # its bits are read as uint16 (minisarathi/dtypes.py).
@@ -37,8 +38,8 @@ class CheckpointTensor:
     """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
     (np.asarray(tensor) widens it), which is how CpuOps.weight places it."""
 
-    dtype: str  # "float32", "float16" or "bfloat16"
-    data: np.ndarray  # float32, float16, or bfloat16 bits as uint16; read-only memory map unless fused
+    dtype: str  # "float32", "float16", "bfloat16", or "q8_0" (a GGUF Q8_0 linear weight, kept quantized)
+    data: np.ndarray | IntGroups  # float32, float16, bfloat16 bits as uint16, or q8_0's IntGroups layout
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -46,7 +47,8 @@ class CheckpointTensor:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         # a float32 tensor comes back as it is, a view of the memory map
-        return np.asarray(to_float32(self.data, self.dtype), dtype=dtype, copy=copy)
+        values = self.data.dequantize() if self.dtype == "q8_0" else to_float32(self.data, self.dtype)
+        return np.asarray(values, dtype=dtype, copy=copy)
 
 
 class CheckpointWeights(Mapping):
@@ -67,7 +69,7 @@ class CheckpointWeights(Mapping):
         tensors = [self._stored[part] for part in self._parts[name]]
         if len(tensors) == 1:
             return tensors[0]
-        return CheckpointTensor(tensors[0].dtype, np.concatenate([t.data for t in tensors]))
+        return CheckpointTensor(tensors[0].dtype, concatenate_rows([t.data for t in tensors]))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._parts)
@@ -138,7 +140,8 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     """name -> memory-mapped tensor over model.safetensors or its index's shards (or a GGUF file's)."""
     model_dir = Path(model_dir)
     if is_gguf(model_dir):
-        return {name: CheckpointTensor("float32", data) for name, data in read_gguf(model_dir).items()}
+        tensors = read_gguf(model_dir).items()
+        return {n: CheckpointTensor("q8_0" if isinstance(d, IntGroups) else "float32", d) for n, d in tensors}
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")

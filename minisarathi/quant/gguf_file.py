@@ -1,9 +1,11 @@
 """A GGUF file as a model: its config, weights and tokenizer, read with llama.cpp's `gguf` package.
 
 The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
-tensor is converted with minisarathi/quant/layouts.py and dequantized to float32 at load (the reference
-path: no kernel reads the quantized layouts yet). Tensors are renamed to the Hugging Face names that
-model/loader.py fuses, so a GGUF file goes through the same checks and fusion as a safetensors folder.
+tensor is converted with minisarathi/quant/layouts.py. Q8_0 linear weights (the layers' projections and
+lm_head) stay quantized, as IntGroups, for the CPU backend's Q8_0 kernel; every other tensor is dequantized
+to float32 at load (a backend without a Q8_0 kernel widens the rest when it places them). Tensors are
+renamed to the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks
+and fusion as a safetensors folder.
 
 llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (and their biases) so that
 ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from minisarathi.quant.layouts import from_reader_tensor, type_name
+from minisarathi.quant.layouts import IntGroups, from_reader_tensor, type_name
 
 log = logging.getLogger("minisarathi.gguf")
 
@@ -48,6 +51,10 @@ GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# of the Hugging Face names: the linear weights a Q8_0 file keeps quantized (the embedding is gathered, so
+# it is dequantized; a tied lm_head reads that float32 table)
+QUANTIZED_WEIGHTS = tuple(f"{p}_proj.weight" for p in "qkvo") + ("gate_proj.weight", "up_proj.weight")
+QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight")
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -163,8 +170,9 @@ def unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
-    """name -> float32 array, under the Hugging Face names model/loader.py reads.
+def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: bool = True) -> dict:
+    """name -> float32 array, or a Q8_0 IntGroups layout for the linear weights (QUANTIZED_WEIGHTS) where
+    keep_q8, under the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
     reader = open_gguf(path)
     meta = metadata(reader)
@@ -175,23 +183,35 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     file_bytes = 0
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path)
-        weights = from_reader_tensor(tensor).dequantize()  # UnsupportedTensorType names the tensor
+        layout = from_reader_tensor(tensor)  # UnsupportedTensorType names the tensor
+        quantized = keep_q8 and layout.source == "Q8_0" and name.endswith(QUANTIZED_WEIGHTS)
+        weights = layout if quantized else np.asarray(layout.dequantize(), dtype=np.float32)
         if permuted and restore_rope_order and ".q_proj." in name:
-            weights = unpermute(weights, heads)
+            weights = unpermute_rows(weights, heads)
         elif permuted and restore_rope_order and ".k_proj." in name:
-            weights = unpermute(weights, kv_heads)
-        tensors[name] = np.asarray(weights, dtype=np.float32)
+            weights = unpermute_rows(weights, kv_heads)
+        tensors[name] = weights
         types[type_name(tensor.tensor_type)] += 1
         file_bytes += int(tensor.n_bytes)
-    float_bytes = sum(t.nbytes for t in tensors.values())
+    loaded_bytes = sum(t.nbytes for t in tensors.values())
     log.info(
-        "%s: GGUF weights %s, %.2f MiB in the file; dequantized to float32 at load (%.2f MiB)",
+        "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (Q8_0 linear weights kept, the rest "
+        "float32)",
         Path(path).name,
         ", ".join(f"{n} x{count}" for n, count in types.most_common()),
         file_bytes / 2**20,
-        float_bytes / 2**20,
+        loaded_bytes / 2**20,
     )
     return tensors
+
+
+def unpermute_rows(weights: np.ndarray | IntGroups, n_head: int) -> np.ndarray | IntGroups:
+    """unpermute on an array, or on an IntGroups' values and scales alike (a row's groups go with it)."""
+    if isinstance(weights, IntGroups):
+        return replace(
+            weights, values=unpermute(weights.values, n_head), scale=unpermute(weights.scale, n_head)
+        )
+    return unpermute(weights, n_head)
 
 
 def hf_name(name: str, path) -> str:

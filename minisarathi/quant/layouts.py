@@ -146,6 +146,25 @@ class Dense:
 Layout = IntGroups | UintGroups | Dense
 
 
+def concatenate_rows(parts: list) -> np.ndarray | IntGroups:
+    """Matrices [R_i, C] stacked on their rows, as arrays or as IntGroups of one kind (values and scales
+    stack alike: every group lies within its row)."""
+    first = parts[0]
+    if not isinstance(first, IntGroups):
+        return np.concatenate(parts)
+    if any(
+        not isinstance(p, IntGroups)
+        or (p.group, p.bits, p.shape[1:]) != (first.group, first.bits, first.shape[1:])
+        for p in parts
+    ):
+        raise ValueError("only IntGroups of one group, bits and row length concatenate")
+    values = np.concatenate([p.values for p in parts])
+    scale = np.concatenate([p.scale for p in parts])
+    return IntGroups(
+        values, scale, first.group, first.bits, (values.shape[0], *first.shape[1:]), first.source
+    )
+
+
 def type_name(ggml_type: int) -> str:
     """A GGUF type's name, "Q4_K", also for types not converted here where the gguf package knows them."""
     if isinstance(ggml_type, IntEnum):

@@ -4,7 +4,8 @@ It is held to the plain reference (minisarathi/backends/reference.py) op by op a
 `x` are tokens. A linear layer's weight is packed at load for the packed matmul kernel where it runs
 (AVX-512 and a C++ compiler: minisarathi/backends/cpu/packed_gemm.py); elsewhere weights keep HF's [out, in]
 layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
-transposed product `w @ x.T` (transposed_linear).
+transposed product `w @ x.T` (transposed_linear). A GGUF Q8_0 linear weight stays int8 with its scales
+(q8_linear.Q8Weight) and runs through the Q8_0 kernel (minisarathi/backends/cpu/q8_linear.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends.cpu import attention, native_attention, packed_gemm
+from minisarathi.backends.cpu import attention, native_attention, packed_gemm, q8_linear
 from minisarathi.backends.cpu.attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
 from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
+from minisarathi.backends.cpu.q8_linear import Q8Weight
 from minisarathi.batch import Batch
+from minisarathi.model.loader import CheckpointTensor
 from minisarathi.sampler import Sampler
 
 # Where CpuOps.linear computes the transposed product w @ x.T ([N, M], handed on as its [M, N] view, no copy;
@@ -62,15 +65,18 @@ class CpuOps:
     def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(vocab_size, seed, eos_token_ids)
 
-    def weight(self, array: np.ndarray) -> np.ndarray:
+    def weight(self, array: np.ndarray | CheckpointTensor) -> np.ndarray | Q8Weight:
+        """float32, or a Q8Weight for a Q8_0 tensor (the loader keeps only linear weights in Q8_0)."""
+        if isinstance(array, CheckpointTensor) and array.dtype == "q8_0":
+            return q8_linear.q8_weight(array.data)
         return np.ascontiguousarray(array, dtype=np.float32)
 
-    def linear_weight(self, placed: np.ndarray) -> PackedWeight | np.ndarray:
-        """Packed once for the packed matmul kernel where packed_gemm.packs says so (the kernel runs here, the
-        weight is deep enough to gain, BLAS runs one thread); else `placed` itself. A weight's form is fixed
-        at load: linear uses the kernel at every row count, so a row's result is bit-identical whatever batch
-        it is in."""
-        if not packed_gemm.packs(placed.shape[1]):
+    def linear_weight(self, placed: np.ndarray | Q8Weight) -> PackedWeight | Q8Weight | np.ndarray:
+        """A Q8Weight as it is; else packed once for the packed matmul kernel where packed_gemm.packs says
+        so (the kernel runs here, the weight is deep enough to gain, BLAS runs one thread); else `placed`
+        itself. A weight's form is fixed at load: linear uses the same kernel at every row count, so a row's
+        result is bit-identical whatever batch it is in."""
+        if isinstance(placed, Q8Weight) or not packed_gemm.packs(placed.shape[1]):
             return placed
         return packed_gemm.kernel().pack(placed)
 
@@ -116,12 +122,14 @@ class CpuOps:
         return self.rms_norm(residual, w, eps), residual
 
     def linear(
-        self, x: np.ndarray, w: PackedWeight | np.ndarray, bias: np.ndarray | None = None
+        self, x: np.ndarray, w: PackedWeight | Q8Weight | np.ndarray, bias: np.ndarray | None = None
     ) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
         transposed_linear chooses the transposed product of an unpacked weight."""
         if isinstance(w, PackedWeight):
             out = packed_gemm.kernel().matmul(x, w)
+        elif isinstance(w, Q8Weight):
+            out = q8_linear.matmul(x, w)
         elif transposed_linear(x.shape[0], self.blas_core):
             out = (w @ x.T).T
         else:
