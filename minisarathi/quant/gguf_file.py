@@ -170,6 +170,22 @@ def unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # fused at load (model/loader.py)
+
+
+def widen_mixed_fusions(tensors: dict) -> None:
+    """Tensors the loader fuses stay Q8_0 only if all of them are (a file may mix types within a layer);
+    otherwise the quantized ones are dequantized too, so the fused weight has one form."""
+    for name in [n for n in tensors if n.endswith(tuple(f".{p[0]}.weight" for p in FUSED))]:
+        parts = next(p for p in FUSED if name.endswith(f".{p[0]}.weight"))
+        names = [name.replace(f".{parts[0]}.", f".{part}.") for part in parts]
+        kinds = {isinstance(tensors.get(n), IntGroups) for n in names if n in tensors}
+        if len(kinds) > 1:
+            for n in names:
+                if isinstance(tensors.get(n), IntGroups):
+                    tensors[n] = tensors[n].dequantize()
+
+
 def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: bool = True) -> dict:
     """name -> float32 array, or a Q8_0 IntGroups layout for the linear weights (QUANTIZED_WEIGHTS) where
     keep_q8, under the Hugging Face names model/loader.py reads.
@@ -193,6 +209,7 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: boo
         tensors[name] = weights
         types[type_name(tensor.tensor_type)] += 1
         file_bytes += int(tensor.n_bytes)
+    widen_mixed_fusions(tensors)
     loaded_bytes = sum(t.nbytes for t in tensors.values())
     log.info(
         "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (Q8_0 linear weights kept, the rest "

@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
 
 import minisarathi.model.loader as loader  # noqa: E402
 from minisarathi import LLM, SamplingParams  # noqa: E402
@@ -203,3 +203,23 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     path = rewrite(tmp_path, change_tensors={"blk.1.ffn_up.weight": (q4_1, T.Q4_1)})
     with pytest.raises(UnsupportedTensorType, match="'blk.1.ffn_up.weight' has GGUF type Q4_1"):
         load_model(path)
+
+
+def test_fused_tensors_of_mixed_types_are_all_widened():
+    from minisarathi.quant.gguf_file import widen_mixed_fusions
+    from minisarathi.quant.layouts import from_gguf
+
+    rng = np.random.default_rng(3)
+    q8 = from_gguf("q", int(T.Q8_0), quantize(rng.standard_normal((4, 64)).astype(np.float32), T.Q8_0))
+    prefix = "model.layers.0."
+    tensors = {
+        prefix + "self_attn.q_proj.weight": q8,
+        prefix + "self_attn.k_proj.weight": q8,
+        prefix + "self_attn.v_proj.weight": np.zeros((4, 64), np.float32),
+        prefix + "mlp.gate_proj.weight": q8,
+        prefix + "mlp.up_proj.weight": q8,
+    }
+    widen_mixed_fusions(tensors)
+    kept = {n.split(".")[-2]: isinstance(t, IntGroups) for n, t in tensors.items()}
+    assert kept == {"q_proj": False, "k_proj": False, "v_proj": False, "gate_proj": True, "up_proj": True}
+    assert np.array_equal(tensors[prefix + "self_attn.q_proj.weight"], q8.dequantize())
