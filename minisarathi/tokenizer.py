@@ -23,10 +23,9 @@ from minisarathi.quant.gguf_file import is_gguf, read_tokenizer
 STREAM_CONTEXT = 8
 _INVALID_PREFIX = "Invalid prefix"  # DecodeStream's error when new bytes rewrite already released text
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
-# Inputs up to these sizes are (de)tokenized holding the GIL (~80 us at most on the bundled tokenizer), longer
-# ones with it released (Tokenizer._encode). Encoding costs by UTF-8 byte, not by character: 512 ASCII
-# characters take 63-81 us, 512 CJK characters 309 us and 512 emoji 537 us (4 bytes each, byte-fallback
-# tokens), 64 of them 56 us; so text with any non-ASCII character holds the GIL only up to the smaller count.
+# Inputs up to these sizes are (de)tokenized holding the GIL, longer ones with it released
+# (Tokenizer._encode). Encoding costs by UTF-8 byte, not by character, so text with any non-ASCII character
+# holds the GIL only up to the smaller count (the costs: docs/reliability.md, "Host costs behind limits").
 GIL_HOLDING_MAX_CHARS = 512
 GIL_HOLDING_MAX_NON_ASCII_CHARS = 64
 GIL_HOLDING_MAX_IDS = 256

@@ -36,7 +36,7 @@ AFFINITY = {
 }
 ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
-FAIL_TIMEOUT_S = 2.0  # the nginx recipes' fail_timeout (HAProxy's rise 2 x inter 500 ms is shorter)
+FAIL_TIMEOUT_S = 2.0  # the nginx recipes' fail_timeout (HAProxy's rise x inter is shorter)
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")  # Debian's libnginx-mod-stream
 # As the recipes say to start replicas: HAProxy's checks (inter 500ms, fall 2) take a replica out within ~1 s
 # of its /ready turning 503, so it serves on for longer than that before it refuses anything.

@@ -18,7 +18,7 @@ import numpy as np
 
 FEATURES = ("overhead", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_attention")
 WINDOW = 512  # recent steps the fit covers
-REFIT_EVERY = 16  # steps between refits (a fit over 512 x 5 rows costs ~0.2 ms)
+REFIT_EVERY = 16  # steps between refits: a fit is cheap, but not free every step
 OUTLIER_MADS = 5.0  # steps further than this many median absolute deviations (relative error) are outliers
 OUTLIER_PASSES = 3  # fits at most per refit
 EARLY_REFIT_SECONDS = 0.01  # a step at least this long ...

@@ -62,7 +62,7 @@ class StepLog:
         return [self._records[i - self._num_dropped] for i in steps if i >= self._num_dropped]
 
 
-STEP_RECORDS_KEPT = 50_000  # the log holds 50,000 to 100,000 records: ~20 MB at most
+STEP_RECORDS_KEPT = 50_000  # the log holds this to twice this many records, a bounded memory
 
 
 def step_time_summary(records: list[StepRecord]) -> dict:

@@ -220,7 +220,7 @@ def as_int(value):
 def token_id_list(values: list, name: str, vocab_size: int) -> list[int]:
     """values as token ids in [0, vocab_size), else RPCError naming `name`. Checked at C speed: item by item,
     a 64k-id detokenize held the event loop ~10 ms."""
-    types = set(map(type, values))  # one pass over the types: a 64k-id list costs ~0.6 ms a pass, GIL held
+    types = set(map(type, values))  # one pass over the types: each pass holds the GIL
     if float in types:
         values = [as_int(v) for v in values]
         types = set(map(type, values))
