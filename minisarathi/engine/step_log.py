@@ -69,7 +69,7 @@ def step_time_summary(records: list[StepRecord]) -> dict:
     """The step times (ms) of `records`: percentiles of all, the median of the decode-only steps by their
     number of sequences, and of the steps with prefill tokens ([count, median] each). Under a steady load the
     decode steps with fewer sequences than usual and the prefill steps are those of requests finishing and
-    arriving (docs/reliability.md, "Stop lists")."""
+    arriving (docs/reliability.md, "Hostile clients")."""
     if not records:
         return {"steps": 0}
     ms = np.array([r.step_time for r in records]) * 1000  # float64[N]
