@@ -138,8 +138,8 @@ class Tokenizer:
     # Long inputs go through the batch forms, which release the GIL while they work: encode() and decode() of
     # `tokenizers` hold it for the whole call, which stalled the server's event loop and engine thread even
     # when the call ran on a worker thread. Short ones (a prompt, a stream's seed) do not: a batch call hands
-    # its one input to a pool thread, and the wake-ups and the GIL's hand-back cost more than the encode
-    # (docs/reliability.md, "Host costs behind limits"). Same results either way.
+    # its one input to a pool thread, and the wake-ups and the GIL's hand-back cost more than the encode.
+    # Same results either way.
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= (GIL_HOLDING_MAX_CHARS if text.isascii() else GIL_HOLDING_MAX_NON_ASCII_CHARS):
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
