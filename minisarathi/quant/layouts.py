@@ -1,7 +1,8 @@
 """The internal layouts of quantized weights, and the lossless conversion of each GGUF tensor type onto them.
 
 A weight matrix has logical shape (..., C); its leading dimensions flatten to R rows, and every layout
-groups each row's C weights into runs of `group` consecutive columns that share their scale. Three layouts:
+groups each row's C weights into runs of `group` consecutive columns that share their scale. Three layouts, and
+Stacked: quantized matrices of different layouts fused on their rows, each part kept as it is.
 
 IntGroups: signed integers, one scale per group; w = scale * value.
     values  int8[R, C]                       the integers, in [-2**(bits-1), 2**(bits-1))
@@ -143,25 +144,66 @@ class Dense:
         return to_float32(self.data, dtype_name(self.data))
 
 
-Layout = IntGroups | UintGroups | Dense
+@dataclass(frozen=True, eq=False)
+class Stacked:
+    """Quantized matrices [R_i, C] of different kinds stacked on their rows: a fused weight whose parts a file
+    stores in different types (a Q4_K_M layer's Q4_K q/k and Q6_K v). Each part keeps its own layout."""
+
+    parts: tuple  # of IntGroups | UintGroups, each [R_i, C]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def source(self) -> str:
+        return "+".join(dict.fromkeys(p.source for p in self.parts))
+
+    def dequantize(self) -> np.ndarray:
+        """float32[shape]."""
+        return np.concatenate([p.dequantize() for p in self.parts])
 
 
-def concatenate_rows(parts: list) -> np.ndarray | IntGroups:
-    """Matrices [R_i, C] stacked on their rows, as arrays or as IntGroups of one kind (values and scales
-    stack alike: every group lies within its row)."""
+Layout = IntGroups | UintGroups | Dense | Stacked
+
+
+def _same_form(a, b) -> bool:
+    """Whether two layouts' arrays stack on their rows into one layout of the same kind."""
+    if type(a) is not type(b) or a.shape[1:] != b.shape[1:] or a.bits != b.bits:
+        return False
+    return not isinstance(a, IntGroups) or (a.group, a.scale.dtype) == (b.group, b.scale.dtype)
+
+
+def concatenate_rows(parts: list) -> np.ndarray | IntGroups | UintGroups | Stacked:
+    """Matrices [R_i, C] stacked on their rows, losslessly: arrays as one array; quantized layouts of one
+    form as one layout of that form (every group lies within its row, so the arrays stack alike); quantized
+    layouts of different forms as a Stacked."""
     first = parts[0]
-    if not isinstance(first, IntGroups):
+    if isinstance(first, np.ndarray):
         return np.concatenate(parts)
-    if any(
-        not isinstance(p, IntGroups)
-        or (p.group, p.bits, p.shape[1:]) != (first.group, first.bits, first.shape[1:])
-        for p in parts
-    ):
-        raise ValueError("only IntGroups of one group, bits and row length concatenate")
-    values = np.concatenate([p.values for p in parts])
-    scale = np.concatenate([p.scale for p in parts])
-    return IntGroups(
-        values, scale, first.group, first.bits, (values.shape[0], *first.shape[1:]), first.source
+    if not all(isinstance(p, IntGroups | UintGroups) for p in parts):
+        raise ValueError("arrays and quantized layouts do not concatenate (dequantize the layouts first)")
+    if not all(_same_form(first, p) for p in parts):
+        return Stacked(tuple(parts))
+    rows = sum(p.shape[0] for p in parts)
+    shape = (rows, *first.shape[1:])
+    if isinstance(first, IntGroups):
+        values = np.concatenate([p.values for p in parts])
+        scale = np.concatenate([p.scale for p in parts])
+        return IntGroups(values, scale, first.group, first.bits, shape, first.source)
+    high = None if first.high is None else np.concatenate([p.high for p in parts])
+    return UintGroups(
+        np.concatenate([p.low for p in parts]),
+        high,
+        np.concatenate([p.scale for p in parts]),
+        np.concatenate([p.minimum for p in parts]),
+        first.bits,
+        shape,
+        "+".join(dict.fromkeys(p.source for p in parts)),
     )
 
 

@@ -14,8 +14,10 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from minisarathi.quant.layouts import (  # noqa: E402
     Dense,
     IntGroups,
+    Stacked,
     UintGroups,
     UnsupportedTensorType,
+    concatenate_rows,
     from_gguf,
     from_reader_tensor,
 )
@@ -216,3 +218,26 @@ def test_through_a_gguf_file(tmp_path):
         layout = from_reader_tensor(tensor)
         assert layout.shape == (3, 512)
         assert_bits_equal(layout.dequantize(), dequantize(raw, qtype), qtype)
+
+
+@pytest.mark.parametrize(
+    "types, kind",
+    [
+        ((T.Q4_K, T.Q4_K), UintGroups),
+        ((T.Q5_K, T.Q5_K, T.Q5_K), UintGroups),
+        ((T.Q8_0, T.Q8_0), IntGroups),
+        ((T.Q4_K, T.Q6_K), Stacked),  # a Q4_K_M layer's q/k and v
+        ((T.Q4_K, T.Q5_K), Stacked),  # one kind, different bits
+        ((T.Q8_0, T.Q6_K), Stacked),  # one kind, different groups
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "+".join(t.name for t in v),
+)
+def test_fused_parts_concatenate_losslessly(types, kind):
+    rng = np.random.default_rng(7)
+    parts = [from_gguf(f"part{i}", t, source(rng, t, (3 + i, 512))) for i, t in enumerate(types)]
+    fused = concatenate_rows(parts)
+    assert type(fused) is kind and fused.shape == (sum(p.shape[0] for p in parts), 512)
+    assert fused.nbytes == sum(p.nbytes for p in parts)
+    assert np.array_equal(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    with pytest.raises(ValueError, match="do not concatenate"):
+        concatenate_rows([*parts, np.zeros((1, 512), np.float32)])
