@@ -1,8 +1,9 @@
 """The internal layouts of quantized weights, and the lossless conversion of each GGUF tensor type onto them.
 
 A weight matrix has logical shape (..., C); its leading dimensions flatten to R rows, and every layout
-groups each row's C weights into runs of `group` consecutive columns that share their scale. Three layouts, and
-Stacked: quantized matrices of different layouts fused on their rows, each part kept as it is.
+groups each row's C weights into runs of `group` consecutive columns that share their
+scale. Three layouts, and Stacked (quantized matrices of different layouts fused on their rows, each part
+as it is):
 
 IntGroups: signed integers, one scale per group; w = scale * value.
     values  int8[R, C]                       the integers, in [-2**(bits-1), 2**(bits-1))
