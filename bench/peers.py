@@ -23,8 +23,8 @@ Per model, burst size (--bursts) and repeat: the burst (N requests x 128 prompt 
 greedy, EOS ignored, all at t = 0) against every server (streamed) and through the two offline paths
 (`LLM.generate`, HF's `generate` as one static batch); then, in the same server process, a Poisson load of the
 same request shape at --poisson-load times the request rate the minisarathi server reached in the model's
-first burst (the same rate for every engine). Besides output tok/s, each run reports output tokens per CPU-
-second of the engine's own processes (all their threads and child processes; the benchmark client's not
+first burst (the same rate for every engine). Besides output tok/s, each run reports output tokens per
+CPU-second of the engine's own processes (all their threads and child processes; the benchmark client's not
 counted): on a shared machine, where wall-clock rates swing with other load, that is the steadier measure of
 the work.
 Prints one JSON line per run, then one table and the ratios of RATIOS below, per repeat
