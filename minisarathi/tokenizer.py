@@ -124,6 +124,13 @@ class Tokenizer:
         add_special_tokens=False: the text's own tokens only (a rendered chat template writes its own)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if not text.isascii():  # a lone UTF-16 surrogate is no text: the Rust tokenizer raises TypeError
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"text holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at {e.start}"
+                ) from None
         if not add_special_tokens:
             return self._encode(text, False)
         if self._add_bos is None:

@@ -283,20 +283,20 @@ class LLMEngine:
         blocks unless memory is needed; resume_request goes on with it. Unknown or finished ids are
         ignored."""
         seq = self.requests.get(request_id)
-        if seq is not None:
-            self.scheduler.pause(seq)
+        for choice in [] if seq is None else seq.choices or [seq]:  # n > 1: every choice
+            self.scheduler.pause(choice)
 
     def resume_request(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
-        if seq is not None:
-            self.scheduler.resume(seq)
+        for choice in [] if seq is None else seq.choices or [seq]:
+            self.scheduler.resume(choice)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborted)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do: unfinished requests not all paused, or aborts to report."""
-        return bool(self._aborted or len(self.requests) > len(self.scheduler.paused))
+        """Whether step() has anything to do: sequences to schedule (not paused), or aborts to report."""
+        return bool(self._aborted or self.scheduler.waiting or self.scheduler.running)
 
     # the step -----------------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -237,8 +238,14 @@ class HttpDoor:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise OpenAIError(400, f"the request body is not UTF-8 text (byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise OpenAIError(400, f"the request body is not valid JSON: {e.msg} (char {e.pos})") from None
+        except ValueError:  # Python's cap on an integer's digits, which its message tells how to raise
+            raise OpenAIError(
+                400, f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits"
+            ) from None
         except RecursionError:
             raise OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
         # JSON may escape a lone UTF-16 surrogate (\ud800), which is no text: refuse it here, not in the

@@ -484,6 +484,23 @@ def test_bad_input_gets_an_openai_error_naming_the_field(server, path, body, sta
         assert param.split(".")[0] in error["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "integer of more than"),
+        (b'{"prompt": "\xff\xfe x"}', "not UTF-8 text"),
+        (b'{"prompt": "x", "max_tokens": }', "not valid JSON"),
+    ],
+    ids=["huge integer", "not utf-8", "not json"],
+)
+def test_body_errors_say_what_is_wrong_in_the_clients_terms(server, body, says):
+    """No Python internals (how to raise Python's digit limit, codec names) in a client's error."""
+    code, _, error = raw(server, "POST", "/v1/completions", body)
+    message = error["error"]["message"]
+    assert code == 400 and says in message, message
+    assert not any(word in message for word in ("sys.", "codec", "utf-8'", "Python")), message
+
+
 def test_auth_and_the_server_keeps_serving(server):
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
         for method, path in (

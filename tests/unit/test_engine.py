@@ -715,6 +715,36 @@ def test_paused_requests_get_no_tokens_keep_or_yield_their_kv_and_resume_exactly
     }
 
 
+def test_pausing_an_n_choice_request_pauses_every_choice_and_others_go_on():
+    """n > 1: pause_request stops all the request's choices (none keeps its batch slot), and the engine keeps
+    stepping the other requests however many choices are paused."""
+    engine = LLMEngine(scheduler="sarathi", chunk_size=16, block_size=4, num_kv_blocks=256, max_num_seqs=8)
+    sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("many", [1, 2, 3, 4], sampled)
+    for _ in range(3):  # prefilled and forked into its choices
+        engine.step()
+    assert len(engine.requests["many"].choices) == 3
+    held = [len(c.output_token_ids) for c in engine.requests["many"].choices]
+    engine.pause_request("many")
+    engine.add_request("other", [1, 5, 6], greedy)
+    done = None
+    for _ in range(100):
+        assert engine.has_work(), "one request runs: the engine must keep stepping"
+        for out in engine.step():
+            assert out.request_id != "many"
+            done = out if out.finished else done
+        engine.check_invariants()
+        if done is not None:
+            break
+    assert done is not None and len(done.outputs[0].token_ids) == 12
+    assert [len(c.output_token_ids) for c in engine.requests["many"].choices] == held
+    assert not engine.has_work() and engine.has_unfinished_requests()
+    engine.resume_request("many")
+    finals = run(engine, [])
+    assert [len(c.token_ids) for c in finals["many"].outputs] == [40, 40, 40]
+
+
 def test_a_profile_cut_short_keeps_the_fixed_budget_until_the_fit_is_determined(
     fake_clock, monkeypatch, requests, reference
 ):

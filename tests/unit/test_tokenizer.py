@@ -260,6 +260,11 @@ def test_bad_input(tok, tmp_path):
         Tokenizer.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="text"):
         tok.encode([1, 2])
+    for text in ("Once \ud800 upon", "é\udfff"):  # a ValueError naming the surrogate, not the Rust TypeError
+        for special in (True, False):
+            with pytest.raises(ValueError, match=r"lone UTF-16 surrogate \(U\+D[8F]"):
+                tok.encode(text, special)
+    assert tok.encode("é upon") == tok.encode("é upon", True)  # other non-ASCII text is unchanged
     detok = IncrementalDetokenizer(tok, [1], ["Once"])
     assert detok.add(403) == ("", "Once")
     with pytest.raises(ValueError, match="token_id"):
