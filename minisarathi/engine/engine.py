@@ -266,17 +266,19 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq  # only once queued: a failed add leaves no request behind
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request in any state and free its blocks; the next step reports it once, as "abort"."""
+    def abort_request(self, request_id: str) -> int | None:
+        """Stop a request in any state and free its blocks; the next step reports it once, as "abort".
+        Returns the tokens its choices generated (a server's quota pays for them); None if it is unknown."""
         seq = self.requests.get(request_id)
         if seq is None:
-            return
+            return None
         now = time.monotonic()
         for choice in seq.choices or [seq]:
             if not choice.is_finished:
                 self.scheduler.abort(choice)
                 self._finish(choice, "abort", None, now)
         self._aborted.append(seq)
+        return sum(len(choice.output_token_ids) for choice in seq.choices or [seq])
 
     def pause_request(self, request_id: str) -> None:
         """Stop scheduling a request (a server pauses those whose client stopped reading), keeping its KV

@@ -98,39 +98,52 @@ class Quota:
         self.requests = _resized(self.requests, key.rpm)
         self.tokens = _resized(self.tokens, key.tpm)
 
-    def admit(self, tokens: int) -> float | None:
-        """Charge one request of `tokens` (prompt + max_tokens); None if admitted, else the seconds after
-        which it would be (float('inf') if never: more tokens than the per-minute quota)."""
+    def wait_s(self, tokens: int, requests: int = 1) -> float:
+        """Seconds until `requests` requests of `tokens` tokens in all would be admitted (0: now; inf:
+        never, more than the key's per-minute or concurrent limits). Charges nothing."""
         now = time.monotonic()
         wait = 0.0
-        if self.key.concurrent is not None and self.inflight >= self.key.concurrent:
-            wait = 1.0  # unknown: when one of the running requests ends
-        for bucket, amount in ((self.requests, 1), (self.tokens, tokens)):
+        if self.key.concurrent is not None and self.inflight + requests > self.key.concurrent:
+            wait = float("inf") if requests > self.key.concurrent else 1.0  # 1: when a running one ends
+        for bucket, amount in ((self.requests, requests), (self.tokens, tokens)):
             if bucket is not None:
                 bucket.refill(now)
                 if amount > bucket.capacity:
                     wait = float("inf")
                 wait = max(wait, bucket.wait_s(amount))
+        return wait
+
+    def admit(self, tokens: int, requests: int = 1) -> float | None:
+        """Charge `requests` requests (an HTTP request's prompts x n choices) of `tokens` in all (prompts
+        + max_tokens of every choice); None if admitted, else wait_s."""
+        wait = self.wait_s(tokens, requests)
         if wait > 0:
             self.counters["rate_limited"] += 1
             return wait
         if self.requests is not None:
-            self.requests.level -= 1
+            self.requests.level -= requests
         if self.tokens is not None:
             self.tokens.level -= tokens
-        self.inflight += 1
-        self.counters["requests"] += 1
+        self.inflight += requests
+        self.counters["requests"] += requests
         return None
 
-    def finish(self, charged: int, prompt_tokens: int, completion_tokens: int) -> None:
-        """The request admitted with `charged` tokens ended having used prompt + completion tokens."""
-        self.inflight -= 1
+    def finish(
+        self, charged: int, prompt_tokens: int, completion_tokens: int, requests: int = 1, refunded: int = 0
+    ) -> None:
+        """`requests` admitted with `charged` tokens ended having used prompt + completion tokens; `refunded`
+        of them never ran (the engine refused them), and their request units come back too."""
+        self.inflight -= requests
         self.counters["prompt_tokens"] += prompt_tokens
         self.counters["completion_tokens"] += completion_tokens
+        now = time.monotonic()
         if self.tokens is not None:
-            self.tokens.refill(time.monotonic())
+            self.tokens.refill(now)
             unused = charged - prompt_tokens - completion_tokens
             self.tokens.level = min(self.tokens.capacity, self.tokens.level + max(unused, 0))
+        if refunded and self.requests is not None:
+            self.requests.refill(now)
+            self.requests.level = min(self.requests.capacity, self.requests.level + refunded)
 
 
 def _resized(bucket: _Bucket | None, per_minute: int | None) -> _Bucket | None:

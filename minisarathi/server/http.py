@@ -26,7 +26,7 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
-from minisarathi.server.hub import Hub
+from minisarathi.server.hub import EngineRefused, Hub
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
     CHAT_FIELDS,
@@ -307,11 +307,9 @@ class HttpDoor:
         request_id = self._request_id(request, "completion")
         received = time.monotonic()
         parsed = parse_completion(await self._json(request), self.model_name, self.limits)
-        await self._encode_prompts(parsed, "prompt", add_special_tokens=True)
-        return await self._generate(
-            request,
-            _Call(request_id, "completion", parsed, request.remote or "", received, request.get("key")),
-        )
+        call = _Call(request_id, "completion", parsed, request.remote or "", received, request.get("key"))
+        await self._prepare(call, "prompt", add_special_tokens=True)
+        return await self._generate(request, call)
 
     async def _chat(self, request):
         request_id = self._request_id(request, "chat")
@@ -336,10 +334,39 @@ class HttpDoor:
                 ) from None
 
         parsed = parse_chat(body, self.model_name, self.limits, render)
-        await self._encode_prompts(parsed, "messages", add_special_tokens=False)
-        return await self._generate(
-            request, _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
-        )
+        call = _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
+        await self._prepare(call, "messages", add_special_tokens=False)
+        return await self._generate(request, call)
+
+    async def _prepare(self, call: _Call, param: str, add_special_tokens: bool) -> None:
+        """What the queue and the key's quota would refuse is refused before any tokenizing; then the text
+        prompts become token ids, and a max_tokens the client left out fits the key and the context."""
+        parsed = call.request
+        self._fit_max_tokens(call)
+        prompts, n = parsed.prompts, parsed.params.n
+        floor = sum(1 if p is None else len(p) for p in prompts) + len(prompts) * n * parsed.params.max_tokens
+        try:
+            self.hub.precheck(call.key, parsed.params.max_tokens, floor, len(prompts) * n, len(prompts))
+        except RPCError as e:
+            raise _from_rpc(e, self.hub.accepting) from None
+        await self._encode_prompts(parsed, param, add_special_tokens)
+        self._fit_max_tokens(call)
+
+    def _fit_max_tokens(self, call: _Call) -> None:
+        """A chat request without max_tokens may run to the end of the context (OpenAI's meaning): within the
+        server's cap, the key's max_tokens, and what the key's tokens per minute leave after the prompts (a
+        text prompt not yet tokenized counts one token)."""
+        parsed = call.request
+        if parsed.max_tokens_given:
+            return
+        lengths = [1 if p is None else len(p) for p in parsed.prompts]
+        fit = min(self.limits.max_tokens, self.hub.engine.max_model_len - max(lengths))
+        key = call.key
+        if key is not None and key.max_tokens is not None:
+            fit = min(fit, key.max_tokens)
+        if key is not None and key.tpm is not None:
+            fit = min(fit, (key.tpm - sum(lengths)) // (len(lengths) * parsed.params.n))
+        parsed.params.max_tokens = max(fit, 1)
 
     async def _encode_prompts(self, parsed: GenerationRequest, param: str, add_special_tokens: bool) -> None:
         """The text prompts as token ids, each refused by its bytes before it is tokenized and by its tokens
@@ -374,21 +401,42 @@ class HttpDoor:
                 raise _from_rpc(error)
             return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
         finally:
-            firsts = _first_of_each_prompt(call)
-            unfinished = [c for c in firsts if not c.done]
+            self._end(call)
+
+    def _end(self, call: _Call) -> None:
+        """The request's unfinished prompts are aborted, each prompt reported, and the key's quota gets back
+        what was not used: a refused prompt's all, an aborted one's what the engine did not generate."""
+        firsts = _first_of_each_prompt(call)
+        unfinished = [c for c in firsts if not c.done]
+        if unfinished:
+            log.info("%s aborted: client disconnected", call.request_id)
+        for choice in firsts:
+            self._report(call, choice)
+        quota = call.quota
+        if quota is None:
             for choice in unfinished:
                 self.hub.cancel(choice.engine_id)
-            if unfinished:
-                log.info("%s aborted: client disconnected", call.request_id)
-            for choice in firsts:
-                self._report(call, choice)
-            if call.quota is not None:
-                ran = [c.output for c in firsts if c.output is not None]
-                call.quota.finish(
-                    call.charged_tokens,
-                    sum(len(call.request.prompts[c.prompt]) for c in firsts if c.output is not None),
-                    sum(len(c.token_ids) for output in ran for c in output.outputs),
-                )
+            return
+        n = call.request.params.n
+        refused = [c for c in firsts if isinstance(c.error, EngineRefused)]
+        ran = [c for c in firsts if c not in refused]
+        prompt_tokens = sum(len(call.request.prompts[c.prompt]) for c in ran)
+        generated = [sum(len(o.token_ids) for c in ran if c.done and c.output for o in c.output.outputs)]
+        waiting = [len(unfinished)]
+
+        def settle() -> None:
+            quota.finish(call.charged_tokens, prompt_tokens, generated[0], len(firsts) * n, len(refused) * n)
+
+        def aborted(tokens: int) -> None:  # once per unfinished prompt, when the engine let go of it
+            generated[0] += tokens
+            waiting[0] -= 1
+            if not waiting[0]:
+                settle()
+
+        for choice in unfinished:
+            self.hub.cancel(choice.engine_id, aborted)
+        if not unfinished:
+            settle()
 
     def _submit(self, call: _Call) -> None:
         """One engine request per prompt; the engine runs its n choices on the prompt's shared KV blocks."""
@@ -404,8 +452,9 @@ class HttpDoor:
                 param=REQUEST_ID_HEADER,
             )
         charge = sum(len(p) + params.n * params.max_tokens for p in prompts)
+        requests = len(prompts) * params.n
         try:
-            call.quota = self.hub.admit(call.key, params.max_tokens, charge)
+            call.quota = self.hub.admit(call.key, params.max_tokens, charge, requests)
         except RPCError as e:
             raise _from_rpc(e) from None
         call.charged_tokens = charge
@@ -424,7 +473,7 @@ class HttpDoor:
                     self.hub.cancel(earlier.engine_id)
                 call.choices.clear()
                 if call.quota is not None:  # nothing ran: the whole charge comes back
-                    call.quota.finish(call.charged_tokens, 0, 0)
+                    call.quota.finish(call.charged_tokens, 0, 0, requests, requests)
                     call.quota = None
                 raise _from_rpc(e, self.hub.accepting) from None
             priority = call.request.priority

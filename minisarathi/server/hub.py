@@ -4,16 +4,19 @@ flight, drain, the request log and the security stats. No door imports another. 
 
 - `doors`: objects with `await start()` (-> addresses), `await stop_accepting()` (the drain began: close
   the listeners) and `await stop()` (every request answered or aborted); `accepting`, `shutting_down`.
-- `authenticate(secret, address)` -> (accepted, key, seconds to wait before a refusal); `admit(key,
-  max_tokens, tokens)` charges the key's quota and returns it, for the door's one `quota.finish(...)`.
+- `authenticate(secret, address)` -> (accepted, key, seconds to wait before a refusal); `precheck(key,
+  max_tokens, tokens, requests)` refuses what the quota and the queue would refuse, before any tokenizing;
+  `admit(key, max_tokens, tokens, requests)` charges the key's quota and returns it, for the door's one
+  `quota.finish(...)`.
 - Doors that keep connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a good auth,
   `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key reload
   revokes the connections whose key is gone.
 - `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
   coroutine (on the tokenizer thread) for big ones.
 - `open(request_id, on_output)` registers a request (its id not `in_use`), `submit(...)` hands it to the
-  engine, `cancel(request_id)` aborts it, `pause(request_ids, paused)`. on_output gets each RequestOutput
-  (the last one finished) or one RPCError; the id is free again after either.
+  engine, `cancel(request_id, on_aborted)` aborts it (on_aborted(tokens it generated) once the engine let go),
+  `pause(request_ids, paused)`. on_output gets each RequestOutput (the last one finished) or one RPCError
+  (an EngineRefused: nothing of it ran); the id is free again after either.
 - `report_finished(FinishedRequest)` once per request, `engine_call(fn)`, `security_stats()`.
 """
 
@@ -70,6 +73,11 @@ def internal_error() -> RPCError:
     return RPCError(INTERNAL, "internal server error (logged on the server)")
 
 
+class EngineRefused(RPCError):
+    """The engine refused a request when it was added (e.g. a logit_bias id past the vocabulary): nothing of
+    it ran, so its quota gets everything back."""
+
+
 class Hub:
     def __init__(
         self,
@@ -92,6 +100,8 @@ class Hub:
         self.shutting_down = False  # requests are refused (drain_delay_s after the drain began)
         self._leaving = False  # the drain began: /ready answers 503
         self._requests: dict[str, Callable] = {}  # engine request id -> its door's on_output
+        # cancelled requests the engine has not let go of yet -> tokens of an output that arrived meanwhile
+        self._cancelling: dict[str, int] = {}
         self._unauthenticated: dict = {}  # connections not yet authenticated, oldest first
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None  # set whenever no request is registered
@@ -226,23 +236,51 @@ class Hub:
                 INVALID_PARAMS, f"max_tokens must be <= {key.max_tokens} for this key, got {max_tokens}"
             )
 
-    def admit(self, key: Key | None, max_tokens: int, tokens: int) -> Quota | None:
-        """A request of `tokens` (prompts + max_tokens of every choice) against its key's quota; RPCError
-        (invalid_params, rate_limited with retry_after_s) if it may not run. Returns the quota charged (None
-        without a key), whose finish() the door calls when the request ends."""
+    def precheck(self, key: Key | None, max_tokens: int, tokens: int, requests: int, queued: int) -> None:
+        """Before a request's prompts are tokenized: RPCError if the queue would refuse `queued` engine
+        requests (one per prompt) or the key's quota `requests` (prompts x n) of at least `tokens` (the
+        token-id prompts, a token per text prompt, max_tokens of every choice): a refused flood costs no
+        tokenizing."""
+        if self.shutting_down:
+            raise RPCError(OVERLOADED, "server is shutting down")
+        if len(self._requests) + queued > self.limits.max_queued_requests:
+            raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
+        if key is not None:
+            quota = self._quota_for(key, max_tokens, tokens, requests)
+            wait = quota.wait_s(tokens, requests)
+            if wait > 0:
+                quota.counters["rate_limited"] += 1
+                raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
+
+    def admit(self, key: Key | None, max_tokens: int, tokens: int, requests: int = 1) -> Quota | None:
+        """`requests` engine requests (an HTTP request's prompts x n; a msgpack generate's n) of `tokens` in
+        all (prompts + max_tokens of every choice) against the key's quota; RPCError (invalid_params,
+        rate_limited with retry_after_s) if they may not run. Returns the quota charged (None without a
+        key), whose finish() the door calls when the request ends."""
         if key is None:
             return None
+        quota = self._quota_for(key, max_tokens, tokens, requests)
+        wait = quota.admit(tokens, requests)
+        if wait is not None:
+            raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
+        return quota
+
+    def _quota_for(self, key: Key, max_tokens: int, tokens: int, requests: int) -> Quota:
+        """The key's quota; RPCError(INVALID_PARAMS) for a request it could never admit."""
         self.check_max_tokens(key, max_tokens)
-        quota = self.keys.quota(key)
         if key.tpm is not None and tokens > key.tpm:
             raise RPCError(
                 INVALID_PARAMS,
                 f"prompt tokens + max_tokens ({tokens}) must be <= the key's tokens per minute ({key.tpm})",
             )
-        wait = quota.admit(tokens)
-        if wait is not None:
-            raise RPCError(RATE_LIMITED, f"over the quota of key {key.name!r}", retry_after_s=wait)
-        return quota
+        for limit, what in ((key.rpm, "requests per minute"), (key.concurrent, "concurrent requests")):
+            if limit is not None and requests > limit:
+                raise RPCError(
+                    INVALID_PARAMS,
+                    f"this request counts as {requests} requests (prompts x n), more than the key's "
+                    f"{what} ({limit})",
+                )
+        return self.keys.quota(key)
 
     # ---------------------------------------------------------------- connections
 
@@ -336,7 +374,7 @@ class Hub:
         return len(self._requests)
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._cancelling
 
     def open(self, request_id: str, on_output: Callable) -> None:
         """Register a request (its id not in_use) under the server's limits; RPCError(OVERLOADED) if it may
@@ -385,11 +423,30 @@ class Hub:
         added.add_done_callback(taken)
         return added
 
-    def cancel(self, request_id: str) -> None:
-        """Abort a request (its client went away or asked); its outputs are no longer delivered."""
-        if self._requests.pop(request_id, None) is not None:
+    def cancel(self, request_id: str, on_aborted: Callable[[int], None] | None = None) -> None:
+        """Abort a request (its client went away or asked); its outputs are no longer delivered.
+        on_aborted(tokens its choices generated) is called on the loop once the engine let go of it (at
+        once, with 0, for a request not registered), so that a quota is refunded only what was not
+        generated, delivered or not."""
+        if self._requests.pop(request_id, None) is None:
+            if on_aborted is not None:
+                on_aborted(0)
+            return
+        self._check_drained()
+        if on_aborted is None:
             self._worker.post(lambda: self.engine.abort_request(request_id))
-            self._check_drained()
+            return
+        self._cancelling[request_id] = 0
+        aborted = self._worker.call(lambda: self.engine.abort_request(request_id))
+
+        def settled(future):
+            # outputs the engine sent before it let go were delivered first (one FIFO to the loop); a
+            # request that finished meanwhile is no longer the engine's, and its last output counts
+            seen = self._cancelling.pop(request_id, 0)
+            generated = None if future.exception() is not None else future.result()
+            on_aborted(max(generated or 0, seen))
+
+        aborted.add_done_callback(settled)
 
     def pause(self, request_ids: list[str], paused: bool) -> None:
         """Stop scheduling the requests (their batch slots go to others), or go on with them."""
@@ -415,15 +472,17 @@ class Hub:
         self._check_drained()
         if isinstance(error, ValueError):
             log.info("%s rejected by the engine: %s", request_id, error)
-            on_output(RPCError(INVALID_PARAMS, str(error)))
+            on_output(EngineRefused(INVALID_PARAMS, str(error)))
         else:
             log.error("%s add_request failed: %r", request_id, error)
-            on_output(internal_error())
+            on_output(EngineRefused(INTERNAL, internal_error().message))
 
     def _on_outputs(self, outputs):
         for output in outputs:
             on_output = self._requests.get(output.request_id)
             if on_output is None:  # cancelled or failed while the engine was stepping
+                if output.request_id in self._cancelling:
+                    self._cancelling[output.request_id] = sum(len(c.token_ids) for c in output.outputs)
                 continue
             if output.finished:
                 del self._requests[output.request_id]

@@ -18,7 +18,7 @@ import msgpack
 
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
-from minisarathi.server.hub import Hub, ListenError, internal_error
+from minisarathi.server.hub import EngineRefused, Hub, ListenError, internal_error
 from minisarathi.server.protocol import (
     ABORTED,
     CHUNK_NOTIFICATION,
@@ -200,8 +200,9 @@ class _Pending:
     prompt_tokens: int = 0  # known once tokenized
     first_token_time: float | None = None
     sent: list[tuple[int, int]] = field(default_factory=list)  # per choice: (characters, token ids) streamed
-    quota: Quota | None = None  # the key's quota it was charged to, and how many tokens
+    quota: Quota | None = None  # the key's quota it was charged to, how many tokens and requests (n)
     charged_tokens: int = 0
+    charged_requests: int = 1
 
 
 class _BadMessage(Exception):
@@ -431,8 +432,8 @@ class MsgpackDoor:
         for pending in list(conn.inflight.values()):
             log.info("%s aborted: client disconnected", pending.request_id)
             self._report_aborted(pending)
+            self._cancel(pending)
             self._end(pending)
-            self.hub.cancel(pending.request_id)
 
     def _handle_message(self, conn: _Connection, message):
         if not isinstance(message, list) or not message or type(message[0]) is not int:
@@ -511,7 +512,9 @@ class MsgpackDoor:
             conn.close(flush=True)  # not taken: the closed connection sends the client elsewhere
             return None
         request = parse_generate(params, self.limits)
-        hub.check_max_tokens(conn.key, request.params.max_tokens)
+        n, max_tokens = request.params.n, request.params.max_tokens
+        # what the key's quota and the queue would refuse, before any tokenizing (a text: 1 token at least)
+        hub.precheck(conn.key, max_tokens, len(request.prompt_token_ids or [0]) + n * max_tokens, n, 1)
         if msgid in conn.inflight:
             raise RPCError(INVALID_PARAMS, f"msgid {msgid} is already in flight on this connection")
         if len(conn.inflight) >= self._max_inflight:
@@ -559,9 +562,10 @@ class MsgpackDoor:
                     PROMPT_TOO_LONG,
                     f"prompt has {len(token_ids)} tokens; the limit is {self.hub.max_prompt_tokens}",
                 )
-            charge = len(token_ids) + request.params.n * request.params.max_tokens
-            pending.quota = self.hub.admit(pending.conn.key, request.params.max_tokens, charge)
-            pending.charged_tokens = charge
+            n = request.params.n
+            charge = len(token_ids) + n * request.params.max_tokens
+            pending.quota = self.hub.admit(pending.conn.key, request.params.max_tokens, charge, n)
+            pending.charged_tokens, pending.charged_requests = charge, n
         except RPCError as e:
             log.info("%s rejected: %s", pending.request_id, e)
             self.hub.cancel(pending.request_id)
@@ -602,7 +606,7 @@ class MsgpackDoor:
             return False  # unknown, or already finished
         log.info("%s aborted by the client", pending.request_id)
         self._report_aborted(pending)
-        self.hub.cancel(pending.request_id)
+        self._cancel(pending)
         self._fail(pending, RPCError(ABORTED, "aborted by the client"))
         return True
 
@@ -801,20 +805,36 @@ class MsgpackDoor:
         return result
 
     def _fail(self, pending: _Pending, error: RPCError):
-        if self._end(pending):
+        if self._end(pending, refused=isinstance(error, EngineRefused)):
             pending.conn.respond(pending.msgid, error)
             self._close_if_drained(pending.conn)
 
-    def _end(self, pending: _Pending) -> bool:
-        """The request leaves its connection, and its quota gets back what it did not use; False if it had."""
+    def _end(self, pending: _Pending, refused: bool = False) -> bool:
+        """The request leaves its connection, and its quota gets back what it did not use (everything, the
+        request units too, if the engine refused it); False if it had left."""
         if pending.conn.inflight.get(pending.msgid) is not pending:
             return False
         del pending.conn.inflight[pending.msgid]
         if pending.quota is not None:
-            pending.quota.finish(
-                pending.charged_tokens, pending.prompt_tokens, sum(t for _, t in pending.sent)
-            )
+            used = 0 if refused else pending.prompt_tokens, 0 if refused else sum(t for _, t in pending.sent)
+            refunded = pending.charged_requests if refused else 0
+            pending.quota.finish(pending.charged_tokens, *used, pending.charged_requests, refunded)
         return True
+
+    def _cancel(self, pending: _Pending) -> None:
+        """Abort the request in the engine; its quota (taken from it here) pays for every token the engine
+        generated, delivered or not (an unstreamed request has delivered none)."""
+        quota, pending.quota = pending.quota, None
+        if quota is None:
+            self.hub.cancel(pending.request_id)
+            return
+        delivered = sum(t for _, t in pending.sent)
+
+        def aborted(generated: int):
+            completion = max(generated, delivered)
+            quota.finish(pending.charged_tokens, pending.prompt_tokens, completion, pending.charged_requests)
+
+        self.hub.cancel(pending.request_id, aborted)
 
     def _close_if_drained(self, conn: _Connection):
         if self.hub.shutting_down and not conn.inflight:

@@ -79,6 +79,7 @@ class GenerationRequest:
     logprobs: int | None  # top logprobs wanted per token (None: no logprobs)
     model: str
     priority: int | None = None  # lower runs first (vLLM's extension); None: the server's default
+    max_tokens_given: bool = True  # False: a chat request without one (the door fits it to the key)
 
 
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
@@ -200,8 +201,12 @@ def parse_chat(body, model: str, limits: DoorLimits, render) -> GenerationReques
     if max_tokens is None:
         max_tokens, name = body.get("max_tokens"), "max_tokens"
     # Without a limit the answer may run to the end of the context, as in OpenAI, within the server's cap.
-    max_tokens = limits.max_tokens if max_tokens is None else max_tokens
-    return _request(body, model, limits, [text], [None], max_tokens, name, wanted)
+    given = max_tokens is not None
+    request = _request(
+        body, model, limits, [text], [None], limits.max_tokens if not given else max_tokens, name, wanted
+    )
+    request.max_tokens_given = given
+    return request
 
 
 def _check_body(body, fields: set[str], model: str) -> dict:
@@ -319,6 +324,8 @@ def _prompts(prompt, limits: DoorLimits) -> tuple[list[str | None], list[list[in
         texts = [None] * len(prompt)
     else:
         raise bad("prompt", usage)
+    if len(texts) > limits.lists.max_prompts:
+        raise bad("prompt", f"prompt holds {len(texts)} prompts; the limit is {limits.lists.max_prompts}")
     if texts[0] is not None:
         return texts, [None] * len(texts)
     if not all(0 <= t < limits.vocab_size for ids in prompt for t in ids):

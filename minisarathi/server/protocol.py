@@ -116,6 +116,8 @@ class ServerLimits:
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 5.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
     max_n: int = 8  # choices per prompt (`n`)
+    # prompts in one /v1/completions request; each prompt x n counts as a request against a key's quota
+    max_prompts: int = 64
 
     def __post_init__(self):
         if self.auth_timeout_s is None:
