@@ -26,7 +26,7 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
-from minisarathi.server.hub import EngineRefused, Hub
+from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
     CHAT_FIELDS,
@@ -511,13 +511,15 @@ class HttpDoor:
             }
         )
         await response.prepare(request)
+        if request.transport is not None:
+            bound_kernel_buffer(request.transport.get_extra_info("socket"))
         try:
-            await self._write_events(response, call)
+            await self._write_events(request, response, call)
         except ConnectionError:  # the client went away between two writes
             pass
         return response
 
-    async def _write_events(self, response: web.StreamResponse, call: _Call) -> None:
+    async def _write_events(self, request: web.Request, response: web.StreamResponse, call: _Call) -> None:
         while True:
             events = []
             for choice in call.choices:
@@ -527,7 +529,7 @@ class HttpDoor:
                 while choice.deltas:
                     events += self._chunks(call, choice, choice.deltas.popleft())
             if events:
-                await response.write(b"".join(_sse(event) for event in events))
+                await self._send(request, response, call, b"".join(_sse(event) for event in events))
             if any(c.error is not None for c in call.choices) or all(c.done for c in call.choices):
                 break
             await call.wake.wait()
@@ -538,6 +540,34 @@ class HttpDoor:
             )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, call: _Call, data: bytes):
+        """Write a stream's events. A client that stopped reading has its requests paused (their batch slots
+        go to others, their output stops growing here) until it reads again, and aborted (ConnectionError)
+        if it does not within --unread-timeout, as on the msgpack door."""
+        await response.write(data)
+        transport = request.transport
+        if transport is None or transport.get_write_buffer_size() <= UNREAD_HIGH_WATER:
+            return
+        engine_ids = [c.engine_id for c in _first_of_each_prompt(call) if not c.done]
+        self.hub.pause(engine_ids, True)
+        deadline = time.monotonic() + self.hub.limits.unread_timeout_s
+        poll_s = 0.05  # public API only: aiohttp offers no awaitable drain of its own
+        while transport.get_write_buffer_size() > UNREAD_HIGH_WATER // 2:
+            if transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%s left its stream unread for %.0fs; aborting it",
+                    call.request_id,
+                    self.hub.limits.unread_timeout_s,
+                )
+                self.hub.counters["unread_aborts"] += len(engine_ids)
+                transport.close()
+                raise ConnectionResetError("stream left unread")
+            await asyncio.sleep(poll_s)
+            poll_s = min(2 * poll_s, 1.0)
+        self.hub.pause(engine_ids, False)
 
     def _chunks(self, call: _Call, choice: _Choice, delta: _Delta) -> list[dict]:
         """The stream chunk of one delta (and, first in a chat stream, the role's)."""

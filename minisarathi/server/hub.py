@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -52,6 +53,13 @@ log = logging.getLogger("minisarathi.server")
 
 # Text longer than this is tokenized on the tokenizer thread (tokenizers releases the GIL), so the loop is
 # held only briefly; the same for detokenizing more ids.
+# Unsent output (the transport's buffer) past which a connection's client has stopped reading: its requests
+# are paused (and, on the msgpack door, no more are read).
+UNREAD_HIGH_WATER = 1 << 16
+# The kernel's share of unread output, bounded too: with autotuning a loopback socket buffers megabytes,
+# enough to hide hundreds of unread streams from the check above. Linux doubles SO_SNDBUF.
+_SOCKET_SNDBUF = 32 << 10
+_TCP_NOTSENT_LOWAT = 16 << 10
 _INLINE_TOKENIZE_CHARS = 4096
 _INLINE_DETOKENIZE_TOKENS = 4096
 # Big tokenize/detokenize calls are bulk work for one client: the tokenizer thread runs them this much nicer
@@ -539,6 +547,18 @@ class Hub:
                 for name, quota in self.keys.quotas.items()
             }
         return stats
+
+
+def bound_kernel_buffer(sock: socket.socket | None) -> None:
+    """A connection's kernel send buffer kept small, so that unread output shows in its transport's buffer."""
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_SNDBUF)
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _TCP_NOTSENT_LOWAT)
+    except OSError:  # not every platform has both; the transport's own buffer is still bounded
+        pass
 
 
 def _lower_thread_priority() -> None:

@@ -18,7 +18,14 @@ import msgpack
 
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
-from minisarathi.server.hub import EngineRefused, Hub, ListenError, internal_error
+from minisarathi.server.hub import (
+    UNREAD_HIGH_WATER,
+    EngineRefused,
+    Hub,
+    ListenError,
+    bound_kernel_buffer,
+    internal_error,
+)
 from minisarathi.server.protocol import (
     ABORTED,
     CHUNK_NOTIFICATION,
@@ -51,13 +58,6 @@ log = logging.getLogger("minisarathi.server")
 _READ_SIZE = 1 << 16
 _CLIENT_ID_PREFIX = "msgpack:"  # engine ids of requests whose client named them
 _UNAUTHENTICATED_READ_SIZE = 1 << 12
-# Unsent output (the transport's buffer) past which a connection's requests are not read and its running
-# requests are paused: its client has stopped reading.
-_WRITE_HIGH_WATER = 1 << 16
-# The kernel's share of unread output, bounded too: with autotuning a loopback socket buffers megabytes,
-# enough to hide hundreds of unread streams from the check above. Linux doubles SO_SNDBUF.
-_SOCKET_SNDBUF = 32 << 10
-_TCP_NOTSENT_LOWAT = 16 << 10
 _CLOSE_LINGER_S = 5.0
 _THROUGHPUT_WINDOW_S = 10.0
 _MAX_AUTH_FAILURES_PER_CONNECTION = 16
@@ -133,7 +133,7 @@ class _Connection:
         if buffered > self.limits.max_write_buffer_bytes:
             log.warning("conn=%d is not reading its responses; disconnecting", self.id)
             self.close()
-        elif buffered > _WRITE_HIGH_WATER and not self.stalled and self._on_stall is not None:
+        elif buffered > UNREAD_HIGH_WATER and not self.stalled and self._on_stall is not None:
             self.stalled = True
             self._on_stall(self)
 
@@ -298,11 +298,11 @@ class MsgpackDoor:
             peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix",
             on_stall=self._on_stall,
         )
-        writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        writer.transport.set_write_buffer_limits(high=UNREAD_HIGH_WATER)
         if self.hub.shutting_down:  # accepted just before the listener closed: the client will go elsewhere
             conn.close()
             return
-        _bound_kernel_buffer(writer)
+        bound_kernel_buffer(writer.get_extra_info("socket"))
         refused = self.hub.connect(conn)
         if refused is not None:
             log.warning("conn=%d refused: %s", conn.id, refused)
@@ -375,9 +375,9 @@ class MsgpackDoor:
 
     async def _wait_for_reader(self, conn: _Connection) -> bool:
         """Backpressure: take no more requests from a client that leaves its responses unread, so a
-        pipelining client holds about _WRITE_HIGH_WATER bytes here, not all it asked for. False when the
+        pipelining client holds about UNREAD_HIGH_WATER bytes here, not all it asked for. False when the
         connection is done."""
-        if conn.closed or conn.buffered() <= _WRITE_HIGH_WATER:
+        if conn.closed or conn.buffered() <= UNREAD_HIGH_WATER:
             return not conn.closed
         try:
             await asyncio.wait_for(conn.writer.drain(), self.limits.unread_timeout_s)
@@ -862,18 +862,6 @@ class MsgpackDoor:
 
 def _is_msgid(value) -> bool:
     return type(value) is int and 0 <= value < 2**32
-
-
-def _bound_kernel_buffer(writer: asyncio.StreamWriter):
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_SNDBUF)
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_NOTSENT_LOWAT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _TCP_NOTSENT_LOWAT)
-    except OSError:  # not every platform has both; the transport's own buffer is still bounded
-        pass
 
 
 _NO_MESSAGE = object()

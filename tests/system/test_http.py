@@ -587,6 +587,58 @@ def test_sse_disconnect_frees_the_kv_pool(server):
     assert "aborted: client disconnected" in Path(server.log_path).read_text()
 
 
+def _unread_stream(port: int, body: dict) -> socket.socket:
+    """An SSE request on a socket with a small receive buffer, whose caller does not read it (yet)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def test_an_unread_sse_stream_is_paused_then_resumed_or_aborted():
+    """A stream its client does not read gives its batch slots back and stops growing in server memory; read
+    again, it resumes and ends complete; left unread past --unread-timeout, it is aborted and frees its KV."""
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "n": 4, "ignore_eos": True, "temperature": 0}
+    with launch("--http-port", "0", "--max-n", "4", "--unread-timeout", "3") as server:
+        with Client("127.0.0.1", server.msgpack_port, api_key=API_KEY) as client:
+            sock = _unread_stream(server.http_port, body)
+            deadline = time.monotonic() + 30
+            while client.stats()["paused"] == 0:
+                assert time.monotonic() < deadline, "the unread stream was never paused"
+                time.sleep(0.05)
+            assert client.generate("Zoo", max_tokens=8, ignore_eos=True).completion_tokens == 8  # others run
+            received = b""
+            while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body
+                piece = sock.recv(1 << 16)
+                assert piece, "the stream ended early"
+                received += piece
+            sock.close()
+            assert b"data: [DONE]\n\n" in received
+            assert client.stats()["resumed"] >= 1
+            events = [json.loads(line[6:]) for line in received.split(b"\n") if line.startswith(b"data: {")]
+            ends = {
+                c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]
+            }
+            assert ends == {i: "length" for i in range(4)}
+
+            sock = _unread_stream(server.http_port, body)  # never read: aborted after 3 s
+            deadline = time.monotonic() + 30
+            while client.stats()["unread_aborts"] == 0:
+                assert time.monotonic() < deadline, "the unread stream was never aborted"
+                time.sleep(0.1)
+            sock.close()
+        stats = wait_until_idle(server)
+        assert stats["kv_blocks_used"] == 0
+        assert "left its stream unread for 3s; aborting it" in Path(server.log_path).read_text()
+
+
 def _post_raw(port: int, body: dict, request_id: str) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
     data = json.dumps(body).encode()
