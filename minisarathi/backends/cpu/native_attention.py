@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import AVX2, cpu_library_path, load_cpu_library
 from minisarathi.batch import Batch
 
 SOURCE = Path(__file__).resolve().parent / "native_attention.cpp"
@@ -138,7 +138,7 @@ def kernel() -> CpuAttention | None:
         FLAGS,
         "native decode attention",
         "MINISARATHI_CPU_ATTENTION",
-        needs_avx512=True,
+        needs=AVX2,
         hold_gil=True,
         log=log,
     )
