@@ -16,7 +16,7 @@ from minisarathi.backends.cpu.packed_gemm import PackedGemm, PackedWeight
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.bench.random_model import write_random_model
 from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch, fma32
 
 needs_kernel = pytest.mark.skipif(
     packed_gemm.kernel() is None, reason="no AVX2 + FMA CPU or no C++ compiler here"
@@ -27,20 +27,6 @@ ORDER = ["avx2", "avx512"]
 def runs_here(isa: str) -> bool:
     native = packed_gemm.kernel()
     return native is not None and ORDER.index(isa) <= ORDER.index(native.isa)
-
-
-def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 a * b + c rounded once, as a fused multiply-add: the product is exact in float64, the sum's
-    error is recovered exactly (TwoSum) and folded in by rounding to odd, so rounding to float32 after is
-    the single rounding of the exact value."""
-    p = a.astype(np.float64) * b.astype(np.float64)
-    c = c.astype(np.float64)
-    s = p + c
-    t = s - p
-    err = (p - (s - t)) + (c - t)
-    even = (s.view(np.int64) & 1) == 0
-    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
 
 
 def fma_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
