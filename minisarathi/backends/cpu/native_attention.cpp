@@ -53,8 +53,8 @@ inline void prefetch(const float* k, const float* v, const int64_t* offsets, int
 
 // out[0 .. C * LANES) of weighted_sum<C, U> (the last vector's first `width` lanes only).
 using WeightedSum = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*);
-using Score = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t, const int64_t*,
-                       int64_t, float*, int64_t);
+using Score = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                       const int64_t*, int64_t, float*, int64_t);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -333,7 +333,8 @@ void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, con
             if (D % LANES) {
                 const __m256 qv = _mm256_maskload_ps(qg + full * LANES, tail);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(key[i] + at + full * LANES, tail), acc[i]);
+                    acc[i] =
+                        _mm256_fmadd_ps(qv, _mm256_maskload_ps(key[i] + at + full * LANES, tail), acc[i]);
             }
             _mm256_storeu_ps(scores + hg * scores_stride + t0, sum_each(acc));
         }
@@ -359,8 +360,8 @@ float exp_and_sum(float* s, int64_t n) {
 
 // avx512::weighted_sum over 8 lanes.
 template <int C, int U>
-void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width, float total,
-                  float* out) {
+void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width,
+                  float total, float* out) {
     const __m256i last = first_lanes(width);
     __m256 acc[U][C];
 #pragma GCC unroll 8
@@ -375,7 +376,8 @@ void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_
             const float* vt = v + offsets[t + u];
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
-                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last) : _mm256_loadu_ps(vt + c * LANES);
+                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
+                                            : _mm256_loadu_ps(vt + c * LANES);
                 acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
             }
         }
@@ -386,7 +388,8 @@ void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_
             const float* vt = v + offsets[t + u];
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
-                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last) : _mm256_loadu_ps(vt + c * LANES);
+                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
+                                            : _mm256_loadu_ps(vt + c * LANES);
                 acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
             }
         }
@@ -402,9 +405,16 @@ void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_
     }
 }
 
-constexpr WeightedSum weighted_sum_of[9] = {nullptr, &weighted_sum<1, 4>, &weighted_sum<2, 2>, &weighted_sum<3, 2>,
-                                            &weighted_sum<4, 1>, &weighted_sum<5, 1>, &weighted_sum<6, 1>,
-                                            &weighted_sum<7, 1>, &weighted_sum<8, 1>};
+// by vectors per pass (1-8), as avx512::weighted_sum_of
+constexpr WeightedSum weighted_sum_of[9] = {nullptr,
+                                            &weighted_sum<1, 4>,
+                                            &weighted_sum<2, 2>,
+                                            &weighted_sum<3, 2>,
+                                            &weighted_sum<4, 1>,
+                                            &weighted_sum<5, 1>,
+                                            &weighted_sum<6, 1>,
+                                            &weighted_sum<7, 1>,
+                                            &weighted_sum<8, 1>};
 
 void exp_of(const float* x, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i += LANES) {
@@ -458,8 +468,8 @@ namespace {
 // of LANES per pass of SLICE columns).
 template <int LANES, int64_t SLICE>
 int decode(Score score, float (*exp_and_sum)(float*, int64_t), const WeightedSum* weighted_sum_of,
-           const DecodeBatch* batch, const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-           float scale, float* out) {
+           const DecodeBatch* batch, const float* q, int64_t q_stride, const float* k_cache,
+           const float* v_cache, float scale, float* out) {
     const int32_t* block_tables = batch->block_tables;
     const int32_t* context_lens = batch->context_lens;
     const int64_t *seqs = batch->seqs, *rows = batch->rows;
@@ -519,7 +529,8 @@ __attribute__((visibility("default"))) int native_attention_best_isa() {
 
 // out[i] = e^x[i] for x[i] <= 0 by path isa's exp: how tests/unit/test_native_attention.py measures its
 // accuracy. Returns 0, or -2 when this CPU cannot run the path.
-__attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const float* x, int64_t n, float* out) {
+__attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const float* x, int64_t n,
+                                                             float* out) {
     if (!supported(isa)) return -2;
     (isa == AVX512 ? avx512::exp_of : avx2::exp_of)(x, n, out);
     return 0;
