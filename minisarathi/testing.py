@@ -1,5 +1,5 @@
 """Batches built by hand and the checks on them, for tests and benchmark scripts that drive the model without
-the engine."""
+the engine; float32's fused multiply-add in NumPy, for tests that emulate native kernels bit for bit."""
 
 from __future__ import annotations
 
@@ -78,3 +78,17 @@ def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=Non
 
 def relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once, as a fused multiply-add: the product is exact in float64, the sum's
+    error is recovered exactly (TwoSum) and folded in by rounding to odd, so rounding to float32 after is
+    the single rounding of the exact value."""
+    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    c = np.asarray(c, np.float64)
+    s = p + c
+    t = s - p
+    err = (p - (s - t)) + (c - t)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)

@@ -1,5 +1,6 @@
-"""The native decode attention (minisarathi/backends/cpu/native_attention.py) against float64 NumPy, its batch
-invariance, CpuOps' rule for it, and the fallback to NumPy's attention where it cannot run."""
+"""The native decode attention (minisarathi/backends/cpu/native_attention.py) against float64 NumPy on every
+path this CPU runs, its exp bit for bit against a NumPy emulation, its batch invariance, CpuOps' rule for it,
+and the fallback to NumPy's attention where it cannot run."""
 
 import logging
 
@@ -8,11 +9,28 @@ import pytest
 
 from minisarathi.backends.cpu import native_attention
 from minisarathi.backends.cpu.ops import CpuOps
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch, fma32
 
 needs_kernel = pytest.mark.skipif(
-    native_attention.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here"
+    native_attention.kernel() is None, reason="no AVX2 + FMA CPU or no C++ compiler here"
 )
+ORDER = ["avx2", "avx512"]
+
+
+def forced(isa: str) -> native_attention.CpuAttention:
+    """The kernel's path isa; skips where this CPU lacks it."""
+    native = native_attention.kernel()
+    if native is None or ORDER.index(isa) > ORDER.index(native.isa):
+        pytest.skip(f"this CPU has no {isa} path")
+    return native_attention.CpuAttention(native.lib, isa)
+
+
+@pytest.fixture(params=ORDER)
+def path(request, monkeypatch):
+    """CpuOps' decodes on the kernel's path request.param (forced, as each machine picks its widest)."""
+    attention = forced(request.param)
+    monkeypatch.setattr(native_attention, "kernel", lambda: attention)
+    return attention
 
 
 @pytest.fixture(autouse=True)
@@ -75,22 +93,58 @@ def check_close(got, ref):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * max(1.0, np.abs(ref).max()) * 4)
 
 
-@needs_kernel
-def test_exp_within_one_ulp_of_float64():
-    """The kernel's polynomial exp over all the softmax feeds it (scores minus their max: x <= 0), into the
-    subnormals and to 0; NaN stays NaN."""
-    x = np.concatenate(
-        [
-            -np.logspace(-8, np.log10(110), 100_000),
-            np.linspace(-110, 0, 200_001),
-            [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45],
-        ]
-    ).astype(np.float32)
-    got = native_attention.kernel().exp(x).astype(np.float64)
-    ref = np.exp(x.astype(np.float64))
+EXP_INPUTS = np.concatenate(
+    [
+        -np.logspace(-8, np.log10(110), 100_000),
+        np.linspace(-110, 0, 200_001),
+        [0.0, -0.0, -87.3, -103.9, -104, -200, -np.inf, -1e-45],
+    ]
+).astype(np.float32)  # all the softmax feeds the exp (scores minus their max: x <= 0), into the subnormals
+
+
+def emulated_exp(x: np.ndarray, fused=fma32) -> np.ndarray:
+    """float32 e^x, x <= 0, by the kernel's steps (native_attention.cpp's exp_nonpositive); fused: its fused
+    multiply-add."""
+    f = np.float32
+    x = np.maximum(f(-104.0), x)
+    n = np.rint(x * f(1.44269504088896341))
+    r = fused(-n, f(0.693359375), x)
+    r = fused(-n, f(-2.12194440e-4), r)
+    p = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = fused(p, r, f(c))
+    p = fused(p, r * r, r) + f(1)
+    with np.errstate(invalid="ignore"):
+        return (p.astype(np.float64) * np.exp2(n.astype(np.float64))).astype(np.float32)  # one rounding
+
+
+@pytest.mark.parametrize("isa", ORDER)
+def test_exp_within_one_ulp_of_float64_and_the_same_bits_on_every_path(isa):
+    """The kernel's polynomial exp, into the subnormals and to 0, NaN staying NaN; each path gives the bits
+    of the emulation of its steps, so the paths agree bit for bit."""
+    kernel = forced(isa)
+    got = kernel.exp(EXP_INPUTS)
+    ref = np.exp(EXP_INPUTS.astype(np.float64))
     ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
-    assert np.all(np.abs(got - ref) <= ulp)
-    assert np.isnan(native_attention.kernel().exp(np.array([np.nan, -1], np.float32))[0])
+    assert np.all(np.abs(got.astype(np.float64) - ref) <= ulp)
+    np.testing.assert_array_equal(got, emulated_exp(EXP_INPUTS))
+    assert np.isnan(kernel.exp(np.array([np.nan, -1], np.float32))[0])
+
+
+@needs_kernel
+def test_the_exp_emulation_tells_an_unfused_polynomial_apart():
+    """Negative control: the same steps with a rounding after each multiply give other bits somewhere, so
+    the exact comparison above can fail."""
+    unfused = emulated_exp(EXP_INPUTS, fused=lambda a, b, c: a * b + c)
+    assert not np.array_equal(native_attention.kernel().exp(EXP_INPUTS), unfused)
+
+
+@needs_kernel
+def test_a_path_runs_only_where_the_cpu_has_it():
+    native = native_attention.kernel()
+    if native.isa != "avx512":
+        with pytest.raises(ValueError, match="cannot run the avx512 path"):
+            native_attention.CpuAttention(native.lib, "avx512")
 
 
 DECODES_FIRST = [(9, 1), (30, 1), (0, 1), (17, 1), (3, 1), (12, 6), (0, 9)]
@@ -99,7 +153,6 @@ DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1), (15, 1)]
 LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)]
 
 
-@needs_kernel
 @pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN, LONG_RAGGED])
 @pytest.mark.parametrize(
     "Hq, Hk, D, block_size",
@@ -117,7 +170,7 @@ LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)
         (16, 2, 16, 4),
     ],
 )
-def test_matches_float64(runs, Hq, Hk, D, block_size):
+def test_matches_float64(path, runs, Hq, Hk, D, block_size):
     """CpuOps.paged_attention as the engine calls it (decodes on the kernel, prefill chunks on NumPy)."""
     batch, q, k_cache, v_cache = case(Hq * 1000 + D * 10 + block_size, runs, Hq, Hk, D, block_size)
     out = CpuOps().paged_attention(q, k_cache, v_cache, batch, D**-0.5)
@@ -136,9 +189,10 @@ def test_strided_query_rows():
     check_close(out, reference(q, k_cache, v_cache, batch, 0.35))
 
 
-@needs_kernel
-@pytest.mark.parametrize("Hq, Hk, D, block_size", [(8, 4, 8, 16), (8, 4, 64, 16), (12, 3, 24, 5)])
-def test_a_decode_is_bit_identical_whatever_its_batch(Hq, Hk, D, block_size):
+@pytest.mark.parametrize(
+    "Hq, Hk, D, block_size", [(8, 4, 8, 16), (8, 4, 64, 16), (12, 3, 24, 5), (4, 2, 4, 3)]
+)
+def test_a_decode_is_bit_identical_whatever_its_batch(path, Hq, Hk, D, block_size):
     """Greedy output must not depend on the batch mix: a decode's row is the same alone, among other decodes
     in any number and order, and beside prefill chunks."""
     runs = [(h, 1) for h in (0, 5, 16, 33, 100, 250, 7, 64)] + [(20, 7)]

@@ -1,4 +1,5 @@
-"""The packed matmul kernel (minisarathi/backends/cpu/packed_gemm.py) against float64 NumPy, its batch
+"""The packed matmul kernel (minisarathi/backends/cpu/packed_gemm.py) against float64 NumPy and, bit for bit,
+against a NumPy emulation of its chains of fused multiply-adds on every path this CPU runs; its batch
 invariance, and CpuOps' fallback to NumPy's matmul where the kernel cannot be built."""
 
 import logging
@@ -9,17 +10,32 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from minisarathi.backends.cpu import packed_gemm
+from minisarathi.backends.cpu import native, packed_gemm
 from minisarathi.backends.cpu.ops import CpuOps
-from minisarathi.backends.cpu.packed_gemm import PackedWeight
+from minisarathi.backends.cpu.packed_gemm import PackedGemm, PackedWeight
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.bench.random_model import write_random_model
 from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
-from minisarathi.testing import ScheduledChunk, build_batch
+from minisarathi.testing import ScheduledChunk, build_batch, fma32
 
 needs_kernel = pytest.mark.skipif(
-    packed_gemm.kernel() is None, reason="no AVX-512 CPU or no C++ compiler here"
+    packed_gemm.kernel() is None, reason="no AVX2 + FMA CPU or no C++ compiler here"
 )
+ORDER = ["avx2", "avx512"]
+
+
+def runs_here(isa: str) -> bool:
+    native = packed_gemm.kernel()
+    return native is not None and ORDER.index(isa) <= ORDER.index(native.isa)
+
+
+def fma_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float32[M, N]: each output as the kernel computes it, one chain of fused multiply-adds over k in order
+    from 0."""
+    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for k in range(x.shape[1]):
+        acc = fma32(x[:, k, None], w[None, :, k], acc)
+    return acc
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +53,11 @@ def reference_and_bound(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.nd
     return ref, bound + 1e-30
 
 
-# rows around the 12-row register tile, features around the 32-wide panel, K past the 512-deep K block
+# rows around the register tiles (6 and 12 rows), features around the panels (16 and 32 wide; 4 full ones for
+# the AVX2 tiles of 1 and 2 rows), K past the 512-deep K block
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 11, 12, 13, 37])
-@pytest.mark.parametrize("n, k", [(1, 1), (31, 7), (33, 513), (70, 1100), (64, 512)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 8, 11, 12, 13, 37])
+@pytest.mark.parametrize("n, k", [(1, 1), (31, 7), (33, 513), (70, 1100), (64, 512), (17, 300)])
 def test_matches_float64(m, n, k):
     rng = np.random.default_rng(m * 10007 + n * 101 + k)
     x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
@@ -51,6 +68,50 @@ def test_matches_float64(m, n, k):
     assert got.shape == (m, n) and got.dtype == np.float32 and got.flags.c_contiguous
     ref, bound = reference_and_bound(x, w)
     assert np.all(np.abs(got - ref) <= bound)
+
+
+@pytest.mark.parametrize("isa", ORDER)
+@pytest.mark.parametrize("m, n, k", [(1, 70, 1100), (2, 64, 37), (13, 33, 513), (37, 100, 256)])
+def test_every_path_is_the_chain_of_fused_multiply_adds(isa, m, n, k):
+    """Each path, forced, gives the bits of the NumPy emulation of its one chain per output: so a row's result
+    is the same on every path and every machine that runs one."""
+    if not runs_here(isa):
+        pytest.skip(f"this CPU has no {isa} path")
+    rng = np.random.default_rng(m * 31 + n + k)
+    x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    path = PackedGemm(packed_gemm.kernel().lib, isa)
+    assert path.isa == isa and path.panel_width == {"avx2": 16, "avx512": 32}[isa]
+    np.testing.assert_array_equal(path.matmul(x, path.pack(w)), fma_chains(x, w))
+
+
+@needs_kernel
+def test_the_emulation_tells_other_orders_and_roundings_apart():
+    """Negative controls: the same products summed with a rounding after each multiply, or the chain run
+    from the last k, differ from the kernel's bits, so the exact comparison above can fail."""
+    rng = np.random.default_rng(9)
+    x, w = rng.standard_normal((5, 700), dtype=np.float32), rng.standard_normal((40, 700), dtype=np.float32)
+    native = packed_gemm.kernel()
+    got = native.matmul(x, native.pack(w))
+    unfused = np.zeros((5, 40), np.float32)
+    for k in range(700):
+        unfused = unfused + x[:, k, None] * w[None, :, k]
+    assert not np.array_equal(got, unfused)
+    assert not np.array_equal(got, fma_chains(x[:, ::-1], w[:, ::-1]))
+    np.testing.assert_array_equal(got, fma_chains(x, w))
+
+
+@needs_kernel
+def test_a_path_reads_only_its_own_packing_and_runs_only_where_the_cpu_has_it():
+    native = packed_gemm.kernel()
+    w = native.pack(np.ones((40, 300), np.float32))
+    other = 48 - native.panel_width  # the other path's panel width (16 or 32)
+    panels = np.zeros((2, 300, other), np.float32)
+    with pytest.raises(ValueError, match=f"packed in panels of {other}"):
+        native.matmul(np.ones((1, 300), np.float32), PackedWeight(panels, 40, panels.ctypes.data))
+    assert native.matmul(np.ones((1, 300), np.float32), w).tolist() == [[300.0] * 40]
+    if not runs_here("avx512"):
+        with pytest.raises(ValueError, match="cannot run the avx512 path"):
+            PackedGemm(native.lib, "avx512")
 
 
 @needs_kernel
@@ -129,6 +190,21 @@ def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     assert np.array_equal(
         ops.linear(np.ones((3, w.shape[1]), dtype=np.float32), w), np.full((3, 8), w.shape[1])
     )
+
+
+def test_the_log_names_the_path_and_a_cpu_without_avx2_keeps_numpy(monkeypatch, caplog, fresh_kernel):
+    monkeypatch.delenv("MINISARATHI_PACKED_GEMM", raising=False)
+    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu.packed_gemm"):
+        loaded = packed_gemm.kernel()
+    if loaded is not None:
+        assert f"packed matmul: the {loaded.isa} path, panels of {loaded.panel_width}" in caplog.text
+    packed_gemm.kernel.cache_clear()
+    monkeypatch.setattr(native, "cpu_flags", lambda text: frozenset({"sse2", "avx", "fma"}))
+    with caplog.at_level(logging.INFO, logger="minisarathi.backends.cpu.packed_gemm"):
+        assert packed_gemm.kernel() is None
+    assert "packed matmul off: the CPU has no avx2; NumPy's instead" in caplog.text
+    w = np.ones((8, packed_gemm.MIN_IN_FEATURES), dtype=np.float32)  # deep enough to pack
+    assert CpuOps().linear_weight(w) is w
 
 
 def test_no_compiler_falls_back_to_numpy(monkeypatch, tmp_path, caplog, fresh_kernel):

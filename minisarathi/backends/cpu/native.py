@@ -11,6 +11,10 @@ from pathlib import Path
 from minisarathi.backends.cpu.process_setup import cpu_flags
 from minisarathi.backends.native_build import build_shared_library
 
+# The CPU flags (as /proc/cpuinfo names them) of the narrowest vector path of packed_gemm.cpp and
+# native_attention.cpp; each also has an AVX-512 path, chosen in the library at run time where the CPU has it.
+AVX2 = frozenset({"avx2", "fma"})
+
 
 def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
     """`source` (a .cpp file) built with CXX (default g++) and `flags` for this CPU (cached); RuntimeError or
@@ -31,26 +35,27 @@ def load_cpu_library(
     flags: list[str],
     name: str,
     switch: str,
-    needs_avx512: bool,
     hold_gil: bool,
     log: logging.Logger,
+    needs: frozenset[str] = frozenset(),
 ) -> ctypes.CDLL | None:
     """A CPU-backend kernel's library, built at first use and loaded; None where it cannot run here, `log`
     saying why ("NAME off ..."): the environment variable `switch` set to 0 (to measure against NumPy), a CPU
-    without AVX-512 where the kernel needs it, no compiler or a failed build, no safe cache folder, a library
-    that cannot be loaded (a noexec mount, a corrupt cached file). The caller then keeps its NumPy code.
+    without one of the flags `needs` (those every path of the library needs: AVX2, or none), no compiler or
+    a failed build, no safe cache folder, a library that cannot be loaded (a noexec mount, a corrupt cached
+    file). The caller then keeps its NumPy code.
     hold_gil: load with ctypes.PyDLL, whose calls keep the GIL: a call of a few us that released it (CDLL)
     could hand the GIL to the server's event loop and wait for it back."""
     if os.environ.get(switch) == "0":
         return None
-    if needs_avx512:
+    if needs:
         try:
             with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
                 features = cpu_flags(f.read(1 << 16))
         except OSError:
             features = frozenset()
-        if "avx512f" not in features:
-            log.info("%s off: the CPU has no AVX-512; NumPy's instead", name)
+        if not needs <= features:
+            log.info("%s off: the CPU has no %s; NumPy's instead", name, " + ".join(sorted(needs - features)))
             return None
     try:
         path = cpu_library_path(source, flags, f"the {name}")

@@ -13,15 +13,52 @@
 // independent accumulator chains so the sum over keys is not bound by the latency of one chain of fused
 // multiply-adds.
 //
+// Two paths, chosen at run time: AVX-512 (16 lanes) and AVX2 + FMA (8 lanes, the same steps over half-width
+// vectors; its sums over lanes take other trees, so its last bits differ from the AVX-512 path's).
+//
 // Determinism: every number a decode's output depends on is computed from that decode's own query, keys and
 // context length, in an order fixed by the context length alone: a row's result is bit-identical whatever
 // batch it is in (which other rows, how many, in what order). Built without -ffast-math, so the compiler
 // keeps the written order of every sum.
+// GCC 12 warns of its own intrinsics' deliberately undefined operands when they are inlined into a
+// function with a target attribute; the warnings are false.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 namespace {
+
+enum Isa { NONE = 0, AVX2 = 2, AVX512 = 3 };   // native_attention.py's ISAS
+
+// Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
+// tiles apart, a pattern the hardware prefetchers miss (long decodes stalled on those loads).
+constexpr int64_t PREFETCH_KEYS = 64;
+
+// Asks for the K rows of keys [t, t + KEYS) (clipped to n) into L1, and the V rows of [t - PREFETCH_KEYS, ...)
+// into L2, where the weighted sum will read them after the softmax. One prefetch per 64-byte line.
+template <int KEYS>
+inline void prefetch(const float* k, const float* v, const int64_t* offsets, int64_t t, int64_t n, int64_t D,
+                     int64_t Hk, int64_t head_stride) {
+    for (int64_t j = t; j < t + KEYS && j < n; ++j)
+        for (int64_t h = 0; h < Hk; ++h)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm_prefetch((const char*)(k + offsets[j] + h * head_stride + d), _MM_HINT_T0);
+    for (int64_t j = t < PREFETCH_KEYS ? n : t - PREFETCH_KEYS; j < t - PREFETCH_KEYS + KEYS && j < n; ++j)
+        for (int64_t h = 0; h < Hk; ++h)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm_prefetch((const char*)(v + offsets[j] + h * head_stride + d), _MM_HINT_T1);
+}
+
+// out[0 .. C * LANES) of weighted_sum<C, U> (the last vector's first `width` lanes only).
+using WeightedSum = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*);
+using Score = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                       const int64_t*, int64_t, float*, int64_t);
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
 
 constexpr int LANES = 16;
 constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weighted sum: 8 zmm accumulators
@@ -75,24 +112,6 @@ inline __m512 sum_each(const __m512 a[16]) {
     return sum_halves(b);
 }
 
-// Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
-// tiles apart, a pattern the hardware prefetchers miss (long decodes stalled on those loads).
-constexpr int64_t PREFETCH_KEYS = 64;
-
-// Asks for the K rows of keys [t, t + 16) (clipped to n) into L1, and the V rows of [t - PREFETCH_KEYS, ...)
-// into L2, where the weighted sum will read them after the softmax.
-inline void prefetch(const float* k, const float* v, const int64_t* offsets, int64_t t, int64_t n, int64_t D,
-                     int64_t Hk, int64_t head_stride) {
-    for (int64_t j = t; j < t + LANES && j < n; ++j)
-        for (int64_t h = 0; h < Hk; ++h)
-            for (int64_t d = 0; d < D; d += LANES)
-                _mm_prefetch((const char*)(k + offsets[j] + h * head_stride + d), _MM_HINT_T0);
-    for (int64_t j = t < PREFETCH_KEYS ? n : t - PREFETCH_KEYS; j < t - PREFETCH_KEYS + LANES && j < n; ++j)
-        for (int64_t h = 0; h < Hk; ++h)
-            for (int64_t d = 0; d < D; d += LANES)
-                _mm_prefetch((const char*)(v + offsets[j] + h * head_stride + d), _MM_HINT_T1);
-}
-
 // The K rows of keys [t0, t0 + 16) in sum_each's order (key j at 4 * (j % 4) + j / 4); past n the context's
 // first key again, its score unused.
 inline void key_rows(const float* k, const int64_t* offsets, int64_t t0, int64_t n, const float* key[LANES]) {
@@ -107,7 +126,7 @@ void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, con
     const int64_t full = D / LANES;
     const __mmask16 tail = first_lanes(D % LANES);
     for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
-        prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
+        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
         if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
         key_rows(k, offsets, t0, n, key);
@@ -137,7 +156,7 @@ void score_pairs(const float* q, int64_t Hk, int64_t G, int64_t D, const float* 
                  int64_t head_stride, const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
     const __mmask16 low = first_lanes(D), high = (__mmask16)(low << 8);
     for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
-        prefetch(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
+        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
         if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
         const float* key[LANES];
         key_rows(k, offsets, t0, n, key);
@@ -173,11 +192,12 @@ float exp_and_sum(float* s, int64_t n) {
     return _mm512_reduce_add_ps(sum);
 }
 
-// out[0 .. C * 16) (the last vector's lanes in `last` only) = sum over t < n of w[t] * v[offsets[t] + ...],
+// out[0 .. C * 16) (the last vector's first `width` lanes only) = sum over t < n of w[t] * v[offsets[t] + ...],
 // divided by total. U chains of accumulators take keys t % U; they are added in order at the end.
 template <int C, int U>
-void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, __mmask16 last, float total,
+void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width, float total,
                   float* out) {
+    const __mmask16 last = first_lanes(width);
     __m512 acc[U][C];
     #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
@@ -219,11 +239,192 @@ void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_
     }
 }
 
-using WeightedSum = void (*)(const float*, const float*, const int64_t*, int64_t, __mmask16, float, float*);
 // by vectors per pass (1-8); fewer vectors, more chains: about 4-8 independent accumulators each time
 constexpr WeightedSum weighted_sum_of[9] = {nullptr, &weighted_sum<1, 4>, &weighted_sum<2, 2>, &weighted_sum<3, 2>,
                                             &weighted_sum<4, 1>, &weighted_sum<5, 1>, &weighted_sum<6, 1>,
                                             &weighted_sum<7, 1>, &weighted_sum<8, 1>};
+
+void exp_of(const float* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 lanes = first_lanes(n - i);
+        _mm512_mask_storeu_ps(out + i, lanes, exp_nonpositive(_mm512_maskz_loadu_ps(lanes, x + i)));
+    }
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+constexpr int LANES = 8;
+constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weighted sum: 8 ymm accumulators
+
+inline __m256i first_lanes(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < LANES ? count : LANES)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// avx512::exp_nonpositive's steps over 8 lanes; 2^n as two factors 2^h 2^(n - h), h = floor(n / 2), each a
+// normal float32, so p * 2^h is exact and the second product rounds once, as vscalefps does: the same bits.
+inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i h = _mm256_srai_epi32(ni, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
+    const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+}
+
+// Lane j of the result: the sum of the 8 lanes of a[j].
+inline __m256 sum_each(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   // a[0..3], a[4..7] per half
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float sum_lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float max_lanes(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// avx512::score over 8 keys at a time (any D; no pairs: a head of 8 fills a vector).
+void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v, int64_t head_stride,
+           const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
+    const int64_t full = D / LANES;
+    const __m256i tail = first_lanes(D % LANES);
+    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
+        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
+        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
+        const float* key[LANES];   // past n the context's first key again, its score unused
+        for (int j = 0; j < LANES; ++j) key[j] = k + offsets[t0 + j < n ? t0 + j : 0];
+        for (int64_t hg = 0; hg < Hk * G; ++hg) {   // every head of a key group: its K tiles are adjacent
+            const float* qg = q + hg * D;
+            const int64_t at = hg / G * head_stride;
+            __m256 acc[LANES];
+            for (int i = 0; i < LANES; ++i) acc[i] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < full; ++c) {
+                const __m256 qv = _mm256_loadu_ps(qg + c * LANES);
+                for (int i = 0; i < LANES; ++i)
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[i] + at + c * LANES), acc[i]);
+            }
+            if (D % LANES) {
+                const __m256 qv = _mm256_maskload_ps(qg + full * LANES, tail);
+                for (int i = 0; i < LANES; ++i)
+                    acc[i] =
+                        _mm256_fmadd_ps(qv, _mm256_maskload_ps(key[i] + at + full * LANES, tail), acc[i]);
+            }
+            _mm256_storeu_ps(scores + hg * scores_stride + t0, sum_each(acc));
+        }
+    }
+}
+
+// avx512::exp_and_sum over 8 lanes.
+float exp_and_sum(float* s, int64_t n) {
+    __m256 top = _mm256_set1_ps(-__builtin_inff());
+    for (int64_t t = 0; t < n; t += LANES)
+        top = _mm256_blendv_ps(top, _mm256_max_ps(_mm256_loadu_ps(s + t), top),
+                               _mm256_castsi256_ps(first_lanes(n - t)));
+    const __m256 max = _mm256_set1_ps(max_lanes(top));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += LANES) {
+        const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(first_lanes(n - t)),
+                                       exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), max)));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return sum_lanes(sum);
+}
+
+// avx512::weighted_sum over 8 lanes.
+template <int C, int U>
+void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width,
+                  float total, float* out) {
+    const __m256i last = first_lanes(width);
+    __m256 acc[U][C];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + U <= n; t += U)
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) {
+            const __m256 wt = _mm256_broadcast_ss(w + t + u);
+            const float* vt = v + offsets[t + u];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
+                                            : _mm256_loadu_ps(vt + c * LANES);
+                acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
+            }
+        }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)   // the last n % U keys
+        if (t + u < n) {
+            const __m256 wt = _mm256_broadcast_ss(w + t + u);
+            const float* vt = v + offsets[t + u];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
+                                            : _mm256_loadu_ps(vt + c * LANES);
+                acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
+            }
+        }
+    const __m256 denominator = _mm256_set1_ps(total);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        __m256 r = acc[0][c];
+#pragma GCC unroll 8
+        for (int u = 1; u < U; ++u) r = _mm256_add_ps(r, acc[u][c]);
+        r = _mm256_div_ps(r, denominator);
+        if (c == C - 1) _mm256_maskstore_ps(out + c * LANES, last, r);
+        else _mm256_storeu_ps(out + c * LANES, r);
+    }
+}
+
+// by vectors per pass (1-8), as avx512::weighted_sum_of
+constexpr WeightedSum weighted_sum_of[9] = {nullptr,
+                                            &weighted_sum<1, 4>,
+                                            &weighted_sum<2, 2>,
+                                            &weighted_sum<3, 2>,
+                                            &weighted_sum<4, 1>,
+                                            &weighted_sum<5, 1>,
+                                            &weighted_sum<6, 1>,
+                                            &weighted_sum<7, 1>,
+                                            &weighted_sum<8, 1>};
+
+void exp_of(const float* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __m256i lanes = first_lanes(n - i);
+        _mm256_maskstore_ps(out + i, lanes, exp_nonpositive(_mm256_maskload_ps(x + i, lanes)));
+    }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
 
 // One buffer per thread, grown as needed, freed when the thread ends.
 struct Scratch {
@@ -242,18 +443,14 @@ void* scratch(int64_t bytes) {
     return buffer.data;
 }
 
-}  // namespace
-
-extern "C" {
-
-// out[i] = e^x[i] for x[i] <= 0 by the kernel's exp: how tests/unit/test_native_attention.py measures its
-// accuracy.
-__attribute__((visibility("default"))) void exp_nonpositive_of(const float* x, int64_t n, float* out) {
-    for (int64_t i = 0; i < n; i += LANES) {
-        const __mmask16 lanes = first_lanes(n - i);
-        _mm512_mask_storeu_ps(out + i, lanes, exp_nonpositive(_mm512_maskz_loadu_ps(lanes, x + i)));
-    }
+bool supported(int isa) {
+    __builtin_cpu_init();
+    if (isa == AVX512) return __builtin_cpu_supports("avx512f");
+    if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return false;
 }
+
+}  // namespace
 
 // A batch's decodes and the cache's shape, as native_attention.py's DecodeRows lays them out (int64 fields).
 struct DecodeBatch {
@@ -265,16 +462,14 @@ struct DecodeBatch {
     int64_t num_decodes, num_blocks, Hk, G, D, bs;
 };
 
-// For each decode i: sequence b.seqs[i], whose query is row b.rows[i] of q and whose output goes to that row
-// of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs] at offset t % bs.
-//   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
-//   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
-//   out: float32[..][Hq][D], C order
-// Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
-// is not a block of the cache, or a context is longer than its block-table row holds (nothing is read).
-__attribute__((visibility("default"))) int decode_attention(const DecodeBatch* batch, const float* q,
-                                                           int64_t q_stride, const float* k_cache,
-                                                           const float* v_cache, float scale, float* out) {
+namespace {
+
+// decode_attention on one path: score (its scores of one decode), exp_and_sum, weighted_sum_of (by vectors
+// of LANES per pass of SLICE columns).
+template <int LANES, int64_t SLICE>
+int decode(Score score, float (*exp_and_sum)(float*, int64_t), const WeightedSum* weighted_sum_of,
+           const DecodeBatch* batch, const float* q, int64_t q_stride, const float* k_cache,
+           const float* v_cache, float scale, float* out) {
     const int32_t* block_tables = batch->block_tables;
     const int32_t* context_lens = batch->context_lens;
     const int64_t *seqs = batch->seqs, *rows = batch->rows;
@@ -308,7 +503,7 @@ __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* b
             continue;
         }
         for (int64_t j = 0; j < Hk * G * D; ++j) scaled[j] = qi[j] * scale;
-        (D <= 8 ? score_pairs : score)(scaled, Hk, G, D, k_cache, v_cache, head_stride, offsets, n, scores, padded);
+        score(scaled, Hk, G, D, k_cache, v_cache, head_stride, offsets, n, scores, padded);
         for (int64_t hg = 0; hg < Hk * G; ++hg) {
             float* w = scores + hg * padded;
             const float total = exp_and_sum(w, n);
@@ -316,11 +511,50 @@ __attribute__((visibility("default"))) int decode_attention(const DecodeBatch* b
                 const int64_t width = D - d0 < SLICE ? D - d0 : SLICE;
                 const int vectors = (int)((width + LANES - 1) / LANES);
                 weighted_sum_of[vectors](w, v_cache + hg / G * head_stride + d0, offsets, n,
-                                         first_lanes(width - (vectors - 1) * LANES), total, oi + hg * D + d0);
+                                         width - (vectors - 1) * LANES, total, oi + hg * D + d0);
             }
         }
     }
     return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The widest path this CPU runs: AVX512, AVX2, or NONE.
+__attribute__((visibility("default"))) int native_attention_best_isa() {
+    return supported(AVX512) ? AVX512 : supported(AVX2) ? AVX2 : NONE;
+}
+
+// out[i] = e^x[i] for x[i] <= 0 by path isa's exp: how tests/unit/test_native_attention.py measures its
+// accuracy. Returns 0, or -2 when this CPU cannot run the path.
+__attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const float* x, int64_t n,
+                                                             float* out) {
+    if (!supported(isa)) return -2;
+    (isa == AVX512 ? avx512::exp_of : avx2::exp_of)(x, n, out);
+    return 0;
+}
+
+// For each decode i, on path isa: sequence b.seqs[i], whose query is row b.rows[i] of q and whose output goes
+// to that row of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs] at
+// offset t % bs.
+//   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
+//   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
+//   out: float32[..][Hq][D], C order
+// Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
+// is not a block of the cache, or a context is longer than its block-table row holds (nothing is read); -3
+// when this CPU cannot run the path.
+__attribute__((visibility("default"))) int decode_attention(int isa, const DecodeBatch* batch, const float* q,
+                                                           int64_t q_stride, const float* k_cache,
+                                                           const float* v_cache, float scale, float* out) {
+    if (!supported(isa)) return -3;
+    if (isa == AVX512)
+        return decode<avx512::LANES, avx512::SLICE>(batch->D <= 8 ? avx512::score_pairs : avx512::score,
+                                                    avx512::exp_and_sum, avx512::weighted_sum_of, batch, q,
+                                                    q_stride, k_cache, v_cache, scale, out);
+    return decode<avx2::LANES, avx2::SLICE>(avx2::score, avx2::exp_and_sum, avx2::weighted_sum_of, batch, q,
+                                            q_stride, k_cache, v_cache, scale, out);
 }
 
 }  // extern "C"

@@ -3,9 +3,10 @@
 The decodes of a batch (single-token runs) attend to the paged KV cache read in place, through their block
 tables, in one call per layer; prefill chunks keep NumPy's tiled attention (attention.py), which also stays
 the decode path where the kernel does not run. Built and loaded like the packed matmul (packed_gemm.py,
-through native.py): it needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the library is
-cached by content. Where either is missing, or MINISARATHI_CPU_ATTENTION=0 is set (to measure against
-NumPy), `kernel()` is None and decodes run on NumPy.
+through native.py): an AVX-512 and an AVX2 + FMA path, the widest this CPU runs chosen at load, and a C++
+compiler (CXX, default g++) the first time; the library is cached by content. Where the CPU has neither, no
+compiler, or MINISARATHI_CPU_ATTENTION=0 is set (to measure against NumPy), `kernel()` is None and decodes
+run on NumPy.
 
 Whether a model's decodes use it is decided once, from the model's shapes (`runs`), never per batch: its
 results differ from NumPy's in the last bits, and a row's output must not depend on the batch it is in.
@@ -20,12 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import AVX2, cpu_library_path, load_cpu_library
 from minisarathi.batch import Batch
 
 SOURCE = Path(__file__).resolve().parent / "native_attention.cpp"
 # No -ffast-math: every sum keeps its written order (a row's result must not depend on its batch).
-FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+# No -mavx512f: each path has its target attribute and is chosen at run time.
+FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+
+ISAS = {"avx2": 2, "avx512": 3}  # the kernel's enum Isa
 
 log = logging.getLogger(__name__)
 
@@ -65,22 +69,27 @@ class DecodeRows:
 
 
 class CpuAttention:
-    """The loaded library."""
+    """The loaded library's path `isa` ("avx512" or "avx2"; None: the widest this CPU runs)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib.decode_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
-        self.lib.decode_attention.restype = ctypes.c_int
-        self._call = self.lib.decode_attention
-        self.lib.exp_nonpositive_of.argtypes = [ptr, i64, ptr]
-        self.lib.exp_nonpositive_of.restype = None
+    def __init__(self, lib: ctypes.CDLL, isa: str | None = None):
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.decode_attention.argtypes = [i32, ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
+        lib.decode_attention.restype = i32
+        lib.exp_nonpositive_of.argtypes = [i32, ptr, i64, ptr]
+        lib.exp_nonpositive_of.restype = i32
+        best = lib.native_attention_best_isa()
+        if isa is None:
+            isa = {v: k for k, v in ISAS.items()}[best]
+        elif ISAS[isa] > best:
+            raise ValueError(f"native attention: this CPU cannot run the {isa} path")
+        self.lib, self.isa, self._code = lib, isa, ISAS[isa]
+        self._call = lib.decode_attention
 
     def exp(self, x: np.ndarray) -> np.ndarray:
         """float32 e^x for x <= 0 as the kernel computes it (for tests of its accuracy)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        self.lib.exp_nonpositive_of(x.ctypes.data, x.size, out.ctypes.data)
+        self.lib.exp_nonpositive_of(self._code, x.ctypes.data, x.size, out.ctypes.data)
         return out
 
     def decode(
@@ -100,10 +109,18 @@ class CpuAttention:
         if q.strides[1:] != decodes.head_strides:
             q = np.ascontiguousarray(q)
         status = self._call(
-            decodes.address, q.ctypes.data, q.strides[0] // 4, *cache_addresses, scale, out.ctypes.data
+            self._code,
+            decodes.address,
+            q.ctypes.data,
+            q.strides[0] // 4,
+            *cache_addresses,
+            scale,
+            out.ctypes.data,
         )
         if status == -1:
             raise MemoryError(f"decode attention: no memory for the scores of {len(decodes.seqs)} decodes")
+        if status == -3:
+            raise ValueError(f"native attention: this CPU cannot run the {self.isa} path")
         if status:
             raise IndexError(
                 f"decode attention: a block table names a block outside the cache's "
@@ -138,8 +155,12 @@ def kernel() -> CpuAttention | None:
         FLAGS,
         "native decode attention",
         "MINISARATHI_CPU_ATTENTION",
-        needs_avx512=True,
+        needs=AVX2,
         hold_gil=True,
         log=log,
     )
-    return None if lib is None else CpuAttention(lib)
+    if lib is None:
+        return None
+    attention = CpuAttention(lib)
+    log.info("native decode attention: the %s path", attention.isa)
+    return attention

@@ -74,7 +74,6 @@ def _library() -> ctypes.CDLL | None:
         FLAGS,
         "native inverse CDF",
         "MINISARATHI_CPU_SAMPLING",
-        needs_avx512=False,
         hold_gil=True,
         log=log,
     )

@@ -1,10 +1,11 @@
 """The CPU's weight matmul with weights packed once at load: packed_gemm.cpp, compiled at first use (ctypes).
 
 NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repacks it on every call; this
-kernel reads panels packed once. It needs AVX-512 and a C++ compiler (CXX, default g++) the first time; the
-library is cached by content (minisarathi/backends/cpu/native.py). Where either is missing, or
-MINISARATHI_PACKED_GEMM=0 is set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's
-matmul. The kernel runs one thread, so weights are packed only where BLAS runs one thread too (`packs`).
+kernel reads panels packed once. It has an AVX-512 and an AVX2 + FMA path, the widest this CPU runs chosen at
+load, and needs a C++ compiler (CXX, default g++) the first time; the library is cached by content
+(minisarathi/backends/cpu/native.py). Where the CPU has neither, no compiler, or MINISARATHI_PACKED_GEMM=0 is
+set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's matmul. The kernel runs one
+thread, so weights are packed only where BLAS runs one thread too (`packs`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.backends.cpu.native import cpu_library_path, load_cpu_library
+from minisarathi.backends.cpu.native import AVX2, cpu_library_path, load_cpu_library
 from minisarathi.backends.cpu.process_setup import blas_threads_in_force
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
-FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+# No -mavx512f: each path has its target attribute and is chosen at run time.
+FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
 
 # Weights shallower than this (K) are not packed: the fixed costs of a call from Python and of a register tile
 # (24 accumulators loaded and stored) outweigh its few k steps, and they lose to NumPy at every row count.
 MIN_IN_FEATURES = 256
+ISAS = {"avx2": 2, "avx512": 3}  # the kernel's enum Isa
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +48,28 @@ class PackedWeight:
 
 
 class PackedGemm:
-    """The loaded library."""
+    """The loaded library's path `isa` ("avx512" or "avx2"; None: the widest this CPU runs), whose panel width
+    (NR) its packed weights have: weights packed for one path are not read by another."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib.packed_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
-        self.lib.packed_gemm.restype = ctypes.c_int
-        self.panel_width = self.lib.packed_gemm_panel_width()  # NR
+    def __init__(self, lib: ctypes.CDLL, isa: str | None = None):
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.packed_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+        lib.packed_gemm.restype = i32
+        lib.packed_gemm_panel_width.argtypes = [i32]
+        best = lib.packed_gemm_best_isa()
+        if isa is None:
+            isa = {v: k for k, v in ISAS.items()}[best]
+        elif ISAS[isa] > best:
+            raise ValueError(f"packed_gemm: this CPU cannot run the {isa} path")
+        self.lib, self.isa, self._code = lib, isa, ISAS[isa]
+        self.panel_width = lib.packed_gemm_panel_width(self._code)  # NR
 
     def pack(self, w: np.ndarray) -> PackedWeight:
         """w: float32[N, K]."""
         n, k = w.shape
         nr = self.panel_width
         panels = -(-n // nr)
-        # 64-byte aligned, so a panel row is one cache line pair and never splits a vector load
+        # 64-byte aligned, so a panel row (NR floats) is whole cache lines and never splits a vector load
         raw = np.empty(panels * k * nr + 16, dtype=np.float32)
         start = (-raw.ctypes.data % 64) // 4
         packed = raw[start : start + panels * k * nr].reshape(panels, k, nr)  # float32[panels, K, NR]
@@ -76,11 +86,18 @@ class PackedGemm:
         m, k = x.shape
         if k != w.panels.shape[1]:
             raise ValueError(f"x: {k} input features, the weight takes {w.panels.shape[1]}")
+        if w.panels.shape[2] != self.panel_width:
+            raise ValueError(
+                f"w: packed in panels of {w.panels.shape[2]}, the {self.isa} path reads {self.panel_width}"
+            )
         out = np.empty((m, w.out_features), dtype=np.float32)
-        if self.lib.packed_gemm(
-            x.ctypes.data, m, k, k, w.address, w.out_features, out.ctypes.data, w.out_features
-        ):
+        status = self.lib.packed_gemm(
+            self._code, x.ctypes.data, m, k, k, w.address, w.out_features, out.ctypes.data, w.out_features
+        )
+        if status == -1:
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
+        if status:
+            raise ValueError(f"packed_gemm: this CPU cannot run the {self.isa} path")
         return out
 
 
@@ -102,6 +119,10 @@ def kernel() -> PackedGemm | None:
     """The library for this CPU, built at first use; None where it cannot run here (the log says why). CDLL:
     a matmul of many rows runs milliseconds, which the server's event loop may use meanwhile."""
     lib = load_cpu_library(
-        SOURCE, FLAGS, "packed matmul", "MINISARATHI_PACKED_GEMM", needs_avx512=True, hold_gil=False, log=log
+        SOURCE, FLAGS, "packed matmul", "MINISARATHI_PACKED_GEMM", needs=AVX2, hold_gil=False, log=log
     )
-    return None if lib is None else PackedGemm(lib)
+    if lib is None:
+        return None
+    gemm = PackedGemm(lib)
+    log.info("packed matmul: the %s path, panels of %d outputs", gemm.isa, gemm.panel_width)
+    return gemm

@@ -91,9 +91,7 @@ class Q8Linear:
 def kernel() -> Q8Linear | None:
     """The library, built at first use; None where it cannot be (the log says why). CDLL: a matmul of many
     rows runs milliseconds, which the server's event loop may use meanwhile."""
-    lib = load_cpu_library(
-        SOURCE, FLAGS, "Q8_0 matmul", "MINISARATHI_Q8_LINEAR", needs_avx512=False, hold_gil=False, log=log
-    )
+    lib = load_cpu_library(SOURCE, FLAGS, "Q8_0 matmul", "MINISARATHI_Q8_LINEAR", hold_gil=False, log=log)
     return None if lib is None else Q8Linear(lib)
 
 
