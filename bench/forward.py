@@ -3,6 +3,7 @@
     python -m bench.forward            # hidden 2048, 16 layers, 32/8 heads, I 5632, vocab 32000 (~3.9 GB RAM)
     python -m bench.forward --small    # a quick run on a small shape
     python -m bench.forward --q8       # the linear weights and lm_head in Q8_0 (int8, a scale per 32)
+    python -m bench.forward --dtype bfloat16   # the matrices kept in 16 bits (bfloat16 or float16)
 
 For each case it times the whole forward (best of --repeats) and the same weight matmuls (q/k/v, o,
 gate/up, down per layer, lm_head for the sampled rows, through the backend's linear) on inputs of the same
@@ -23,6 +24,7 @@ import numpy as np
 from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.config import ModelConfig
+from minisarathi.dtypes import DTYPES
 from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.quant.layouts import IntGroups
@@ -88,7 +90,7 @@ def random_model(args) -> LlamaModel:
             f"layers.{i}.gate_up_proj": linear(2 * I, H),
             f"layers.{i}.down_proj": linear(H, I),
         }
-    return LlamaModel(config, weights, CpuOps())
+    return LlamaModel(config, weights, CpuOps(args.dtype))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -178,6 +180,9 @@ def main():
     parser.add_argument("--small", action="store_true", help="a small shape for a quick run")
     parser.add_argument("--q8", action="store_true", help="linear weights and lm_head in Q8_0")
     parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="CpuOps' weight dtype (16 bits: the matrices)"
+    )
+    parser.add_argument(
         "--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time"
     )
     parser.add_argument(
@@ -222,7 +227,7 @@ def main():
     print(
         f"\nmodel: hidden {c.hidden_size}, {c.num_hidden_layers} layers, heads {c.num_attention_heads}/"
         f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, "
-        f"{'Q8_0 linear weights' if args.q8 else 'float32'}; "
+        f"{'Q8_0 linear weights' if args.q8 else args.dtype}; "
         f"block size {bs}; numpy {np.__version__}, {platform.machine()}"
     )
     print(

@@ -75,8 +75,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=ENGINE_DTYPES,
         default=d.dtype,
-        help="CUDA backends' compute dtype (default auto: the checkpoint's; float32 for an exact "
-        "emulation against the CPU)",
+        help="CUDA backends' compute dtype; on the CPU the weights' dtype, activations staying float32 "
+        "(default auto: the checkpoint's; float32 for an exact emulation against the CPU)",
     )
     g.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="batching policy")
     g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="per-iteration token budget")

@@ -48,7 +48,9 @@ class EngineConfig:
     device: str = "cpu"
     # Activation, weight and KV-cache dtype of the CUDA backends ("cuda", "cuda-emulated"): "auto" is the
     # checkpoint's, so an emulated run launches the kernels a GPU runs; "float32" emulates exactly against
-    # the NumPy reference. The "cpu" device computes in float32 ("auto" or "float32" only).
+    # the NumPy reference. On "cpu" the dtype of the linear weights and the embedding table ("auto": the
+    # checkpoint's; bfloat16 or float16 keep them in 16 bits), activations and KV cache staying float32.
+    # "reference" computes in float32 ("auto" or "float32" only).
     dtype: str = "auto"
     seed: int = 0  # seeds the sampler for requests without their own seed
     # sarathi only: size each step so that its predicted time stays within this TBT target (ms); chunk_size

@@ -30,18 +30,22 @@ def resolve_device(device: str) -> str:
 
 
 def make_backend(device: str, dtype: str, explicit_dtype: bool = False) -> Backend:
-    """The backend for `device`; dtype is the CUDA backends' activation dtype (emulated or not), usually the
-    checkpoint's. The CPU backends compute in float32: another dtype asked for explicitly is an error."""
+    """The backend for `device`; dtype, usually the checkpoint's, is the CUDA backends' activation dtype
+    (emulated or not) and the CPU backend's weight dtype (its activations stay float32: a bf16 or fp16 dtype
+    keeps the matrices in 16 bits). The reference computes in float32: another dtype asked for explicitly is
+    an error."""
     device = resolve_device(device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if device in ("cpu", "reference"):
+    if device == "cpu":
+        return CpuOps(dtype)
+    if device == "reference":
         if explicit_dtype and dtype != "float32":
             raise ValueError(
-                f"dtype {dtype!r} needs a CUDA device ('cuda' or 'cuda-emulated'); device {device!r} "
+                f"dtype {dtype!r} needs device 'cpu', 'cuda' or 'cuda-emulated'; device 'reference' "
                 "computes in float32"
             )
-        return CpuOps() if device == "cpu" else ReferenceOps()  # reference: plain, slow, what tests trust
+        return ReferenceOps()  # plain, slow, what tests trust
     if device == "cuda-emulated":
         return cuda_ops.emulated(dtype)  # the very kernels a GPU runs for this dtype, on the CPU
     if resolve_device("auto") != "cuda":

@@ -154,9 +154,9 @@ def test_device_cuda_emulated_computes_in_the_checkpoints_dtype(name):
         assert np.abs(golden_prefill_logits(exact, prompt) - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
-def test_cpu_device_refuses_a_16bit_dtype():
-    with pytest.raises(ValueError, match="dtype 'bfloat16' needs a CUDA device"):
-        load_model(default_model_dir(), device="cpu", dtype="bfloat16")
+def test_reference_device_refuses_a_16bit_dtype():
+    with pytest.raises(ValueError, match="dtype 'bfloat16' needs device 'cpu', 'cuda' or 'cuda-emulated'"):
+        load_model(default_model_dir(), device="reference", dtype="bfloat16")
 
 
 @pytest.mark.parametrize("make_ops", [cuda_ops.emulated, pytest.param(cuda_ops.gpu, marks=ON_GPU, id="gpu")])

@@ -5,7 +5,8 @@ It is held to the plain reference (minisarathi/backends/reference.py) op by op a
 (AVX-512 and a C++ compiler: minisarathi/backends/cpu/packed_gemm.py); elsewhere weights keep HF's [out, in]
 layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
 transposed product `w @ x.T` (transposed_linear). A GGUF Q8_0 linear weight stays int8 with its scales
-(q8_linear.Q8Weight) and runs through the Q8_0 kernel (minisarathi/backends/cpu/q8_linear.py).
+(q8_linear.Q8Weight) and runs through the Q8_0 kernel (minisarathi/backends/cpu/q8_linear.py). With a
+16-bit weight dtype the matrices stay bf16 or fp16 (minisarathi/backends/cpu/half_linear.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends.cpu import attention, native_attention, packed_gemm, q8_linear
+from minisarathi.backends.cpu import attention, half_linear, native_attention, packed_gemm, q8_linear
 from minisarathi.backends.cpu.attention import AttentionPlan, DecodeKV, GatherBuffers
+from minisarathi.backends.cpu.half_linear import HalfWeight
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
 from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.cpu.q8_linear import Q8Weight
@@ -47,7 +49,8 @@ class CpuOps:
     device = "cpu"
     activation_dtype = np.dtype(np.float32)  # of activations and the KV cache
 
-    def __init__(self):
+    def __init__(self, weight_dtype: str = "float32"):
+        self.weight_dtype = half_linear.check_dtype(weight_dtype)  # of the matrices (half_linear.keeps)
         self.blas_core = openblas_core()  # the OpenBLAS kernels in force, which choose linear's product
         self._rope_tables = (None, None, {})  # (positions, cos_sin, column tables by head count), last call
         self._rope_partners: dict[tuple[int, int], np.ndarray] = {}  # rotate_half's columns, by (heads, D)
@@ -69,6 +72,8 @@ class CpuOps:
         """float32, or a Q8Weight for a Q8_0 tensor (the loader keeps only linear weights in Q8_0)."""
         if isinstance(array, CheckpointTensor) and array.dtype == "q8_0":
             return q8_linear.q8_weight(array.data)
+        if half_linear.keeps(array, self.weight_dtype):
+            return half_linear.half_weight(array, self.weight_dtype)
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def linear_weight(self, placed: np.ndarray | Q8Weight) -> PackedWeight | Q8Weight | np.ndarray:
@@ -76,7 +81,7 @@ class CpuOps:
         so (the kernel runs here, the weight is deep enough to gain, BLAS runs one thread); else `placed`
         itself. A weight's form is fixed at load: linear uses the same kernel at every row count, so a row's
         result is bit-identical whatever batch it is in."""
-        if isinstance(placed, Q8Weight) or not packed_gemm.packs(placed.shape[1]):
+        if isinstance(placed, (Q8Weight, HalfWeight)) or not packed_gemm.packs(placed.shape[1]):
             return placed
         return packed_gemm.kernel().pack(placed)
 
@@ -130,6 +135,8 @@ class CpuOps:
             out = packed_gemm.kernel().matmul(x, w)
         elif isinstance(w, Q8Weight):
             out = q8_linear.matmul(x, w)
+        elif isinstance(w, HalfWeight):
+            out = half_linear.matmul(x, w)
         elif transposed_linear(x.shape[0], self.blas_core):
             out = (w @ x.T).T
         else:
