@@ -78,3 +78,45 @@ def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=Non
 
 def relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def float64_logits(config, weights: dict, ids) -> np.ndarray:
+    """float64[T, vocab] logits of one sequence `ids` from position 0: Hugging Face's Llama written plainly
+    in float64 (no cache, no batch, half-split RoPE, grouped-query attention, SiLU MLP) over `weights`
+    (Hugging Face names -> float arrays), the reference a checkpoint's dequantized weights are checked by."""
+    c = config
+    w = {name: np.asarray(array, dtype=np.float64) for name, array in weights.items()}
+    T, D, Hq, Hk = len(ids), c.head_dim, c.num_attention_heads, c.num_key_value_heads
+
+    def norm(x, gain):  # float64[T, H]
+        return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + c.rms_norm_eps) * gain
+
+    angle = np.arange(T, dtype=np.float64)[:, None, None] * c.rope_inv_freq().astype(
+        np.float64
+    )  # [T, 1, D/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+
+    def rope(x):  # float64[T, heads, D]: pairs (x[i], x[i + D/2]) rotated
+        a, b = x[..., : D // 2], x[..., D // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    def project(x, name):
+        return x @ w[name + ".weight"].T + w.get(name + ".bias", 0.0)
+
+    causal = np.triu(np.full((T, T), -np.inf), 1)  # float64[T, T]
+    x = w["model.embed_tokens.weight"][np.asarray(ids)]  # float64[T, H]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = rope(project(h, p + "self_attn.q_proj").reshape(T, Hq, D))
+        k = rope(project(h, p + "self_attn.k_proj").reshape(T, Hk, D)).repeat(Hq // Hk, axis=1)
+        v = project(h, p + "self_attn.v_proj").reshape(T, Hk, D).repeat(Hq // Hk, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(D) + causal  # float64[Hq, T, T]
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        x = x + project(np.einsum("hts,shd->thd", probs, v).reshape(T, Hq * D), p + "self_attn.o_proj")
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = project(h, p + "mlp.gate_proj"), project(h, p + "mlp.up_proj")
+        x = x + project(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj")
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return norm(x, w["model.norm.weight"]) @ head.T

@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
 import minisarathi.model.loader as loader  # noqa: E402
 from minisarathi import LLM, SamplingParams  # noqa: E402
@@ -112,9 +112,9 @@ def test_q8_0_weights_are_the_gguf_packages_dequantization():
         types.add(T(tensor.tensor_type))
         want = dequantize(tensor.data, tensor.tensor_type)
         got = stored[hf_name(tensor.name, Q8_0)]
-        # the linear weights stay Q8_0 (the CPU's kernel reads them); the embedding is gathered as float32
+        # the Q8_0 matrices (the linear weights and the embedding table) stay Q8_0
         kept = isinstance(got, IntGroups)
-        assert kept == (T(tensor.tensor_type) == T.Q8_0 and tensor.name != "token_embd.weight"), tensor.name
+        assert kept == (T(tensor.tensor_type) == T.Q8_0), tensor.name
         got = got.dequantize() if kept else got
         if tensor.name.endswith("attn_q.weight"):
             got = permute(got, config.num_attention_heads)
@@ -205,21 +205,23 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         load_model(path)
 
 
-def test_fused_tensors_of_mixed_types_are_all_widened():
+def test_fused_tensors_mixing_float_and_quantized_are_all_widened():
     from minisarathi.quant.gguf_file import widen_mixed_fusions
+    from minisarathi.quant.kquants import quantize as k_quantize
     from minisarathi.quant.layouts import from_gguf
 
     rng = np.random.default_rng(3)
-    q8 = from_gguf("q", int(T.Q8_0), quantize(rng.standard_normal((4, 64)).astype(np.float32), T.Q8_0))
+    weights = rng.standard_normal((4, 256)).astype(np.float32)
+    q4_k, q6_k = (from_gguf("w", int(T[t]), k_quantize(weights, t)) for t in ("Q4_K", "Q6_K"))
     prefix = "model.layers.0."
     tensors = {
-        prefix + "self_attn.q_proj.weight": q8,
-        prefix + "self_attn.k_proj.weight": q8,
-        prefix + "self_attn.v_proj.weight": np.zeros((4, 64), np.float32),
-        prefix + "mlp.gate_proj.weight": q8,
-        prefix + "mlp.up_proj.weight": q8,
+        prefix + "self_attn.q_proj.weight": q4_k,
+        prefix + "self_attn.k_proj.weight": q4_k,
+        prefix + "self_attn.v_proj.weight": q6_k,  # quantized parts of different layouts stay quantized
+        prefix + "mlp.gate_proj.weight": q4_k,
+        prefix + "mlp.up_proj.weight": weights,  # a float part widens the quantized ones beside it
     }
     widen_mixed_fusions(tensors)
-    kept = {n.split(".")[-2]: isinstance(t, IntGroups) for n, t in tensors.items()}
-    assert kept == {"q_proj": False, "k_proj": False, "v_proj": False, "gate_proj": True, "up_proj": True}
-    assert np.array_equal(tensors[prefix + "self_attn.q_proj.weight"], q8.dequantize())
+    kept = {n.split(".")[-2]: not isinstance(t, np.ndarray) for n, t in tensors.items()}
+    assert kept == {"q_proj": True, "k_proj": True, "v_proj": True, "gate_proj": False, "up_proj": False}
+    assert np.array_equal(tensors[prefix + "mlp.gate_proj.weight"], q4_k.dequantize())
