@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.config import ModelConfig, read_json_object
-from minisarathi.dtypes import to_float32
+from minisarathi.dtypes import dtype_name, to_float32
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
 from minisarathi.quant.layouts import Layout, concatenate_rows
 
@@ -38,7 +38,7 @@ class CheckpointTensor:
     """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
     (np.asarray(tensor) widens it), which is how CpuOps.weight places it."""
 
-    dtype: str  # "float32", "float16", "bfloat16", or "quantized" (a GGUF matrix kept in its layout)
+    dtype: str  # "float32", "float16", "bfloat16", or "quantized" (a GGUF matrix in its layout)
     data: np.ndarray | Layout  # float32, float16, bfloat16 bits as uint16; or the layout (not Dense)
 
     @property
@@ -142,7 +142,7 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     if is_gguf(model_dir):
         tensors = read_gguf(model_dir).items()
         return {
-            n: CheckpointTensor("float32" if isinstance(d, np.ndarray) else "quantized", d)
+            n: CheckpointTensor(dtype_name(d) if isinstance(d, np.ndarray) else "quantized", d)
             for n, d in tensors
         }
     index_file = model_dir / "model.safetensors.index.json"
@@ -199,11 +199,11 @@ def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
             raise ValueError(
                 f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}"
             )
-        dtype_name, array_dtype = STORED_DTYPES[dtype]
+        stored_as, array_dtype = STORED_DTYPES[dtype]
         if end - begin != array_dtype.itemsize * int(np.prod(shape)) or end > len(body):
             raise ValueError(
                 f"tensor {name!r} in {file} has data_offsets {[begin, end]} that do not fit "
                 f"its shape {list(shape)}"
             )
-        tensors[name] = CheckpointTensor(dtype_name, body[begin:end].view(array_dtype).reshape(shape))
+        tensors[name] = CheckpointTensor(stored_as, body[begin:end].view(array_dtype).reshape(shape))
     return tensors

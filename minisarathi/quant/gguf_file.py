@@ -2,10 +2,10 @@
 
 The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
 tensor is converted with minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the
-embedding table and lm_head) stay in their layouts, IntGroups or UintGroups; F32/F16/BF16 tensors become
-float32 (a backend without a kernel for a layout dequantizes it when it places it). Tensors are renamed to
-the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks and fusion
-as a safetensors folder.
+embedding table and lm_head) stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as
+stored, views of the file (a backend widens what it has no kernel for when it places it). Tensors are
+renamed to the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks
+and fusion as a safetensors folder.
 
 llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (and their biases) so that
 ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.quant.layouts import IntGroups, UintGroups, from_reader_tensor, take_rows, type_name
+from minisarathi.dtypes import dtype_name, to_float32
+from minisarathi.quant.layouts import Dense, from_reader_tensor, take_rows, type_name
 
 log = logging.getLogger("minisarathi.gguf")
 
@@ -173,21 +174,26 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # fused at l
 
 
 def widen_mixed_fusions(tensors: dict) -> None:
-    """Tensors the loader fuses stay quantized only if all of them are (quantized parts of different layouts
-    fuse as a layouts.Stacked); where float32 parts are mixed with quantized ones, the quantized ones are
-    dequantized too, so the fused weight has one form."""
+    """Tensors the loader fuses keep their form only if all of them have one: all quantized (parts of
+    different layouts fuse as a layouts.Stacked), or all float arrays of one dtype. Otherwise (a file may
+    mix types within a layer) all become float32, so the fused weight has one form."""
     for name in [n for n in tensors if n.endswith(tuple(f".{p[0]}.weight" for p in FUSED))]:
         parts = next(p for p in FUSED if name.endswith(f".{p[0]}.weight"))
         names = [n for n in (name.replace(f".{parts[0]}.", f".{part}.") for part in parts) if n in tensors]
-        if len({isinstance(tensors[n], np.ndarray) for n in names}) > 1:
+        if len({_form(tensors[n]) for n in names}) > 1:
             for n in names:
-                if not isinstance(tensors[n], np.ndarray):
-                    tensors[n] = tensors[n].dequantize()
+                t = tensors[n]
+                tensors[n] = to_float32(t, dtype_name(t)) if isinstance(t, np.ndarray) else t.dequantize()
+
+
+def _form(tensor) -> str:
+    return tensor.dtype.name if isinstance(tensor, np.ndarray) else "quantized"
 
 
 def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
-    """name -> float32 array, or an IntGroups/UintGroups layout for a quantized matrix (QUANTIZED_WEIGHTS),
-    under the Hugging Face names model/loader.py reads.
+    """name -> an IntGroups/UintGroups layout for a quantized matrix (QUANTIZED_WEIGHTS), else the array as
+    stored (float32, float16, or bfloat16 bits as uint16; a quantized vector dequantized to float32), under
+    the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
     reader = open_gguf(path)
     meta = metadata(reader)
@@ -199,8 +205,12 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path)
         layout = from_reader_tensor(tensor)  # UnsupportedTensorType names the tensor
-        quantized = isinstance(layout, IntGroups | UintGroups) and name.endswith(QUANTIZED_WEIGHTS)
-        weights = layout if quantized else np.asarray(layout.dequantize(), dtype=np.float32)
+        if isinstance(layout, Dense):
+            weights = layout.data
+        elif name.endswith(QUANTIZED_WEIGHTS):
+            weights = layout
+        else:
+            weights = layout.dequantize()
         if permuted and restore_rope_order and ".q_proj." in name:
             weights = unpermute_rows(weights, heads)
         elif permuted and restore_rope_order and ".k_proj." in name:
@@ -211,8 +221,7 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     widen_mixed_fusions(tensors)
     loaded_bytes = sum(t.nbytes for t in tensors.values())
     log.info(
-        "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (quantized matrices kept, the rest "
-        "float32)",
+        "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (quantized matrices kept)",
         Path(path).name,
         ", ".join(f"{n} x{count}" for n, count in types.most_common()),
         file_bytes / 2**20,

@@ -112,10 +112,12 @@ def test_q8_0_weights_are_the_gguf_packages_dequantization():
         types.add(T(tensor.tensor_type))
         want = dequantize(tensor.data, tensor.tensor_type)
         got = stored[hf_name(tensor.name, Q8_0)]
-        # the Q8_0 matrices (the linear weights and the embedding table) stay Q8_0
+        # the Q8_0 matrices (the linear weights and the embedding table) stay Q8_0, the rest as stored
         kept = isinstance(got, IntGroups)
         assert kept == (T(tensor.tensor_type) == T.Q8_0), tensor.name
-        got = got.dequantize() if kept else got
+        if not kept:
+            assert got.dtype == {T.F16: np.float16, T.F32: np.float32}[T(tensor.tensor_type)], tensor.name
+        got = got.dequantize() if kept else got.astype(np.float32)
         if tensor.name.endswith("attn_q.weight"):
             got = permute(got, config.num_attention_heads)
         elif tensor.name.endswith("attn_k.weight"):
@@ -220,8 +222,30 @@ def test_fused_tensors_mixing_float_and_quantized_are_all_widened():
         prefix + "self_attn.v_proj.weight": q6_k,  # quantized parts of different layouts stay quantized
         prefix + "mlp.gate_proj.weight": q4_k,
         prefix + "mlp.up_proj.weight": weights,  # a float part widens the quantized ones beside it
+        "model.layers.1.mlp.gate_proj.weight": weights.astype(np.float16),  # float16 beside float32
+        "model.layers.1.mlp.up_proj.weight": weights,
+        "model.layers.1.self_attn.q_proj.weight": weights.astype(np.float16),  # one dtype: kept
+        "model.layers.1.self_attn.k_proj.weight": weights.astype(np.float16),
     }
     widen_mixed_fusions(tensors)
-    kept = {n.split(".")[-2]: not isinstance(t, np.ndarray) for n, t in tensors.items()}
-    assert kept == {"q_proj": True, "k_proj": True, "v_proj": True, "gate_proj": False, "up_proj": False}
+    forms = {n: "quantized" if hasattr(t, "dequantize") else t.dtype.name for n, t in tensors.items()}
+    assert [forms[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"] == ["quantized"] * 3
+    assert forms[prefix + "mlp.gate_proj.weight"] == forms[prefix + "mlp.up_proj.weight"] == "float32"
     assert np.array_equal(tensors[prefix + "mlp.gate_proj.weight"], q4_k.dequantize())
+    assert forms["model.layers.1.mlp.gate_proj.weight"] == "float32"
+    assert forms["model.layers.1.self_attn.q_proj.weight"] == "float16"
+
+
+def test_an_f16_file_keeps_its_matrices_in_float16_views_of_the_file(tmp_path, fp32):
+    path = make_gguf.write_gguf(
+        SAFETENSORS, tmp_path / "f16.gguf", T.F16, file_type=gguf.LlamaFileType.MOSTLY_F16
+    )
+    config = ModelConfig.from_pretrained(SAFETENSORS)
+    want, got = load_weights(SAFETENSORS, config), load_weights(path, config)
+    for name in ("embed_tokens", "layers.0.o_proj", "layers.4.down_proj"):
+        assert got[name].dtype == "float16" and not got[name].data.flags.owndata, name
+        rounded = np.asarray(want[name]).astype(np.float16).astype(np.float32)
+        assert np.array_equal(np.asarray(got[name]), rounded), name
+    assert got["norm"].dtype == "float32"
+    model = load_model(path)
+    assert prefill_then_greedy(model, PROMPT, 24)[1] == prefill_then_greedy(fp32, PROMPT, 24)[1]
