@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.dtypes import dtype_name, to_float32
-from minisarathi.quant.layouts import Dense, from_reader_tensor, take_rows, type_name
+from minisarathi.quant.layouts import from_gguf, take_rows, type_name
 
 log = logging.getLogger("minisarathi.gguf")
 
@@ -55,6 +55,7 @@ GLOBAL_TENSORS = {
 # rows are gathered; a tied lm_head multiplies by it)
 QUANTIZED_WEIGHTS = tuple(f"{p}_proj.weight" for p in "qkvo") + ("gate_proj.weight", "up_proj.weight")
 QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight", "embed_tokens.weight")
+DENSE_TYPES = ("F32", "F16", "BF16")  # stored as plain arrays (layouts.Dense): no conversion
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -202,22 +203,15 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, types = {}, Counter()
     file_bytes = 0
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
-        layout = from_reader_tensor(tensor)  # UnsupportedTensorType names the tensor
-        if isinstance(layout, Dense):
-            weights = layout.data
-        elif name.endswith(QUANTIZED_WEIGHTS):
-            weights = layout
-        else:
-            weights = layout.dequantize()
-        if permuted and restore_rope_order and ".q_proj." in name:
-            weights = unpermute_rows(weights, heads)
-        elif permuted and restore_rope_order and ".k_proj." in name:
-            weights = unpermute_rows(weights, kv_heads)
-        tensors[name] = weights
-        types[type_name(tensor.tensor_type)] += 1
-        file_bytes += int(tensor.n_bytes)
+    with open(path, "rb") as file:
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name, path)
+            tensors[name] = tensor_weights(name, tensor, file)
+            types[type_name(tensor.tensor_type)] += 1
+            file_bytes += int(tensor.n_bytes)
+    if permuted and restore_rope_order:
+        for name in [n for n in tensors if ".q_proj." in n or ".k_proj." in n]:
+            tensors[name] = unpermute_rows(tensors[name], heads if ".q_proj." in name else kv_heads)
     widen_mixed_fusions(tensors)
     loaded_bytes = sum(t.nbytes for t in tensors.values())
     log.info(
@@ -228,6 +222,20 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
         loaded_bytes / 2**20,
     )
     return tensors
+
+
+def tensor_weights(name: str, tensor, file):
+    """A reader tensor as read_gguf returns it. A float tensor is a view of the memory map; a quantized
+    one is converted from its blocks read from `file`, not through the map, so that none of its pages stay
+    mapped into the process, where they would count as resident for as long as any view of the map lives."""
+    if type_name(tensor.tensor_type) in DENSE_TYPES:
+        return from_gguf(tensor.name, tensor.tensor_type, tensor.data).data
+    blocks = np.empty(tensor.data.shape, dtype=np.uint8)  # uint8[rows, bytes per row]
+    file.seek(tensor.data_offset)
+    if file.readinto(blocks) != blocks.nbytes:
+        raise ValueError(f"tensor {tensor.name!r}: the file ends inside its data")
+    layout = from_gguf(tensor.name, tensor.tensor_type, blocks)  # UnsupportedTensorType names the tensor
+    return layout if name.endswith(QUANTIZED_WEIGHTS) else layout.dequantize()
 
 
 def unpermute_rows(weights, n_head: int):

@@ -158,3 +158,20 @@ def test_sharding_widens_quantized_tensors(files):
     inter = config.intermediate_size
     assert half.dtype == "float32"
     assert np.array_equal(half.data, np.concatenate([full[inter // 2 : inter], full[inter + inter // 2 :]]))
+
+
+def test_quantized_blocks_are_read_from_the_file_not_through_the_map(files, monkeypatch):
+    # Pages read through the reader's map stay mapped into the process, counted as resident, while any
+    # view of the map lives (the float32 norms are views). So the blocks must come from plain reads: with
+    # the map's quantized tensors zeroed, the weights are still the file's.
+    import minisarathi.quant.gguf_file as gguf_file
+
+    path = files["Q4_K_M"]
+    real = gguf_file.open_gguf(path)
+    real.tensors = [
+        t if T(t.tensor_type) == T.F32 else t._replace(data=np.zeros_like(t.data)) for t in real.tensors
+    ]
+    monkeypatch.setattr(gguf_file, "open_gguf", lambda _path: real)
+    want = dequantized(path)
+    for name, tensor in read_checkpoint(path).items():
+        assert np.array_equal(np.asarray(tensor), want[name]), name
