@@ -11,7 +11,7 @@ pytest.importorskip("gguf")
 
 from bench.quant_quality import main, story  # noqa: E402
 from minisarathi.config import ModelConfig  # noqa: E402
-from minisarathi.model.loader import read_checkpoint  # noqa: E402
+from minisarathi.model.loader import load_weights  # noqa: E402
 from minisarathi.paths import default_model_dir  # noqa: E402
 from minisarathi.testing import float64_logits  # noqa: E402
 from minisarathi.tokenizer import Tokenizer  # noqa: E402
@@ -23,9 +23,8 @@ def test_rows_and_the_perplexity(capsys):
     assert printed == rows and [r["format"] for r in rows] == ["F32", "Q8_0", "Q4_K"]
     model = default_model_dir()
     ids = Tokenizer.from_pretrained(model).encode(story())
-    logits = float64_logits(
-        ModelConfig.from_pretrained(model), {n: np.asarray(t) for n, t in read_checkpoint(model).items()}, ids
-    )
+    config = ModelConfig.from_pretrained(model)
+    logits = float64_logits(config, load_weights(model, config), ids)
     logits -= logits.max(-1, keepdims=True)
     nll = np.log(np.exp(logits).sum(-1))[:-1] - logits[np.arange(len(ids) - 1), ids[1:]]
     f32, q8, q4k = rows

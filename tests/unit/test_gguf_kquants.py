@@ -66,6 +66,25 @@ def dequantized(path: Path) -> dict[str, np.ndarray]:
     return weights
 
 
+def fused(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hugging Face names -> load_weights' names, q/k/v and gate/up stacked (float64_logits reads those)."""
+    out = {"embed_tokens": weights["model.embed_tokens.weight"], "norm": weights["model.norm.weight"]}
+    if "lm_head.weight" in weights:
+        out["lm_head"] = weights["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        hf = {k.removeprefix(f"model.layers.{i}.").removesuffix(".weight"): v for k, v in weights.items()}
+        parts = {
+            "input_layernorm": ["input_layernorm"],
+            "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            "o_proj": ["self_attn.o_proj"],
+            "post_attention_layernorm": ["post_attention_layernorm"],
+            "gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+            "down_proj": ["mlp.down_proj"],
+        }
+        out.update({f"layers.{i}.{n}": np.concatenate([hf[p] for p in ps]) for n, ps in parts.items()})
+    return out
+
+
 def test_the_script_writes_the_same_bytes_again(files, tmp_path):
     for path in files.values():
         assert make.write(tmp_path, path.name).read_bytes() == path.read_bytes(), path.name
@@ -107,7 +126,8 @@ def test_q4_k_m_fuses_mixed_layers_as_stacked_parts(files):
 @pytest.mark.parametrize("types", TYPES)
 def test_logits_equal_a_float64_forward_over_the_dequantized_weights(files, types, device):
     path = files[types]
-    want = float64_logits(ModelConfig.from_pretrained(path), dequantized(path), PROMPT)
+    config = ModelConfig.from_pretrained(path)
+    want = float64_logits(config, fused(config, dequantized(path)), PROMPT)
     got, _ = prefill_then_greedy(load_model(path, device=device), PROMPT, 1)
     assert relative_error(got, want) <= LOGITS_BOUND
 
@@ -120,8 +140,8 @@ def test_the_reference_tells_wrong_weights_apart(files):
     for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
         heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
         weights[name] = make.make_gguf.permute(weights[name], heads)  # ggml's Q/K order
-    assert relative_error(got, float64_logits(config, weights, PROMPT)) > 100 * LOGITS_BOUND
-    unquantized = {n: np.asarray(t) for n, t in read_checkpoint(path.parent / "kquant-f32").items()}
+    assert relative_error(got, float64_logits(config, fused(config, weights), PROMPT)) > 100 * LOGITS_BOUND
+    unquantized = load_weights(path.parent / "kquant-f32", config)
     assert relative_error(got, float64_logits(config, unquantized, PROMPT)) > 100 * LOGITS_BOUND
 
 
