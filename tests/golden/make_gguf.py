@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from minisarathi.config import ModelConfig  # noqa: E402
 from minisarathi.model.loader import read_checkpoint  # noqa: E402
-from minisarathi.quant.kquants import quantize  # noqa: E402
+from minisarathi.quant.kquants import TYPES, quantize  # noqa: E402
 
 SOURCE = ROOT / "models" / "stories260K"
 OUT = ROOT / "models" / "stories260K-gguf"
@@ -150,7 +150,7 @@ def write_gguf(
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute(data, kv_heads)
         kind = default_type(qtype, data) if type_of is None else type_of(gguf_name(name), data)
-        blocks = gguf.quants.quantize(data, kind) if kind in (T.F32, T.F16) else quantize(data, kind.name)
+        blocks = quantize(data, kind.name) if kind.name in TYPES else gguf.quants.quantize(data, kind)
         writer.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -18,6 +18,7 @@ import minisarathi.model.loader as loader  # noqa: E402
 from minisarathi import LLM, SamplingParams  # noqa: E402
 from minisarathi.cli import main  # noqa: E402
 from minisarathi.config import ModelConfig  # noqa: E402
+from minisarathi.dtypes import convert, to_float32  # noqa: E402
 from minisarathi.model.llama import load_model  # noqa: E402
 from minisarathi.model.loader import load_weights  # noqa: E402
 from minisarathi.quant.gguf_file import UnsupportedGGUF, hf_name, read_gguf  # noqa: E402
@@ -236,15 +237,16 @@ def test_fused_tensors_mixing_float_and_quantized_are_all_widened():
     assert forms["model.layers.1.self_attn.q_proj.weight"] == "float16"
 
 
-def test_an_f16_file_keeps_its_matrices_in_float16_views_of_the_file(tmp_path, fp32):
-    path = make_gguf.write_gguf(
-        SAFETENSORS, tmp_path / "f16.gguf", T.F16, file_type=gguf.LlamaFileType.MOSTLY_F16
-    )
+@pytest.mark.parametrize("kind", [T.F16, T.BF16], ids=lambda t: t.name)
+def test_a_16_bit_file_keeps_its_matrices_in_16_bits_as_views_of_the_file(tmp_path, fp32, kind):
+    file_type = {T.F16: gguf.LlamaFileType.MOSTLY_F16, T.BF16: gguf.LlamaFileType.MOSTLY_BF16}[kind]
+    path = make_gguf.write_gguf(SAFETENSORS, tmp_path / "16.gguf", kind, file_type=file_type)
     config = ModelConfig.from_pretrained(SAFETENSORS)
     want, got = load_weights(SAFETENSORS, config), load_weights(path, config)
+    dtype = {T.F16: "float16", T.BF16: "bfloat16"}[kind]
     for name in ("embed_tokens", "layers.0.o_proj", "layers.4.down_proj"):
-        assert got[name].dtype == "float16" and not got[name].data.flags.owndata, name
-        rounded = np.asarray(want[name]).astype(np.float16).astype(np.float32)
+        assert got[name].dtype == dtype and not got[name].data.flags.owndata, name
+        rounded = to_float32(convert(np.asarray(want[name]), "float32", dtype), dtype)
         assert np.array_equal(np.asarray(got[name]), rounded), name
     assert got["norm"].dtype == "float32"
     model = load_model(path)
