@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.config import ModelConfig, read_json_object
-from minisarathi.dtypes import to_float32
+from minisarathi.dtypes import dtype_name, to_float32
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
-from minisarathi.quant.layouts import IntGroups, concatenate_rows
+from minisarathi.quant.layouts import Layout, concatenate_rows
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
 # its bits are read as uint16 (minisarathi/dtypes.py).
@@ -38,8 +38,8 @@ class CheckpointTensor:
     """One weight as the checkpoint stores it. NumPy code may use it as an array of its float32 values
     (np.asarray(tensor) widens it), which is how CpuOps.weight places it."""
 
-    dtype: str  # "float32", "float16", "bfloat16", or "q8_0" (a GGUF Q8_0 linear weight, kept quantized)
-    data: np.ndarray | IntGroups  # float32, float16, bfloat16 bits as uint16, or q8_0's IntGroups layout
+    dtype: str  # "float32", "float16", "bfloat16", or "quantized" (a GGUF matrix in its layout)
+    data: np.ndarray | Layout  # float32, float16, bfloat16 bits as uint16; or the layout (not Dense)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,7 +47,7 @@ class CheckpointTensor:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         # a float32 tensor comes back as it is, a view of the memory map
-        values = self.data.dequantize() if self.dtype == "q8_0" else to_float32(self.data, self.dtype)
+        values = self.data.dequantize() if self.dtype == "quantized" else to_float32(self.data, self.dtype)
         return np.asarray(values, dtype=dtype, copy=copy)
 
 
@@ -141,7 +141,10 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     model_dir = Path(model_dir)
     if is_gguf(model_dir):
         tensors = read_gguf(model_dir).items()
-        return {n: CheckpointTensor("q8_0" if isinstance(d, IntGroups) else "float32", d) for n, d in tensors}
+        return {
+            n: CheckpointTensor(dtype_name(d) if isinstance(d, np.ndarray) else "quantized", d)
+            for n, d in tensors
+        }
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")
@@ -196,11 +199,11 @@ def read_safetensors(file: Path) -> dict[str, CheckpointTensor]:
             raise ValueError(
                 f"tensor {name!r} in {file} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}"
             )
-        dtype_name, array_dtype = STORED_DTYPES[dtype]
+        stored_as, array_dtype = STORED_DTYPES[dtype]
         if end - begin != array_dtype.itemsize * int(np.prod(shape)) or end > len(body):
             raise ValueError(
                 f"tensor {name!r} in {file} has data_offsets {[begin, end]} that do not fit "
                 f"its shape {list(shape)}"
             )
-        tensors[name] = CheckpointTensor(dtype_name, body[begin:end].view(array_dtype).reshape(shape))
+        tensors[name] = CheckpointTensor(stored_as, body[begin:end].view(array_dtype).reshape(shape))
     return tensors

@@ -55,7 +55,7 @@ def shard_weights(
     sharded = {}
     for name in weights:
         tensor = weights[name]
-        if tensor.dtype == "q8_0":  # sharded as float32 until the shards keep whole groups
+        if tensor.dtype == "quantized":  # sharded as float32 until the shards keep whole groups
             tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
         kind = name.rsplit(".", 1)[-1]
         if kind in ("qkv_proj", "qkv_bias"):

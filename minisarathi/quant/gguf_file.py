@@ -1,9 +1,9 @@
 """A GGUF file as a model: its config, weights and tokenizer, read with llama.cpp's `gguf` package.
 
 The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
-tensor is converted with minisarathi/quant/layouts.py. Q8_0 linear weights (the layers' projections and
-lm_head) stay quantized, as IntGroups, for the CPU backend's Q8_0 kernel; every other tensor is dequantized
-to float32 at load (a backend without a Q8_0 kernel widens the rest when it places them). Tensors are
+tensor is converted with minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the
+embedding table and lm_head) stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as
+stored, views of the file (a backend widens what it has no kernel for when it places it). Tensors are
 renamed to the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks
 and fusion as a safetensors folder.
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from minisarathi.quant.layouts import IntGroups, from_reader_tensor, type_name
+from minisarathi.dtypes import dtype_name, to_float32
+from minisarathi.quant.layouts import from_gguf, take_rows, type_name
 
 log = logging.getLogger("minisarathi.gguf")
 
@@ -51,10 +51,11 @@ GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# of the Hugging Face names: the linear weights a Q8_0 file keeps quantized (the embedding is gathered, so
-# it is dequantized; a tied lm_head reads that float32 table)
+# of the Hugging Face names: the matrices kept quantized, the linear weights and the embedding table (its
+# rows are gathered; a tied lm_head multiplies by it)
 QUANTIZED_WEIGHTS = tuple(f"{p}_proj.weight" for p in "qkvo") + ("gate_proj.weight", "up_proj.weight")
-QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight")
+QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight", "embed_tokens.weight")
+DENSE_TYPES = ("F32", "F16", "BF16")  # stored as plain arrays (layouts.Dense): no conversion
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -174,21 +175,26 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # fused at l
 
 
 def widen_mixed_fusions(tensors: dict) -> None:
-    """Tensors the loader fuses stay Q8_0 only if all of them are (a file may mix types within a layer);
-    otherwise the quantized ones are dequantized too, so the fused weight has one form."""
+    """Tensors the loader fuses keep their form only if all of them have one: all quantized (parts of
+    different layouts fuse as a layouts.Stacked), or all float arrays of one dtype. Otherwise (a file may
+    mix types within a layer) all become float32, so the fused weight has one form."""
     for name in [n for n in tensors if n.endswith(tuple(f".{p[0]}.weight" for p in FUSED))]:
         parts = next(p for p in FUSED if name.endswith(f".{p[0]}.weight"))
-        names = [name.replace(f".{parts[0]}.", f".{part}.") for part in parts]
-        kinds = {isinstance(tensors.get(n), IntGroups) for n in names if n in tensors}
-        if len(kinds) > 1:
+        names = [n for n in (name.replace(f".{parts[0]}.", f".{part}.") for part in parts) if n in tensors]
+        if len({_form(tensors[n]) for n in names}) > 1:
             for n in names:
-                if isinstance(tensors.get(n), IntGroups):
-                    tensors[n] = tensors[n].dequantize()
+                t = tensors[n]
+                tensors[n] = to_float32(t, dtype_name(t)) if isinstance(t, np.ndarray) else t.dequantize()
 
 
-def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: bool = True) -> dict:
-    """name -> float32 array, or a Q8_0 IntGroups layout for the linear weights (QUANTIZED_WEIGHTS) where
-    keep_q8, under the Hugging Face names model/loader.py reads.
+def _form(tensor) -> str:
+    return tensor.dtype.name if isinstance(tensor, np.ndarray) else "quantized"
+
+
+def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
+    """name -> an IntGroups/UintGroups layout for a quantized matrix (QUANTIZED_WEIGHTS), else the array as
+    stored (float32, float16, or bfloat16 bits as uint16; a quantized vector dequantized to float32), under
+    the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
     reader = open_gguf(path)
     meta = metadata(reader)
@@ -197,23 +203,19 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: boo
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, types = {}, Counter()
     file_bytes = 0
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
-        layout = from_reader_tensor(tensor)  # UnsupportedTensorType names the tensor
-        quantized = keep_q8 and layout.source == "Q8_0" and name.endswith(QUANTIZED_WEIGHTS)
-        weights = layout if quantized else np.asarray(layout.dequantize(), dtype=np.float32)
-        if permuted and restore_rope_order and ".q_proj." in name:
-            weights = unpermute_rows(weights, heads)
-        elif permuted and restore_rope_order and ".k_proj." in name:
-            weights = unpermute_rows(weights, kv_heads)
-        tensors[name] = weights
-        types[type_name(tensor.tensor_type)] += 1
-        file_bytes += int(tensor.n_bytes)
+    with open(path, "rb") as file:
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name, path)
+            tensors[name] = tensor_weights(name, tensor, file)
+            types[type_name(tensor.tensor_type)] += 1
+            file_bytes += int(tensor.n_bytes)
+    if permuted and restore_rope_order:
+        for name in [n for n in tensors if ".q_proj." in n or ".k_proj." in n]:
+            tensors[name] = unpermute_rows(tensors[name], heads if ".q_proj." in name else kv_heads)
     widen_mixed_fusions(tensors)
     loaded_bytes = sum(t.nbytes for t in tensors.values())
     log.info(
-        "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (Q8_0 linear weights kept, the rest "
-        "float32)",
+        "%s: GGUF weights %s, %.2f MiB in the file; %.2f MiB at load (quantized matrices kept)",
         Path(path).name,
         ", ".join(f"{n} x{count}" for n, count in types.most_common()),
         file_bytes / 2**20,
@@ -222,13 +224,25 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True, keep_q8: boo
     return tensors
 
 
-def unpermute_rows(weights: np.ndarray | IntGroups, n_head: int) -> np.ndarray | IntGroups:
-    """unpermute on an array, or on an IntGroups' values and scales alike (a row's groups go with it)."""
-    if isinstance(weights, IntGroups):
-        return replace(
-            weights, values=unpermute(weights.values, n_head), scale=unpermute(weights.scale, n_head)
-        )
-    return unpermute(weights, n_head)
+def tensor_weights(name: str, tensor, file):
+    """A reader tensor as read_gguf returns it. A float tensor is a view of the memory map; a quantized
+    one is converted from its blocks read from `file`, not through the map, so that none of its pages stay
+    mapped into the process, where they would count as resident for as long as any view of the map lives."""
+    if type_name(tensor.tensor_type) in DENSE_TYPES:
+        return from_gguf(tensor.name, tensor.tensor_type, tensor.data).data
+    blocks = np.empty(tensor.data.shape, dtype=np.uint8)  # uint8[rows, bytes per row]
+    file.seek(tensor.data_offset)
+    if file.readinto(blocks) != blocks.nbytes:
+        raise ValueError(f"tensor {tensor.name!r}: the file ends inside its data")
+    layout = from_gguf(tensor.name, tensor.tensor_type, blocks)  # UnsupportedTensorType names the tensor
+    return layout if name.endswith(QUANTIZED_WEIGHTS) else layout.dequantize()
+
+
+def unpermute_rows(weights, n_head: int):
+    """unpermute on an array, or on a quantized layout's rows (a row's groups and scales go with it)."""
+    if isinstance(weights, np.ndarray):
+        return unpermute(weights, n_head)
+    return take_rows(weights, unpermute(np.arange(weights.shape[0]), n_head))
 
 
 def hf_name(name: str, path) -> str:

@@ -32,7 +32,7 @@ d * q - 8d equals ggml's d * (q - 8) as a number (both exact), and only a zero w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import numpy as np
@@ -206,6 +206,17 @@ def concatenate_rows(parts: list) -> np.ndarray | IntGroups | UintGroups | Stack
         shape,
         "+".join(dict.fromkeys(p.source for p in parts)),
     )
+
+
+def take_rows(layout: IntGroups | UintGroups, rows: np.ndarray) -> IntGroups | UintGroups:
+    """Rows `rows` (int[n]) of a quantized matrix [R, C], in that order: a row's codes, scales and
+    minimums move with it, so the result is lossless (a reordering such as llama.cpp's Q/K one)."""
+    shape = (len(rows), *layout.shape[1:])
+    if isinstance(layout, IntGroups):
+        return replace(layout, values=layout.values[rows], scale=layout.scale[rows], shape=shape)
+    high = None if layout.high is None else layout.high[rows]
+    low, scale, minimum = layout.low[rows], layout.scale[rows], layout.minimum[rows]
+    return replace(layout, low=low, high=high, scale=scale, minimum=minimum, shape=shape)
 
 
 def type_name(ggml_type: int) -> str:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from minisarathi.config import ModelConfig  # noqa: E402
 from minisarathi.model.loader import read_checkpoint  # noqa: E402
+from minisarathi.quant.kquants import TYPES, quantize  # noqa: E402
 
 SOURCE = ROOT / "models" / "stories260K"
 OUT = ROOT / "models" / "stories260K-gguf"
@@ -104,9 +105,17 @@ def add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     writer.add_add_space_prefix(spec["pre_tokenizer"].get("prepend_scheme", "always") != "never")
 
 
-def write_gguf(folder: Path, out: Path, qtype: T = T.F32, *, tokenizer: bool = True) -> Path:
-    """`folder`'s model as a GGUF file at `out`: 2-D weights in qtype where their rows are whole blocks
-    (else F16, as llama.cpp falls back), 1-D ones in F32."""
+def default_type(qtype: T, data: np.ndarray) -> T:
+    """qtype for 2-D weights whose rows are whole blocks (else F16, as llama.cpp falls back), F32 for 1-D."""
+    kind = qtype if data.ndim == 2 else T.F32
+    return T.F16 if kind != T.F32 and data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] else kind
+
+
+def write_gguf(
+    folder: Path, out: Path, qtype: T = T.F32, *, tokenizer: bool = True, type_of=None, file_type=None
+) -> Path:
+    """`folder`'s model as a GGUF file at `out`, each tensor in default_type(qtype, array), or in
+    type_of(GGUF name, array) where given (then file_type is the file's general.file_type)."""
     hp = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = ARCHS[hp["architectures"][0]]
     heads, kv_heads = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
@@ -125,7 +134,7 @@ def write_gguf(folder: Path, out: Path, qtype: T = T.F32, *, tokenizer: bool = T
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ModelConfig.from_pretrained(folder).rope_theta)
     writer.add_layer_norm_rms_eps(float(hp.get("rms_norm_eps", 1e-6)))
-    writer.add_file_type(FILE_TYPES[qtype])
+    writer.add_file_type(FILE_TYPES[qtype] if file_type is None else file_type)
     scaling = ModelConfig.from_pretrained(folder).rope_scaling  # transformers 4's keys or 5's
     if scaling is not None:
         if scaling.rope_type != "linear":
@@ -140,10 +149,9 @@ def write_gguf(folder: Path, out: Path, qtype: T = T.F32, *, tokenizer: bool = T
             data = permute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute(data, kv_heads)
-        kind = qtype if data.ndim == 2 else T.F32
-        if kind == T.Q8_0 and data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
-            kind = T.F16
-        writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+        kind = default_type(qtype, data) if type_of is None else type_of(gguf_name(name), data)
+        blocks = quantize(data, kind.name) if kind.name in TYPES else gguf.quants.quantize(data, kind)
+        writer.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

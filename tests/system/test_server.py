@@ -506,3 +506,21 @@ def test_prompt_token_ids_match_text_prompt(server):
         by_ids = client.generate(ids, max_tokens=10, temperature=0)
         by_text = client.generate("Tom had a red", max_tokens=10, temperature=0)
     assert by_ids.token_ids == by_text.token_ids and by_ids.prompt_tokens == len(ids)
+
+
+def test_a_gguf_file_is_served_as_offline_greedy(tmp_path):
+    import importlib.util
+
+    from minisarathi.llm import LLM
+
+    pytest.importorskip("gguf")
+    spec = importlib.util.spec_from_file_location("make", REPO / "tests" / "golden" / "make_kquant_gguf.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    path = str(make.write(tmp_path, "kquant-q4_k_m.gguf"))  # a random model: not stories260K's tokens
+    with launch_server(path) as s, Client("127.0.0.1", s.port) as client:
+        got = client.generate("Once upon a time", max_tokens=32, temperature=0)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want = LLM(path).generate(["Once upon a time"], params)[0].outputs[0]
+    assert (got.text, got.token_ids) == (want.text, want.token_ids) and len(want.token_ids) == 32
+    assert want.token_ids != LLM().generate(["Once upon a time"], params)[0].outputs[0].token_ids

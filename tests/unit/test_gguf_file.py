@@ -12,12 +12,13 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
 import minisarathi.model.loader as loader  # noqa: E402
 from minisarathi import LLM, SamplingParams  # noqa: E402
 from minisarathi.cli import main  # noqa: E402
 from minisarathi.config import ModelConfig  # noqa: E402
+from minisarathi.dtypes import convert, to_float32  # noqa: E402
 from minisarathi.model.llama import load_model  # noqa: E402
 from minisarathi.model.loader import load_weights  # noqa: E402
 from minisarathi.quant.gguf_file import UnsupportedGGUF, hf_name, read_gguf  # noqa: E402
@@ -112,10 +113,12 @@ def test_q8_0_weights_are_the_gguf_packages_dequantization():
         types.add(T(tensor.tensor_type))
         want = dequantize(tensor.data, tensor.tensor_type)
         got = stored[hf_name(tensor.name, Q8_0)]
-        # the linear weights stay Q8_0 (the CPU's kernel reads them); the embedding is gathered as float32
+        # the Q8_0 matrices (the linear weights and the embedding table) stay Q8_0, the rest as stored
         kept = isinstance(got, IntGroups)
-        assert kept == (T(tensor.tensor_type) == T.Q8_0 and tensor.name != "token_embd.weight"), tensor.name
-        got = got.dequantize() if kept else got
+        assert kept == (T(tensor.tensor_type) == T.Q8_0), tensor.name
+        if not kept:
+            assert got.dtype == {T.F16: np.float16, T.F32: np.float32}[T(tensor.tensor_type)], tensor.name
+        got = got.dequantize() if kept else got.astype(np.float32)
         if tensor.name.endswith("attn_q.weight"):
             got = permute(got, config.num_attention_heads)
         elif tensor.name.endswith("attn_k.weight"):
@@ -205,21 +208,46 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         load_model(path)
 
 
-def test_fused_tensors_of_mixed_types_are_all_widened():
+def test_fused_tensors_mixing_float_and_quantized_are_all_widened():
     from minisarathi.quant.gguf_file import widen_mixed_fusions
+    from minisarathi.quant.kquants import quantize as k_quantize
     from minisarathi.quant.layouts import from_gguf
 
     rng = np.random.default_rng(3)
-    q8 = from_gguf("q", int(T.Q8_0), quantize(rng.standard_normal((4, 64)).astype(np.float32), T.Q8_0))
+    weights = rng.standard_normal((4, 256)).astype(np.float32)
+    q4_k, q6_k = (from_gguf("w", int(T[t]), k_quantize(weights, t)) for t in ("Q4_K", "Q6_K"))
     prefix = "model.layers.0."
     tensors = {
-        prefix + "self_attn.q_proj.weight": q8,
-        prefix + "self_attn.k_proj.weight": q8,
-        prefix + "self_attn.v_proj.weight": np.zeros((4, 64), np.float32),
-        prefix + "mlp.gate_proj.weight": q8,
-        prefix + "mlp.up_proj.weight": q8,
+        prefix + "self_attn.q_proj.weight": q4_k,
+        prefix + "self_attn.k_proj.weight": q4_k,
+        prefix + "self_attn.v_proj.weight": q6_k,  # quantized parts of different layouts stay quantized
+        prefix + "mlp.gate_proj.weight": q4_k,
+        prefix + "mlp.up_proj.weight": weights,  # a float part widens the quantized ones beside it
+        "model.layers.1.mlp.gate_proj.weight": weights.astype(np.float16),  # float16 beside float32
+        "model.layers.1.mlp.up_proj.weight": weights,
+        "model.layers.1.self_attn.q_proj.weight": weights.astype(np.float16),  # one dtype: kept
+        "model.layers.1.self_attn.k_proj.weight": weights.astype(np.float16),
     }
     widen_mixed_fusions(tensors)
-    kept = {n.split(".")[-2]: isinstance(t, IntGroups) for n, t in tensors.items()}
-    assert kept == {"q_proj": False, "k_proj": False, "v_proj": False, "gate_proj": True, "up_proj": True}
-    assert np.array_equal(tensors[prefix + "self_attn.q_proj.weight"], q8.dequantize())
+    forms = {n: "quantized" if hasattr(t, "dequantize") else t.dtype.name for n, t in tensors.items()}
+    assert [forms[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"] == ["quantized"] * 3
+    assert forms[prefix + "mlp.gate_proj.weight"] == forms[prefix + "mlp.up_proj.weight"] == "float32"
+    assert np.array_equal(tensors[prefix + "mlp.gate_proj.weight"], q4_k.dequantize())
+    assert forms["model.layers.1.mlp.gate_proj.weight"] == "float32"
+    assert forms["model.layers.1.self_attn.q_proj.weight"] == "float16"
+
+
+@pytest.mark.parametrize("kind", [T.F16, T.BF16], ids=lambda t: t.name)
+def test_a_16_bit_file_keeps_its_matrices_in_16_bits_as_views_of_the_file(tmp_path, fp32, kind):
+    file_type = {T.F16: gguf.LlamaFileType.MOSTLY_F16, T.BF16: gguf.LlamaFileType.MOSTLY_BF16}[kind]
+    path = make_gguf.write_gguf(SAFETENSORS, tmp_path / "16.gguf", kind, file_type=file_type)
+    config = ModelConfig.from_pretrained(SAFETENSORS)
+    want, got = load_weights(SAFETENSORS, config), load_weights(path, config)
+    dtype = {T.F16: "float16", T.BF16: "bfloat16"}[kind]
+    for name in ("embed_tokens", "layers.0.o_proj", "layers.4.down_proj"):
+        assert got[name].dtype == dtype and not got[name].data.flags.owndata, name
+        rounded = to_float32(convert(np.asarray(want[name]), "float32", dtype), dtype)
+        assert np.array_equal(np.asarray(got[name]), rounded), name
+    assert got["norm"].dtype == "float32"
+    model = load_model(path)
+    assert prefill_then_greedy(model, PROMPT, 24)[1] == prefill_then_greedy(fp32, PROMPT, 24)[1]
