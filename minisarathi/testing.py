@@ -78,3 +78,47 @@ def prefill_then_greedy(model, prompt, new_tokens, block_size=16, chunk_size=Non
 
 def relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def float64_logits(config, weights, token_ids) -> np.ndarray:
+    """float64[T, V]: the logits of every position of one sequence, by a plain float64 forward over the
+    float32 values of `weights` (load_weights' names, fused; quantized ones dequantized): full causal
+    attention with no cache, written apart from the backends so it can check any of them."""
+    c = config
+
+    def w(name):
+        return np.asarray(weights[name], dtype=np.float32).astype(np.float64)
+
+    def rms_norm(x, weight):
+        return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + c.rms_norm_eps) * weight
+
+    T, D, Hq, Hk = len(token_ids), c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    inv_freq = c.rope_inv_freq().astype(np.float64)  # float64[D/2], the model's frequencies
+    angles = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]  # float64[T, D/2]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]  # float64[T, 1, D/2]
+
+    def rope(x):  # float64[T, heads, D], HF's rotate_half pairs (i, i + D/2)
+        first, second = x[..., : D // 2], x[..., D // 2 :]
+        return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+    x = w("embed_tokens")[np.asarray(token_ids)]  # float64[T, H]
+    causal = np.tril(np.ones((T, T), bool))
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        qkv = rms_norm(x, w(p + "input_layernorm")) @ w(p + "qkv_proj").T
+        if c.qkv_bias:
+            qkv = qkv + w(p + "qkv_bias")
+        q = rope(qkv[:, : Hq * D].reshape(T, Hq, D))
+        k = rope(qkv[:, Hq * D : (Hq + Hk) * D].reshape(T, Hk, D))
+        v = qkv[:, (Hq + Hk) * D :].reshape(T, Hk, D)
+        k, v = np.repeat(k, Hq // Hk, axis=1), np.repeat(v, Hq // Hk, axis=1)  # float64[T, Hq, D]
+        scores = np.where(causal, np.einsum("thd,shd->hts", q, k) / np.sqrt(D), -np.inf)  # [Hq, T, T]
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attention = np.einsum("hts,shd->thd", probs, v).reshape(T, Hq * D) @ w(p + "o_proj").T
+        x = x + (attention + w(p + "o_bias") if c.o_bias else attention)
+        gate_up = rms_norm(x, w(p + "post_attention_layernorm")) @ w(p + "gate_up_proj").T
+        gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w(p + "down_proj").T
+    head = w("embed_tokens") if c.tie_word_embeddings else w("lm_head")
+    return rms_norm(x, w("norm")) @ head.T
