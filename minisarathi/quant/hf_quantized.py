@@ -124,7 +124,7 @@ def _compressed_tensors(config: dict) -> Scheme:
     return Scheme("fp8", 8, -1, 0, statics.pop())
 
 
-def quantized_linears(model_dir: str | Path, tensors: Mapping) -> dict:
+def quantized_linears(model_dir: str | Path, tensors: Mapping) -> dict[str, UintGroups | IntGroups | Fp8Rows]:
     """`prefix.weight` -> its layout, for every quantized linear among a folder's tensors (loader
     CheckpointTensors), as the folder's config.json quantization_config describes them. Every tensor of a
     packed dtype must be part of one."""
@@ -203,7 +203,7 @@ def awq_layout(name, qweight, qzeros, scales, scheme: Scheme) -> UintGroups:
 
 
 def gptq_layout(
-    name, qweight, qzeros, scales, g_idx, scheme: Scheme, scale16: bool
+    name, qweight, qzeros, scales, g_idx, scheme: Scheme, fp16_scales: bool
 ) -> UintGroups | IntGroups:
     """AutoGPTQ: qweight uint32[K * bits / 32, N] packed along the inputs, qzeros uint32[K / g, N * bits /
     32] along the outputs (v1 stores zero - 1), scales float32[K / g, N], g_idx int32[K] the group of each
@@ -225,7 +225,7 @@ def gptq_layout(
     if not (zeros == 128).all():
         raise ValueError(f"tensor {name!r} (GPTQ 8-bit): a zero point is not 128 (asymmetric), not supported")
     values = (codes.astype(np.int16) - 128).astype(np.int8)  # int8[N, K]
-    scale = np.repeat(scales.T, group // 32, axis=1).astype(np.float16 if scale16 else np.float32)
+    scale = np.repeat(scales.T, group // 32, axis=1).astype(np.float16 if fp16_scales else np.float32)
     return IntGroups(values, np.ascontiguousarray(scale), 32, 8, (N, K), "GPTQ")
 
 
@@ -241,8 +241,8 @@ def _check_shapes(name: str, scheme: Scheme, K: int, N: int, qzeros, scales) -> 
         if array.shape != want or group * groups != K or group % UINT_GROUP:
             raise ValueError(
                 f"tensor {prefix + part!r} has shape {list(array.shape)}: {scheme.method} with {K} inputs "
-                f"and {N} outputs needs [K / group, {want[1]}] for a group that divides {K} and is a "
-                f"multiple of {UINT_GROUP}"
+                f"and {N} outputs needs [{K} / group size, {want[1]}], the group size a multiple of "
+                f"{UINT_GROUP} that divides {K}"
             )
     if scheme.group not in (group, -1) or (scheme.group == -1 and groups != 1):
         raise ValueError(f"tensor {name!r}: groups of {group} inputs, but group_size is {scheme.group}")

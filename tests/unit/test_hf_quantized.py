@@ -273,6 +273,7 @@ def test_folder_loads_its_linears_quantized_and_the_rest_16_bit(folder):
     for i in range(config.num_hidden_layers):
         for fused, names in (
             ("qkv_proj", LINEARS[:3]),
+            ("o_proj", ("o_proj",)),
             ("gate_up_proj", LINEARS[4:6]),
             ("down_proj", ("down_proj",)),
         ):
@@ -450,3 +451,14 @@ def test_packed_tensors_need_their_config(tmp_path):
     )
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight.*float8_e4m3.*not part of a awq"):
         hf_quantized.quantized_linears(tmp_path, parts | fp8)
+
+
+def test_a_packed_folder_without_its_config_is_refused_at_load(tmp_path):
+    path = make.write_folder(tmp_path / "gptq", "gptq4-sym")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"tensor 'model\.layers\.0\..*' has dtype int32.*quantization_config"
+    ):
+        load_weights(path, ModelConfig.from_pretrained(path))
