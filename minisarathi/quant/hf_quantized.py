@@ -183,12 +183,17 @@ def _part(tensors: Mapping, name: str, of: str, dtypes: tuple[str, ...]) -> np.n
     return tensor.data if tensor.dtype == "int32" else to_float32(tensor.data, tensor.dtype)
 
 
-def unpack(words: np.ndarray, bits: int) -> np.ndarray:
-    """uint8[..., P * 32 // bits] from uint32 words [..., P]: value i of word p, bits i * bits up, lands at
-    p * (32 // bits) + i."""
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    values = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)  # uint32[..., P, 32 // bits]
-    return values.reshape(*words.shape[:-1], -1).astype(np.uint8)
+def unpack(words: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """uint8 values of uint32 words [R, C], each word's 32 // bits fields unpacked along `axis`: field j
+    (order[j]: its place in the word, bit bits * order[j] up; order 0, 1, 2, ... by default) of word
+    [r, c] lands at [r * 32 // bits + j, c] (axis 0) or [r, c * 32 // bits + j] (axis 1)."""
+    per = 32 // bits
+    R, C = words.shape
+    out = np.empty((R, per, C) if axis == 0 else (R, C, per), np.uint8)
+    mask = np.uint32((1 << bits) - 1)
+    for j, place in enumerate(order or range(per)):
+        out[(slice(None), j) if axis == 0 else (..., j)] = (words >> np.uint32(bits * place)) & mask
+    return out.reshape((R * per, C) if axis == 0 else (R, C * per))
 
 
 def awq_layout(name, qweight, qzeros, scales, scheme: Scheme) -> UintGroups:
@@ -196,9 +201,8 @@ def awq_layout(name, qweight, qzeros, scales, scheme: Scheme) -> UintGroups:
     N / 8] likewise, scales float32[K / g, N]; w[n, k] = scale * (q - zero)."""
     K, N = qweight.shape[0], qweight.shape[1] * 8
     _check_shapes(name, scheme, K, N, qzeros, scales)
-    order = (np.arange(N // 8)[:, None] * 8 + np.array(AWQ_NIBBLE)[None, :]).ravel()  # int[N]
-    codes = unpack(qweight, 4)[:, order].T  # uint8[N, K]
-    zeros = unpack(qzeros, 4)[:, order].T  # uint8[N, K / g]
+    codes = unpack(np.ascontiguousarray(qweight.T), 4, 0, AWQ_NIBBLE)  # uint8[N, K]
+    zeros = unpack(np.ascontiguousarray(qzeros.T), 4, 0, AWQ_NIBBLE)  # uint8[N, K / g]
     return _uint_groups(name, "AWQ", codes, zeros, scales.T)
 
 
@@ -218,13 +222,13 @@ def gptq_layout(
             f"tensor {name!r} (GPTQ): g_idx is not input // group_size (desc_act with a real permutation), "
             f"which is not supported"
         )
-    codes = unpack(np.ascontiguousarray(qweight.T), bits)  # uint8[N, K]
-    zeros = unpack(qzeros, bits).T.astype(np.int32) + scheme.zero_offset  # int32[N, K / g]
+    codes = unpack(np.ascontiguousarray(qweight.T), bits, 1)  # uint8[N, K]
+    zeros = unpack(np.ascontiguousarray(qzeros.T), bits, 0) + np.int32(scheme.zero_offset)  # int32[N, K / g]
     if bits == 4:
         return _uint_groups(name, "GPTQ", codes, zeros, scales.T)
     if not (zeros == 128).all():
         raise ValueError(f"tensor {name!r} (GPTQ 8-bit): a zero point is not 128 (asymmetric), not supported")
-    values = (codes.astype(np.int16) - 128).astype(np.int8)  # int8[N, K]
+    values = (codes ^ np.uint8(0x80)).view(np.int8)  # int8[N, K]: q - 128
     scale = np.repeat(scales.T, group // 32, axis=1).astype(np.float16 if fp16_scales else np.float32)
     return IntGroups(values, np.ascontiguousarray(scale), 32, 8, (N, K), "GPTQ")
 
