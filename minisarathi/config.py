@@ -11,6 +11,7 @@ import numpy as np
 
 from minisarathi.dtypes import DTYPES
 from minisarathi.quant.gguf_file import config_dict, is_gguf, open_gguf
+from minisarathi.quant.hf_quantized import read_scheme
 from minisarathi.validation import check_float, check_int
 
 
@@ -198,7 +199,7 @@ class ModelConfig:
             )
         arch = architectures[0]
         if config.get("quantization_config") is not None:
-            raise ValueError(f"quantization_config is not supported, got {config['quantization_config']!r}")
+            read_scheme(config["quantization_config"])  # refused here, before any tensor is read
         if config.get("mlp_bias", False):
             raise ValueError(f"mlp_bias must be false, got {config['mlp_bias']!r}")
         if config.get("hidden_act", "silu") != "silu":

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints (one file or index-sharded; F32/F16/BF16) to the model's weights.
+"""Hugging Face safetensors checkpoints (one file or index-sharded; F32/F16/BF16, or AWQ, GPTQ and FP8
+linear weights: quant/hf_quantized.py) to the model's weights.
 
 The safetensors format is an 8-byte little-endian header length, a JSON header mapping each tensor name
 to its dtype, shape and byte range, then the raw data. Reading it with np.memmap ourselves (rather than
@@ -22,14 +23,18 @@ import numpy as np
 from minisarathi.config import ModelConfig, read_json_object
 from minisarathi.dtypes import dtype_name, to_float32
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
+from minisarathi.quant.hf_quantized import quantized_linears
 from minisarathi.quant.layouts import Layout, concatenate_rows
 
 # safetensors dtype -> (our dtype name, NumPy dtype of the stored array). bfloat16 has no NumPy dtype:
-# its bits are read as uint16 (minisarathi/dtypes.py).
+# its bits are read as uint16 (minisarathi/dtypes.py); so are FP8's as uint8. I32 and F8_E4M3 are only
+# read as the parts of quantized linears (quant/hf_quantized.py).
 STORED_DTYPES = {
     "F32": ("float32", np.dtype("<f4")),
     "F16": ("float16", np.dtype("<f2")),
     "BF16": ("bfloat16", np.dtype("<u2")),
+    "I32": ("int32", np.dtype("<i4")),
+    "F8_E4M3": ("float8_e4m3", np.dtype("u1")),
 }
 
 
@@ -160,6 +165,10 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     tensors = {}
     for file in files:
         tensors.update(read_safetensors(model_dir / file))
+    for name, layout in quantized_linears(
+        model_dir, tensors
+    ).items():  # from config.json's quantization_config
+        tensors[name] = CheckpointTensor("quantized", layout)
     return tensors
 
 

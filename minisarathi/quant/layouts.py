@@ -23,6 +23,10 @@ UintGroups: unsigned 4- or 5-bit codes, one scale and one minimum per group of 3
 
 Dense: the weights as stored, float32 | float16 | uint16 (bfloat16 bits) [..., C] (F32, F16, BF16).
 
+Fp8Rows: FP8 E4M3 weights (OCP E4M3FN bytes, as compressed-tensors and fp8 folders store them), one
+float32 scale per row (a per-tensor scale repeated); w = scale * e4m3. input_scale is the static
+activation scale as given, or None (dynamic). quant/hf_quantized.py makes it.
+
 Exactness: every fp16 value has 11 significant bits and every K-quant sub-block scale at most 8, so each
 product has at most 19 and is a float32 with no rounding. Each layout's dequantize() performs the same
 float32 operations as the gguf package's dequantization, so the results are bit for bit the same; for Q4_0,
@@ -186,6 +190,8 @@ def concatenate_rows(parts: list) -> np.ndarray | IntGroups | UintGroups | Stack
     first = parts[0]
     if isinstance(first, np.ndarray):
         return np.concatenate(parts)
+    if all(isinstance(p, Fp8Rows) for p in parts):
+        return Fp8Rows.stack(parts)
     if not all(isinstance(p, IntGroups | UintGroups) for p in parts):
         raise ValueError("arrays and quantized layouts do not concatenate (dequantize the layouts first)")
     if not all(_same_form(first, p) for p in parts):
@@ -358,3 +364,43 @@ CONVERTERS = {
     GgmlType.Q5_K: _q5_k,
     GgmlType.Q6_K: _q6_k,
 }
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32[256]: each E4M3FN byte's value: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+    is subnormal, S.1111.111 is NaN, and there is no infinity."""
+    byte = np.arange(256)
+    sign = np.where(byte & 0x80, -1.0, 1.0)
+    exponent, mantissa = (byte >> 3) & 0x0F, byte & 0x07
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.where((byte & 0x7F) == 0x7F, np.nan, sign * magnitude).astype(np.float32)
+
+
+E4M3 = _e4m3_values()  # float32[256], every value exact (4 significant bits)
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Rows:
+    values: np.ndarray  # uint8[R, C], E4M3FN bytes
+    scale: np.ndarray  # float32[R]
+    input_scale: float | None  # the static activation scale, or None where activations scale dynamically
+    shape: tuple[int, ...]
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32[shape]: one float32 product per weight."""
+        return (E4M3[self.values] * self.scale[:, None]).reshape(self.shape)
+
+    @staticmethod
+    def stack(parts: list[Fp8Rows]) -> Fp8Rows:
+        """Parts [R_i, C] on their rows, losslessly (scales are per row). The parts share one input, so a
+        fused static input_scale is the largest of theirs, as vLLM takes it."""
+        inputs = [p.input_scale for p in parts]
+        input_scale = None if None in inputs else max(inputs)
+        values = np.concatenate([p.values for p in parts])
+        scale = np.concatenate([p.scale for p in parts])
+        return Fp8Rows(values, scale, input_scale, values.shape, parts[0].source)

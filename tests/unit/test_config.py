@@ -105,7 +105,7 @@ def test_mistral_window_covering_everything_is_fine():
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["rope_type", "dynamic"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
         ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),
-        ({"quantization_config": {"quant_method": "awq"}}, ["quantization_config", "awq"]),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, ["quant_method", "bitsandbytes"]),
         ({"mlp_bias": True}, ["mlp_bias", "True"]),
         ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
         ({"num_key_value_heads": 3}, ["num_key_value_heads", "3"]),
