@@ -50,7 +50,7 @@ def q8_0(w: np.ndarray) -> CheckpointTensor:
     d = (np.abs(groups).max(axis=-1) / 127).astype(np.float16)
     safe = np.where(d == 0, 1, d).astype(np.float32)[..., None]
     values = np.clip(np.rint(groups / safe), -127, 127).astype(np.int8).reshape(n, k)
-    return CheckpointTensor("q8_0", IntGroups(values, d, 32, 8, (n, k), "Q8_0"))
+    return CheckpointTensor("quantized", IntGroups(values, d, 32, 8, (n, k), "Q8_0"))
 
 
 def random_model(args) -> LlamaModel:

@@ -366,7 +366,7 @@ class CudaOps:
         """A weight as a device array in the activation dtype. A loader CheckpointTensor goes up in its
         stored dtype (16-bit bits as they are) and is converted on the device only if that differs from
         the activation dtype; any other array is taken as float32 values."""
-        if not isinstance(tensor, CheckpointTensor) or tensor.dtype == "q8_0":  # no quantized kernel yet
+        if not isinstance(tensor, CheckpointTensor) or tensor.dtype == "quantized":  # no quantized kernel yet
             tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
         return _aligned(convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype), "weight")
 

@@ -113,7 +113,10 @@ def test_q8_0_linear_weights_stay_int8_on_cpu(models):
             kept += w.nbytes
             quantized += 4 * w.values.size  # its bytes in float32
     assert 0.25 <= kept / quantized <= 0.29  # int8 values + a float32 scale per 32
-    assert isinstance(cpu.embed_tokens, np.ndarray) and cpu.embed_tokens.dtype == np.float32
+    assert isinstance(cpu.embed_tokens, Q8Weight)  # the table too; embedding widens only the rows asked for
+    ids = np.array([3, 0, 3, 511])
+    rows = cpu.ops.embedding(cpu.embed_tokens, ids)
+    assert np.array_equal(rows, cpu.embed_tokens.dequantize()[ids]) and rows.dtype == np.float32
     assert all(isinstance(layer.qkv_proj, np.ndarray) for layer in reference.layers)
 
 
@@ -134,7 +137,7 @@ def test_sharding_widens_q8_0_tensors():
     pytest.importorskip("gguf")
     config = ModelConfig.from_pretrained(Q8_0)
     weights = load_weights(Q8_0, config)
-    assert weights["layers.0.qkv_proj"].dtype == "q8_0"
+    assert weights["layers.0.qkv_proj"].dtype == "quantized"
     full = np.asarray(weights["layers.0.gate_up_proj"])
     half = shard_weights(weights, config, 0, 2)["layers.0.gate_up_proj"]
     inter = config.intermediate_size

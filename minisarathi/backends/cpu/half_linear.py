@@ -156,9 +156,7 @@ class HalfLinear:
 def kernel() -> HalfLinear | None:
     """The library, built at first use; None where it cannot be (the log says why). CDLL: a matmul of many
     rows runs milliseconds, which the server's event loop may use meanwhile."""
-    lib = load_cpu_library(
-        SOURCE, FLAGS, "16-bit matmul", "MINISARATHI_HALF_LINEAR", needs_avx512=False, hold_gil=False, log=log
-    )
+    lib = load_cpu_library(SOURCE, FLAGS, "16-bit matmul", "MINISARATHI_HALF_LINEAR", hold_gil=False, log=log)
     return None if lib is None else HalfLinear(lib)
 
 

@@ -23,6 +23,7 @@ from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.cpu.q8_linear import Q8Weight
 from minisarathi.batch import Batch
 from minisarathi.model.loader import CheckpointTensor
+from minisarathi.quant.layouts import IntGroups
 from minisarathi.sampler import Sampler
 
 # Where CpuOps.linear computes the transposed product w @ x.T ([N, M], handed on as its [M, N] view, no copy;
@@ -69,9 +70,11 @@ class CpuOps:
         return Sampler(vocab_size, seed, eos_token_ids)
 
     def weight(self, array: np.ndarray | CheckpointTensor) -> np.ndarray | Q8Weight:
-        """float32, or a Q8Weight for a Q8_0 tensor (the loader keeps only linear weights in Q8_0)."""
-        if isinstance(array, CheckpointTensor) and array.dtype == "q8_0":
-            return q8_linear.q8_weight(array.data)
+        """float32, or a Q8Weight for a Q8_0 matrix (other quantized layouts are dequantized: their kernels
+        are not here yet)."""
+        data = getattr(array, "data", None)
+        if isinstance(array, CheckpointTensor) and isinstance(data, IntGroups) and data.source == "Q8_0":
+            return q8_linear.q8_weight(data)
         if half_linear.keeps(array, self.weight_dtype):
             return half_linear.half_weight(array, self.weight_dtype)
         return np.ascontiguousarray(array, dtype=np.float32)
@@ -110,7 +113,10 @@ class CpuOps:
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def embedding(self, table: np.ndarray | Q8Weight, ids: np.ndarray) -> np.ndarray:
+        if isinstance(table, Q8Weight):  # a table kept in Q8_0: only the rows asked for are widened
+            values, scale = table.values[ids], table.scale[ids]  # int8[T, H], float32[T, H // 32]
+            return (values.reshape(len(ids), -1, 32) * scale[:, :, None]).reshape(values.shape)
         return np.take(table, ids, axis=0)  # float32[T, H]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
