@@ -421,16 +421,17 @@ class HttpDoor:
         refused = [c for c in firsts if isinstance(c.error, EngineRefused)]
         ran = [c for c in firsts if c not in refused]
         prompt_tokens = sum(len(call.request.prompts[c.prompt]) for c in ran)
-        generated = [sum(len(o.token_ids) for c in ran if c.done and c.output for o in c.output.outputs)]
-        waiting = [len(unfinished)]
+        generated = sum(len(o.token_ids) for c in ran if c.done and c.output for o in c.output.outputs)
+        waiting = len(unfinished)
 
         def settle() -> None:
-            quota.finish(call.charged_tokens, prompt_tokens, generated[0], len(firsts) * n, len(refused) * n)
+            quota.finish(call.charged_tokens, prompt_tokens, generated, len(firsts) * n, len(refused) * n)
 
         def aborted(tokens: int) -> None:  # once per unfinished prompt, when the engine let go of it
-            generated[0] += tokens
-            waiting[0] -= 1
-            if not waiting[0]:
+            nonlocal generated, waiting
+            generated += tokens
+            waiting -= 1
+            if not waiting:
                 settle()
 
         for choice in unfinished:

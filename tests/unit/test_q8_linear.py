@@ -143,3 +143,18 @@ def test_sharding_widens_q8_0_tensors():
     inter = config.intermediate_size
     assert half.dtype == "float32"
     assert np.array_equal(half.data, np.concatenate([full[: inter // 2], full[inter : inter + inter // 2]]))
+
+
+def test_the_kernel_takes_every_8_bit_group_32_matrix_and_nothing_else():
+    """GPTQ's 8-bit symmetric form is Q8_0's (int8 values, a scale per 32 columns): it runs here too; a 6-bit
+    group-16 matrix (Q6_K) does not."""
+    rng = np.random.default_rng(5)
+    values = rng.integers(-128, 128, (8, 64), dtype=np.int8)
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    gptq = IntGroups(values, rng.random((8, 2), dtype=np.float32), 32, 8, (8, 64), "GPTQ")
+    assert q8_linear.runs(gptq)
+    assert relative_error(q8_linear.matmul(x, q8_weight(gptq)), x @ gptq.dequantize().T) < 1e-5
+    q6 = IntGroups(values // 4, rng.random((8, 4), dtype=np.float32), 16, 6, (8, 64), "Q6_K")
+    assert not q8_linear.runs(q6)
+    with pytest.raises(ValueError, match="groups of 32"):
+        q8_weight(q6)

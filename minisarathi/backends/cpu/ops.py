@@ -23,7 +23,6 @@ from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.cpu.q8_linear import Q8Weight
 from minisarathi.batch import Batch
 from minisarathi.model.loader import CheckpointTensor
-from minisarathi.quant.layouts import IntGroups
 from minisarathi.sampler import Sampler
 
 # Where CpuOps.linear computes the transposed product w @ x.T ([N, M], handed on as its [M, N] view, no copy;
@@ -70,11 +69,10 @@ class CpuOps:
         return Sampler(vocab_size, seed, eos_token_ids)
 
     def weight(self, array: np.ndarray | CheckpointTensor) -> np.ndarray | Q8Weight:
-        """float32, or a Q8Weight for a Q8_0 matrix (other quantized layouts are dequantized: their kernels
-        are not here yet)."""
-        data = getattr(array, "data", None)
-        if isinstance(array, CheckpointTensor) and isinstance(data, IntGroups) and data.source == "Q8_0":
-            return q8_linear.q8_weight(data)
+        """float32, or a Q8Weight for an 8-bit matrix in groups of 32 (Q8_0, GPTQ-8); other quantized
+        layouts are dequantized (their kernels are not here yet)."""
+        if isinstance(array, CheckpointTensor) and q8_linear.runs(array.data):
+            return q8_linear.q8_weight(array.data)
         if half_linear.keeps(array, self.weight_dtype):
             return half_linear.half_weight(array, self.weight_dtype)
         return np.ascontiguousarray(array, dtype=np.float32)

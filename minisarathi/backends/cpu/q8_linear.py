@@ -53,10 +53,16 @@ class Q8Weight:
         return (self.values.reshape(n, k // GROUP, GROUP) * self.scale[:, :, None]).reshape(n, k)
 
 
+def runs(layout) -> bool:
+    """Whether the kernel reads this layout: a matrix of 8-bit integers in groups of 32 (Q8_0, and GPTQ's
+    8-bit symmetric form)."""
+    return isinstance(layout, IntGroups) and (layout.bits, layout.group, len(layout.shape)) == (8, GROUP, 2)
+
+
 def q8_weight(layout: IntGroups) -> Q8Weight:
-    """The kernel's form of a Q8_0 IntGroups layout [N, K] (its scales widened to float32)."""
-    if layout.source != "Q8_0" or len(layout.shape) != 2:
-        raise ValueError(f"a Q8_0 matrix is needed, got {layout.source} of shape {list(layout.shape)}")
+    """The kernel's form of an 8-bit, group-32 IntGroups layout [N, K] (its scales widened to float32)."""
+    if not runs(layout):
+        raise ValueError(f"an 8-bit matrix in groups of 32 is needed, got {layout.source} {layout.shape}")
     values = np.ascontiguousarray(layout.values, dtype=np.int8)
     scale = np.ascontiguousarray(layout.scale, dtype=np.float32)
     return Q8Weight(values, scale, (values.ctypes.data, scale.ctypes.data))
