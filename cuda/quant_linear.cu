@@ -51,6 +51,7 @@ __device__ __forceinline__ float ql_code(unsigned word, int j, int i) {
     } else if constexpr (Q == QL_INT8) {
         return __uint_as_float(0x4B000000u | (((word >> (8 * i)) & 0xFFu) ^ 0x80u)) - 8388736.0f;   // 2^23 + 128
     } else {
+        static_assert(Q == QL_FP8, "the three weight formats");
         const unsigned byte = (word >> (8 * i)) & 0xFFu;
         return __half2float(__ushort_as_half((unsigned short)(((byte & 0x7Fu) << 7) | ((byte & 0x80u) << 8)))) * 256.0f;
     }
@@ -92,6 +93,7 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
     constexpr int W_BYTES = 4 * UNIT;
     constexpr int S_BYTES = QL_SCALE_ROWS * QL_BN * 2;
     constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;
+    static_assert(BM == QL_DECODE_ROWS || BM == QL_PREFILL_ROWS, "the two row tiles");
     static_assert(X_BYTES % 16 == 0 && STAGE_BYTES % 16 == 0, "16-byte aligned stage parts");
     extern __shared__ __align__(16) unsigned char smem[];
 
