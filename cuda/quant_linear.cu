@@ -38,8 +38,12 @@ constexpr int QL_INT8 = 0;
 constexpr int QL_UINT4 = 1;
 constexpr int QL_FP8 = 2;
 
-template <int Q> __device__ __forceinline__ constexpr int ql_unit_bytes() { return Q == QL_UINT4 ? 512 : 1024; }
-template <int BM> __device__ __forceinline__ constexpr int ql_stages() { return BM == QL_DECODE_ROWS ? QL_DECODE_STAGES : QL_PREFILL_STAGES; }
+template <int Q> __device__ __forceinline__ constexpr int ql_unit_bytes() {
+    return Q == QL_UINT4 ? 512 : 1024;
+}
+template <int BM> __device__ __forceinline__ constexpr int ql_stages() {
+    return BM == QL_DECODE_ROWS ? QL_DECODE_STAGES : QL_PREFILL_STAGES;
+}
 
 // Weight i (0..3: k offsets 2t, 2t+1, 2t+8, 2t+9) of n8 tile j from a lane's 32-bit word, as a float.
 // Integer codes become floats by the exponent trick (2^23 + code has the code in its low mantissa bits),
@@ -49,11 +53,13 @@ __device__ __forceinline__ float ql_code(unsigned word, int j, int i) {
     if constexpr (Q == QL_UINT4) {
         return __uint_as_float(0x4B000000u | ((word >> (4 * (4 * j + i))) & 0xFu)) - 8388608.0f;
     } else if constexpr (Q == QL_INT8) {
-        return __uint_as_float(0x4B000000u | (((word >> (8 * i)) & 0xFFu) ^ 0x80u)) - 8388736.0f;   // 2^23 + 128
+        // offset by 128 to unsigned, then 2^23 + 128 taken off
+        return __uint_as_float(0x4B000000u | (((word >> (8 * i)) & 0xFFu) ^ 0x80u)) - 8388736.0f;
     } else {
         static_assert(Q == QL_FP8, "the three weight formats");
         const unsigned byte = (word >> (8 * i)) & 0xFFu;
-        return __half2float(__ushort_as_half((unsigned short)(((byte & 0x7Fu) << 7) | ((byte & 0x80u) << 8)))) * 256.0f;
+        const unsigned short bits = (unsigned short)(((byte & 0x7Fu) << 7) | ((byte & 0x80u) << 8));
+        return __half2float(__ushort_as_half(bits)) * 256.0f;
     }
 }
 
@@ -111,10 +117,12 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
         const int kt = first_tile + it, k0 = kt * QL_BK;
         T* x_s = reinterpret_cast<T*>(s);
 #pragma unroll
-        for (int r = 0; r < BM * 8 / QL_THREADS; ++r) {   // 16-byte chunks of the x tile; rows past M, k past K: zero
+        // 16-byte chunks of the x tile; rows past M and k past K are zero-filled
+        for (int r = 0; r < BM * 8 / QL_THREADS; ++r) {
             const int i = threadIdx.x + r * QL_THREADS, row = i / 8, c = i % 8;
             const bool ok = m0 + row < M && k0 + 8 * c < K;
-            cp_async_16_zfill(x_s + row * PITCH + 8 * c, ok ? x + (long long)(m0 + row) * K + k0 + 8 * c : x, ok);
+            const T* src = ok ? x + (long long)(m0 + row) * K + k0 + 8 * c : x;
+            cp_async_16_zfill(x_s + row * PITCH + 8 * c, src, ok);
         }
         const unsigned char* w = packed + ((long long)kt * units_per_k + n0 / 16) * UNIT;
 #pragma unroll
@@ -126,7 +134,8 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
             const int row = threadIdx.x / 8, c = threadIdx.x % 8;
             const long long offset = (long long)(kt * scale_rows + row) * Np + n0 + 8 * c;
             cp_async_16(s + X_BYTES + W_BYTES + row * QL_BN * 2 + 16 * c, scale + offset);
-            if constexpr (Q == QL_UINT4) cp_async_16(s + X_BYTES + W_BYTES + S_BYTES + row * QL_BN * 2 + 16 * c, minimum + offset);
+            if constexpr (Q == QL_UINT4)
+                cp_async_16(s + X_BYTES + W_BYTES + S_BYTES + row * QL_BN * 2 + 16 * c, minimum + offset);
         }
     };
 
@@ -157,7 +166,8 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
         for (int u = 0; u < NU; ++u)
 #pragma unroll
             for (int h = 0; h < (Q == QL_UINT4 ? 1 : 2); ++h)
-                words[u][h] = *reinterpret_cast<const uint4*>(s + X_BYTES + (wn * NU + u) * UNIT + h * 512 + 16 * lane);
+                words[u][h] =
+                    *reinterpret_cast<const uint4*>(s + X_BYTES + (wn * NU + u) * UNIT + h * 512 + 16 * lane);
 #pragma unroll
         for (int kk = 0; kk < QL_BK / 16; ++kk) {
             unsigned a[MB][4];
@@ -200,13 +210,15 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
                 if (row >= M || n >= N) continue;
                 float v0 = acc[b][j][2 * h], v1 = acc[b][j][2 * h + 1];
                 if (split) {
-                    *reinterpret_cast<float2*>(partial + ((long long)blockIdx.z * M + row) * N + n) = float2{v0, v1};
+                    float* dst = partial + ((long long)blockIdx.z * M + row) * N + n;
+                    *reinterpret_cast<float2*>(dst) = float2{v0, v1};
                 } else {
                     if (has_bias) {
                         v0 += to_float(bias[n]);
                         v1 += to_float(bias[n + 1]);
                     }
-                    *reinterpret_cast<unsigned*>(out + (long long)row * out_stride + col0 + n) = pack2<T>(v0, v1);
+                    T* dst = out + (long long)row * out_stride + col0 + n;
+                    *reinterpret_cast<unsigned*>(dst) = pack2<T>(v0, v1);
                 }
             }
 }
@@ -214,10 +226,10 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
 // out[m, col0 + n] = sum of the splits' partials (+ bias), rounded once to T. Grid-stride over M x N.
 template <typename T>
 __global__ void quant_linear_reduce_kernel(const float* __restrict__ partial,   // [splits, M, N]
-                                           const T* __restrict__ bias, T* __restrict__ out, int M, int N, int splits,
-                                           int out_stride, int col0, int has_bias) {
-    const long long total = (long long)M * N;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+                                           const T* __restrict__ bias, T* __restrict__ out, int M, int N,
+                                           int splits, int out_stride, int col0, int has_bias) {
+    const long long total = (long long)M * N, stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += stride) {
         float sum = has_bias ? to_float(bias[i % N]) : 0.0f;
         for (int z = 0; z < splits; ++z) sum += partial[z * total + i];
         out[(i / N) * out_stride + col0 + i % N] = from_float<T>(sum);
@@ -226,14 +238,17 @@ __global__ void quant_linear_reduce_kernel(const float* __restrict__ partial,   
 
 // out[token, k] = W[ids[token], k], dequantized and rounded to T: an embedding table kept quantized.
 template <typename T, int Q>
-__global__ void quant_embedding_kernel(const unsigned char* __restrict__ packed, const __half* __restrict__ scale,
-                                       const __half* __restrict__ minimum, const int* __restrict__ ids,
-                                       T* __restrict__ out, int num_tokens, int H, int Np, int group) {
-    const long long total = (long long)num_tokens * H;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+__global__ void quant_embedding_kernel(const unsigned char* __restrict__ packed,
+                                       const __half* __restrict__ scale, const __half* __restrict__ minimum,
+                                       const int* __restrict__ ids, T* __restrict__ out, int num_tokens, int H,
+                                       int Np, int group) {
+    const long long total = (long long)num_tokens * H, stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += stride) {
         const int n = ids[i / H], k = (int)(i % H);
         const long long s = (long long)(k / group) * Np + n;
         const float q = ql_code_at<Q>(packed, n, k, Np);
-        out[i] = from_float<T>(Q == QL_UINT4 ? fmaf(q, __half2float(scale[s]), -__half2float(minimum[s])) : q * __half2float(scale[s]));
+        const float w = Q == QL_UINT4 ? fmaf(q, __half2float(scale[s]), -__half2float(minimum[s]))
+                                      : q * __half2float(scale[s]);
+        out[i] = from_float<T>(w);
     }
 }

@@ -117,7 +117,7 @@ def test_k_splits_sum_to_the_same_product(rows, splits):
 
 
 def test_the_split_choice_fills_the_gpu():
-    # Llama-3-8B's o_proj at batch 1: 64 CTAs over 64 k tiles on 132 SMs -> 9 splits (7-8 tiles each)
+    # Llama-3-8B's o_proj at batch 1: 64 CTAs over 64 k tiles on 132 SMs -> 9 (launched as 8 of 8 tiles)
     assert cuda_ops._quant_splits(64, 64, 132) == 9
     assert cuda_ops._quant_splits(600, 64, 132) == 1  # enough CTAs already
     assert cuda_ops._quant_splits(2, 5, 132) == 1  # too few tiles to split
