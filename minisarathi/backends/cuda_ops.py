@@ -418,7 +418,7 @@ class CudaOps:
             return None
         to = self.launcher.to_device
         placed = []
-        for p, (form, codes, scale, minimum, group) in zip(parts, forms):
+        for form, codes, scale, minimum, group in forms:
             N, K = codes.shape
             Np, Kp = -(-N // QL["QL_BN"]) * QL["QL_BN"], -(-K // QL["QL_BK"]) * QL["QL_BK"]
             scale_t, min_t = (
@@ -430,7 +430,7 @@ class CudaOps:
             packed = _aligned(to(_pack_codes(_pad(codes, (Np, Kp)), form)), "quantized weight")
             scale_d = _aligned(to(scale_t), "quantized scales")
             min_d = scale_d if min_t is None else _aligned(to(min_t), "quantized minimums")
-            placed.append(QuantPart(form, packed, scale_d, min_d, group, (N, K), Np, p.source))
+            placed.append(QuantPart(form, packed, scale_d, min_d, group, (N, K), Np))
         return QuantWeight(tuple(placed))
 
     def zeros(self, shape: tuple[int, ...]):
@@ -1168,7 +1168,6 @@ class QuantPart:
     group: int
     shape: tuple[int, int]
     padded_rows: int  # Np
-    source: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -1181,13 +1180,6 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            p.packed.nbytes + p.scale.nbytes + (p.minimum is not p.scale) * p.minimum.nbytes
-            for p in self.parts
-        )
 
 
 def _quant_form(layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int] | str:

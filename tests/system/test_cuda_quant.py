@@ -100,6 +100,10 @@ def test_each_format_matches_float64(order, kind, dtype):
     ops = cuda_ops.emulated(dtype)
     layout = make_layout(kind, rng)
     w = place(ops, layout)
+    # compact on the device: the codes in their own width (padded to 128 x 192), fp16 scales
+    (part,) = w.parts
+    assert part.packed.nbytes == 128 * 192 * (4 if kind in ("Q4_K", "AWQ") else 8) // 8
+    assert part.scale.dtype == np.float16 and part.scale.shape == (192 // getattr(layout, "group", 32), 128)
     for rows in ROWS:
         x = device_x(rng, rows, dtype)
         assert violations(layout, x, ops.linear(x, w), dtype) == 0, (kind, rows)
