@@ -206,3 +206,20 @@ def test_gguf_models_give_the_cpu_backends_greedy_tokens(file, tmp_path):
     assert isinstance(model.layers[0].qkv_proj, QuantWeight) and isinstance(model.embed_tokens, QuantWeight)
     _, got = prefill_then_greedy(model, prompt, 8)
     assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq8-sym", "fp8-channel"])
+def test_quantized_folders_give_the_cpu_backends_greedy_tokens(fmt, tmp_path):
+    """AWQ (4-bit, zero points), GPTQ-8 and FP8 folders on quant_linear.cu in float16, against the CPU."""
+    spec = importlib.util.spec_from_file_location(
+        "make_folders", ROOT / "tests/golden/make_quantized_folders.py"
+    )
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    path = make.write_folder(tmp_path / fmt, fmt)
+    prompt = [1, *range(3, 400, 23)]
+    _, want = prefill_then_greedy(load_model(path, device="cpu"), prompt, 8)
+    model = load_model(path, device="cuda-emulated", dtype="float16")
+    assert all(isinstance(getattr(model.layers[0], n), QuantWeight) for n in ("qkv_proj", "down_proj"))
+    _, got = prefill_then_greedy(model, prompt, 8)
+    assert got == want
