@@ -87,7 +87,9 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
     const T* __restrict__ bias,             // [N] (has_bias; unread otherwise)
     T* __restrict__ out,                    // [M, out_stride]: this weight's columns from col0 (one split)
     float* __restrict__ partial,            // [splits, M, N] fp32 (several splits)
-    int M, int N, int K, int Np, int group, int split_tiles, int out_stride, int col0, int has_bias) {
+    int M, int N, int K, int Np,
+    int group_shift,                        // log2 of the group (16, 32 or 64): no division in the loop
+    int split_tiles, int out_stride, int col0, int has_bias) {
     constexpr int STAGES = ql_stages<BM>();
     constexpr int PITCH = QL_BK + QL_PAD;
     constexpr int UNIT = ql_unit_bytes<Q>();
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
     const int n0 = blockIdx.x * QL_BN, m0 = blockIdx.y * BM;
     const int first_tile = blockIdx.z * split_tiles;
     const int num_tiles = min(split_tiles, (K + QL_BK - 1) / QL_BK - first_tile);
-    const int scale_rows = QL_BK / group;            // group divides 64
+    const int scale_rows = QL_BK >> group_shift;
     const int units_per_k = Np / 16;
 
     const auto load_tile = [&](int it) {
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(QL_THREADS) quant_linear_kernel(
 #pragma unroll
             for (int b = 0; b < MB; ++b)
                 ldmatrix_x4(a[b], x_s + ((wm * MB + b) * 16 + lane % 16) * PITCH + kk * 16 + (lane / 16) * 8);
-            const int srow = kk * 16 / group;
+            const int srow = (kk * 16) >> group_shift;
 #pragma unroll
             for (int u = 0; u < NU; ++u)
 #pragma unroll
@@ -241,11 +243,11 @@ template <typename T, int Q>
 __global__ void quant_embedding_kernel(const unsigned char* __restrict__ packed,
                                        const __half* __restrict__ scale, const __half* __restrict__ minimum,
                                        const int* __restrict__ ids, T* __restrict__ out, int num_tokens, int H,
-                                       int Np, int group) {
+                                       int Np, int group_shift) {
     const long long total = (long long)num_tokens * H, stride = (long long)gridDim.x * blockDim.x;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += stride) {
         const int n = ids[i / H], k = (int)(i % H);
-        const long long s = (long long)(k / group) * Np + n;
+        const long long s = (long long)(k >> group_shift) * Np + n;
         const float q = ql_code_at<Q>(packed, n, k, Np);
         const float w = Q == QL_UINT4 ? fmaf(q, __half2float(scale[s]), -__half2float(minimum[s]))
                                       : q * __half2float(scale[s]);

@@ -578,7 +578,7 @@ class CudaOps:
                     np.int32(len(ids)),
                     np.int32(H),
                     np.int32(part.padded_rows),
-                    np.int32(part.group),
+                    np.int32(part.group.bit_length() - 1),
                 ),
             )
         return out
@@ -674,7 +674,7 @@ class CudaOps:
                 np.int32(N),
                 np.int32(K),
                 np.int32(part.padded_rows),
-                np.int32(part.group),
+                np.int32(part.group.bit_length() - 1),
                 np.int32(split_tiles),
                 np.int32(out.shape[1]),
                 np.int32(col0),
