@@ -301,6 +301,7 @@ class HttpDoor:
             "created": self._created,
             "owned_by": "minisarathi",
             "max_model_len": self.hub.engine.max_model_len,
+            "weight_format": self.hub.engine.model.weight_format,
         }
 
     async def _completions(self, request):

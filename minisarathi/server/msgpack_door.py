@@ -645,6 +645,8 @@ class MsgpackDoor:
             "device": config.device,
             "enable_prefix_caching": config.enable_prefix_caching,
             "tensor_parallel_size": config.tensor_parallel_size,
+            "weight_format": engine.model.weight_format,
+            "weight_bytes": engine.model.weight_bytes,
             "max_prompt_tokens": self.hub.max_prompt_tokens,
             "max_tokens": self.limits.max_tokens,
         }
