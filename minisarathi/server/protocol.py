@@ -115,6 +115,7 @@ class ServerLimits:
     # health checks take the replica out before it refuses anything (docs/deploy.md); then drain.
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 5.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    template_timeout_s: float = 1.0  # one chat template render (its worker process is killed past it)
     max_n: int = 8  # choices per prompt (`n`)
     # prompts in one /v1/completions request; each prompt x n counts as a request against a key's quota
     max_prompts: int = 64
