@@ -83,8 +83,8 @@ class ChatTemplate:
         self.source = source
 
     def _compiled(self) -> jinja2.Template:
-        # On first use, not at load: Jinja evaluates constant expressions as it compiles (`'a' * 10**9`), which
-        # the server leaves to the worker process and its limits.
+        # On first use, not at load: Jinja evaluates constant expressions as it compiles (`"a" * 10**9`),
+        # which the server leaves to the worker process and its limits.
         if self._template is None:
             self._template = self._env.from_string(self.source)
         return self._template
@@ -113,7 +113,9 @@ class ChatTemplate:
             raise ChatTemplateError(str(e)) from None
         except MemoryError:
             raise ChatTemplateError(f"rendering needed more than {WORKER_MEMORY_BYTES >> 20} MiB") from None
-        except Exception as e:  # the template's own bug on these messages (a TypeError, a division by zero...)
+        except (
+            Exception
+        ) as e:  # the template's own bug on these messages (a TypeError, a division by zero...)
             raise ChatTemplateError(
                 f"the template failed on these messages: {type(e).__name__}: {e}"
             ) from None
