@@ -48,18 +48,18 @@ def launch(*args: str):
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                text=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
             )
         try:
-            ports = []
+            output, ports = b"", []
             deadline = time.monotonic() + 120
             while len(ports) < 2 and time.monotonic() < deadline:
                 if select.select([proc.stdout], [], [], 1.0)[0]:
-                    line = proc.stdout.readline()
-                    if not line:
+                    piece = os.read(proc.stdout.fileno(), 4096)  # unbuffered: select stays truthful
+                    if not piece:
                         break
-                    ports += re.findall(r"minisarathi serving on (?:http://)?[\d.]+:(\d+)", line)
+                    output += piece
+                    ports = re.findall(rb"minisarathi serving on (?:http://)?[\d.]+:(\d+)", output)
             assert len(ports) == 2, log_path.read_text()
             yield proc, int(ports[0]), int(ports[1]), log_path
         finally:
@@ -128,7 +128,7 @@ def test_a_runaway_render_is_a_400_and_freezes_no_one(server, content):
     else:
         assert f"rendering took more than {TIMEOUT_S:g}s" in message, message
     assert elapsed < TIMEOUT_S + 5, elapsed  # the limit, plus the stream's own time on a shared machine
-    assert slowest < 0.5, slowest
+    assert slowest < 1.0, slowest  # a frozen loop: the whole render
     assert streamed == want.token_ids  # not lost, not cut
     assert "Traceback" not in log_path.read_text()
     # the worker was replaced: a normal render works at once
@@ -149,3 +149,4 @@ def test_sigterm_stops_the_server_during_a_runaway_render():
         assert rc == 0, log_path.read_text()
         assert time.monotonic() - start < 7  # shutdown grace (5 s) at most
         rendering.join(10)
+        assert "Traceback" not in log_path.read_text()
