@@ -122,7 +122,6 @@ class Hub:
         self._throttle = AuthThrottle()
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
-        # the UTF-8 bytes of the longest prompt text that can fit (a rendered chat template's limit too)
         self.max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
 
     # ---------------------------------------------------------------- lifecycle
