@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from minisarathi.config import read_json_object
-from minisarathi.quant.gguf_file import is_gguf, read_tokenizer
+from minisarathi.quant import gguf_tokenizer
+from minisarathi.quant.gguf_file import is_gguf
 
 # Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
 # token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
@@ -46,11 +47,20 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 
+def tokenizer_config(path) -> dict:
+    """A model folder's tokenizer_config.json ({} without one), or what a GGUF file's metadata gives of it
+    (chat_template, bos_token, eos_token...)."""
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_tokenizer.tokenizer_config(path)
+    return _read_json(path / "tokenizer_config.json")
+
+
 def special_tokens(path: Path) -> dict[str, str]:
-    """The folder's special tokens by name (bos_token: "<s>", ...): tokenizer_config.json's, with
+    """The model's special tokens by name (bos_token: "<s>", ...): tokenizer_config.json's, with
     special_tokens_map.json's entries over them, as transformers' from_pretrained merges the two files."""
-    config = _read_json(path / "tokenizer_config.json")
-    config.update(_read_json(path / "special_tokens_map.json"))
+    config = tokenizer_config(path)
+    config.update(_read_json(Path(path) / "special_tokens_map.json"))
     tokens = {}
     for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)
@@ -84,7 +94,7 @@ class Tokenizer:
         place that reads them: ModelConfig does not)."""
         path = Path(path)
         if is_gguf(path):  # a GGUF file's vocabulary, rebuilt
-            return cls(*read_tokenizer(path))
+            return cls(*gguf_tokenizer.read_tokenizer(path))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: no tokenizer.json in {path}")
         try:

@@ -1,11 +1,11 @@
-"""A GGUF file as a model: its config, weights and tokenizer, read with llama.cpp's `gguf` package.
+"""A GGUF file as a model: its config and weights, read with llama.cpp's `gguf` package (its tokenizer:
+minisarathi/quant/gguf_tokenizer.py).
 
-The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
-tensor is converted with minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the
-embedding table and lm_head) stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as
-stored, views of the file (a backend widens what it has no kernel for when it places it). Tensors are
-renamed to the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks
-and fusion as a safetensors folder.
+The hyper-parameters come from the `{arch}.*` metadata, and each tensor is converted with
+minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the embedding table and lm_head)
+stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as stored, views of the file (a
+backend widens what it has no kernel for when it places it). Tensors are renamed to the Hugging Face names
+that model/loader.py fuses, so a GGUF file goes through the same checks and fusion as a safetensors folder.
 
 llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (and their biases) so that
 ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
@@ -29,7 +29,6 @@ log = logging.getLogger("minisarathi.gguf")
 MAGIC = b"GGUF"
 # general.architecture -> (Hugging Face architecture, whether the converter permuted Q/K for ggml's RoPE)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
-TOKENIZER_MODELS = ("llama",)  # SentencePiece BPE with scores
 # ggml tensor names (after "blk.N.") -> the Hugging Face names model/loader.py reads
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,8 +55,6 @@ GLOBAL_TENSORS = {
 QUANTIZED_WEIGHTS = tuple(f"{p}_proj.weight" for p in "qkvo") + ("gate_proj.weight", "up_proj.weight")
 QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight", "embed_tokens.weight")
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored as plain arrays (layouts.Dense): no conversion
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 class UnsupportedGGUF(ValueError):
@@ -253,85 +250,3 @@ def hf_name(name: str, path) -> str:
     if block == "blk" and layer.isdigit() and rest in LAYER_TENSORS:
         return f"model.layers.{layer}.{LAYER_TENSORS[rest]}"
     raise UnsupportedGGUF(f"{path}: tensor {name!r} is not one this loader knows")
-
-
-def read_tokenizer(path: str | Path):
-    """(tokenizers.Tokenizer, bos id, eos ids, add_bos, appended eos id) as tokenizer.Tokenizer takes
-    them, rebuilt from the file's tokenizer.ggml.* metadata."""
-    meta = metadata(open_gguf(path))
-    model = meta.get("tokenizer.ggml.model")
-    if model not in TOKENIZER_MODELS:
-        raise UnsupportedGGUF(
-            f"{path}: tokenizer model {model!r} is not supported (supported: {', '.join(TOKENIZER_MODELS)})"
-        )
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise UnsupportedGGUF(f"{path}: the metadata has no tokenizer.ggml.tokens")
-    n = len(tokens)
-    scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
-    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    hf = llama_tokenizer(
-        tokens,
-        scores,
-        types,
-        meta.get("tokenizer.ggml.merges"),
-        unk,
-        bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-    )
-    eos_ids = tuple(dict.fromkeys(t for t in (eos, meta.get("tokenizer.ggml.eot_token_id")) if t is not None))
-    return hf, bos, eos_ids, add_bos and bos is not None, eos if add_eos else None
-
-
-def merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's: it joins the adjacent pair whose joined piece scores
-    highest, so each split of a normal piece into two pieces is a merge, ranked by that piece's score."""
-    index = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for i, piece in enumerate(tokens):
-        if types[i] != NORMAL or len(piece) < 2:
-            continue
-        splits = [
-            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in index and piece[k:] in index
-        ]
-        # of one piece's splits, the one whose parts score higher first (transformers' GGUF converter's order)
-        splits.sort(key=lambda lr: (scores[index[lr[0]]], scores[index[lr[1]]]), reverse=True)
-        merges.extend((-scores[i], i, n, split) for n, split in enumerate(splits))
-    return [split for *_, split in sorted(merges)]
-
-
-def llama_tokenizer(tokens, scores, types, merges, unk, add_space_prefix: bool):
-    """A `tokenizers` BPE tokenizer of a SentencePiece/llama vocabulary: byte fallback to `<0xXX>` tokens,
-    `▁` for spaces (one prepended to the text), merges from the file or else from the scores."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:
-        pairs = merges_from_scores(tokens, scores, types)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(
-        vocab,
-        pairs,
-        unk_token=tokens[unk] if unk is not None else None,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    hf.decoder = decoders.Sequence(steps)
-    special = [i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)]
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
-    if user:
-        hf.add_tokens([AddedToken(tokens[i], normalized=False) for i in user])
-    return hf

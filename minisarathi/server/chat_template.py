@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from minisarathi.tokenizer import special_tokens
+from minisarathi.tokenizer import special_tokens, tokenizer_config
 
 
 class ChatTemplateError(ValueError):
@@ -89,10 +89,9 @@ class ChatTemplate:
 def load_chat_template(model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
     """The template of `override` (a file: serve's --chat-template), else the folder's chat_template.jinja,
     else tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one named
-    "default"); None if it has none."""
+    "default"; a GGUF file's `tokenizer.chat_template`); None if it has none."""
     model_dir = Path(model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config = tokenizer_config(model_dir)  # a GGUF file's metadata gives its tokenizer.chat_template
     if override is not None:
         try:
             source = Path(override).read_text(encoding="utf-8")
