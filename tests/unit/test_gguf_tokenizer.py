@@ -32,6 +32,7 @@ _spec.loader.exec_module(make_vocab_gguf)
 INPUTS = make_vocab_gguf.golden_inputs()
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]  # ids 0, 1, 2 of a trained vocabulary
 WITH_SPECIAL = ["<|begin_of_text|>Hello<|eot_id|>", "a<tool_call>b<|end_of_text|>", "<tool_call>"]
+DECOMPOSED = "Fu\u0308hrer cafe\u0301"  # NFC composes it (Qwen2's tokenizer does)
 # The splits of the models' own tokenizer.json files, as they spell them
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -101,8 +102,8 @@ def test_a_byte_level_vocabulary_encodes_and_decodes_as_its_tokenizer(trained, t
     pre, want = trained
     path = as_gguf(want, tmp_path / "vocab.gguf", pre, bos=0, eos=1)
     got = Tokenizer.from_pretrained(path)
-    assert_same_tokenizer(got, want, INPUTS + WITH_SPECIAL)
-    for text in INPUTS:  # byte-level BPE loses nothing (but Qwen2's NFC)
+    assert_same_tokenizer(got, want, INPUTS + WITH_SPECIAL + [DECOMPOSED])
+    for text in INPUTS + [DECOMPOSED]:  # byte-level BPE loses nothing (but Qwen2's NFC)
         normalized = want.normalizer.normalize_str(text) if want.normalizer else text
         assert got.decode(got.encode(text, add_special_tokens=False)) == normalized
     # llama.cpp's defaults where the file has no add_bos_token: Llama 3 adds BOS, Qwen2 and GPT-2 do not
