@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minisarathi.quant.gguf_file import UnsupportedGGUF, metadata, open_gguf
+from minisarathi.quant.gguf_file import UnsupportedGGUF, metadata
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -80,7 +80,7 @@ SPECIAL_TOKEN_KEYS = {
 def read_tokenizer(path):
     """(tokenizers.Tokenizer, bos id, eos ids, add_bos, appended eos id) as tokenizer.Tokenizer takes
     them, rebuilt from the file's tokenizer.ggml.* metadata."""
-    meta = metadata(open_gguf(path))
+    meta = metadata(path)
     model = meta.get("tokenizer.ggml.model")
     if model not in TOKENIZER_MODELS:
         raise UnsupportedGGUF(
@@ -122,7 +122,7 @@ def read_tokenizer(path):
 def tokenizer_config(path) -> dict:
     """What a Hugging Face folder's tokenizer_config.json would say of the file's tokenizer: its
     `chat_template` and the text of its special tokens (bos_token, eos_token, ...) where the file has them."""
-    meta = metadata(open_gguf(path))
+    meta = metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = {}
     for key, name in SPECIAL_TOKEN_KEYS.items():

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
-from minisarathi.quant.gguf_file import UnsupportedGGUF  # noqa: E402
+from minisarathi.quant.gguf_file import UnsupportedGGUF, read_header  # noqa: E402
 from minisarathi.server.chat_template import load_chat_template  # noqa: E402
 from minisarathi.tokenizer import Tokenizer, special_tokens  # noqa: E402
 
@@ -193,3 +193,19 @@ def test_real_vocabularies_give_the_hf_tokenizers_ids(name, tmp_path):
             got, HFTokenizer.from_file(str(path)), INPUTS + ["<|begin_of_text|>hi<|eot_id|>"]
         )
         assert got.encode("hi") == [bos] + got.encode("hi", add_special_tokens=False)
+
+
+def test_the_header_reads_as_gguf_reader_reads_it(trained, tmp_path):
+    # every value type the files use: strings and their arrays, int32/float32 arrays, bools, u32 ids
+    _, want = trained
+    chat = as_gguf(want, tmp_path / "v.gguf", "qwen2", bos=0, eos=1, add_bos=False, chat_template="{{ x }}")
+    stories = ROOT / "models" / "stories260K-gguf"
+    for path in (chat, stories / "stories260K-f32.gguf", stories / "stories260K-q8_0.gguf"):
+        reader = gguf.GGUFReader(str(path))
+        fields = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+        shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+        assert read_header(path) == (fields, shapes), path.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(chat.read_bytes()[:5000])
+    with pytest.raises(ValueError, match="cut.gguf: not a readable GGUF file"):
+        read_header(cut)
