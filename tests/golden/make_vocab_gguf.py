@@ -105,8 +105,20 @@ def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     return parts
 
 
-def write_vocab_gguf(
-    out: Path,
+def write_vocab_gguf(out: Path, vocab: dict, pre: str, **settings) -> Path:
+    """A vocabulary-only GGUF file at `out` of `vocab` (from_tokenizer_json's or from_tiktoken's dict);
+    settings as add_vocab takes them."""
+    writer = gguf.GGUFWriter(str(out), "llama")
+    add_vocab(writer, vocab, pre, **settings)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def add_vocab(
+    writer: gguf.GGUFWriter,
     vocab: dict,
     pre: str,
     *,
@@ -114,9 +126,8 @@ def write_vocab_gguf(
     eos: int | None = None,
     add_bos: bool | None = None,
     chat_template: str | None = None,
-) -> Path:
-    """A vocabulary-only GGUF file at `out` of `vocab` (from_tokenizer_json's or from_tiktoken's dict)."""
-    writer = gguf.GGUFWriter(str(out), "llama")
+) -> None:
+    """The tokenizer.ggml.* fields of a byte-level BPE `vocab`, and a chat template, added to `writer`."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab["tokens"])
@@ -130,11 +141,6 @@ def write_vocab_gguf(
         writer.add_add_bos_token(add_bos)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def tokenizer_json(path: Path) -> dict:

@@ -20,14 +20,22 @@ gguf = pytest.importorskip("gguf")
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
+from minisarathi import LLM, SamplingParams  # noqa: E402
 from minisarathi.quant.gguf_file import UnsupportedGGUF, read_header  # noqa: E402
 from minisarathi.server.chat_template import load_chat_template  # noqa: E402
 from minisarathi.tokenizer import Tokenizer, special_tokens  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-_spec = importlib.util.spec_from_file_location("make_vocab_gguf", ROOT / "tests/golden/make_vocab_gguf.py")
-make_vocab_gguf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_vocab_gguf)
+
+
+def _golden_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "golden" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_gguf, make_vocab_gguf = _golden_module("make_gguf"), _golden_module("make_vocab_gguf")
 
 INPUTS = make_vocab_gguf.golden_inputs()
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]  # ids 0, 1, 2 of a trained vocabulary
@@ -209,3 +217,36 @@ def test_the_header_reads_as_gguf_reader_reads_it(trained, tmp_path):
     cut.write_bytes(chat.read_bytes()[:5000])
     with pytest.raises(ValueError, match="cut.gguf: not a readable GGUF file"):
         read_header(cut)
+
+
+def test_a_model_file_with_a_byte_level_vocabulary_generates_and_chats(trained, tmp_path):
+    # stories260K's weights (512 rows of embeddings) with a 512-token byte-level vocabulary: the engine
+    # takes the file's tokenizer, BOS as llama.cpp adds it, and its chat template
+    pre, _ = trained
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer, hf.decoder = STYLES[pre]()[1], decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, initial_alphabet=alphabet, special_tokens=SPECIAL, show_progress=False
+    )
+    hf.train_from_iterator(corpus(), trainer)
+    assert hf.get_vocab_size() == 512
+    vocab = make_vocab_gguf.from_tokenizer_json(json.loads(hf.to_str()))
+    template = "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    path = make_gguf.write_gguf(
+        ROOT / "models" / "stories260K",
+        tmp_path / "model.gguf",
+        tokenizer=lambda writer: make_vocab_gguf.add_vocab(
+            writer, vocab, pre, bos=0, eos=1, add_bos=True, chat_template=template
+        ),
+    )
+    llm = LLM(str(path))
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[
+        0
+    ]
+    prompt = hf.encode("Once upon a time", add_special_tokens=False).ids
+    assert out.prompt_token_ids == [0] + prompt
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 12
+    assert out.outputs[0].text == hf.decode([0] + prompt + ids)[len(hf.decode([0] + prompt)) :]
+    assert load_chat_template(path).render([{"role": "user", "content": "hi"}]) == "hi<|end_of_text|>"
