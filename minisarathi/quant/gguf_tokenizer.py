@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from minisarathi.quant.gguf_file import UnsupportedGGUF, metadata
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 TOKENIZER_MODELS = ("llama", "gpt2")
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -52,7 +52,7 @@ _QWEN2 = PreTokenizer((QWEN2,), nfc=True)
 # tokenizer.ggml.pre -> its pre-tokenizer, under llama.cpp's names (its converter picks one by hashing the
 # model's tokenizer) for the Llama, Mistral and Qwen2 families
 PRE_TOKENIZERS = {
-    # llama.cpp's fallback for a file without a known name: punctuation runs, then GPT-2's split
+    # llama.cpp's split for a file without a name: punctuation runs, GPT-2's split, digit runs, threes
     "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
     "gpt-2": PreTokenizer((GPT2,)),
     "llama-bpe": _LLAMA3,  # Llama 3

@@ -46,6 +46,11 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -62,7 +67,16 @@ STYLES = {
     "llama-bpe": lambda: (None, _split_then_bytes(LLAMA3_SPLIT)),
     "qwen2": lambda: (normalizers.NFC(), _split_then_bytes(QWEN2_SPLIT)),
     "gpt-2": lambda: (None, pre_tokenizers.ByteLevel(add_prefix_space=False)),  # ByteLevel's own regex
+    "tekken": lambda: (None, _split_then_bytes(TEKKEN_SPLIT)),  # Mistral Nemo
+    "smollm": lambda: (
+        None,
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        ),
+    ),
 }
+# llama.cpp adds BOS for these where the file does not say
+ADDS_BOS = ("llama-bpe", "tekken")
 
 
 def corpus() -> list[str]:
@@ -114,9 +128,9 @@ def test_a_byte_level_vocabulary_encodes_and_decodes_as_its_tokenizer(trained, t
     for text in INPUTS + [DECOMPOSED]:  # byte-level BPE loses nothing (but Qwen2's NFC)
         normalized = want.normalizer.normalize_str(text) if want.normalizer else text
         assert got.decode(got.encode(text, add_special_tokens=False)) == normalized
-    # llama.cpp's defaults where the file has no add_bos_token: Llama 3 adds BOS, Qwen2 and GPT-2 do not
+    # llama.cpp's defaults where the file has no add_bos_token: Llama 3 and Tekken add BOS, the others not
     ids = want.encode("Hello", add_special_tokens=False).ids
-    assert got.encode("Hello") == ([0] + ids if pre == "llama-bpe" else ids)
+    assert got.encode("Hello") == ([0] + ids if pre in ADDS_BOS else ids)
     # <|eot_id|> ends generation too when the file names no EOT token, as in llama.cpp
     assert (got.bos_token_id, got.eos_token_ids) == (0, (1, 2))
 
@@ -134,7 +148,8 @@ def test_the_files_add_bos_token_decides(trained, tmp_path):
 def test_another_pre_tokenizer_changes_the_ids(trained, tmp_path):
     # a negative control: the vocabulary read with another family's split no longer matches its tokenizer
     pre, want = trained
-    other = {"llama-bpe": "gpt-2", "qwen2": "gpt-2", "gpt-2": "llama-bpe"}[pre]
+    other = {"llama-bpe": "gpt-2", "qwen2": "gpt-2", "gpt-2": "llama-bpe", "tekken": "llama-bpe"}
+    other = other.get(pre, "qwen2")  # smollm's digits are one-by-one as Qwen2's; its words are not
     got = Tokenizer.from_pretrained(as_gguf(want, tmp_path / "other.gguf", other))
     differ = [t for t in INPUTS if got.encode(t, False) != want.encode(t, add_special_tokens=False).ids]
     assert differ
