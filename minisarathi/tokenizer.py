@@ -13,6 +13,7 @@ from bisect import bisect_right
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
 from minisarathi.config import read_json_object
@@ -30,6 +31,14 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallba
 GIL_HOLDING_MAX_CHARS = 512
 GIL_HOLDING_MAX_NON_ASCII_CHARS = 64
 GIL_HOLDING_MAX_IDS = 256
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table, in which byte-level BPE vocabularies spell their tokens: printable
+    bytes stand for themselves, the others, in order, for U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 def _read_json(path: Path) -> dict:
@@ -87,6 +96,11 @@ class Tokenizer:
         # None: the tokenizer.json post-processor decides; a bool overrides it (transformers does the same).
         self._add_bos = add_bos_token
         self._appended_eos = appended_eos_id  # tokenizer_config's add_eos_token (rare)
+        # a byte-level BPE's tokens spell their bytes in GPT-2's alphabet (its added tokens are plain text)
+        self._byte_of = None
+        if isinstance(tokenizer.decoder, decoders.ByteLevel):
+            self._byte_of = {c: b for b, c in byte_level_alphabet().items()}
+            self._added = set(tokenizer.get_added_tokens_decoder())
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
@@ -194,8 +208,12 @@ class Tokenizer:
         return texts
 
     def token_bytes(self, token_id: int, text: str) -> bytes:
-        """The bytes a token stands for: a byte-fallback token's own byte, else its text's UTF-8."""
-        match = _BYTE_TOKEN.fullmatch(self.hf.id_to_token(token_id) or "")
+        """The bytes a token stands for: a byte-level BPE token's bytes or a byte-fallback token's own byte
+        (either may be part of a character), else its text's UTF-8."""
+        token = self.hf.id_to_token(token_id) or ""
+        if self._byte_of is not None and token_id not in self._added:
+            return bytes(self._byte_of[c] for c in token)
+        match = _BYTE_TOKEN.fullmatch(token)
         return bytes([int(match[1], 16)]) if match else text.encode("utf-8")
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import gguf
 
+from minisarathi.tokenizer import byte_level_alphabet
+
 GOLDEN = Path(__file__).resolve().parent / "gguf_vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"  # between two strings of an .inp file
 
@@ -30,19 +32,6 @@ def golden_inputs() -> list[str]:
 def golden_ids(name: str) -> list[list[int]]:
     lines = (GOLDEN / f"{name}.out").read_text(encoding="utf-8").splitlines()
     return [[int(i) for i in line.split()] for line in lines]
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> character table: printable bytes stand for themselves, the others for 256 + n."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def from_tokenizer_json(spec: dict) -> dict:
@@ -70,7 +59,7 @@ def from_tiktoken(path: Path, specials: dict[int, str]) -> dict:
     for line in path.read_text(encoding="ascii").splitlines():
         token, rank = line.split()
         ranks[base64.b64decode(token)] = int(rank)
-    alphabet = byte_alphabet()
+    alphabet = byte_level_alphabet()
 
     def text(piece: bytes) -> str:
         return "".join(alphabet[b] for b in piece)

@@ -128,6 +128,11 @@ def test_a_byte_level_vocabulary_encodes_and_decodes_as_its_tokenizer(trained, t
     for text in INPUTS + [DECOMPOSED]:  # byte-level BPE loses nothing (but Qwen2's NFC)
         normalized = want.normalizer.normalize_str(text) if want.normalizer else text
         assert got.decode(got.encode(text, add_special_tokens=False)) == normalized
+    # each token's bytes (logprobs' "bytes"), parts of characters too, make up the text
+    for text in INPUTS + WITH_SPECIAL:
+        ids = got.encode(text, add_special_tokens=False)
+        pieces = b"".join(got.token_bytes(i, got.decoded_token(i)) for i in ids)
+        assert pieces == (want.normalizer.normalize_str(text) if want.normalizer else text).encode(), text
     # llama.cpp's defaults where the file has no add_bos_token: Llama 3 and Tekken add BOS, the others not
     ids = want.encode("Hello", add_special_tokens=False).ids
     assert got.encode("Hello") == ([0] + ids if pre in ADDS_BOS else ids)
