@@ -130,10 +130,12 @@ class ChatTemplate:
 def load_chat_template(model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
     """The template of `override` (a file: serve's --chat-template), else the folder's chat_template.jinja,
     else tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one named
-    "default"); None if it has none."""
+    "default"; a GGUF file's `tokenizer.chat_template`); None if it has none."""
+    # not at the top: the worker process starts without the tokenizer's imports
+    from minisarathi.tokenizer import special_tokens, tokenizer_config
+
     model_dir = Path(model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config = tokenizer_config(model_dir)  # a GGUF file's metadata gives its tokenizer.chat_template
     if override is not None:
         try:
             source = Path(override).read_text(encoding="utf-8")
@@ -152,8 +154,6 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
             )
     if not isinstance(source, str):
         return None
-    from minisarathi.tokenizer import special_tokens  # not at the top: the worker process starts without it
-
     return ChatTemplate(source, special_tokens(model_dir))
 
 
