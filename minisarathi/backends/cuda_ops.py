@@ -1181,6 +1181,14 @@ class QuantWeight:
     def shape(self) -> tuple[int, int]:
         return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes: the packed codes, scales and minimums (LlamaModel.weight_bytes adds these up)."""
+        return sum(
+            p.packed.nbytes + p.scale.nbytes + (p.minimum is not p.scale) * p.minimum.nbytes
+            for p in self.parts
+        )
+
 
 def _quant_form(layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int] | str:
     """(form, codes uint8[N, K], scale float32[N, K / group], minimum float32[N, K / group] or None, group)

@@ -204,6 +204,10 @@ def test_gguf_models_give_the_cpu_backends_greedy_tokens(file, tmp_path):
     _, want = prefill_then_greedy(load_model(path, device="cpu"), prompt, 8)
     model = load_model(path, device="cuda-emulated", dtype="float16")
     assert isinstance(model.layers[0].qkv_proj, QuantWeight) and isinstance(model.embed_tokens, QuantWeight)
+    # the weights take their quantized size on the device, not the 2 bytes a weight of float16
+    weights = sum(np.prod(w.shape) for w in vars(model.layers[0]).values() if isinstance(w, QuantWeight))
+    quantized = sum(w.nbytes for w in vars(model.layers[0]).values() if isinstance(w, QuantWeight))
+    assert quantized < 1.2 * weights
     _, got = prefill_then_greedy(model, prompt, 8)
     assert got == want
 
