@@ -18,7 +18,7 @@ AVX2 = frozenset({"avx2", "fma"})
 
 def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
     """`source` (a .cpp file) built with CXX (default g++) and `flags` for this CPU (cached); RuntimeError or
-    OSError where it cannot be. The headers beside it go into the cache key, since a kernel may include them."""
+    OSError where it cannot be. The headers beside it go into the cache key: a kernel may include them."""
     return build_shared_library(
         "cpu_kernels",
         source.stem,

@@ -18,6 +18,8 @@
 // For signed weights u8 x s8 takes |w| and x * sign(w), llama.cpp's way; no pair of products saturates
 // int16 (|w| <= 128, |x| <= 127). The minimum's term is sum over blocks of minimum * (x scale * sum of x's
 // int8 values), a float dot product after the main loop.
+// Scales and minimums are float32 per group, or factored as the K-quants store them: an int8 per group
+// times a float32 per 256 columns (their product, exact, is the group's float32 value).
 //
 // Determinism: each output is one float accumulator vector fed block by block in k order, then reduced
 // the same way, whatever tile it falls in; the activations are quantized alike on every path. So a row's
@@ -42,9 +44,20 @@ struct Part {
     int64_t rows;
     const void* values;     // INT8: int8[N, K]; else low, uint8[N, K / 2]
     const uint8_t* high;    // INT6, UINT5: as above; else null
-    const float* scale;     // float32[N, K / group]
-    const float* minimum;   // UINT4, UINT5: float32[N, K / 32]; else null
+    const float* scale;     // float32[N, K / group], or [N, K / 256] where scale_sub is given
+    const int8_t* scale_sub;  // int8[N, K / group] or null
+    const float* minimum;   // UINT4, UINT5: float32[N, K / 32] or [N, K / 256]; else null
+    const int8_t* minimum_sub;  // int8[N, K / 32] or null
 };
+
+constexpr int SUPER = 256;  // columns per float32 factor of factored scales
+
+// Group g's scale (or minimum) of a row of `groups` groups of `group` columns.
+inline float factor(const float* v, const int8_t* sub, int64_t row, int64_t groups, int64_t group, int64_t g) {
+    if (!sub) return v[row * groups + g];
+    const int64_t per_super = SUPER / group;
+    return v[row * (groups / per_super) + g / per_super] * (float)sub[row * groups + g];
+}
 
 // Activations quantized per block of 32: q int8[M, K], s float32[M, K / 32], sum float32[M, K / 32] (the
 // scale times the sum of the block's q). One buffer per thread, grown as needed, freed when the thread ends.
@@ -103,10 +116,12 @@ void scalar_part(const Activations& a, int64_t m, int64_t k, const Part& p, floa
                     const int64_t first = b * BLOCK + h * p.group;
                     int32_t dot = 0;
                     for (int64_t e = first; e < first + p.group; ++e) dot += code_at(p, c, k, e) * a.q[t * k + e];
-                    acc += (float)dot * (p.scale[c * ng + first / p.group] * a.s[t * nb + b]);
+                    const float ws = factor(p.scale, p.scale_sub, c, ng, p.group, first / p.group);
+                    acc += (float)dot * (ws * a.s[t * nb + b]);
                 }
             if (p.minimum)
-                for (int64_t b = 0; b < nb; ++b) acc -= p.minimum[c * nb + b] * a.sum[t * nb + b];
+                for (int64_t b = 0; b < nb; ++b)
+                    acc -= factor(p.minimum, p.minimum_sub, c, nb, BLOCK, b) * a.sum[t * nb + b];
             out[t * ldo + c] = acc;
         }
 }
@@ -185,9 +200,30 @@ inline __m256i block(const Part& p, int64_t row, int64_t k, int64_t b) {
 // Block b's weight scales per int32 lane (lanes 0-3: columns 0-15, 4-7: 16-31).
 template <int GROUP>
 inline __m256 block_scale(const Part& p, int64_t row, int64_t k, int64_t b) {
-    if (GROUP == 32) return _mm256_set1_ps(p.scale[row * (k / 32) + b]);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd((const double*)(p.scale + row * (k / 16) + 2 * b)));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    if (GROUP == 32) return _mm256_set1_ps(factor(p.scale, p.scale_sub, row, k / 32, 32, b));
+    const float s0 = factor(p.scale, p.scale_sub, row, k / 16, 16, 2 * b);
+    const float s1 = factor(p.scale, p.scale_sub, row, k / 16, 16, 2 * b + 1);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s0)), _mm_set1_ps(s1), 1);
+}
+
+// sum over blocks of row's minimum * activation row t's block sum: 8 blocks a step (one factor's 256
+// columns where factored), then the rest.
+inline float minimum_dot(const Part& p, int64_t row, int64_t nb, const float* sum) {
+    __m256 v = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256 mn;
+        if (p.minimum_sub)
+            mn = _mm256_mul_ps(_mm256_set1_ps(p.minimum[row * (nb / 8) + b / 8]),
+                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64((const __m128i*)(p.minimum_sub + row * nb + b)))));
+        else
+            mn = _mm256_loadu_ps(p.minimum + row * nb + b);
+        v = _mm256_fmadd_ps(mn, _mm256_loadu_ps(sum + b), v);
+    }
+    float rest = hsum(v);
+    for (; b < nb; ++b) rest += factor(p.minimum, p.minimum_sub, row, nb, BLOCK, b) * sum[b];
+    return rest;
 }
 
 template <int KIND, int GROUP, int NT, int NN>
@@ -219,16 +255,7 @@ void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, 
     for (int t = 0; t < NT; ++t)
         for (int c = 0; c < NN; ++c) {
             float r = hsum(acc[t][c]);
-            if (!SIGNED) {  // minus sum of minimum * block sum, 8 blocks a step then the rest
-                const float* mn = p.minimum + (j + c) * nb;
-                const float* sm = a.sum + (i + t) * nb;
-                __m256 v = _mm256_setzero_ps();
-                int64_t b = 0;
-                for (; b + 8 <= nb; b += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b), _mm256_loadu_ps(sm + b), v);
-                float rest = hsum(v);
-                for (; b < nb; ++b) rest += mn[b] * sm[b];
-                r -= rest;
-            }
+            if (!SIGNED) r -= minimum_dot(p, j + c, nb, a.sum + (i + t) * nb);
             out[(i + t) * ldo + j + c] = r;
         }
 }
@@ -340,7 +367,7 @@ bool valid(const Part& p) {
     const bool grouped = (p.kind == INT8 && (p.group == 16 || p.group == 32)) ||
                          (p.kind == INT6 && p.group == 16) || ((p.kind == UINT4 || p.kind == UINT5) && p.group == 32);
     const bool arrays = p.values && p.scale && (p.kind == INT6 || p.kind == UINT5) == (p.high != nullptr) &&
-                        (p.kind >= UINT4) == (p.minimum != nullptr);
+                        (p.kind >= UINT4) == (p.minimum != nullptr) && (!p.minimum_sub || p.minimum);
     return grouped && arrays && p.rows >= 0;
 }
 
@@ -361,7 +388,7 @@ __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t 
     if (k <= 0 || k % BLOCK || m < 0) return -2;
     int64_t n = 0;
     for (int64_t i = 0; i < count; ++i) {
-        if (!valid(parts[i])) return -2;
+        if (!valid(parts[i]) || ((parts[i].scale_sub || parts[i].minimum_sub) && k % SUPER)) return -2;
         n += parts[i].rows;
     }
     if (m == 0) return isa;

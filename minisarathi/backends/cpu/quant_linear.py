@@ -45,8 +45,17 @@ class PartStruct(ctypes.Structure):
         ("values", ctypes.c_void_p),
         ("high", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
+        ("scale_sub", ctypes.c_void_p),
         ("minimum", ctypes.c_void_p),
+        ("minimum_sub", ctypes.c_void_p),
     ]
+
+
+SUPER = 256  # columns per float32 factor of factored scales (a K-quant super-block)
+# The int8 factor tried first for a super-block's largest scale: the K-quant quantizers give it 63 (Q4_K's
+# and Q5_K's 6-bit scales) or -128 / 127 (Q6_K's int8 ones); the others only for super-blocks left over.
+FIRST_TOPS = (63, -128, 127, -127)
+TOPS = FIRST_TOPS + tuple(t for m in range(126, 0, -1) for t in (m, -m) if t not in FIRST_TOPS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,8 +66,10 @@ class Part:
     group: int  # columns per scale: 16 or 32
     values: np.ndarray  # int8: int8[N, K]; else uint8[N, K // 2], UintGroups.low's order
     high: np.ndarray | None  # int6: uint8[N, K // 4] (top 2 bits); uint5: uint8[N, K // 8]; else None
-    scale: np.ndarray  # float32[N, K // group]
-    minimum: np.ndarray | None  # uint4, uint5: float32[N, K // 32]; else None
+    scale: np.ndarray  # float32[N, K // group], or float32[N, K // 256] where scale_sub is given
+    scale_sub: np.ndarray | None  # int8[N, K // group]: a group's scale = its 256 columns' factor * this
+    minimum: np.ndarray | None  # uint4, uint5: float32[N, K // 32], or [N, K // 256] as scale; else None
+    minimum_sub: np.ndarray | None  # int8[N, K // 32] or None
     source: str
 
     @property
@@ -66,32 +77,72 @@ class Part:
         n, width = self.values.shape
         return n, width if self.kind == "int8" else 2 * width
 
+    def arrays(self) -> tuple:
+        return self.values, self.high, self.scale, self.scale_sub, self.minimum, self.minimum_sub
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.values, self.high, self.scale, self.minimum) if a is not None)
+        return sum(a.nbytes for a in self.arrays() if a is not None)
 
     def struct(self) -> PartStruct:
-        def address(a):
-            return None if a is None else a.ctypes.data
-
-        arrays = (self.values, self.high, self.scale, self.minimum)
-        return PartStruct(KINDS[self.kind], self.group, self.shape[0], *map(address, arrays))
+        addresses = (None if a is None else a.ctypes.data for a in self.arrays())
+        return PartStruct(KINDS[self.kind], self.group, self.shape[0], *addresses)
 
     def layout(self, rows=slice(None)) -> IntGroups | UintGroups:
         """Rows `rows` as the layout they came from (dequantize() gives their float32 values)."""
         n, k = len(self.values[rows]), self.shape[1]
+        scale = _product(self.scale[rows], self.scale_sub, rows)
         if self.kind.startswith("uint"):
             high = None if self.high is None else self.high[rows]
+            minimum = _product(self.minimum[rows], self.minimum_sub, rows)
             bits = 4 if high is None else 5
-            return UintGroups(self.values[rows], high, self.scale[rows], self.minimum[rows], bits, (n, k), self.source)
+            return UintGroups(self.values[rows], high, scale, minimum, bits, (n, k), self.source)
         if self.kind == "int8":
-            return IntGroups(self.values[rows], self.scale[rows], self.group, 8, (n, k), self.source)
+            return IntGroups(self.values[rows], scale, self.group, 8, (n, k), self.source)
         low = self.values[rows].reshape(n, k // BLOCK, 1, BLOCK // 2)
         codes = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)  # uint8
         top = self.high[rows].reshape(n, k // BLOCK, 1, 8) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
         codes |= (top & 3).reshape(n, k // BLOCK, BLOCK) << 4
         values = (codes.astype(np.int8) - np.int8(32)).reshape(n, k)  # int8[n, K]
-        return IntGroups(values, self.scale[rows], 16, 6, (n, k), self.source)
+        return IntGroups(values, scale, 16, 6, (n, k), self.source)
+
+
+def _product(values: np.ndarray, sub: np.ndarray | None, rows) -> np.ndarray:
+    """float32[n, groups]: per-group values from factored ones (exact products) where sub is given."""
+    if sub is None:
+        return values
+    sub = sub[rows]
+    return np.repeat(values, sub.shape[1] // values.shape[1], axis=1) * sub.astype(np.float32)
+
+
+def factored(values: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, None]:
+    """(float32[N, K // 256], int8[N, K // group]) whose products are exactly `values` (float32[N, K //
+    group], the scales or minimums of groups of `group` columns), as K-quants store them; or (values, None)
+    where some super-block has no such factoring (scales not from a K-quant: Q4_0, AWQ, GPTQ)."""
+    n, groups = values.shape
+    per = SUPER // group
+    if groups % per:
+        return values, None
+    blocks = values.reshape(-1, per)  # float32[S, per], one super-block a row
+    top = np.abs(blocks).max(axis=1)
+    factor = np.zeros(len(blocks), np.float32)
+    sub = np.zeros(blocks.shape, np.int8)
+    left = np.flatnonzero(top != 0)  # an all-zero super-block is 0 * 0
+    with np.errstate(all="ignore"):
+        for i, first in enumerate(TOPS):
+            if not left.size:
+                break
+            if i == len(FIRST_TOPS) and left.size > len(blocks) // 100:
+                return values, None  # not a K-quant's scales: not worth trying every factor
+            d = top[left] / np.float32(first)  # float32[L]
+            q = np.rint(blocks[left] / d[:, None])
+            ok = ((q >= -128) & (q <= 127)).all(axis=1)
+            ok &= ((d[:, None] * q.astype(np.float32)) == blocks[left]).all(axis=1)
+            factor[left[ok]], sub[left[ok]] = d[ok], q[ok]
+            left = left[~ok]
+    if left.size:
+        return values, None
+    return factor.reshape(n, groups // per), sub.reshape(n, groups)
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +189,11 @@ def runs(layout) -> bool:
         isinstance(layout, IntGroups)
         and len(layout.shape) == 2
         and layout.shape[1] % BLOCK == 0
-        and (layout.bits == 8 and (layout.group == 16 or layout.group % BLOCK == 0) or (layout.bits, layout.group) == (6, 16))
+        and (
+            layout.bits == 8
+            and (layout.group == 16 or layout.group % BLOCK == 0)
+            or (layout.bits, layout.group) == (6, 16)
+        )
     )
 
 
@@ -147,18 +202,25 @@ def _part(layout: IntGroups | UintGroups) -> Part:
     if isinstance(layout, UintGroups):
         kind = "uint4" if layout.high is None else "uint5"
         high = None if layout.high is None else np.ascontiguousarray(layout.high)
+        scale, scale_sub = factored(f32(layout.scale), BLOCK)
+        minimum, minimum_sub = factored(f32(layout.minimum), BLOCK)
+        if (scale_sub is None) != (minimum_sub is None):  # both factored or neither: one form a part
+            scale, scale_sub, minimum, minimum_sub = f32(layout.scale), None, f32(layout.minimum), None
         low = np.ascontiguousarray(layout.low)
-        return Part(kind, BLOCK, low, high, f32(layout.scale), f32(layout.minimum), layout.source)
+        return Part(kind, BLOCK, low, high, scale, scale_sub, minimum, minimum_sub, layout.source)
     n, k = layout.values.shape
     if layout.bits == 6:
         codes = (layout.values + np.int8(32)).view(np.uint8).reshape(n, k // BLOCK, 4, 8)  # in [0, 64)
         top = (codes >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]  # byte j: codes j, j+8, j+16, j+24
         high = np.bitwise_or.reduce(top, axis=2).reshape(n, k // 4)  # uint8[N, K // 4]
-        return Part("int6", 16, pack_low(codes.reshape(n, k)), high, f32(layout.scale), None, layout.source)
+        scale, scale_sub = factored(f32(layout.scale), 16)
+        low = pack_low(codes.reshape(n, k))
+        return Part("int6", 16, low, high, scale, scale_sub, None, None, layout.source)
     # a group of 32 or more shares its scale over whole blocks: one scale per block of 32
     group = 16 if layout.group == 16 else BLOCK
     scale = np.repeat(f32(layout.scale), layout.group // group, axis=1)  # float32[N, K // group]
-    return Part("int8", group, np.ascontiguousarray(layout.values), None, scale, None, layout.source)
+    values = np.ascontiguousarray(layout.values)
+    return Part("int8", group, values, None, scale, None, None, None, layout.source)
 
 
 def quant_weight(layout) -> QuantWeight:
