@@ -288,8 +288,9 @@ namespace avx512_vnni {
 using TileFn = void (*)(const Activations&, int64_t, int64_t, const Part&, int64_t, float*, int64_t);
 
 // A part over tiles of up to NT rows x NN outputs; `pick(nt, nn)` gives the tile function of that shape.
-template <int NT, int NN, typename Pick>
-void run_part(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo, Pick pick) {
+template <int NT, typename Pick>
+void run_part(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo, int NN,
+              Pick pick) {
     for (int64_t j = 0; j < p.rows; j += NN) {
         const int nn = p.rows - j < NN ? (int)(p.rows - j) : NN;
         for (int64_t i = 0; i < m; i += NT) {
@@ -328,19 +329,22 @@ struct Avx512Fn {
     };
 };
 
-constexpr int AVX2_NT = 4, AVX2_NN = 2, AVX512_NT = 4, AVX512_NN = 4;
+// Tiles of 4 rows x 2 outputs (AVX2: 8 accumulators of the 16 ymm) or 4 x 4 (AVX-512: 16 of the 32 zmm);
+// below 4 rows, 4 outputs on AVX2 too, so a decode step streams 4 weight rows at once.
+constexpr int AVX2_NT = 4, AVX2_NN = 2, AVX2_FEW_NN = 4, AVX512_NT = 4, AVX512_NN = 4;
 
 template <int KIND, int GROUP>
 void run_avx2(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
-    static const Table<AVX2_NT, AVX2_NN, Avx2Fn<KIND, GROUP>::template of> table;
-    run_part<AVX2_NT, AVX2_NN>(a, m, k, p, out, ldo, [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
+    static const Table<AVX2_NT, AVX2_FEW_NN, Avx2Fn<KIND, GROUP>::template of> table;
+    run_part<AVX2_NT>(a, m, k, p, out, ldo, m < AVX2_NT ? AVX2_FEW_NN : AVX2_NN,
+                      [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
 }
 
 template <bool VNNI, int KIND, int GROUP>
 void run_avx512(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
     static const Table<AVX512_NT, AVX512_NN, Avx512Fn<VNNI, KIND, GROUP>::template of> table;
-    run_part<AVX512_NT, AVX512_NN>(a, m, k, p, out, ldo,
-                                   [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
+    run_part<AVX512_NT>(a, m, k, p, out, ldo, AVX512_NN,
+                        [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
 }
 
 template <int KIND, int GROUP>
