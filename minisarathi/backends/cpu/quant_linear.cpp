@@ -197,13 +197,27 @@ inline __m256i block(const Part& p, int64_t row, int64_t k, int64_t b) {
     return codes;
 }
 
-// Block b's weight scales per int32 lane (lanes 0-3: columns 0-15, 4-7: 16-31).
+// The weight scales of the 8 blocks from block b (a multiple of 8) of a row, GROUP 32: 8, GROUP 16: 16
+// floats: where factored, made in `buffer` (one 256-column factor times 8 or 16 int8s); else p.scale itself.
 template <int GROUP>
-inline __m256 block_scale(const Part& p, int64_t row, int64_t k, int64_t b) {
-    if (GROUP == 32) return _mm256_set1_ps(factor(p.scale, p.scale_sub, row, k / 32, 32, b));
-    const float s0 = factor(p.scale, p.scale_sub, row, k / 16, 16, 2 * b);
-    const float s1 = factor(p.scale, p.scale_sub, row, k / 16, 16, 2 * b + 1);
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s0)), _mm_set1_ps(s1), 1);
+inline const float* eight_blocks_scales(const Part& p, int64_t row, int64_t k, int64_t b, float* buffer) {
+    constexpr int PER_BLOCK = BLOCK / GROUP;
+    if (!p.scale_sub) return p.scale + row * (k / GROUP) + b * PER_BLOCK;
+    const __m256 d = _mm256_set1_ps(p.scale[row * (k / SUPER) + b / 8]);
+    const int8_t* sub = p.scale_sub + row * (k / GROUP) + b * PER_BLOCK;
+    for (int h = 0; h < PER_BLOCK; ++h) {
+        const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 8 * h)));
+        _mm256_storeu_ps(buffer + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(ints)));
+    }
+    return buffer;
+}
+
+// Block b's weight scales per int32 lane (lanes 0-3: columns 0-15, 4-7: 16-31), from the 8 blocks' scales.
+template <int GROUP>
+inline __m256 block_scale(const float* eight, int64_t b) {
+    if (GROUP == 32) return _mm256_broadcast_ss(eight + b % 8);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(eight + 2 * (b % 8))),
+                                _mm_broadcast_ss(eight + 2 * (b % 8) + 1), 1);
 }
 
 // sum over blocks of row's minimum * activation row t's block sum: 8 blocks a step (one factor's 256
@@ -234,12 +248,15 @@ void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, 
     __m256 acc[NT][NN];
     for (int t = 0; t < NT; ++t)
         for (int c = 0; c < NN; ++c) acc[t][c] = _mm256_setzero_ps();
+    alignas(32) float buffers[NN][16];
+    const float* eight[NN];
     for (int64_t b = 0; b < nb; ++b) {
         __m256i w[NN];
         __m256 ws[NN];
         for (int c = 0; c < NN; ++c) {
+            if (b % 8 == 0) eight[c] = eight_blocks_scales<GROUP>(p, j + c, k, b, buffers[c]);
             w[c] = block<KIND>(p, j + c, k, b);
-            ws[c] = block_scale<GROUP>(p, j + c, k, b);
+            ws[c] = block_scale<GROUP>(eight[c], b);
         }
         for (int t = 0; t < NT; ++t) {
             const __m256i xq = _mm256_load_si256((const __m256i*)(a.q + (i + t) * k + b * BLOCK));
