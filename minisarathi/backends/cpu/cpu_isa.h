@@ -28,7 +28,9 @@ inline bool supported(int isa) {
 }
 
 inline int best() {
-    return supported(AVX512_VNNI) ? AVX512_VNNI : supported(AVX512) ? AVX512 : supported(AVX2) ? AVX2 : SCALAR;
+    if (supported(AVX512_VNNI)) return AVX512_VNNI;
+    if (supported(AVX512)) return AVX512;
+    return supported(AVX2) ? AVX2 : SCALAR;
 }
 
 }  // namespace cpu_isa

@@ -53,7 +53,8 @@ struct Part {
 constexpr int SUPER = 256;  // columns per float32 factor of factored scales
 
 // Group g's scale (or minimum) of a row of `groups` groups of `group` columns.
-inline float factor(const float* v, const int8_t* sub, int64_t row, int64_t groups, int64_t group, int64_t g) {
+inline float factor(const float* v, const int8_t* sub, int64_t row, int64_t groups, int64_t group,
+                    int64_t g) {
     if (!sub) return v[row * groups + g];
     const int64_t per_super = SUPER / group;
     return v[row * (groups / per_super) + g / per_super] * (float)sub[row * groups + g];
@@ -115,7 +116,8 @@ void scalar_part(const Activations& a, int64_t m, int64_t k, const Part& p, floa
                 for (int64_t h = 0; h < BLOCK / p.group; ++h) {
                     const int64_t first = b * BLOCK + h * p.group;
                     int32_t dot = 0;
-                    for (int64_t e = first; e < first + p.group; ++e) dot += code_at(p, c, k, e) * a.q[t * k + e];
+                    for (int64_t e = first; e < first + p.group; ++e)
+                        dot += code_at(p, c, k, e) * a.q[t * k + e];
                     const float ws = factor(p.scale, p.scale_sub, c, ng, p.group, first / p.group);
                     acc += (float)dot * (ws * a.s[t * nb + b]);
                 }
@@ -172,8 +174,9 @@ inline float hsum(__m256 v) {
 // Block b's 32 codes of row `row` as bytes in column order (INT8: the values; INT6: code - 32).
 template <int KIND>
 inline __m256i block(const Part& p, int64_t row, int64_t k, int64_t b) {
-    if (KIND == INT8) return _mm256_loadu_si256((const __m256i*)((const int8_t*)p.values + row * k + b * BLOCK));
-    const __m128i packed = _mm_loadu_si128((const __m128i*)((const uint8_t*)p.values + row * (k / 2) + b * 16));
+    if (KIND == INT8) return _mm256_loadu_si256((const __m256i*)((const int8_t*)p.values + row * k + b * 32));
+    const uint8_t* low = (const uint8_t*)p.values + row * (k / 2) + b * 16;
+    const __m128i packed = _mm_loadu_si128((const __m128i*)low);
     const __m256i nib = _mm256_set1_epi8(0x0F);
     __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nib);
     if (KIND == INT6) {
@@ -342,7 +345,8 @@ template <bool VNNI, int KIND, int GROUP>
 struct Avx512Fn {
     template <int T, int C>
     struct of {
-        static constexpr TileFn fn = VNNI ? avx512_vnni::tile<KIND, GROUP, T, C> : avx512::tile<KIND, GROUP, T, C>;
+        static constexpr TileFn fn =
+            VNNI ? avx512_vnni::tile<KIND, GROUP, T, C> : avx512::tile<KIND, GROUP, T, C>;
     };
 };
 
@@ -386,7 +390,8 @@ void run_vector(int isa, const Activations& a, int64_t m, int64_t k, const Part&
 
 bool valid(const Part& p) {
     const bool grouped = (p.kind == INT8 && (p.group == 16 || p.group == 32)) ||
-                         (p.kind == INT6 && p.group == 16) || ((p.kind == UINT4 || p.kind == UINT5) && p.group == 32);
+                         (p.kind == INT6 && p.group == 16) ||
+                         ((p.kind == UINT4 || p.kind == UINT5) && p.group == 32);
     const bool arrays = p.values && p.scale && (p.kind == INT6 || p.kind == UINT5) == (p.high != nullptr) &&
                         (p.kind >= UINT4) == (p.minimum != nullptr) && (!p.minimum_sub || p.minimum);
     return grouped && arrays && p.rows >= 0;
@@ -402,8 +407,9 @@ __attribute__((visibility("default"))) int quant_linear_best_isa() { return cpu_
 // out[m, sum of rows] = x[m, k] @ w.T, w the `count` parts stacked on their rows; x, out C-contiguous, k a
 // multiple of 32. isa: AUTO or one to force (tests). Returns the ISA run; -1 where the CPU lacks it, -2 for
 // a bad argument, -3 where no memory for the quantized activations.
-__attribute__((visibility("default"))) int quant_linear(const float* x, int64_t m, int64_t k, const Part* parts,
-                                                        int64_t count, float* out, int isa) {
+extern "C" __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t m, int64_t k,
+                                                                   const Part* parts, int64_t count,
+                                                                   float* out, int isa) {
     if (isa == cpu_isa::AUTO) isa = cpu_isa::best();
     if (!cpu_isa::supported(isa)) return -1;
     if (k <= 0 || k % BLOCK || m < 0) return -2;

@@ -77,10 +77,12 @@ void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, 
             ws[c] = weight_scales<GROUP>(p, j + c, k, b, two);
         }
         for (int t = 0; t < NT; ++t) {
-            const __m512i xq = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xFFFFFFFFULL, a.q + (i + t) * k + b * BLOCK);
+            const int8_t* row = a.q + (i + t) * k + b * BLOCK;
+            const __m512i xq = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xFFFFFFFFULL, row);
             const __m512 xs = activation_scales(a.s + (i + t) * nb + b, two);
             for (int c = 0; c < NN; ++c) {
-                const __m512i v = SIGNED ? _mm512_mask_sub_epi8(xq, negative[c], _mm512_setzero_si512(), xq) : xq;
+                const __m512i zero = _mm512_setzero_si512();
+                const __m512i v = SIGNED ? _mm512_mask_sub_epi8(xq, negative[c], zero, xq) : xq;
                 const __m512i d = dot(u[c], v);
                 acc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[c], xs), acc[t][c]);
             }
