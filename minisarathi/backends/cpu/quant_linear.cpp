@@ -407,9 +407,9 @@ __attribute__((visibility("default"))) int quant_linear_best_isa() { return cpu_
 // out[m, sum of rows] = x[m, k] @ w.T, w the `count` parts stacked on their rows; x, out C-contiguous, k a
 // multiple of 32. isa: AUTO or one to force (tests). Returns the ISA run; -1 where the CPU lacks it, -2 for
 // a bad argument, -3 where no memory for the quantized activations.
-extern "C" __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t m, int64_t k,
-                                                                   const Part* parts, int64_t count,
-                                                                   float* out, int isa) {
+__attribute__((visibility("default"))) int quant_linear(const float* x, int64_t m, int64_t k,
+                                                        const Part* parts, int64_t count, float* out,
+                                                        int isa) {
     if (isa == cpu_isa::AUTO) isa = cpu_isa::best();
     if (!cpu_isa::supported(isa)) return -1;
     if (k <= 0 || k % BLOCK || m < 0) return -2;
