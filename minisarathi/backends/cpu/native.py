@@ -1,5 +1,6 @@
-"""How the CPU backend's native kernels (packed_gemm.cpp, native_attention.cpp, native_sampling.cpp) are
-built for this CPU, loaded, or turned off: their one way, over minisarathi/backends/native_build.py."""
+"""How the CPU backend's native kernels (packed_gemm.cpp, half_linear.cpp, quant_linear.cpp,
+native_attention.cpp, native_sampling.cpp) are built for this CPU, loaded, or turned off: their one way,
+over minisarathi/backends/native_build.py."""
 
 from __future__ import annotations
 
