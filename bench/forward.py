@@ -1,9 +1,11 @@
-"""NumPy forward-pass speed next to the time its matrix products alone take (random weights, float32 or Q8_0).
+"""NumPy forward-pass speed next to the time its matrix products alone take (random weights, float32 or
+quantized; or a checkpoint's).
 
     python -m bench.forward            # hidden 2048, 16 layers, 32/8 heads, I 5632, vocab 32000 (~3.9 GB RAM)
     python -m bench.forward --small    # a quick run on a small shape
-    python -m bench.forward --q8       # the linear weights and lm_head in Q8_0 (int8, a scale per 32)
+    python -m bench.forward --quant Q4_K   # the linear weights and lm_head in a GGUF type (kquants.TYPES)
     python -m bench.forward --dtype bfloat16   # the matrices kept in 16 bits (bfloat16 or float16)
+    python -m bench.forward --weights model.gguf   # a GGUF file or Hugging Face folder, as served
 
 For each case it times the whole forward (best of --repeats) and the same weight matmuls (q/k/v, o,
 gate/up, down per layer, lm_head for the sampled rows, through the backend's linear) on inputs of the same
@@ -26,8 +28,9 @@ from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.config import ModelConfig
 from minisarathi.dtypes import DTYPES
 from minisarathi.model.llama import LlamaModel
-from minisarathi.model.loader import CheckpointTensor
-from minisarathi.quant.layouts import IntGroups
+from minisarathi.model.loader import CheckpointTensor, load_weights
+from minisarathi.quant import kquants
+from minisarathi.quant.layouts import GgmlType, from_gguf
 from minisarathi.testing import ScheduledChunk, build_batch
 
 SMALL = dict(
@@ -43,14 +46,9 @@ SMALL = dict(
 )
 
 
-def q8_0(w: np.ndarray) -> CheckpointTensor:
-    """w[N, K] quantized as llama.cpp's Q8_0 does: per 32 weights, d = max |w| / 127 in fp16, round(w / d)."""
-    n, k = w.shape
-    groups = w.reshape(n, k // 32, 32)
-    d = (np.abs(groups).max(axis=-1) / 127).astype(np.float16)
-    safe = np.where(d == 0, 1, d).astype(np.float32)[..., None]
-    values = np.clip(np.rint(groups / safe), -127, 127).astype(np.int8).reshape(n, k)
-    return CheckpointTensor("quantized", IntGroups(values, d, 32, 8, (n, k), "Q8_0"))
+def quantized(w: np.ndarray, qtype: str) -> CheckpointTensor:
+    """w[N, K] in GGUF type `qtype` (kquants' quantizers), in its layout as a GGUF file's loads."""
+    return CheckpointTensor("quantized", from_gguf("w", GgmlType[qtype], kquants.quantize(w, qtype)))
 
 
 def random_model(args) -> LlamaModel:
@@ -73,8 +71,10 @@ def random_model(args) -> LlamaModel:
     def w(*shape):  # float32, scaled so activations stay O(1)
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[-1] ** -0.5)
 
-    def linear(*shape):  # the weights linear reads; Q8_0 where a row is whole blocks, as llama.cpp's
-        return q8_0(w(*shape)) if args.q8 and shape[-1] % 32 == 0 else w(*shape)
+    block = 256 if args.quant and args.quant.endswith("_K") else 32
+
+    def linear(*shape):  # the weights linear reads; quantized where a row is whole blocks, as llama.cpp's
+        return quantized(w(*shape), args.quant) if args.quant and shape[-1] % block == 0 else w(*shape)
 
     weights = {
         "embed_tokens": w(config.vocab_size, H),
@@ -178,7 +178,8 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a small shape for a quick run")
-    parser.add_argument("--q8", action="store_true", help="linear weights and lm_head in Q8_0")
+    parser.add_argument("--quant", choices=kquants.TYPES, help="linear weights and lm_head in this GGUF type")
+    parser.add_argument("--weights", help="a GGUF file or Hugging Face folder instead of random weights")
     parser.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="CpuOps' weight dtype (16 bits: the matrices)"
     )
@@ -196,7 +197,11 @@ def main():
     if args.small:
         for name, value in SMALL.items():
             setattr(args, name, value)
-    model = random_model(args)
+    if args.weights:
+        config = ModelConfig.from_pretrained(args.weights)
+        model = LlamaModel(config, load_weights(args.weights, config), CpuOps(args.dtype))
+    else:
+        model = random_model(args)
     bs = args.block_size
     blocks_per_seq = -(-max(args.prefill_tokens, args.context) // bs)
     batches = [int(b) for b in args.decode_batches.split(",")]
@@ -227,7 +232,7 @@ def main():
     print(
         f"\nmodel: hidden {c.hidden_size}, {c.num_hidden_layers} layers, heads {c.num_attention_heads}/"
         f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, "
-        f"{'Q8_0 linear weights' if args.q8 else args.dtype}; "
+        f"{args.weights or (f'{args.quant} linear weights' if args.quant else args.dtype)}; "
         f"block size {bs}; numpy {np.__version__}, {platform.machine()}"
     )
     print(

@@ -1,11 +1,14 @@
-"""A random-weight Llama of a real model's shape as an F16 GGUF file, for side-by-side speed runs on one file
-(llama.cpp's llama-quantize then makes its Q8_0 / Q4_K_M copies). The tokenizer metadata is copied from a
-vocabulary GGUF file, e.g. llama.cpp's models/ggml-vocab-llama-spm.gguf (Llama 2's 32,000 pieces, which
-TinyLlama-1.1B uses).
+"""A random-weight Llama of a real model's shape as a GGUF file, for side-by-side speed runs on one file:
+F16 (llama.cpp's llama-quantize then makes its Q8_0 / Q4_K_M copies), or quantized here by
+minisarathi.quant.kquants (--type Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, or Q4_K_M's mix: Q6_K for output.weight
+and the attn_v / ffn_down of llama.cpp's use_more_bits layers, Q4_K elsewhere) where llama-quantize is not
+at hand. The tokenizer metadata is copied from a vocabulary GGUF file, e.g. llama.cpp's
+models/ggml-vocab-llama-spm.gguf (Llama 2's 32,000 pieces, which TinyLlama-1.1B uses).
 
     python -m bench.random_gguf --vocab PEERS/llama.cpp/models/ggml-vocab-llama-spm.gguf \\
         --out tinyllama-f16.gguf
     PEERS/llama.cpp/build/bin/llama-quantize tinyllama-f16.gguf tinyllama-Q4_K_M.gguf Q4_K_M
+    python -m bench.random_gguf --vocab ... --type Q4_K_M --out tinyllama-q4_k_m.gguf
 
 Default shape: TinyLlama-1.1B (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads). Weights are
 normal with std 0.02, norms 1: speed does not depend on the values, and the logits stay finite.
@@ -18,6 +21,31 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from minisarathi.quant import kquants
+
+FILE_TYPES = {
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+}
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down Q4_K_M stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, name: str, layer: int | None, layers: int) -> str:
+    """A matrix's type in a file of `file_type`."""
+    if file_type != "Q4_K_M":
+        return file_type
+    more = layer is not None and name in ("attn_v", "ffn_down") and use_more_bits(layer, layers)
+    return "Q6_K" if name == "output" or more else "Q4_K"
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, vocab: Path) -> int:
@@ -43,6 +71,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--type", choices=FILE_TYPES, default="F16", help="the matrices' GGUF type")
     args = parser.parse_args()
     head_dim = args.hidden // args.heads
     writer = gguf.GGUFWriter(args.out, "llama")
@@ -58,14 +87,21 @@ def main() -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(FILE_TYPES[args.type])
     rng = np.random.default_rng(args.seed)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+    def add_matrix(name: str, rows: int, cols: int, layer: int | None = None) -> None:
+        weights = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
+        kind = tensor_type(args.type, name, layer, args.layers)
+        full = name if layer is None else f"blk.{layer}.{name}"
+        if kind == "F16":
+            writer.add_tensor(f"{full}.weight", weights.astype(np.float16))
+        else:
+            blocks = kquants.quantize(weights, kind)  # uint8[rows, bytes per row]
+            writer.add_tensor(f"{full}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
 
     ones = np.ones(args.hidden, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", matrix(vocab_size, args.hidden))
+    add_matrix("token_embd", vocab_size, args.hidden)
     for i in range(args.layers):
         kv = args.kv_heads * head_dim
         shapes = {
@@ -80,9 +116,9 @@ def main() -> None:
         writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
         for name, shape in shapes.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+            add_matrix(name, *shape, layer=i)
     writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", matrix(vocab_size, args.hidden))
+    add_matrix("output", vocab_size, args.hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

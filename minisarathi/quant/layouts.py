@@ -314,7 +314,7 @@ def _f16(field: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(field).view(np.float16)[:, 0]
 
 
-def _pack_low(codes: np.ndarray) -> np.ndarray:
+def pack_low(codes: np.ndarray) -> np.ndarray:
     """UintGroups.low, uint8[R, C // 2], from codes uint8[R, C]: code i and i+16 of a group share a byte."""
     R, C = codes.shape
     pairs = codes.reshape(R, C // UINT_GROUP, 2, UINT_GROUP // 2) & 0x0F
@@ -366,7 +366,7 @@ def _k_groups(name, kind, blocks, rows, cols, shape, high_bits, qs):
         # Q5_K: bit j of qh[l] is the fifth bit of code l of sub-block j
         fifth = (high_bits[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # uint8[N, 8, 32]
         high = np.packbits(fifth.reshape(rows, cols), axis=-1, bitorder="little")  # uint8[R, C // 8]
-    return UintGroups(_pack_low(codes), high, scale, minimum, 4 if high is None else 5, shape, kind)
+    return UintGroups(pack_low(codes), high, scale, minimum, 4 if high is None else 5, shape, kind)
 
 
 def _q4_k(name, blocks, rows, cols, shape) -> UintGroups:

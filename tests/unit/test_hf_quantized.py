@@ -301,6 +301,8 @@ def raw_parts(path: Path) -> dict:
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 def test_folder_model_is_the_float64_forward_over_its_weights(folder, device):
     fmt, path = folder
+    if device == "cpu" and not fmt.startswith("fp8"):
+        pytest.skip("kept compact on the CPU, int8 activations: tests/unit/test_quant_linear_models.py")
     model = load_model(path, device=device)
     config = ModelConfig.from_pretrained(path)
     logits, tokens = prefill_then_greedy(model, PROMPT, 12)

@@ -1,5 +1,6 @@
-"""How the CPU backend's native kernels (packed_gemm.cpp, native_attention.cpp, native_sampling.cpp) are
-built for this CPU, loaded, or turned off: their one way, over minisarathi/backends/native_build.py."""
+"""How the CPU backend's native kernels (packed_gemm.cpp, half_linear.cpp, quant_linear.cpp,
+native_attention.cpp, native_sampling.cpp) are built for this CPU, loaded, or turned off: their one way,
+over minisarathi/backends/native_build.py."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ AVX2 = frozenset({"avx2", "fma"})
 
 def cpu_library_path(source: Path, flags: list[str], purpose: str) -> Path:
     """`source` (a .cpp file) built with CXX (default g++) and `flags` for this CPU (cached); RuntimeError or
-    OSError where it cannot be."""
+    OSError where it cannot be. The headers beside it go into the cache key: a kernel may include them."""
     return build_shared_library(
         "cpu_kernels",
         source.stem,
         f'#include "{source}"\n',
-        [source],
+        [source, *sorted(source.parent.glob("*.h"))],
         os.environ.get("CXX", "g++"),
         flags,
         purpose,

@@ -4,9 +4,10 @@ It is held to the plain reference (minisarathi/backends/reference.py) op by op a
 `x` are tokens. A linear layer's weight is packed at load for the packed matmul kernel where it runs
 (AVX-512 and a C++ compiler: minisarathi/backends/cpu/packed_gemm.py); elsewhere weights keep HF's [out, in]
 layout, and a linear layer is `x @ w.T`, which BLAS reads as a transposed operand without a copy, or the
-transposed product `w @ x.T` (transposed_linear). A GGUF Q8_0 linear weight stays int8 with its scales
-(q8_linear.Q8Weight) and runs through the Q8_0 kernel (minisarathi/backends/cpu/q8_linear.py). With a
-16-bit weight dtype the matrices stay bf16 or fp16 (minisarathi/backends/cpu/half_linear.py).
+transposed product `w @ x.T` (transposed_linear). A quantized matrix (GGUF, AWQ, GPTQ) stays in its compact
+form (quant_linear.QuantWeight) and runs through the quantized kernel (minisarathi/backends/cpu/
+quant_linear.py); an embedding table kept so dequantizes only the rows looked up. With a 16-bit weight dtype
+the matrices stay bf16 or fp16 (minisarathi/backends/cpu/half_linear.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import weakref
 
 import numpy as np
 
-from minisarathi.backends.cpu import attention, half_linear, native_attention, packed_gemm, q8_linear
+from minisarathi.backends.cpu import attention, half_linear, native_attention, packed_gemm, quant_linear
 from minisarathi.backends.cpu.attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.backends.cpu.half_linear import HalfWeight
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
 from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
-from minisarathi.backends.cpu.q8_linear import Q8Weight
+from minisarathi.backends.cpu.quant_linear import QuantWeight
 from minisarathi.batch import Batch
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.sampler import Sampler
@@ -68,21 +69,23 @@ class CpuOps:
     def new_sampler(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(vocab_size, seed, eos_token_ids)
 
-    def weight(self, array: np.ndarray | CheckpointTensor) -> np.ndarray | Q8Weight:
-        """float32, or a Q8Weight for an 8-bit matrix in groups of 32 (Q8_0, GPTQ-8); other quantized
-        layouts are dequantized (their kernels are not here yet)."""
-        if isinstance(array, CheckpointTensor) and q8_linear.runs(array.data):
-            return q8_linear.q8_weight(array.data)
+    def weight(self, array: np.ndarray | CheckpointTensor) -> np.ndarray | QuantWeight | HalfWeight:
+        """float32; a QuantWeight for a quantized matrix (quant_linear.runs; other quantized layouts, FP8,
+        are dequantized); a HalfWeight for a 16-bit dtype's matrices."""
+        if isinstance(array, CheckpointTensor) and quant_linear.runs(array.data):
+            return quant_linear.quant_weight(array.data)
         if half_linear.keeps(array, self.weight_dtype):
             return half_linear.half_weight(array, self.weight_dtype)
         return np.ascontiguousarray(array, dtype=np.float32)
 
-    def linear_weight(self, placed: np.ndarray | Q8Weight) -> PackedWeight | Q8Weight | np.ndarray:
-        """A Q8Weight as it is; else packed once for the packed matmul kernel where packed_gemm.packs says
-        so (the kernel runs here, the weight is deep enough to gain, BLAS runs one thread); else `placed`
-        itself. A weight's form is fixed at load: linear uses the same kernel at every row count, so a row's
-        result is bit-identical whatever batch it is in."""
-        if isinstance(placed, (Q8Weight, HalfWeight)) or not packed_gemm.packs(placed.shape[1]):
+    def linear_weight(
+        self, placed: np.ndarray | QuantWeight | HalfWeight
+    ) -> PackedWeight | QuantWeight | HalfWeight | np.ndarray:
+        """A QuantWeight or HalfWeight as it is; else packed once for the packed matmul kernel where
+        packed_gemm.packs says so (the kernel runs here, the weight is deep enough to gain, BLAS runs one
+        thread); else `placed` itself. A weight's form is fixed at load: linear uses the same kernel at every
+        row count, so a row's result is bit-identical whatever batch it is in."""
+        if isinstance(placed, (QuantWeight, HalfWeight)) or not packed_gemm.packs(placed.shape[1]):
             return placed
         return packed_gemm.kernel().pack(placed)
 
@@ -111,10 +114,9 @@ class CpuOps:
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def embedding(self, table: np.ndarray | Q8Weight, ids: np.ndarray) -> np.ndarray:
-        if isinstance(table, Q8Weight):  # a table kept in Q8_0: only the rows asked for are widened
-            values, scale = table.values[ids], table.scale[ids]  # int8[T, H], float32[T, H // 32]
-            return (values.reshape(len(ids), -1, 32) * scale[:, :, None]).reshape(values.shape)
+    def embedding(self, table: np.ndarray | QuantWeight | HalfWeight, ids: np.ndarray) -> np.ndarray:
+        if isinstance(table, QuantWeight):  # only the rows asked for are dequantized
+            return table.rows(ids)  # float32[T, H]
         return np.take(table, ids, axis=0)  # float32[T, H]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -131,14 +133,17 @@ class CpuOps:
         return self.rms_norm(residual, w, eps), residual
 
     def linear(
-        self, x: np.ndarray, w: PackedWeight | Q8Weight | np.ndarray, bias: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        w: PackedWeight | QuantWeight | HalfWeight | np.ndarray,
+        bias: np.ndarray | None = None,
     ) -> np.ndarray:
         """float32[T, N] = x[T, K] @ w[N, K].T (+ bias); in F order (a view of the [N, T] product) where
         transposed_linear chooses the transposed product of an unpacked weight."""
         if isinstance(w, PackedWeight):
             out = packed_gemm.kernel().matmul(x, w)
-        elif isinstance(w, Q8Weight):
-            out = q8_linear.matmul(x, w)
+        elif isinstance(w, QuantWeight):
+            out = quant_linear.matmul(x, w)
         elif isinstance(w, HalfWeight):
             out = half_linear.matmul(x, w)
         elif transposed_linear(x.shape[0], self.blas_core):
