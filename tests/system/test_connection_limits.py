@@ -14,6 +14,7 @@ import resource
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -115,10 +116,10 @@ def served_on_both_doors(server) -> bool:
     return ok and status == 200
 
 
-def guesses_in(port: int, source: str, seconds: float) -> int:
-    """Wrong keys answered in `seconds`, each on a new msgpack connection."""
+def guesses_in(port: int, source: str, seconds: float, most: int = 1000) -> int:
+    """Wrong keys answered in `seconds` (`most` at most), each on a new msgpack connection."""
     end, answered = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
+    while time.monotonic() < end and answered < most:
         with connect(port, source) as sock:
             sock.settimeout(max(end - time.monotonic(), 0.01))
             sock.sendall(msgpack.packb([0, 0, "auth", [f"guess-{answered}"]]))
@@ -133,8 +134,8 @@ def guesses_in(port: int, source: str, seconds: float) -> int:
 
 def test_one_new_connection_per_guess_is_throttled_and_the_backoff_is_per_address(server):
     """301 guesses took 0.22 s: the backoff slowed only the next read of the same connection."""
-    assert guesses_in(server.port, "127.0.0.2", 0.5) >= 3  # the first few are cheap
-    assert guesses_in(server.port, "127.0.0.2", 2.0) <= 2 * 20  # after the 5th: at most 20/s
+    assert guesses_in(server.port, "127.0.0.2", 5.0, most=5) == 5  # the first few are cheap
+    assert guesses_in(server.port, "127.0.0.2", 2.0, most=41) <= 2 * 20  # after the 5th: at most 20/s
     start = time.monotonic()
     assert served_on_both_doors(server)  # the key holder's address is not slowed
     assert time.monotonic() - start < 5
@@ -208,13 +209,12 @@ def test_stalled_http_connections_are_counted_and_closed_at_the_auth_deadline(se
 
 
 def test_key_holders_are_served_with_more_stalled_connections_than_file_descriptors(server):
-    """With 1,024 file descriptors, 1,100 stalled connections locked key holders out of both doors, and
-    asyncio logged thousands of tracebacks a second."""
+    """With 1,024 file descriptors, 1,100 stalled HTTP connections (never closed, counted nowhere) locked key
+    holders out of both doors, and asyncio logged a traceback for each failed accept()."""
     stalled = []
-    for i in range(FD_LIMIT + 100):
-        port = server.http_port if i % 2 else server.port
+    for _ in range(FD_LIMIT + 100):
         with contextlib.suppress(OSError):
-            stalled.append(connect(port, "127.0.0.7"))
+            stalled.append(connect(server.http_port, "127.0.0.7"))
     assert served_on_both_doors(server)
     held = stats(server)
     assert held["connections"] < FD_LIMIT, held["connections"]
@@ -245,11 +245,15 @@ def test_a_key_removed_while_its_http_body_arrives_is_a_401(server):
 
 def test_a_probe_that_sends_one_byte_and_leaves_logs_no_traceback(server):
     """write_eof after the client had gone raised ENOTCONN: 'Unhandled exception in client_connected_cb'."""
-    for _ in range(50):
-        sock = connect(server.port, "127.0.0.8")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    for i in range(60):
+        if i % 2:
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(server.unix_socket)
+        else:
+            sock = connect(server.port, "127.0.0.8")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
         sock.sendall(b"\n")
-        sock.close()  # a reset
+        sock.close()
     time.sleep(0.5)
     assert served_on_both_doors(server)
     assert "client_connected_cb" not in open(server.log_path).read()
