@@ -140,13 +140,13 @@ class AuthGate:
 
 class Arrival:
     """A connection accepted and not yet handed to its door (during its TLS handshake): the hub counts it as
-    unauthenticated, and evicting it ends the handshake."""
+    unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
 
-    authenticated = False
     key = None
 
-    def __init__(self, address: str, peer: str):
+    def __init__(self, address: str, peer: str, authenticated: bool):
         self.address, self.peer = address, peer
+        self.authenticated = authenticated
         self.opened = time.monotonic()
         self.closed = False
         self.task: asyncio.Task | None = None
@@ -200,7 +200,8 @@ class Listener:
 
     def _arrived(self, sock: socket.socket, peer) -> None:
         tcp = isinstance(peer, tuple)
-        arrival = Arrival(peer[0] if tcp else "unix", f"{peer[0]}:{peer[1]}" if tcp else "unix")
+        address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
+        arrival = Arrival(address, name, authenticated=self.hub.keys is None)
         refused = None if not self.hub.shutting_down else "the server is shutting down"
         refused = refused or self.hub.connect(arrival)
         if refused is not None:
