@@ -19,6 +19,22 @@ A server with an API key runs the bundled model. A bystander (with the key) time
                           while they are open, 20 fresh key holders connect one after another (they must
                           all get in)
   connection_bursts       10 bursts of 1000 connections (auth, health, close): server RSS after each
+  brute_force             wrong keys from another address (127.0.0.2): a new msgpack connection per guess, and
+                          50 HTTP guessers in parallel, each a new connection per guess; guesses per second
+                          after the 5th failure (the target: <= 20)
+  slowloris               --stalled (1100) connections from 127.0.0.2, half on each door, reopened as the
+                          server closes them: silent, half a header, a body that never ends (HTTP); with
+                          --tls, stalled handshakes. The server has 1024 file descriptors. Meanwhile 20 fresh
+                          key holders on each door must be served
+  multi_prompt            one /v1/completions request of 1,020 prompts after another from a key with rpm 1,
+                          concurrent 1: the statuses it gets
+  hostile_template        chat requests that make the server's chat template (HOSTILE_TEMPLATE) run a nested
+                          range loop, lipsum(50000) or a 10**8-character string, in turn: the statuses
+
+The server has a keys file (the bystander's key, and a small one: rpm 1, concurrent 1), the HTTP door and
+HOSTILE_TEMPLATE as its chat template (only the hostile_template scenario's messages make it do harm). In
+each scenario a key holder's 300-token stream runs beside the attack: lost_streams 1 if it did not get every
+token. p99_over_idle_p99 compares the bystander's P99 with its idle one (the target: <= 3).
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
