@@ -28,7 +28,7 @@ from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
 from minisarathi.server.gate import Arrival, RateLimitedLog, bind
-from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, ListenError, bound_kernel_buffer
+from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
     CHAT_FIELDS,
@@ -321,10 +321,8 @@ class HttpDoor:
             self.app, handler_cancellation=True, access_log=None, logger=_AIOHTTP_LOG
         )
         await self._runner.setup()
-        try:
-            self._socks = bind(self.host, self.port, min(self.hub.limits.max_connections, socket.SOMAXCONN))
-        except OSError as e:
-            raise ListenError(self, e) from None
+        # (an OSError becomes the hub's ListenError naming this door)
+        self._socks = bind(self.host, self.port, min(self.hub.limits.max_connections, socket.SOMAXCONN))
         for sock in self._socks:
             self.hub.listen(sock, self._protocol)
         scheme = "http" if self.hub.tls is None else "https"

@@ -328,10 +328,10 @@ class Hub:
 
     def connect(self, conn) -> str | None:
         """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
-        max_connections. An unauthenticated connection (with keys; and any during its TLS handshake) always
-        gets in, closing the oldest unauthenticated one of its address (or of all) past their limits: a flood
-        of connections without the key never locks a key holder out, and costs the flooder its own oldest.
-        Past the file-descriptor limit, the oldest unauthenticated connection makes room, if there is one."""
+        max_connections. With keys, an unauthenticated connection (its TLS handshake included) always gets
+        in, closing the oldest unauthenticated one of its address (or of all) past their limits: a flood of
+        connections without the key never locks a key holder out, and costs the flooder its own oldest. Past
+        the file-descriptor limit, the oldest unauthenticated connection makes room, if there is one."""
         if self.max_open_connections is not None and len(self.connections) >= self.max_open_connections:
             if not self._unauthenticated:
                 return f"{len(self.connections)} connections open, near the file-descriptor limit"
@@ -376,7 +376,7 @@ class Hub:
     def _evict(self, conn):
         self.counters["unauthenticated_evicted"] += 1
         self._unauthenticated.pop(conn, None)
-        self.connections.discard(conn)  # its file descriptor is free now, whenever its door lets go of it
+        self.connections.discard(conn)  # its close() aborts its socket: the descriptor is free already
         conn.close()
 
     # ---------------------------------------------------------------- prompts and text
