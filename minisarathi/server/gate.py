@@ -172,7 +172,7 @@ class Listener:
         self._make_protocol = make_protocol
         self._task: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()
-        self._out_of_fds = RateLimitedLog(log)
+        self._accept_failed = RateLimitedLog(log)
         sock.setblocking(False)
 
     def start(self) -> None:
@@ -189,12 +189,12 @@ class Listener:
             try:
                 sock, peer = await loop.sock_accept(self.sock)
             except OSError as e:
-                if e.errno not in _OUT_OF_RESOURCES:
-                    if self.sock.fileno() == -1:  # closed: the drain began
-                        return
-                    raise
-                self._out_of_fds("cannot accept connections: %s; retrying", e.strerror)
-                await asyncio.sleep(_ACCEPT_RETRY_S)
+                if self.sock.fileno() == -1:  # closed: the drain began
+                    return
+                # out of descriptors: wait for some to close; else one connection failed (ECONNABORTED)
+                self._accept_failed("cannot accept a connection: %s; retrying", e.strerror or e)
+                if e.errno in _OUT_OF_RESOURCES:
+                    await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
             self._arrived(sock, peer)
 
@@ -202,8 +202,7 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        refused = None if not self.hub.shutting_down else "the server is shutting down"
-        refused = refused or self.hub.connect(arrival)
+        refused = self.hub.connect(arrival)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
             sock.close()

@@ -1,12 +1,15 @@
-"""gate.AuthGate on a fake clock: the per-address backoff every door shares."""
+"""gate.py: AuthGate on a fake clock (the per-address backoff every door shares), the accept loop."""
 
 import asyncio
+import errno
 import logging
+import socket
+from types import SimpleNamespace
 
 import pytest
 
 from minisarathi.server import gate
-from minisarathi.server.gate import AuthGate, RateLimitedLog
+from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
 
 
 class Clock:
@@ -126,3 +129,41 @@ def test_a_rate_limited_log_writes_one_line_per_interval_with_a_count(clock, cap
     clock.now += RateLimitedLog.INTERVAL_S
     quiet("refused %s", "y")
     assert [r.getMessage() for r in caplog.records] == ["refused x", "refused y (and 49 more like it in 60s)"]
+
+
+def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog):
+    """asyncio's server logged a traceback for each accept() that ran out of descriptors."""
+    made = []
+
+    async def serve() -> None:
+        listening = socket.create_server(("127.0.0.1", 0))
+        hub = SimpleNamespace(
+            connect=lambda conn: None,
+            disconnect=lambda conn: None,
+            keys=None,
+            limits=SimpleNamespace(auth_timeout_s=5.0),
+        )
+        listener = Listener(hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None)
+        loop = asyncio.get_running_loop()
+        accept, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")] * 5
+
+        async def sock_accept(sock):
+            if failures:
+                raise failures.pop()
+            return await accept(sock)
+
+        loop.sock_accept = sock_accept
+        listener.start()
+        with socket.create_connection(listening.getsockname()):
+            for _ in range(200):
+                if made:
+                    break
+                await asyncio.sleep(0.01)
+        listener.close()
+
+    asyncio.run(serve())
+    assert len(made) == 1 and made[0].address == "127.0.0.1"
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot accept a connection: Too many open files; retrying"
+    ]
+    assert not any(r.exc_info for r in caplog.records)
