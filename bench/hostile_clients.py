@@ -33,8 +33,8 @@ A server with an API key runs the bundled model. A bystander (with the key) time
 
 The server has a keys file (the bystander's key, and a small one: rpm 1, concurrent 1), the HTTP door and
 HOSTILE_TEMPLATE as its chat template (only the hostile_template scenario's messages make it do harm). In
-each scenario a key holder's 300-token stream runs beside the attack: lost_streams 1 if it did not get every
-token. p99_over_idle_p99 compares the bystander's P99 with its idle one (the target: <= 3).
+each of the last four scenarios a key holder's 300-token stream runs beside the attack: lost_streams 1 if it
+did not get every token. p99_over_idle_p99 compares the bystander's P99 with its idle one (the target: <= 3).
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
@@ -110,6 +110,8 @@ SCENARIOS = (
     "hostile_template",
 )
 TLS_SCENARIOS = ("brute_force", "slowloris")
+# these also run a key holder's stream beside the attack (lost_streams)
+STREAM_BESIDE = ("brute_force", "slowloris", "multi_prompt", "hostile_template")
 
 
 @dataclass(frozen=True)
@@ -818,7 +820,7 @@ def main(argv=None) -> int:
                     idle_steps = server_stats(target, first_step)["step_times"]
                     stop, process, results = run_attack(name, target)
                     time.sleep(2.0)  # the attack under way
-                    lost = stream_beside(target)
+                    lost = stream_beside(target) if name in STREAM_BESIDE else None
                     first_step = server_stats(target)["steps"]
                     latencies = bystander(target, args.samples)
                     if name in ("unauthenticated_flood", "slowloris"):  # while their connections are open
@@ -826,7 +828,8 @@ def main(argv=None) -> int:
                     if name == "slowloris":
                         report["http_key_holder_served"] = http_key_holder(target, 20)
                     held = server_stats(target, first_step)
-                    report["lost_streams"] = lost()
+                    if lost is not None:
+                        report["lost_streams"] = lost()
                     stop.set()
                     report.update(results.get(timeout=120))
                     process.join(timeout=120)

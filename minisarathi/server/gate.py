@@ -139,7 +139,7 @@ class AuthGate:
 
 
 class Arrival:
-    """A connection accepted and not yet handed to its door (during its TLS handshake): the hub counts it as
+    """A TLS connection accepted and not yet handed to its door (during its handshake): the hub counts it as
     unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
 
     key = None
@@ -202,7 +202,8 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        refused = self.hub.connect(arrival)
+        # Only a TLS handshake takes time before the door has the connection (and counts it).
+        refused = None if self.tls is None else self.hub.connect(arrival)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
             sock.close()
