@@ -743,6 +743,67 @@ def _ca_file(tmp: str, tls: bool) -> str | None:
     return os.path.join(tmp, "ca.pem") if tls else None
 
 
+def scenario_report(name: str, target: Target, server, args) -> dict:
+    """One scenario against the running server: its report (the bystander, the attack, the server after)."""
+    report = {"scenario": name, "tls": args.tls}
+    if name == "connection_bursts":
+        levels, unserved = asyncio.run(
+            connection_bursts(server.port, args.bursts, args.burst_connections, server.rss_mb)
+        )
+        report.update(
+            rss_mb_after_each_burst=levels,
+            unserved_per_burst=unserved,
+            rss_growth_mb_burst3_to_8=round(
+                levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1
+            ),
+        )
+    else:
+        # The idle latency again, just before: the machine is shared, its load drifts over a run.
+        first_step = server_stats(target)["steps"]
+        idle_now = percentiles(bystander(target, args.samples))
+        idle_steps = server_stats(target, first_step)["step_times"]
+        stop, process, results = run_attack(name, target)
+        time.sleep(2.0)  # the attack under way
+        lost = stream_beside(target) if name in STREAM_BESIDE else None
+        first_step = server_stats(target)["steps"]
+        latencies = bystander(target, args.samples)
+        if name in ("unauthenticated_flood", "slowloris"):  # while their connections are open
+            report.update(key_holder_connects(target, 20))
+        if name == "slowloris":
+            report["http_key_holder_served"] = http_key_holder(target, 20)
+        held = server_stats(target, first_step)
+        if lost is not None:
+            report["lost_streams"] = lost()
+        stop.set()
+        report.update(results.get(timeout=120))
+        process.join(timeout=120)
+        report.update(
+            percentiles(latencies),
+            idle_before=idle_now,
+            p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
+            p99_over_idle_p99=round(percentiles(latencies)["p99_ms"] / idle_now["p99_ms"], 2),
+            during={
+                k: held[k]
+                for k in (
+                    "paused",
+                    "write_buffer_bytes",
+                    "pending_calls",
+                    "unauthenticated_connections",
+                    "connections",
+                )
+            },
+            server_steps={"idle_before": idle_steps, "during": held["step_times"]},
+        )
+    settle_stats = settle(target)
+    report.update(
+        kv_blocks_used_after=settle_stats["kv_blocks_used"],
+        pending_after=settle_stats["pending_requests"],
+        rss_mb=round(server.rss_mb(), 1),
+        open_fds=server.open_fds(),
+    )
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.hostile_clients",
@@ -802,61 +863,13 @@ def main(argv=None) -> int:
             print(json.dumps({"scenario": "idle", **idle}), flush=True)
             for name in names:
                 report = {"scenario": name, "tls": args.tls}
-                if name == "connection_bursts":
-                    levels, unserved = asyncio.run(
-                        connection_bursts(server.port, args.bursts, args.burst_connections, server.rss_mb)
-                    )
-                    report.update(
-                        rss_mb_after_each_burst=levels,
-                        unserved_per_burst=unserved,
-                        rss_growth_mb_burst3_to_8=round(
-                            levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1
-                        ),
-                    )
-                else:
-                    # The idle latency again, just before: the machine is shared, its load drifts over a run.
-                    first_step = server_stats(target)["steps"]
-                    idle_now = percentiles(bystander(target, args.samples))
-                    idle_steps = server_stats(target, first_step)["step_times"]
-                    stop, process, results = run_attack(name, target)
-                    time.sleep(2.0)  # the attack under way
-                    lost = stream_beside(target) if name in STREAM_BESIDE else None
-                    first_step = server_stats(target)["steps"]
-                    latencies = bystander(target, args.samples)
-                    if name in ("unauthenticated_flood", "slowloris"):  # while their connections are open
-                        report.update(key_holder_connects(target, 20))
-                    if name == "slowloris":
-                        report["http_key_holder_served"] = http_key_holder(target, 20)
-                    held = server_stats(target, first_step)
-                    if lost is not None:
-                        report["lost_streams"] = lost()
-                    stop.set()
-                    report.update(results.get(timeout=120))
-                    process.join(timeout=120)
-                    report.update(
-                        percentiles(latencies),
-                        idle_before=idle_now,
-                        p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
-                        p99_over_idle_p99=round(percentiles(latencies)["p99_ms"] / idle_now["p99_ms"], 2),
-                        during={
-                            k: held[k]
-                            for k in (
-                                "paused",
-                                "write_buffer_bytes",
-                                "pending_calls",
-                                "unauthenticated_connections",
-                                "connections",
-                            )
-                        },
-                        server_steps={"idle_before": idle_steps, "during": held["step_times"]},
-                    )
-                settle_stats = settle(target)
-                report.update(
-                    kv_blocks_used_after=settle_stats["kv_blocks_used"],
-                    pending_after=settle_stats["pending_requests"],
-                    rss_mb=round(server.rss_mb(), 1),
-                    open_fds=server.open_fds(),
-                )
+                try:
+                    report = scenario_report(name, target, server, args)
+                except (TimeoutError, OSError) as e:  # the server stopped answering (a template that never
+                    report["server_unresponsive"] = repr(e)  # ends, say): the rest cannot run
+                    print(json.dumps(report), flush=True)
+                    server.proc.kill()
+                    break
                 print(json.dumps(report), flush=True)
     return 0
 
