@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.dtypes import DTYPES
-from minisarathi.quant.gguf_file import config_dict, is_gguf, open_gguf
+from minisarathi.quant.gguf_file import config_dict, is_gguf
 from minisarathi.quant.hf_quantized import read_scheme
 from minisarathi.validation import check_float, check_int
 
@@ -170,7 +170,7 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if is_gguf(path):
-            return cls.from_dict(config_dict(open_gguf(path), path))
+            return cls.from_dict(config_dict(path))
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"path {str(path)!r} has no config.json")

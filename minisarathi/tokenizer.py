@@ -13,10 +13,12 @@ from bisect import bisect_right
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
 from minisarathi.config import read_json_object
-from minisarathi.quant.gguf_file import is_gguf, read_tokenizer
+from minisarathi.quant import gguf_tokenizer
+from minisarathi.quant.gguf_file import is_gguf
 
 # Prompt tokens that seed the stream decoder: enough context for the decoder to treat the first generated
 # token as a continuation (leading space, merged bytes), few enough that seeding costs nothing.
@@ -29,6 +31,14 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallba
 GIL_HOLDING_MAX_CHARS = 512
 GIL_HOLDING_MAX_NON_ASCII_CHARS = 64
 GIL_HOLDING_MAX_IDS = 256
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table, in which byte-level BPE vocabularies spell their tokens: printable
+    bytes stand for themselves, the others, in order, for U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 def _read_json(path: Path) -> dict:
@@ -46,11 +56,20 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 
+def tokenizer_config(path) -> dict:
+    """A model folder's tokenizer_config.json ({} without one), or what a GGUF file's metadata gives of it
+    (chat_template, bos_token, eos_token...)."""
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_tokenizer.tokenizer_config(path)
+    return _read_json(path / "tokenizer_config.json")
+
+
 def special_tokens(path: Path) -> dict[str, str]:
-    """The folder's special tokens by name (bos_token: "<s>", ...): tokenizer_config.json's, with
+    """The model's special tokens by name (bos_token: "<s>", ...): tokenizer_config.json's, with
     special_tokens_map.json's entries over them, as transformers' from_pretrained merges the two files."""
-    config = _read_json(path / "tokenizer_config.json")
-    config.update(_read_json(path / "special_tokens_map.json"))
+    config = tokenizer_config(path)
+    config.update(_read_json(Path(path) / "special_tokens_map.json"))
     tokens = {}
     for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)
@@ -77,6 +96,11 @@ class Tokenizer:
         # None: the tokenizer.json post-processor decides; a bool overrides it (transformers does the same).
         self._add_bos = add_bos_token
         self._appended_eos = appended_eos_id  # tokenizer_config's add_eos_token (rare)
+        # a byte-level BPE's tokens spell their bytes in GPT-2's alphabet (its added tokens are plain text)
+        self._byte_of = None
+        if isinstance(tokenizer.decoder, decoders.ByteLevel):
+            self._byte_of = {c: b for b, c in byte_level_alphabet().items()}
+            self._added = set(tokenizer.get_added_tokens_decoder())
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
@@ -84,7 +108,7 @@ class Tokenizer:
         place that reads them: ModelConfig does not)."""
         path = Path(path)
         if is_gguf(path):  # a GGUF file's vocabulary, rebuilt
-            return cls(*read_tokenizer(path))
+            return cls(*gguf_tokenizer.read_tokenizer(path))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: no tokenizer.json in {path}")
         try:
@@ -184,8 +208,12 @@ class Tokenizer:
         return texts
 
     def token_bytes(self, token_id: int, text: str) -> bytes:
-        """The bytes a token stands for: a byte-fallback token's own byte, else its text's UTF-8."""
-        match = _BYTE_TOKEN.fullmatch(self.hf.id_to_token(token_id) or "")
+        """The bytes a token stands for: a byte-level BPE token's bytes or a byte-fallback token's own byte
+        (either may be part of a character), else its text's UTF-8."""
+        token = self.hf.id_to_token(token_id) or ""
+        if self._byte_of is not None and token_id not in self._added:
+            return bytes(self._byte_of[c] for c in token)
+        match = _BYTE_TOKEN.fullmatch(token)
         return bytes([int(match[1], 16)]) if match else text.encode("utf-8")
 
 

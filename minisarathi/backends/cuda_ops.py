@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +36,9 @@ from minisarathi.batch import Batch
 from minisarathi.dtypes import DTYPES, STORAGE_DTYPES, convert, dtype_name, to_float32
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.paths import cuda_dir
+from minisarathi.quant.layouts import Fp8Rows, IntGroups, Stacked, UintGroups
+
+log = logging.getLogger("minisarathi.cuda")
 
 CXX_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -58,6 +63,22 @@ TENSOR_CORE_KERNELS = {
         f"prefill_attention_kernel<{t}, {d}>" for t in ("__half", "__nv_bfloat16") for d in PREFILL_HEAD_DIMS
     ]
 }
+# Quantized-weight linears (16-bit activations): element type x weight format x row tile.
+QL = kernel_constants("quant_linear.cu")  # QL_THREADS, QL_BN, QL_BK, QL_INT8, QL_UINT4, QL_FP8, ...
+QUANT_TYPES = ("__half", "__nv_bfloat16")
+QUANT_FORMATS = (QL["QL_INT8"], QL["QL_UINT4"], QL["QL_FP8"])
+QUANT_KERNELS = {
+    "quant_linear.cu": [
+        f"quant_linear_kernel<{t}, {q}, {bm}>"
+        for t in QUANT_TYPES
+        for q in QUANT_FORMATS
+        for bm in (QL["QL_DECODE_ROWS"], QL["QL_PREFILL_ROWS"])
+    ]
+    + [f"quant_embedding_kernel<{t}, {q}>" for t in QUANT_TYPES for q in QUANT_FORMATS]
+    + [f"quant_linear_reduce_kernel<{t}>" for t in QUANT_TYPES]
+}
+QUANT_CTAS_PER_SM = 4  # quant_linear CTAs per SM a split grid aims at (4 stages x 2-4 KiB in flight each)
+QUANT_MIN_SPLIT_TILES = 4  # k tiles per split at least: shorter splits spend more on partials than they gain
 # Kernels with compile-time tiles besides the element type: file -> instantiations.
 TILED_KERNELS = {
     "decode_attention.cu": [
@@ -92,6 +113,8 @@ def name_expressions(file: str) -> list[str]:
         ]
     if file in TENSOR_CORE_KERNELS:
         return list(TENSOR_CORE_KERNELS[file])
+    if file in QUANT_KERNELS:
+        return list(QUANT_KERNELS[file])
     return list(PLAIN_KERNELS[file])
 
 
@@ -113,7 +136,7 @@ def nvrtc_options(file: str) -> tuple[str, ...]:
 
 
 def kernel_files() -> list[str]:
-    return [*TEMPLATED_KERNELS, *TENSOR_CORE_KERNELS, *PLAIN_KERNELS]
+    return [*TEMPLATED_KERNELS, *TENSOR_CORE_KERNELS, *QUANT_KERNELS, *PLAIN_KERNELS]
 
 
 class EmulatorLauncher:
@@ -357,21 +380,58 @@ class CudaOps:
         # captured graph holds only their addresses, and the upload cache drops what it holds every few steps
         self._bucket_chunk_arrays: dict[tuple, tuple] = {}
         self._shared_mem_opt_in: dict[int, int] = {}  # id(kernel) -> dynamic shared memory allowed
+        self._quant_fallbacks: set[str] = set()  # reasons quantized weights were dequantized, logged once
         # Kernel launches and cuBLAS calls issued so far (docs/performance.md counts them per step).
         # CuPy's own element-wise kernels (copies, fancy indexing) are not counted.
         self.launches = 0
 
     # ---- placement -------------------------------------------------------------------------------
     def weight(self, tensor: CheckpointTensor | np.ndarray):
-        """A weight as a device array in the activation dtype. A loader CheckpointTensor goes up in its
+        """A weight as a device array in the activation dtype, or a quantized matrix as a QuantWeight
+        (compact, for quant_linear.cu) where the kernels take it. A loader CheckpointTensor goes up in its
         stored dtype (16-bit bits as they are) and is converted on the device only if that differs from
         the activation dtype; any other array is taken as float32 values."""
-        if not isinstance(tensor, CheckpointTensor) or tensor.dtype == "quantized":  # no quantized kernel yet
+        if isinstance(tensor, CheckpointTensor) and tensor.dtype == "quantized":
+            placed = self._quant_weight(tensor.data)
+            if placed is not None:
+                return placed
+        if not isinstance(tensor, CheckpointTensor) or tensor.dtype == "quantized":
             tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
         return _aligned(convert(self.launcher.to_device(tensor.data), tensor.dtype, self.dtype), "weight")
 
     def linear_weight(self, placed):
-        return placed  # cuBLAS reads the [N, K] weight as it is
+        return placed  # cuBLAS reads the [N, K] weight as it is; a QuantWeight is packed already
+
+    def _quant_weight(self, layout) -> QuantWeight | None:
+        """`layout` on the device in quant_linear.cu's form, or None (logged once per reason) where the
+        kernels do not take it and it is dequantized instead."""
+        reason = (
+            "float32 activations (the kernels feed 16-bit tensor cores)" if self.dtype == "float32" else None
+        )
+        parts = layout.parts if isinstance(layout, Stacked) else (layout,)
+        forms = [] if reason else [_quant_form(p) for p in parts]
+        reason = reason or next((f for f in forms if isinstance(f, str)), None)
+        if reason is not None:
+            if reason not in self._quant_fallbacks:
+                self._quant_fallbacks.add(reason)
+                log.info("quantized %s weights dequantized at load: %s", layout.source, reason)
+            return None
+        to = self.launcher.to_device
+        placed = []
+        for form, codes, scale, minimum, group in forms:
+            N, K = codes.shape
+            Np, Kp = -(-N // QL["QL_BN"]) * QL["QL_BN"], -(-K // QL["QL_BK"]) * QL["QL_BK"]
+            scale_t, min_t = (
+                None
+                if a is None
+                else _pad(a.astype(np.float16), (Np, Kp // group)).T.copy()  # fp16[Kp/g, Np]
+                for a in (scale, minimum)
+            )
+            packed = _aligned(to(_pack_codes(_pad(codes, (Np, Kp)), form)), "quantized weight")
+            scale_d = _aligned(to(scale_t), "quantized scales")
+            min_d = scale_d if min_t is None else _aligned(to(min_t), "quantized minimums")
+            placed.append(QuantPart(form, packed, scale_d, min_d, group, (N, K), Np))
+        return QuantWeight(tuple(placed))
 
     def zeros(self, shape: tuple[int, ...]):
         """A zeroed device array in the activation dtype (the KV cache is made of these)."""
@@ -478,6 +538,8 @@ class CudaOps:
 
     # ---- ops ---------------------------------------------------------------------------------------
     def embedding(self, table, ids):
+        if isinstance(table, QuantWeight):
+            return self._quant_embedding(table, ids)
         self._check(table, "table")
         ids_host = np.asarray(ids) if isinstance(ids, np.ndarray) else None
         V, H = table.shape
@@ -490,6 +552,34 @@ class CudaOps:
                 (_grid_stride_blocks(T * H),),
                 (256,),
                 (table, self._metadata(ids), out, np.int32(T), np.int32(V), np.int32(H)),
+            )
+        return out
+
+    def _quant_embedding(self, table: QuantWeight, ids):
+        """Rows `ids` of a quantized table [V, H], dequantized to the activation dtype: [T, H]."""
+        (part,) = table.parts  # an embedding table is one matrix, never a stack
+        V, H = part.shape
+        ids_host = np.asarray(ids) if isinstance(ids, np.ndarray) else None
+        if ids_host is not None and len(ids_host) and (ids_host.min() < 0 or ids_host.max() >= V):
+            raise ValueError(f"ids must be in [0, {V}), got values {ids_host.min()}..{ids_host.max()}")
+        out = self.xp.empty((len(ids), H), dtype=self.activation_dtype)
+        if len(ids):
+            self._plain_kernel(
+                "quant_linear.cu", f"quant_embedding_kernel<{CXX_TYPES[self.dtype]}, {part.form}>"
+            )(
+                (_grid_stride_blocks(len(ids) * H),),
+                (256,),
+                (
+                    part.packed,
+                    part.scale,
+                    part.minimum,
+                    self._metadata(ids),
+                    out,
+                    np.int32(len(ids)),
+                    np.int32(H),
+                    np.int32(part.padded_rows),
+                    np.int32(part.group.bit_length() - 1),
+                ),
             )
         return out
 
@@ -518,10 +608,96 @@ class CudaOps:
             )
         return out, residual
 
-    def linear(self, x, w, bias=None):
+    def linear(self, x, w, bias=None, splits: int | None = None):
+        """x[T, K] @ w[N, K].T (+ bias): cuBLAS, or quant_linear.cu for a QuantWeight (`splits` forces its
+        number of k splits)."""
         self._check(x, "x")
+        if isinstance(w, QuantWeight):
+            return self._quant_linear(x, w, bias, splits)
         self.launches += 1
         return self.launcher.matmul_t(x, w, bias)
+
+    def _quant_linear(self, x, w: QuantWeight, bias, splits: int | None):
+        x = _aligned(self.xp.ascontiguousarray(x), "x")
+        M, K = x.shape
+        if K != w.shape[1]:
+            raise ValueError(f"x has {K} features, the quantized weight {w.shape[1]}")
+        out = self.xp.empty((M, w.shape[0]), dtype=x.dtype)  # [M, N]
+        col0 = 0
+        for part in w.parts:
+            n = part.shape[0]
+            if M:
+                part_bias = None if bias is None else bias[col0 : col0 + n]
+                self._quant_part(x, part, part_bias, out, col0, splits)
+            col0 += n
+        return out
+
+    def _quant_part(self, x, part: QuantPart, bias, out, col0: int, splits: int | None) -> None:
+        """Writes out[:, col0 : col0 + N] = x @ part^T (+ bias): quant_linear_kernel, the decode tile for up
+        to QL_DECODE_ROWS rows, K split over the grid where it is too small to fill the GPU."""
+        M, K = x.shape
+        N = part.shape[0]
+        decode = M <= QL["QL_DECODE_ROWS"]
+        rows = QL["QL_DECODE_ROWS"] if decode else QL["QL_PREFILL_ROWS"]
+        stages = QL["QL_DECODE_STAGES"] if decode else QL["QL_PREFILL_STAGES"]
+        unit = 512 if part.form == QL["QL_UINT4"] else 1024
+        smem = stages * (
+            rows * (QL["QL_BK"] + QL["QL_PAD"]) * x.dtype.itemsize
+            + 4 * unit
+            + 4 * QL["QL_SCALE_ROWS"] * QL["QL_BN"]
+        )
+        grid = (part.padded_rows // QL["QL_BN"], -(-M // rows))
+        tiles = -(-K // QL["QL_BK"])
+        if splits is None:
+            splits = _quant_splits(grid[0] * grid[1], tiles, self.launcher.multiprocessors)
+        split_tiles = -(-tiles // min(splits, tiles))
+        splits = -(-tiles // split_tiles)
+        partial = self.xp.empty((splits, M, N) if splits > 1 else (1,), dtype=np.float32)
+        has_bias = np.int32(bias is not None)
+        bias = x if bias is None else bias  # unread
+        kernel = self._plain_kernel(
+            "quant_linear.cu", f"quant_linear_kernel<{CXX_TYPES[self.dtype]}, {part.form}, {rows}>"
+        )
+        self._allow_shared_mem(kernel, smem)
+        kernel(
+            (*grid, splits),
+            (QL["QL_THREADS"],),
+            (
+                x,
+                part.packed,
+                part.scale,
+                part.minimum,
+                bias,
+                out,
+                partial,
+                np.int32(M),
+                np.int32(N),
+                np.int32(K),
+                np.int32(part.padded_rows),
+                np.int32(part.group.bit_length() - 1),
+                np.int32(split_tiles),
+                np.int32(out.shape[1]),
+                np.int32(col0),
+                has_bias,
+            ),
+            shared_mem=smem,
+        )
+        if splits > 1:
+            self._plain_kernel("quant_linear.cu", f"quant_linear_reduce_kernel<{CXX_TYPES[self.dtype]}>")(
+                (_grid_stride_blocks(M * N),),
+                (256,),
+                (
+                    partial,
+                    bias,
+                    out,
+                    np.int32(M),
+                    np.int32(N),
+                    np.int32(splits),
+                    np.int32(out.shape[1]),
+                    np.int32(col0),
+                    has_bias,
+                ),
+            )
 
     def rope_store_kv(self, q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin) -> None:
         """One launch: rotates q[T, Hq, D] in place and writes the rotated k[T, Hk, D] and v into the cache at
@@ -979,6 +1155,104 @@ class CudaOps:
             uniform,
             ctas_per_row,
         )
+
+
+@dataclass(frozen=True, eq=False)
+class QuantPart:
+    """A quantized matrix [N, K] on the device in quant_linear.cu's layout (described at its top)."""
+
+    form: int  # QL_INT8 | QL_UINT4 | QL_FP8
+    packed: object  # uint8[Kp / 64 * Np / 16 * unit bytes]: the codes, zero-padded to [Np, Kp]
+    scale: object  # float16[Kp / group, Np]
+    minimum: object  # float16[Kp / group, Np] for QL_UINT4 (else `scale`, unread)
+    group: int
+    shape: tuple[int, int]
+    padded_rows: int  # Np
+
+
+@dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """A linear weight kept quantized on the device: parts [N_i, K] stacked on their rows (a fused weight
+    whose parts a file stores in different types), each written into its columns of the output."""
+
+    parts: tuple[QuantPart, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes: the packed codes, scales and minimums (LlamaModel.weight_bytes adds these up)."""
+        return sum(
+            p.packed.nbytes + p.scale.nbytes + (p.minimum is not p.scale) * p.minimum.nbytes
+            for p in self.parts
+        )
+
+
+def _quant_form(layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int] | str:
+    """(form, codes uint8[N, K], scale float32[N, K / group], minimum float32[N, K / group] or None, group)
+    of a quantized layout for quant_linear.cu, or why the kernels do not take it. Codes are the int8
+    values' bytes (QL_INT8), 4-bit codes (QL_UINT4) or E4M3 bytes (QL_FP8, the row scale per 32 weights)."""
+    if len(layout.shape) != 2:
+        return f"a {len(layout.shape)}-d quantized tensor"
+    N, K = layout.shape
+    if N % 2 or K % 8:
+        return f"shape {N} x {K} (rows must be even and columns a multiple of 8)"
+    if (
+        isinstance(layout, IntGroups)
+        and QL["QL_BK"] % layout.group == 0
+        and layout.group >= QL["QL_MIN_GROUP"]
+    ):
+        form = (
+            QL["QL_INT8"],
+            layout.values.view(np.uint8),
+            layout.scale.astype(np.float32),
+            None,
+            layout.group,
+        )
+    elif isinstance(layout, UintGroups) and layout.bits == 4:
+        form = (QL["QL_UINT4"], layout.codes(), layout.scale, layout.minimum, layout.group)
+    elif isinstance(layout, Fp8Rows) and K % 32 == 0:
+        if ((layout.values & 0x7F) == 0x7F).any():
+            return "FP8 weights that are NaN"
+        form = (QL["QL_FP8"], layout.values, np.repeat(layout.scale[:, None], K // 32, axis=1), None, 32)
+    else:
+        bits = getattr(layout, "bits", 8)
+        return (
+            f"{type(layout).__name__} of {bits} bits in groups of {getattr(layout, 'group', K)} (no kernel)"
+        )
+    for a in form[2:4]:
+        if a is not None and not np.isfinite(a.astype(np.float16)).all():
+            return "scales or minimums outside float16's range"
+    return form
+
+
+def _pad(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """a[R, C] with zeros appended to `shape`."""
+    return np.pad(a, [(0, shape[0] - a.shape[0]), (0, shape[1] - a.shape[1])])
+
+
+def _pack_codes(codes: np.ndarray, form: int) -> np.ndarray:
+    """quant_linear.cu's packed weights from codes uint8[Np, Kp] (multiples of 64): units of 16 rows x 64
+    columns, [Kp / 64][Np / 16], each lane's fragment weights contiguous (the layout at the file's top).
+    Row n = 16 nb + 8 j + g, column k = 64 kt + 16 kk + 8 h + 2 t + e0; a fragment's weight e = 2 h + e0."""
+    Np, Kp = codes.shape
+    c = codes.reshape(Np // 16, 2, 8, Kp // 64, 4, 2, 4, 2)  # nb, j, g, kt, kk, h, t, e0
+    if form == QL["QL_UINT4"]:
+        c = c.transpose(3, 0, 2, 6, 4, 1, 5, 7).reshape(-1, 2) & 0x0F  # kt, nb, g, t, kk, (nibble 4j + e)
+        return (c[:, 0] | (c[:, 1] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(c.transpose(3, 0, 1, 2, 6, 4, 5, 7)).reshape(-1)  # kt, nb, j, g, t, kk, e
+
+
+def _quant_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
+    """K splits for a quant_linear grid of `ctas` CTAs over `tiles` k tiles: a weight stream is bound by
+    bandwidth only with enough bytes in flight, so a grid of fewer than QUANT_CTAS_PER_SM CTAs per SM is
+    split along K into about that many, each split at least QUANT_MIN_SPLIT_TILES tiles long."""
+    target = QUANT_CTAS_PER_SM * multiprocessors
+    if ctas >= target:
+        return 1
+    return max(1, min(-(-target // ctas), tiles // QUANT_MIN_SPLIT_TILES))
 
 
 def _refuse_copy_while_capturing(direction: str) -> None:

@@ -125,6 +125,16 @@ class LLMEngine:
             # otherwise be millions of blocks, and host bookkeeping (free list, tables) that grows with them.
             num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
+        block_bytes = self.model.kv_cache_bytes_per_block(config.block_size)
+        log.info(
+            "weights: %s, %.1f MiB on %s; KV pool: %d blocks of %d tokens, %.1f MiB",
+            self.model.weight_format,
+            self.model.weight_bytes / 2**20,
+            config.device,
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / 2**20,
+        )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
         self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
@@ -632,6 +642,8 @@ class LLMEngine:
             "tokens_generated": self.num_generated_tokens,
             "steps": len(self.step_records),
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "weight_format": self.model.weight_format,  # the matrices' storage: "bfloat16", "Q4_K+Q6_K", ...
+            "weight_bytes": self.model.weight_bytes,  # what the placed weights take, over all ranks
             "ranks": self.model.rank_info(),  # one process per rank: rank, pid, host, device
             # coefficients (s per unit), fits, predicted/actual histogram
             "cost_model": self.cost_model.summary(),

@@ -19,7 +19,7 @@ from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
 from minisarathi.model.decode_graphs import DecodeGraphs
-from minisarathi.model.loader import load_weights
+from minisarathi.model.loader import load_weights, weight_format
 from minisarathi.parallel.communicator import Communicator
 from minisarathi.validation import check_int
 
@@ -71,6 +71,11 @@ class LlamaModel:
         self.rope_cos_sin = ops.constant(config.rope_cos_sin())  # float32[max_position_embeddings, D]
         self.scale = config.head_dim**-0.5
         self.decode_graphs: DecodeGraphs | None = None  # use_decode_buckets() sets it
+        self.weight_format = weight_format(weights)  # "bfloat16", "Q4_K+Q6_K", ...
+        placed = [self.embed_tokens, self.norm, self.lm_head]
+        placed += [w for layer in self.layers for w in vars(layer).values() if w is not None]
+        # what the placed weights take in the backend's memory (a tied lm_head's packed copy included)
+        self.weight_bytes = sum(w.nbytes for w in {id(w): w for w in placed}.values())
 
     def _place(self, name: str, array: Any | None) -> Any:
         if array is None:
@@ -108,7 +113,15 @@ class LlamaModel:
 
     def rank_info(self) -> list[dict]:
         """The processes that run the model (tensor parallelism has one per rank)."""
-        return [{"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "device": self.ops.device}]
+        return [
+            {
+                "rank": 0,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "device": self.ops.device,
+                "weight_bytes": self.weight_bytes,
+            }
+        ]
 
     def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         """The backend's sampler for forward(..., device_logits=True)'s logits."""

@@ -67,7 +67,9 @@ class TensorParallelModel:
         self.rank_timeout_s = rank_timeout_s
         self._rank_config = shard_config(self.config, size)
         self._failure: TensorParallelError | None = None
-        self._ranks: list[dict] = []  # per rank: rank, pid, host, device, free_memory_bytes (once started)
+        self._ranks: list[
+            dict
+        ] = []  # per rank: rank, pid, host, device, free_memory_bytes, weight_bytes/format (once started)
         mpiexec = find_mpiexec()
         self._dir = tempfile.TemporaryDirectory(prefix="minisarathi-tp-")
         address = os.path.join(self._dir.name, "rank0.sock")
@@ -145,7 +147,15 @@ class TensorParallelModel:
         return min(free) if free else None
 
     def rank_info(self) -> list[dict]:
-        return [{k: r[k] for k in ("rank", "pid", "host", "device")} for r in self._ranks]
+        return [{k: r[k] for k in ("rank", "pid", "host", "device", "weight_bytes")} for r in self._ranks]
+
+    @property
+    def weight_format(self) -> str:
+        return self._ranks[0]["weight_format"]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(r["weight_bytes"] for r in self._ranks)
 
     def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> Sampler:
         return Sampler(self.config.vocab_size, seed, eos_token_ids)  # the logits come back as float32 NumPy

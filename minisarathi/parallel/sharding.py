@@ -17,6 +17,7 @@ import numpy as np
 
 from minisarathi.config import ModelConfig
 from minisarathi.model.loader import CheckpointTensor
+from minisarathi.quant.layouts import take_columns, take_rows
 from minisarathi.validation import check_int
 
 
@@ -55,23 +56,29 @@ def shard_weights(
     sharded = {}
     for name in weights:
         tensor = weights[name]
-        if tensor.dtype == "quantized":  # sharded as float32 until the shards keep whole groups
-            tensor = CheckpointTensor("float32", np.asarray(tensor, dtype=np.float32))
         kind = name.rsplit(".", 1)[-1]
-        if kind in ("qkv_proj", "qkv_bias"):
-            data = tensor.data[qkv]
-        elif kind == "gate_up_proj":
-            data = tensor.data[gate_up]
-        elif kind == "o_proj":
-            data = tensor.data[:, q_rows]
-        elif kind == "down_proj":
-            data = tensor.data[:, i_rows]
-        elif kind == "o_bias" and rank > 0:
-            data = np.zeros_like(tensor.data)  # the row-parallel sum adds rank 0's copy once
-        else:
-            data = tensor.data
-        sharded[name] = CheckpointTensor(tensor.dtype, np.ascontiguousarray(data))
+        try:
+            data = _shard(tensor, kind, rank, qkv, gate_up, q_rows, i_rows)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        sharded[name] = CheckpointTensor(tensor.dtype, data)
     return sharded
+
+
+def _shard(tensor: CheckpointTensor, kind: str, rank: int, qkv, gate_up, q_rows, i_rows):
+    """One tensor's share: an array, or a quantized layout sliced on whole groups (layouts.take_rows and
+    take_columns), so a rank keeps the file's compact form."""
+    data, quantized = tensor.data, tensor.dtype == "quantized"
+    rows = qkv if kind in ("qkv_proj", "qkv_bias") else gate_up if kind == "gate_up_proj" else None
+    if rows is not None:
+        return take_rows(data, rows) if quantized else np.ascontiguousarray(data[rows])
+    columns = q_rows if kind == "o_proj" else i_rows if kind == "down_proj" else None
+    if columns is not None:
+        start, stop = int(columns[0]), int(columns[-1]) + 1
+        return take_columns(data, start, stop) if quantized else np.ascontiguousarray(data[:, start:stop])
+    if kind == "o_bias" and rank > 0:
+        return np.zeros_like(data)  # the row-parallel sum adds rank 0's copy once
+    return data
 
 
 def _part(n: int, rank: int, size: int) -> np.ndarray:

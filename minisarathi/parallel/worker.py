@@ -63,6 +63,8 @@ def serve(comm, model_dir: str, device: str, dtype: str, address: str) -> None:
             "host": socket.gethostname(),
             "device": device,
             "free_memory_bytes": backend.free_memory_bytes(),
+            "weight_bytes": model.weight_bytes,
+            "weight_format": model.weight_format,
         },
         root=0,
     )

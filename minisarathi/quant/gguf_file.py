@@ -1,11 +1,11 @@
-"""A GGUF file as a model: its config, weights and tokenizer, read with llama.cpp's `gguf` package.
+"""A GGUF file as a model: its config and weights, read with llama.cpp's `gguf` package (its tokenizer:
+minisarathi/quant/gguf_tokenizer.py).
 
-The hyper-parameters come from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*`, and each
-tensor is converted with minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the
-embedding table and lm_head) stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as
-stored, views of the file (a backend widens what it has no kernel for when it places it). Tensors are
-renamed to the Hugging Face names that model/loader.py fuses, so a GGUF file goes through the same checks
-and fusion as a safetensors folder.
+The hyper-parameters come from the `{arch}.*` metadata, and each tensor is converted with
+minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the embedding table and lm_head)
+stay in their layouts, IntGroups or UintGroups, and F32/F16/BF16 tensors as stored, views of the file (a
+backend widens what it has no kernel for when it places it). Tensors are renamed to the Hugging Face names
+that model/loader.py fuses, so a GGUF file goes through the same checks and fusion as a safetensors folder.
 
 llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (and their biases) so that
 ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
@@ -16,6 +16,7 @@ back. Qwen2 files are converted without that reordering (ggml rotates them in th
 from __future__ import annotations
 
 import logging
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +30,6 @@ log = logging.getLogger("minisarathi.gguf")
 MAGIC = b"GGUF"
 # general.architecture -> (Hugging Face architecture, whether the converter permuted Q/K for ggml's RoPE)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
-TOKENIZER_MODELS = ("llama",)  # SentencePiece BPE with scores
 # ggml tensor names (after "blk.N.") -> the Hugging Face names model/loader.py reads
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,8 +56,6 @@ GLOBAL_TENSORS = {
 QUANTIZED_WEIGHTS = tuple(f"{p}_proj.weight" for p in "qkvo") + ("gate_proj.weight", "up_proj.weight")
 QUANTIZED_WEIGHTS += ("down_proj.weight", "lm_head.weight", "embed_tokens.weight")
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored as plain arrays (layouts.Dense): no conversion
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 class UnsupportedGGUF(ValueError):
@@ -87,9 +85,83 @@ def open_gguf(path: str | Path):
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def metadata(reader) -> dict:
+# GGUF value types (gguf.GGUFValueType) -> NumPy dtype; 8 is a string, 9 an array
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8"}
+_SCALARS.update({11: "<i8", 12: "<f8"})
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: str | Path) -> tuple[dict, dict[str, list[int]]]:
+    """(every key-value field as Python values, as gguf's ReaderField.contents() gives them; each tensor's
+    dimensions, ggml's order: a matrix's row length first), read from the file's header alone.
+    gguf.GGUFReader makes a NumPy view of every string, which for Llama 3's 128k tokens and 280k merges
+    took 47 s and 616 MiB on a 2-core VM; this takes about a second."""
+    import mmap
+
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            return _Header(data).read()
+        except (struct.error, ValueError) as e:  # a cut or corrupt header: past the end, bad UTF-8
+            raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+class _Header:
+    """A cursor over a GGUF file's header (little-endian, version 2 or 3)."""
+
+    def __init__(self, data):
+        self.data, self.at = data, 0
+
+    def read(self) -> tuple[dict, dict[str, list[int]]]:
+        if self.data[:4] != MAGIC:
+            raise ValueError("no GGUF magic")
+        self.at = 4
+        version = self.scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 and 3, little-endian)")
+        n_tensors, n_fields = self.scalar(10), self.scalar(10)
+        fields = {}
+        for _ in range(n_fields):
+            name = self.string()
+            fields[name] = self.value(self.scalar(4))
+        shapes = {}
+        for _ in range(n_tensors):
+            name = self.string()
+            shapes[name] = [self.scalar(10) for _ in range(self.scalar(4))]
+            self.at += 4 + 8  # its type and data offset
+        return fields, shapes
+
+    def scalar(self, kind: int):
+        dtype = np.dtype(_SCALARS[kind])
+        value = np.frombuffer(self.data, dtype, 1, self.at)[0].item()
+        self.at += dtype.itemsize
+        return value
+
+    def string(self) -> str:
+        (size,) = struct.unpack_from("<Q", self.data, self.at)
+        start, self.at = self.at + 8, self.at + 8 + size
+        if self.at > len(self.data):
+            raise ValueError("a string runs past the end")
+        return self.data[start : self.at].decode("utf-8")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            if kind not in _SCALARS:
+                raise ValueError(f"unknown value type {kind}")
+            return self.scalar(kind)
+        item, count = self.scalar(4), self.scalar(10)
+        if item in _SCALARS:  # numbers in one read
+            dtype = np.dtype(_SCALARS[item])
+            values = np.frombuffer(self.data, dtype, count, self.at).tolist()
+            self.at += dtype.itemsize * count
+            return values
+        return [self.value(item) for _ in range(count)]
+
+
+def metadata(path: str | Path) -> dict:
     """Every key-value field of the file, as Python values (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return read_header(path)[0]
 
 
 def architecture(meta: dict, path) -> tuple[str, str, bool]:
@@ -107,11 +179,11 @@ def _float(value) -> float:
     return float(str(np.float32(value)))
 
 
-def config_dict(reader, path) -> dict:
+def config_dict(path) -> dict:
     """A Hugging Face config.json dict of the file's model, for ModelConfig.from_dict."""
-    meta = metadata(reader)
+    meta, shapes = read_header(path)
     arch, hf_arch, _ = architecture(meta, path)
-    names = {t.name for t in reader.tensors}
+    names = set(shapes)
 
     def get(key: str, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -140,7 +212,7 @@ def config_dict(reader, path) -> dict:
             f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (linear, none)"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embed = shapes.get("token_embd.weight")
     if tokens is None and embed is None:
         raise UnsupportedGGUF(
             f"{path}: neither tokenizer.ggml.tokens nor token_embd.weight gives the vocabulary"
@@ -157,7 +229,7 @@ def config_dict(reader, path) -> dict:
         "rms_norm_eps": _float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _float(get("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
-        "vocab_size": len(tokens) if tokens is not None else int(embed.shape[-1]),
+        "vocab_size": len(tokens) if tokens is not None else embed[-1],
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": hf_arch == "LlamaForCausalLM" and "blk.0.attn_q.bias" in names,
         "dtype": "float32",  # what the weights are after dequantization
@@ -196,10 +268,9 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     stored (float32, float16, or bfloat16 bits as uint16; a quantized vector dequantized to float32), under
     the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
+    _, _, permuted = architecture(metadata(path), path)
+    config = config_dict(path)
     reader = open_gguf(path)
-    meta = metadata(reader)
-    _, _, permuted = architecture(meta, path)
-    config = config_dict(reader, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, types = {}, Counter()
     file_bytes = 0
@@ -253,85 +324,3 @@ def hf_name(name: str, path) -> str:
     if block == "blk" and layer.isdigit() and rest in LAYER_TENSORS:
         return f"model.layers.{layer}.{LAYER_TENSORS[rest]}"
     raise UnsupportedGGUF(f"{path}: tensor {name!r} is not one this loader knows")
-
-
-def read_tokenizer(path: str | Path):
-    """(tokenizers.Tokenizer, bos id, eos ids, add_bos, appended eos id) as tokenizer.Tokenizer takes
-    them, rebuilt from the file's tokenizer.ggml.* metadata."""
-    meta = metadata(open_gguf(path))
-    model = meta.get("tokenizer.ggml.model")
-    if model not in TOKENIZER_MODELS:
-        raise UnsupportedGGUF(
-            f"{path}: tokenizer model {model!r} is not supported (supported: {', '.join(TOKENIZER_MODELS)})"
-        )
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise UnsupportedGGUF(f"{path}: the metadata has no tokenizer.ggml.tokens")
-    n = len(tokens)
-    scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
-    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    hf = llama_tokenizer(
-        tokens,
-        scores,
-        types,
-        meta.get("tokenizer.ggml.merges"),
-        unk,
-        bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-    )
-    eos_ids = tuple(dict.fromkeys(t for t in (eos, meta.get("tokenizer.ggml.eot_token_id")) if t is not None))
-    return hf, bos, eos_ids, add_bos and bos is not None, eos if add_eos else None
-
-
-def merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's: it joins the adjacent pair whose joined piece scores
-    highest, so each split of a normal piece into two pieces is a merge, ranked by that piece's score."""
-    index = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for i, piece in enumerate(tokens):
-        if types[i] != NORMAL or len(piece) < 2:
-            continue
-        splits = [
-            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in index and piece[k:] in index
-        ]
-        # of one piece's splits, the one whose parts score higher first (transformers' GGUF converter's order)
-        splits.sort(key=lambda lr: (scores[index[lr[0]]], scores[index[lr[1]]]), reverse=True)
-        merges.extend((-scores[i], i, n, split) for n, split in enumerate(splits))
-    return [split for *_, split in sorted(merges)]
-
-
-def llama_tokenizer(tokens, scores, types, merges, unk, add_space_prefix: bool):
-    """A `tokenizers` BPE tokenizer of a SentencePiece/llama vocabulary: byte fallback to `<0xXX>` tokens,
-    `▁` for spaces (one prepended to the text), merges from the file or else from the scores."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:
-        pairs = merges_from_scores(tokens, scores, types)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(
-        vocab,
-        pairs,
-        unk_token=tokens[unk] if unk is not None else None,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    hf.decoder = decoders.Sequence(steps)
-    special = [i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)]
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
-    if user:
-        hf.add_tokens([AddedToken(tokens[i], normalized=False) for i in user])
-    return hf

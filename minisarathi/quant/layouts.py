@@ -214,14 +214,49 @@ def concatenate_rows(parts: list) -> np.ndarray | IntGroups | UintGroups | Stack
     )
 
 
-def take_rows(layout: IntGroups | UintGroups, rows: np.ndarray) -> IntGroups | UintGroups:
+def take_rows(layout, rows: np.ndarray):
     """Rows `rows` (int[n]) of a quantized matrix [R, C], in that order: a row's codes, scales and
-    minimums move with it, so the result is lossless (a reordering such as llama.cpp's Q/K one)."""
+    minimums move with it, so the result is lossless (a reordering such as llama.cpp's Q/K one, or a
+    tensor-parallel rank's share)."""
     shape = (len(rows), *layout.shape[1:])
-    if isinstance(layout, IntGroups):
+    if isinstance(layout, Stacked):
+        starts = np.cumsum([0] + [p.shape[0] for p in layout.parts])  # int[parts + 1]
+        picks = []  # (part, its rows) for each run of consecutive rows within one part
+        for row in rows:
+            part = int(np.searchsorted(starts, row, side="right")) - 1
+            if picks and picks[-1][0] == part:
+                picks[-1][1].append(row - starts[part])
+            else:
+                picks.append((part, [row - starts[part]]))
+        return concatenate_rows([take_rows(layout.parts[i], np.array(r)) for i, r in picks])
+    if isinstance(layout, IntGroups | Fp8Rows):
         return replace(layout, values=layout.values[rows], scale=layout.scale[rows], shape=shape)
     high = None if layout.high is None else layout.high[rows]
     low, scale, minimum = layout.low[rows], layout.scale[rows], layout.minimum[rows]
+    return replace(layout, low=low, high=high, scale=scale, minimum=minimum, shape=shape)
+
+
+def take_columns(layout, start: int, stop: int):
+    """Columns start..stop of a quantized matrix [R, C], losslessly: a row-parallel rank's share. Groups
+    never split: ValueError where start or stop falls inside one."""
+    if isinstance(layout, Stacked):
+        return Stacked(tuple(take_columns(p, start, stop) for p in layout.parts))
+    group = 1 if isinstance(layout, Fp8Rows) else layout.group
+    if start % group or stop % group:
+        raise ValueError(
+            f"columns {start}..{stop} split a {layout.source} group of {group} weights: choose a "
+            "tensor_parallel_size whose shares are whole groups"
+        )
+    shape = (layout.shape[0], stop - start)
+    if isinstance(layout, Fp8Rows):
+        return replace(layout, values=layout.values[:, start:stop], shape=shape)
+    g0, g1 = start // group, stop // group
+    if isinstance(layout, IntGroups):
+        return replace(layout, values=layout.values[:, start:stop], scale=layout.scale[:, g0:g1], shape=shape)
+    # a group's 32 codes lie in 16 low bytes (and 4 high bytes where bits == 5)
+    high = None if layout.high is None else layout.high[:, g0 * group // 8 : g1 * group // 8]
+    low = layout.low[:, g0 * group // 2 : g1 * group // 2]
+    scale, minimum = layout.scale[:, g0:g1], layout.minimum[:, g0:g1]
     return replace(layout, low=low, high=high, scale=scale, minimum=minimum, shape=shape)
 
 

@@ -81,6 +81,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics, /health and /ready on this port (0 picks a free one)",
     )
     h.add_argument(
+        "--metrics-key-labels",
+        action="store_true",
+        help="/metrics also counts per key, labelled by the keys file's names (anyone can read /metrics)",
+    )
+    h.add_argument(
         "--served-model-name",
         default=None,
         help="the model's name in the HTTP API (default: the model folder's name)",
@@ -135,6 +140,11 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             ("--http-host", door, "needs --http-port or --metrics-port"),
             ("--served-model-name", door, "needs --http-port or --metrics-port"),
             ("--chat-template", http, "needs --http-port"),
+            (
+                "--metrics-key-labels",
+                door and args.keys_file is not None,
+                "needs --keys-file, and --http-port or --metrics-port",
+            ),
         ],
     )
 
@@ -210,7 +220,7 @@ def _add_http_doors(hub, args: argparse.Namespace, model_dir: Path, template) ->
     engine = hub.engine
     metrics = Metrics(name, engine.max_model_len, engine.config.chunk_size)
     hub.finish_listeners.append(metrics.request_finished)
-    metrics.watch_hub(hub)
+    metrics.watch_hub(hub, args.metrics_key_labels)
     host = args.http_host or args.host
     if args.http_port is not None:
         hub.doors.append(HttpDoor(hub, host, args.http_port, name, template, metrics))

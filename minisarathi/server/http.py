@@ -26,7 +26,7 @@ from aiohttp import web
 
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
-from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError
+from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
 from minisarathi.server.gate import Arrival, RateLimitedLog, bind
 from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
@@ -285,7 +285,11 @@ class HttpDoor:
         self.hub = hub
         self.host, self.port = host, port
         self.model_name = model_name
-        self.chat_template = chat_template
+        self.templates = (
+            None
+            if chat_template is None
+            else TemplateWorker(chat_template, hub.limits.template_timeout_s, hub.max_prompt_bytes)
+        )
         self.metrics = metrics
         self.limits = DoorLimits(
             hub.max_prompt_tokens,
@@ -314,6 +318,8 @@ class HttpDoor:
         self.app = app
 
     async def start(self) -> list[str]:
+        if self.templates is not None:
+            await self.templates.start()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
         # The hub accepts the connections (counted from accept on, the TLS handshake under its deadline);
         # aiohttp's handler serves each, logging to a logger that keeps a flood of bad requests quiet.
@@ -340,6 +346,8 @@ class HttpDoor:
 
     async def stop(self) -> None:
         self._stop_listening()
+        if self.templates is not None:
+            await self.templates.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -487,6 +495,7 @@ class HttpDoor:
             "created": self._created,
             "owned_by": "minisarathi",
             "max_model_len": self.hub.engine.max_model_len,
+            "weight_format": self.hub.engine.model.weight_format,
         }
 
     async def _completions(self, request):
@@ -501,7 +510,7 @@ class HttpDoor:
         request_id = self._request_id(request, "chat")
         received = time.monotonic()
         body = await self._json(request)
-        if self.chat_template is None:
+        if self.templates is None:
             raise OpenAIError(
                 400,
                 "this model has no chat template (chat_template in tokenizer_config.json or "
@@ -510,23 +519,15 @@ class HttpDoor:
                 param="messages",
                 code="no_chat_template",
             )
-
-        def render(messages, add_generation_prompt):
-            try:
-                return self.chat_template.render(messages, add_generation_prompt)
-            except ChatTemplateError as e:
-                raise OpenAIError(
-                    400, f"the chat template refused the messages: {e}", param="messages"
-                ) from None
-
-        parsed = parse_chat(body, self.model_name, self.limits, render)
+        parsed = parse_chat(body, self.model_name, self.limits)
         call = _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
         await self._prepare(call, "messages", add_special_tokens=False)
         return await self._generate(request, call)
 
     async def _prepare(self, call: _Call, param: str, add_special_tokens: bool) -> None:
-        """What the queue and the key's quota would refuse is refused before any tokenizing; then the text
-        prompts become token ids, and a max_tokens the client left out fits the key and the context."""
+        """What the queue and the key's quota would refuse is refused before any rendering or tokenizing;
+        then a chat request's messages are rendered (in the template worker), the text prompts become token
+        ids, and a max_tokens the client left out fits the key and the context."""
         parsed = call.request
         self._fit_max_tokens(call)
         prompts, n = parsed.prompts, parsed.params.n
@@ -535,6 +536,13 @@ class HttpDoor:
             self.hub.precheck(call.key, parsed.params.max_tokens, floor, len(prompts) * n, len(prompts))
         except RPCError as e:
             raise _from_rpc(e, self.hub.accepting) from None
+        if parsed.messages is not None:
+            try:
+                parsed.prompt_texts[0] = await self.templates.render(
+                    parsed.messages, parsed.add_generation_prompt
+                )
+            except ChatTemplateError as e:
+                raise OpenAIError(400, f"the chat template refused the messages: {e}", param=param) from None
         await self._encode_prompts(parsed, param, add_special_tokens)
         self._fit_max_tokens(call)
 

@@ -136,7 +136,7 @@ class Hub:
         )
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
-        self._max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
+        self.max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -384,9 +384,9 @@ class Hub:
     def check_prompt_bytes(self, text: str, name: str) -> None:
         """RPCError(PROMPT_TOO_LONG) for a text prompt of more bytes than max_prompt_tokens tokens can hold:
         refused before the tokenizer spends time on it."""
-        if len(text) > self._max_prompt_bytes // 4:  # a character is at most 4 bytes
+        if len(text) > self.max_prompt_bytes // 4:  # a character is at most 4 bytes
             num_bytes = len(text.encode("utf-8", "surrogatepass"))
-            if num_bytes > self._max_prompt_bytes:
+            if num_bytes > self.max_prompt_bytes:
                 raise RPCError(
                     PROMPT_TOO_LONG,
                     f"{name} has {num_bytes} bytes, more than the "

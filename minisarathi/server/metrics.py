@@ -6,7 +6,8 @@ request's tokens (aborted ones included). The engine's state is read at scrape t
 between steps: the gauges, the engine's own counters (preemptions, prefix-cache queries and hits), and
 the steps since the last scrape for `iteration_tokens_total` (the engine keeps its latest 50,000 steps).
 A third, read at scrape time on the loop: the server's security counters (failed auths, paused requests,
-unauthenticated connections) and per-key quotas, labelled only by the names in the keys file.
+unauthenticated connections) and, with key_labels (`--metrics-key-labels`), per-key quotas labelled by the
+names in the keys file: /metrics is open, and would otherwise tell anyone every key's name and usage.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ class Metrics:
         self._next_step = 0
         self.registry.register(_EngineCollector(self))
 
-    def watch_hub(self, hub) -> None:
-        """Export `hub.security_stats()` at every scrape (Hub, minisarathi/server/hub.py)."""
-        self.registry.register(_SecurityCollector(hub, self._labels))
+    def watch_hub(self, hub, key_labels: bool = False) -> None:
+        """Export `hub.security_stats()` at every scrape (Hub, minisarathi/server/hub.py), its per-key
+        counters only with key_labels."""
+        self.registry.register(_SecurityCollector(hub, self._labels, key_labels))
 
     def request_finished(self, r: FinishedRequest) -> None:
         self.request_success.labels(self._labels["model_name"], r.finish_reason).inc()
@@ -269,9 +271,10 @@ class _EngineCollector:
 
 
 class _SecurityCollector:
-    def __init__(self, hub, labels: dict):
+    def __init__(self, hub, labels: dict, key_labels: bool):
         self._hub = hub
         self._labels = labels
+        self._key_labels = key_labels
 
     def collect(self):
         state, names, values = self._hub.security_stats(), list(self._labels), list(self._labels.values())
@@ -304,6 +307,8 @@ class _SecurityCollector:
             metric = kind(PREFIX + name, doc, labels=names)
             metric.add_metric(values, value)
             yield metric
+        if not self._key_labels:
+            return
         per_key = state.get("keys", {})
         for field, kind, name, doc in (
             ("requests", CounterMetricFamily, "key_requests", "Requests admitted, by API key name."),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -41,12 +42,14 @@ from minisarathi.server.protocol import (
     UNAUTHORIZED,
     UNKNOWN_METHOD,
     UNPACKER_READ_SIZE,
+    ConnectionOptions,
     RPCError,
     ServerLimits,
     as_text,
     make_unpacker,
     pack,
     parse_generate,
+    parse_options,
     short,
     single_param,
     text_params,
@@ -100,6 +103,7 @@ class _Connection:
         self.auth_failures = 0
         self.auth_failed = False  # its last auth failed: its next message waits for its address's turn
         self.stalled = False  # its output waits unread: its requests are paused
+        self.options = ConnectionOptions()  # its error form, notifications or not (the `options` call)
         self._on_stall = on_stall  # called once each time the output backs up
         self._held: list[bytes] | None = None  # while corked: the packed messages sent, in order
         self.output_ended = False  # end_output() was called: nothing more is sent
@@ -146,13 +150,14 @@ class _Connection:
             return 0
 
     def respond(self, msgid: int, error: RPCError | None, result=None):
-        self.send([RESPONSE, msgid, None if error is None else error.to_wire(), result])
+        self.send([RESPONSE, msgid, None if error is None else error.to_wire(self.options.errors), result])
 
     def protocol_error(self, msgid: int | None, error: RPCError):
         """A response when the msgid is known; otherwise a notification, since a response's msgid must be a
         uint32 and a made-up one could match a real request."""
         if msgid is None:
-            self.send([NOTIFICATION, ERROR_NOTIFICATION, [error.to_wire()]])
+            if self.options.notifications:
+                self.send([NOTIFICATION, ERROR_NOTIFICATION, [error.to_wire(self.options.errors)]])
         else:
             self.respond(msgid, error)
 
@@ -464,7 +469,7 @@ class MsgpackDoor:
         method = _method_name(method, msgid)
         try:
             # Auth first: a client without the key learns nothing about methods or params.
-            if not conn.authenticated and method != "auth":
+            if not conn.authenticated and method not in ("auth", "options"):
                 raise RPCError(UNAUTHORIZED, "call auth with the API key first")
             handler = self._handlers.get(method)
             if handler is None:
@@ -527,6 +532,7 @@ class MsgpackDoor:
             conn.close(flush=True)  # not taken: the closed connection sends the client elsewhere
             return None
         request = parse_generate(params, self.limits)
+        request.stream = request.stream and conn.options.notifications
         n, max_tokens = request.params.n, request.params.max_tokens
         # what the key's quota and the queue would refuse, before any tokenizing (a text: 1 token at least)
         hub.precheck(conn.key, max_tokens, len(request.prompt_token_ids or [0]) + n * max_tokens, n, 1)
@@ -660,6 +666,8 @@ class MsgpackDoor:
             "device": config.device,
             "enable_prefix_caching": config.enable_prefix_caching,
             "tensor_parallel_size": config.tensor_parallel_size,
+            "weight_format": engine.model.weight_format,
+            "weight_bytes": engine.model.weight_bytes,
             "max_prompt_tokens": self.hub.max_prompt_tokens,
             "max_tokens": self.limits.max_tokens,
         }
@@ -720,7 +728,13 @@ class MsgpackDoor:
         conn.default_priority = key.priority
         return True
 
+    def _options(self, conn, msgid, params) -> dict:
+        """Before auth too, so that auth's own error comes in the form the client reads."""
+        conn.options = parse_options(params, conn.options)
+        return dataclasses.asdict(conn.options)
+
     _handlers = {
+        "options": _options,
         "generate": _generate,
         "abort": _abort,
         "tokenize": _tokenize,

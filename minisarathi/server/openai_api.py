@@ -80,6 +80,8 @@ class GenerationRequest:
     model: str
     priority: int | None = None  # lower runs first (vLLM's extension); None: the server's default
     max_tokens_given: bool = True  # False: a chat request without one (the door fits it to the key)
+    messages: list[dict] | None = None  # a chat request's, until the door renders them into prompt_texts[0]
+    add_generation_prompt: bool = True
 
 
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
@@ -179,16 +181,15 @@ def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
     )
 
 
-def parse_chat(body, model: str, limits: DoorLimits, render) -> GenerationRequest:
-    """A /v1/chat/completions body; render(messages, add_generation_prompt) -> text (raises ValueError naming
-    the rule). The rendered text is left for the door to tokenize, without added special tokens (the template
-    writes its own), and check with check_prompt_length."""
+def parse_chat(body, model: str, limits: DoorLimits) -> GenerationRequest:
+    """A /v1/chat/completions body. Its messages are left for the door to render (in the template worker,
+    after the quota check), then to tokenize without added special tokens (the template writes its own) and
+    check with check_prompt_length."""
     body = _check_body(body, CHAT_FIELDS, model)
     messages = _messages(body.get("messages"))
     add_generation_prompt = body.get("add_generation_prompt", True)
     if not isinstance(add_generation_prompt, bool):
         raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
-    text = render(messages, add_generation_prompt)
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad("logprobs", f"logprobs must be a boolean, got {_show(logprobs)}")
@@ -203,9 +204,10 @@ def parse_chat(body, model: str, limits: DoorLimits, render) -> GenerationReques
     # Without a limit the answer may run to the end of the context, as in OpenAI, within the server's cap.
     given = max_tokens is not None
     request = _request(
-        body, model, limits, [text], [None], limits.max_tokens if not given else max_tokens, name, wanted
+        body, model, limits, [None], [None], limits.max_tokens if not given else max_tokens, name, wanted
     )
     request.max_tokens_given = given
+    request.messages, request.add_generation_prompt = messages, add_generation_prompt
     return request
 
 

@@ -56,7 +56,12 @@ class RPCError(Exception):
     def name(self) -> str:
         return ERROR_NAMES.get(self.code, "unknown")
 
-    def to_wire(self) -> dict:
+    def to_wire(self, form: str = "map"):
+        """The error slot's value in a connection's error form (ConnectionOptions.errors)."""
+        if form == "string":
+            return f"{self.name}: {self.message}"
+        if form == "array":
+            return [self.code, self.message]
         wire = {"code": self.code, "message": self.message}
         if self.retry_after_s is not None:
             wire["retry_after_s"] = self.retry_after_s
@@ -72,6 +77,34 @@ class RPCError(Exception):
                 retry if isinstance(retry, (int, float)) else None,
             )
         return cls(INTERNAL, repr(error))
+
+
+ERROR_FORMS = ("map", "string", "array")
+
+
+@dataclass
+class ConnectionOptions:
+    """What a connection chose with `options` (docs/protocol.md, Other clients), for clients that read only
+    some of the protocol: Neovim's rpcrequest shows an error that is not a string as "unknown error", and
+    some clients break on any notification."""
+
+    errors: str = "map"  # "map" {code, message}, "string" "name: message", "array" [code, message]
+    notifications: bool = True  # False: `stream: true` answers once, and no `error` notification is sent
+
+
+def parse_options(params: list, current: ConnectionOptions) -> ConnectionOptions:
+    """`options` takes [map] of ConnectionOptions' fields; those left out keep their value."""
+    fields = single_param(params, "options", dict)
+    for key, value in fields.items():
+        if key == "errors" and value not in ERROR_FORMS:
+            raise RPCError(
+                INVALID_PARAMS, f"errors must be one of {', '.join(ERROR_FORMS)}, got {short(repr(value))}"
+            )
+        if key == "notifications" and not isinstance(value, bool):
+            raise RPCError(INVALID_PARAMS, f"notifications must be a bool, got {wire_type(value)}")
+        if key not in ("errors", "notifications"):
+            raise RPCError(INVALID_PARAMS, f"unknown option {short(repr(key))}")
+    return dataclasses.replace(current, **fields)
 
 
 MAY_BE_ZERO = {"drain_delay_s"}  # ServerLimits fields whose 0 means "none"
@@ -115,6 +148,7 @@ class ServerLimits:
     # health checks take the replica out before it refuses anything (docs/deploy.md); then drain.
     drain_delay_s: float = 0.0
     shutdown_grace_s: float = 5.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    template_timeout_s: float = 1.0  # one chat template render (its worker process is killed past it)
     max_n: int = 8  # choices per prompt (`n`)
     # prompts in one /v1/completions request; each prompt x n counts as a request against a key's quota
     max_prompts: int = 64

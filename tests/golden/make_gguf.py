@@ -112,10 +112,11 @@ def default_type(qtype: T, data: np.ndarray) -> T:
 
 
 def write_gguf(
-    folder: Path, out: Path, qtype: T = T.F32, *, tokenizer: bool = True, type_of=None, file_type=None
+    folder: Path, out: Path, qtype: T = T.F32, *, tokenizer=True, type_of=None, file_type=None
 ) -> Path:
     """`folder`'s model as a GGUF file at `out`, each tensor in default_type(qtype, array), or in
-    type_of(GGUF name, array) where given (then file_type is the file's general.file_type)."""
+    type_of(GGUF name, array) where given (then file_type is the file's general.file_type). tokenizer:
+    True for the folder's, False for none, or a function that adds another's to the gguf.GGUFWriter."""
     hp = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     arch = ARCHS[hp["architectures"][0]]
     heads, kv_heads = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
@@ -141,7 +142,9 @@ def write_gguf(
             raise ValueError(f"{folder}: RoPE scaling {scaling.rope_type!r} is not written here")
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling.factor)
-    if tokenizer:
+    if callable(tokenizer):
+        tokenizer(writer)
+    elif tokenizer:
         add_tokenizer(writer, folder)
     for name, tensor in read_checkpoint(folder).items():
         data = np.asarray(tensor, dtype=np.float32)

@@ -376,6 +376,7 @@ def test_logprobs_match_llm_generate(server, model_with_template):
 def test_models_health_ready_metrics_and_request_id(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["stories260K"]
+    assert models.data[0].model_dump()["weight_format"] == "float32"
     assert server.client.models.retrieve("stories260K").model_dump() == models.data[0].model_dump()
     status, _, body = raw(server, "GET", "/v1/models/gpt-5")
     assert status == 404 and body["error"]["code"] == "model_not_found"

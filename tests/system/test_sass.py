@@ -227,3 +227,33 @@ def test_sample_kernel_token_loops_read_shared_memory_with_native_atomics(arch):
     for body in token_loops:
         assert not any(re.match(r"(LDL|STL)\b", t) for t in body), (arch, body)
     assert resources(log)["sample_kernel"].registers <= 64
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_quant_linear_main_loop_dequantizes_into_tensor_cores(arch):
+    """Every quant_linear instantiation: the k-tile loop issues HMMA fed by LDSM (x fragments by ldmatrix)
+    and 128-bit shared loads of the packed weights, with the next tile's 16-byte cp.async and its wait; a
+    tile is 4 k16 steps x 2 n8 tiles per unit x m16 blocks per warp: 8 HMMA at the decode tile (one unit,
+    one block), 32 at the prefill tile (two units, two blocks). No local memory."""
+    kernels = functions(compile_file("quant_linear.cu", arch)[0])
+    for name in cuda_ops.name_expressions("quant_linear.cu"):
+        match = re.match(r"quant_linear_kernel<(\w+), (\d), (\d+)>", name)
+        if not match:
+            continue
+        cxx, form, rows = match.groups()
+        prefix = f"_Z19quant_linear_kernelI{MANGLED_TYPES[cxx]}Li{form}ELi{rows}E"
+        mangled = [m for m in kernels if m.startswith(prefix)]
+        assert len(mangled) == 1, (name, list(kernels))
+        code = kernels[mangled[0]]
+        mma = "HMMA.16816.F32.BF16" if cxx == "__nv_bfloat16" else "HMMA.16816.F32"
+        loops = [body for body in loop_bodies(code) if any(t.startswith("HMMA") for t in body)]
+        assert len(loops) == 1, f"{name} ({arch}): {len(loops)} loops issue HMMA"
+        loop = loops[0]
+        expected = 8 if int(rows) == cuda_ops.QL["QL_DECODE_ROWS"] else 32
+        assert sum(t.startswith(mma) for t in loop) == expected, f"{name} ({arch}): HMMA per tile"
+        assert any(t.startswith("LDSM.16.M88.4") for t in loop), f"{name} ({arch}): x not by ldmatrix"
+        assert any(t.startswith("LDS.128") for t in loop), f"{name} ({arch}): weights not by 128-bit LDS"
+        assert any("LDGSTS.E.BYPASS.128" in t for t in loop) and any(t.startswith("DEPBAR") for t in loop), (
+            f"{name} ({arch}): no 16-byte cp.async of the next tile and its wait in the tile loop"
+        )
+        assert not any(re.match(r"(LDL|STL)\b", t) for _, t in code), f"{name} ({arch}) uses local memory"

@@ -246,6 +246,7 @@ def test_raw_msgpack_pipelining_out_of_order(server):
     assert responses[11]["status"] == "ok"
     assert responses[12][0] == 1  # BOS
     assert responses[14]["vocab_size"] == 512
+    assert responses[14]["weight_format"] == "float32" and responses[14]["weight_bytes"] > 4 * 260_000
     assert "".join(c["text"] for c in chunks) == responses[13]["text"]
     assert responses[10]["completion_tokens"] == 40 and responses[10]["finish_reason"] == "length"
     conn.send([0, 15, "detokenize", [responses[12]]])

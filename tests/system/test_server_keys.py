@@ -30,13 +30,14 @@ def keyed(tmp_path_factory):
         "carol": add_key(path, "carol", concurrent=1),
         "erin": add_key(path, "erin", rpm=2),
     }
-    with launch_server("--keys-file", str(path), *HTTP_ARGS) as server:
+    with launch_server("--keys-file", str(path), *HTTP_ARGS, *KEY_LABELS) as server:
         server.keys_path, server.secrets = path, secrets
         server.http_port = http_port(server)
         yield server
 
 
 HTTP_ARGS = ("--http-port", "0") if importlib.util.find_spec("aiohttp") else ()
+KEY_LABELS = ("--metrics-key-labels",) if HTTP_ARGS else ()
 
 
 def http_port(server, scheme: str = "http") -> int | None:

@@ -3,6 +3,7 @@ logits within 1e-5 relative) for the bundled model and every golden model whose 
 a rank that dies or hangs fails the step with a clear error instead of hanging; wrong sizes and a missing MPI
 are refused with errors that name the rule and the install command."""
 
+import importlib.util
 import inspect
 import os
 import re
@@ -49,6 +50,24 @@ def test_tensor_parallel_equals_one_process(name, size):
         logits, tokens = prefill_then_greedy(model, prompt, 12, chunk_size=8)
         assert [r["rank"] for r in model.rank_info()] == list(range(size))
         assert len({r["pid"] for r in model.rank_info()}) == size
+    finally:
+        model.close()
+    assert relative_error(logits, want_logits) <= 1e-5
+    assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("file", ["kquant-q4_k_m.gguf", "kquant-q8_0.gguf"])
+def test_tensor_parallel_shards_quantized_gguf_weights_on_whole_groups(file, tmp_path):
+    # Q4_K_M's fused q/k/v mixes Q4_K and Q6_K parts; each rank keeps its rows and whole groups of columns
+    spec = importlib.util.spec_from_file_location("make_kquant", GOLDEN / "make_kquant_gguf.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    path = make.write(tmp_path, file)
+    prompt = [1, *range(3, 200, 7)]
+    want_logits, want_tokens = prefill_then_greedy(load_model(path), prompt, 8, chunk_size=8)
+    model = TensorParallelModel(path, "cpu", "auto", 2, rank_timeout_s=120)
+    try:
+        logits, tokens = prefill_then_greedy(model, prompt, 8, chunk_size=8)
     finally:
         model.close()
     assert relative_error(logits, want_logits) <= 1e-5

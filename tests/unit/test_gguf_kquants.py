@@ -3,6 +3,7 @@ tests/golden/make_kquant_gguf.py (256-wide rows, so K-quants hold them), one fil
 Q4_K_M's mix, written into a temporary folder. Each is checked against a float64 forward over the gguf
 package's own dequantization of the file, and for the bytes it keeps."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -168,16 +169,52 @@ def test_loaded_bytes_are_the_layouts_of_the_files_types(files, types):
         assert ratio <= 1.3
 
 
-def test_sharding_widens_quantized_tensors(files):
+@pytest.mark.parametrize("types", ["Q4_K_M", "Q5_K", "Q6_K"])
+def test_sharding_keeps_the_layouts_and_slices_whole_groups(files, types):
     from minisarathi.parallel.sharding import shard_weights
 
-    config = ModelConfig.from_pretrained(files["Q4_K_M"])
-    weights = load_weights(files["Q4_K_M"], config)
-    full = np.asarray(weights["layers.1.gate_up_proj"])
-    half = shard_weights(weights, config, 1, 2)["layers.1.gate_up_proj"]
-    inter = config.intermediate_size
-    assert half.dtype == "float32"
-    assert np.array_equal(half.data, np.concatenate([full[inter // 2 : inter], full[inter + inter // 2 :]]))
+    config = ModelConfig.from_pretrained(files[types])
+    weights = load_weights(files[types], config)
+    assert (types == "Q4_K_M") == isinstance(weights["layers.1.qkv_proj"].data, Stacked)
+    for rank in range(2):
+        shard = shard_weights(weights, config, rank, 2)
+        for name, tensor in shard.items():
+            full = np.asarray(weights[name])
+            assert tensor.dtype == weights[name].dtype, name
+            kind = name.rsplit(".", 1)[-1]
+            q, kv = (config.num_attention_heads * 64, config.num_key_value_heads * 64)
+            i = config.intermediate_size
+            if kind == "qkv_proj":
+                rows = [
+                    range(r0 + rank * n // 2, r0 + (rank + 1) * n // 2)
+                    for r0, n in ((0, q), (q, kv), (q + kv, kv))
+                ]
+                want = full[np.concatenate([np.array(r) for r in rows])]
+            elif kind == "gate_up_proj":
+                want = full[
+                    np.r_[rank * i // 2 : (rank + 1) * i // 2, i + rank * i // 2 : i + (rank + 1) * i // 2]
+                ]
+            elif kind == "o_proj":
+                want = full[:, rank * q // 2 : (rank + 1) * q // 2]
+            elif kind == "down_proj":
+                want = full[:, rank * i // 2 : (rank + 1) * i // 2]
+            else:
+                want = full
+            got = np.asarray(tensor)
+            assert np.array_equal(got, want), name
+            if tensor.dtype == "quantized":  # compact: as many bytes as its share of the weights
+                assert tensor.data.nbytes * full.size == pytest.approx(weights[name].data.nbytes * got.size)
+
+
+def test_a_shard_that_splits_a_group_is_refused_with_the_tensor_named(files):
+    from minisarathi.parallel.sharding import shard_weights
+
+    config = ModelConfig.from_pretrained(files["Q8_0"])
+    weights = load_weights(files["Q8_0"], config)
+    # 768 intermediate columns over 16 ranks are 48 each: down_proj's groups of 32 would split
+    wide = dataclasses.replace(config, num_attention_heads=16, num_key_value_heads=16)
+    with pytest.raises(ValueError, match=r"layers\.0\.down_proj: columns 48\.\.96 split a Q8_0 group of 32"):
+        shard_weights({"layers.0.down_proj": weights["layers.0.down_proj"]}, wide, 1, 16)
 
 
 def test_quantized_blocks_are_read_from_the_file_not_through_the_map(files, monkeypatch):

@@ -90,3 +90,24 @@ def test_engine_state_iteration_tokens_and_the_gpu_gauge():
     cupy = types.SimpleNamespace(__name__="cupy", get_default_memory_pool=lambda: pool)
     metrics.read_engine(stub_engine(xp=cupy))
     assert samples(metrics)[(p + "gpu_memory_used_bytes", ())] == 123456789
+
+
+def stub_hub():
+    counters = {"requests": 3, "rate_limited": 1, "prompt_tokens": 30, "completion_tokens": 12, "inflight": 0}
+    state = {"auth_failures": 2, "unauthenticated_connections": 0, "paused": 0, "unread_aborts": 0}
+    return types.SimpleNamespace(security_stats=lambda: {**state, "keys": {"alice-laptop": dict(counters)}})
+
+
+def test_key_names_and_usage_only_with_key_labels():
+    """/metrics is open: by default it shows the server's counters but no key's name or usage."""
+    anyone = Metrics("m", 64, 16)
+    anyone.watch_hub(stub_hub())
+    text = anyone.exposition().decode()
+    assert "alice-laptop" not in text and "minisarathi:key_" not in text
+    assert samples(anyone)[("minisarathi:auth_failures_total", ())] == 2
+    labelled = Metrics("m", 64, 16)
+    labelled.watch_hub(stub_hub(), key_labels=True)
+    got = samples(labelled)
+    key = (("key", "alice-laptop"),)
+    assert got[("minisarathi:key_requests_total", key)] == 3
+    assert got[("minisarathi:key_generation_tokens_total", key)] == 12

@@ -10,11 +10,8 @@ USER = {"role": "user", "content": "Hi"}
 
 
 def chat(**body):
-    rendered = []
-    request = parse_chat(
-        {"messages": [USER], **body}, "m", LIMITS, lambda messages, add: rendered.append(messages) or "x"
-    )
-    return request, rendered[0]
+    request = parse_chat({"messages": [USER], **body}, "m", LIMITS)
+    return request, request.messages
 
 
 def refused(**body) -> str:

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from minisarathi.quant.layouts import (  # noqa: E402
     Dense,
+    Fp8Rows,
     IntGroups,
     Stacked,
     UintGroups,
@@ -20,6 +21,8 @@ from minisarathi.quant.layouts import (  # noqa: E402
     concatenate_rows,
     from_gguf,
     from_reader_tensor,
+    take_columns,
+    take_rows,
 )
 
 QUANTIZED = [T.Q8_0, T.Q4_0]  # gguf.quants quantizes these (and BF16)
@@ -241,3 +244,29 @@ def test_fused_parts_concatenate_losslessly(types, kind):
     assert np.array_equal(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]))
     with pytest.raises(ValueError, match="do not concatenate"):
         concatenate_rows([*parts, np.zeros((1, 512), np.float32)])
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K,), (T.Q5_K,), (T.Q6_K,), (T.Q8_0,), (T.Q4_K, T.Q6_K)], ids=str)
+def test_rows_and_whole_group_columns_slice_losslessly(types):
+    rng = np.random.default_rng(3)
+    parts = [from_gguf(f"part{i}", t, source(rng, t, (4 + i, 512))) for i, t in enumerate(types)]
+    layout = concatenate_rows(parts)
+    full = layout.dequantize()
+    rows = np.array([len(full) - 1, 0, 2, 3, 1])  # across the parts of a Stacked, out of order
+    assert np.array_equal(take_rows(layout, rows).dequantize(), full[rows])
+    for start, stop in [(0, 256), (256, 512), (64, 96)]:
+        share = take_columns(layout, start, stop)
+        assert share.shape == (len(full), stop - start)
+        assert np.array_equal(share.dequantize(), full[:, start:stop])
+    with pytest.raises(ValueError, match="split a .* group of (16|32) weights"):
+        take_columns(layout, 8, 256)
+
+
+def test_fp8_rows_slice_on_any_column():
+    rng = np.random.default_rng(4)
+    layout = Fp8Rows(
+        rng.integers(0, 0x7E, (6, 40), dtype=np.uint8), rng.random(6, np.float32), None, (6, 40), "fp8"
+    )
+    full = layout.dequantize()
+    assert np.array_equal(take_columns(layout, 3, 17).dequantize(), full[:, 3:17])
+    assert np.array_equal(take_rows(layout, np.array([5, 1])).dequantize(), full[[5, 1]])

@@ -46,6 +46,10 @@ class PackedWeight:
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.panels.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
 
 class PackedGemm:
     """The loaded library's path `isa` ("avx512" or "avx2"; None: the widest this CPU runs), whose panel width
