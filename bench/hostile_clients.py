@@ -19,6 +19,22 @@ A server with an API key runs the bundled model. A bystander (with the key) time
                           while they are open, 20 fresh key holders connect one after another (they must
                           all get in)
   connection_bursts       10 bursts of 1000 connections (auth, health, close): server RSS after each
+  brute_force             wrong keys from another address (127.0.0.2): a new msgpack connection per guess, and
+                          50 HTTP guessers in parallel, each a new connection per guess; guesses per second
+                          after the 5th failure (the target: <= 20)
+  slowloris               --stalled (1100) connections from 127.0.0.2, half on each door, reopened as the
+                          server closes them: silent, half a header, a body that never ends (HTTP); with
+                          --tls, stalled handshakes. The server has 1024 file descriptors. Meanwhile 20 fresh
+                          key holders on each door must be served
+  multi_prompt            one /v1/completions request of 1,020 prompts after another from a key with rpm 1,
+                          concurrent 1: the statuses it gets
+  hostile_template        chat requests that make the server's chat template (HOSTILE_TEMPLATE) run a nested
+                          range loop, lipsum(50000) or a 10**8-character string, in turn: the statuses
+
+The server has a keys file (the bystander's key, and a small one: rpm 1, concurrent 1), the HTTP door and
+HOSTILE_TEMPLATE as its chat template (only the hostile_template scenario's messages make it do harm). In
+each of the last four scenarios a key holder's 300-token stream runs beside the attack: lost_streams 1 if it
+did not get every token. p99_over_idle_p99 compares the bystander's P99 with its idle one (the target: <= 3).
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
@@ -41,24 +57,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
+import itertools
 import json
 import multiprocessing
 import os
+import resource
 import socket
+import ssl
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
 from bench.server_process import serving
 from minisarathi.cli_args import engine_options_from_args
-from minisarathi.client import Client
+from minisarathi.client import Client, RPCError
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.sampling_params import SamplingParams
+from minisarathi.server.auth import hash_secret
 from minisarathi.server.cli import add_serve_arguments
 
 KEY = "bench-hostile-clients-key"
+SMALL_KEY = "bench-hostile-clients-small-key"  # rpm 1, concurrent 1
+MODEL = "stories260K"
+ATTACKER = "127.0.0.2"  # attacks that earn a per-address backoff come from here, not the bystander's address
+STALLED = 1100  # slowloris: more connections than the server's file-descriptor limit (FD_LIMIT)
+FD_LIMIT = 1024
+# A chat template a model could ship: what it runs depends on the last message (hostile_template).
+HOSTILE_TEMPLATE = """{%- set c = messages[-1]['content'] -%}
+{%- if c == 'range_loop' -%}
+{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
+{%- elif c == 'lipsum' -%}{{ lipsum(50000) }}
+{%- elif c == 'huge_string' -%}{{ 'a' * 10**8 }}
+{%- else -%}{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}{%- endif -%}"""
+# each scenario of docs/reliability.md's issue-26 table; --tls runs those marked so over TLS
 SCENARIOS = (
     "stop_lists",
     "same_load_without_stops",
@@ -67,12 +104,36 @@ SCENARIOS = (
     "unread_streams",
     "unauthenticated_flood",
     "connection_bursts",
+    "brute_force",
+    "slowloris",
+    "multi_prompt",
+    "hostile_template",
 )
+TLS_SCENARIOS = ("brute_force", "slowloris")
+# these also run a key holder's stream beside the attack (lost_streams)
+STREAM_BESIDE = ("brute_force", "slowloris", "multi_prompt", "hostile_template")
 
 
-def bystander(port: int, samples: int) -> list[float]:
+@dataclass(frozen=True)
+class Target:
+    """The server under attack (its msgpack and HTTP ports, the CA file of its TLS certificate with --tls),
+    and the size of the slowloris attack."""
+
+    port: int
+    http_port: int
+    tls_ca: str | None = None
+    stalled: int = STALLED  # slowloris's connections
+
+    def tls(self) -> ssl.SSLContext | None:
+        return None if self.tls_ca is None else ssl.create_default_context(cafile=self.tls_ca)
+
+    def client(self, key: str = KEY, timeout: float = 60) -> Client:
+        return Client("127.0.0.1", self.port, api_key=key, timeout=timeout, tls=self.tls())
+
+
+def bystander(target: Target, samples: int) -> list[float]:
     latencies = []
-    with Client("127.0.0.1", port, api_key=KEY, timeout=600) as c:
+    with target.client(timeout=600) as c:
         for _ in range(samples):
             start = time.perf_counter()
             result = c.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
@@ -124,29 +185,31 @@ def _greedy_generate(stop_lists: bool) -> dict:
     return {**params, "stop": stops, "stop_token_ids": list(range(400, 464))} if stop_lists else params
 
 
-async def stop_lists(port, stop) -> dict:
-    return await _pumps(port, [("generate", [_greedy_generate(True)])], 1, 8, stop)
+async def stop_lists(target, stop) -> dict:
+    return await _pumps(target.port, [("generate", [_greedy_generate(True)])], 1, 8, stop)
 
 
-async def same_load_without_stops(port, stop) -> dict:
-    return await _pumps(port, [("generate", [_greedy_generate(False)])], 1, 8, stop)
+async def same_load_without_stops(target, stop) -> dict:
+    return await _pumps(target.port, [("generate", [_greedy_generate(False)])], 1, 8, stop)
 
 
-async def same_load_streamed(port, stop) -> dict:
-    return await _pumps(port, [("generate", [{**_greedy_generate(False), "stream": True}])], 1, 8, stop)
+async def same_load_streamed(target, stop) -> dict:
+    return await _pumps(
+        target.port, [("generate", [{**_greedy_generate(False), "stream": True}])], 1, 8, stop
+    )
 
 
-async def tokenize(port, stop) -> dict:
+async def tokenize(target, stop) -> dict:
     text = ("Once upon a time there was a big red ball. " * 6000)[: 256 << 10]
-    return await _pumps(port, [("tokenize", [text]), ("detokenize", [[400] * 65536])], 4, 2, stop)
+    return await _pumps(target.port, [("tokenize", [text]), ("detokenize", [[400] * 65536])], 4, 2, stop)
 
 
-async def unread_streams(port, stop):
+async def unread_streams(target, stop):
     socks = []
     for c in range(2):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
+        sock.connect(("127.0.0.1", target.port))
         sock.sendall(
             msgpack.packb([0, 0, "auth", [KEY]])
             + b"".join(
@@ -175,7 +238,7 @@ async def unread_streams(port, stop):
         sock.close()
 
 
-async def unauthenticated_flood(port, stop) -> dict:
+async def unauthenticated_flood(target, stop) -> dict:
     message = msgpack.packb([0, 1, "auth", ["x" * 64]])
     closed = 0
 
@@ -183,7 +246,7 @@ async def unauthenticated_flood(port, stop) -> dict:
         nonlocal closed
         while not stop.is_set():
             try:
-                reader, writer = await _connect(port, key=False)
+                reader, writer = await _connect(target.port, key=False)
                 for byte in message:
                     if stop.is_set():
                         break
@@ -231,13 +294,173 @@ async def connection_bursts(port, bursts: int, per_burst: int, rss) -> tuple[lis
     return levels, unserved
 
 
-def key_holder_connects(port: int, attempts: int) -> dict:
+async def _open(target: Target, port: int, source: str = "127.0.0.1"):
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0), ssl=target.tls())
+
+
+async def _http_status(target: Target, head: bytes, body: bytes = b"", source: str = ATTACKER) -> int | None:
+    """One request on a connection of its own: its status, None if the server closed first."""
+    reader, writer = await _open(target, target.http_port, source)
+    try:
+        writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        line = await reader.readline()
+        return int(line.split()[1]) if line.startswith(b"HTTP/") else None
+    except (ConnectionError, OSError):
+        return None
+    finally:
+        writer.close()
+
+
+async def brute_force(target, stop) -> dict:
+    """Wrong keys from ATTACKER: one new msgpack connection per guess, and 50 HTTP guessers in parallel each
+    on a new connection per guess. Guesses per second after the 5th failure (the target: <= 20)."""
+    checked: list[float] = []  # when each wrong key was answered as wrong
+    refused = 0  # attempts the server turned away unchecked (its address queued too many)
+
+    async def msgpack_guesser():
+        nonlocal refused
+        while not stop.is_set():
+            try:
+                reader, writer = await _open(target, target.port, ATTACKER)
+                writer.write(msgpack.packb([0, 0, "auth", [f"guess-{len(checked)}"]]))
+                answer = msgpack.unpackb(await reader.read(1 << 16))
+                writer.close()
+            except (ConnectionError, OSError, ValueError):
+                continue
+            if answer[0] == 1:
+                checked.append(time.monotonic())
+            else:  # the notification of an attempt refused unchecked
+                refused += 1
+
+    async def http_guesser(i: int):
+        nonlocal refused
+        while not stop.is_set():
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer guess-%d\r\n" % i
+            status = await _http_status(target, head, b"{}")
+            if status == 401:
+                checked.append(time.monotonic())
+            elif status == 429:
+                refused += 1
+
+    tasks = [asyncio.ensure_future(msgpack_guesser())] + [
+        asyncio.ensure_future(http_guesser(i)) for i in range(50)
+    ]
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    checked.sort()
+    after_5th = checked[5:]
+    rate = (len(after_5th) - 1) / (after_5th[-1] - after_5th[0]) if len(after_5th) > 1 else 0.0
+    return {"guesses": len(checked), "guesses_per_s_after_5th_failure": round(rate, 2), "refused": refused}
+
+
+async def slowloris(target, stop) -> dict:
+    """`--stalled` connections from ATTACKER, half on each door, each reopened as soon as the server closes
+    it: ones that send nothing (under --tls: stalled handshakes), half a header, a body that never ends (with
+    the small key, so that it passes auth)."""
+    closed = 0
+    small = SMALL_KEY.encode()
+    stalls = (
+        b"",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + small
+        + b"\r\nContent-Length: 100000\r\n\r\n{",
+    )
+
+    async def staller(i: int):
+        nonlocal closed
+        port = target.http_port if i % 2 else target.port
+        while not stop.is_set():
+            try:
+                # a handshake that stalls: a plain TCP connection to the TLS port sends nothing
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0))
+                if target.tls_ca is None and port == target.http_port:
+                    writer.write(stalls[i // 2 % len(stalls)])
+                await reader.read()  # until the server closes it
+                writer.close()
+            except (ConnectionError, OSError):
+                await asyncio.sleep(0.1)
+            closed += 1
+
+    tasks = [asyncio.ensure_future(staller(i)) for i in range(target.stalled)]
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"stalled_connections": target.stalled, "closed_by_server": closed}
+
+
+async def multi_prompt(target, stop) -> dict:
+    """One /v1/completions request of 1,020 prompts after another from the small key (rpm 1, concurrent 1):
+    each must be refused or charged as the 1,020 requests it is, never fill the server's queue."""
+    body = json.dumps({"model": MODEL, "prompt": ["Once upon a time"] * 1020, "max_tokens": 16}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + SMALL_KEY.encode() + b"\r\n"
+    )
+    statuses = collections.Counter()
+    while not stop.is_set():
+        statuses[str(await _http_status(target, head, body, "127.0.0.1"))] += 1
+    return {"multi_prompt_statuses": dict(statuses)}
+
+
+async def hostile_template(target, stop) -> dict:
+    """Chat requests whose messages make HOSTILE_TEMPLATE run a nested range loop, lipsum(50000) or a 10**8
+    character string, in turn (with the key): each must end in a clear 400 while the others are served."""
+    results = collections.defaultdict(collections.Counter)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+    for kind in itertools.cycle(("range_loop", "lipsum", "huge_string")):
+        if stop.is_set():
+            break
+        body = {"model": MODEL, "messages": [{"role": "user", "content": kind}], "max_tokens": 4}
+        status = await _http_status(target, head, json.dumps(body).encode(), "127.0.0.1")
+        results[kind][str(status)] += 1
+    return {"template_statuses": {kind: dict(counts) for kind, counts in results.items()}}
+
+
+def stream_beside(target: Target, tokens: int = 300):
+    """A key holder's streamed generate during the attack, in a thread; the returned function joins it and
+    says whether it was lost (did not deliver every token)."""
+    got = []
+
+    def run():
+        try:
+            with target.client(timeout=600) as c:
+                got.extend(c.generate_stream("Once upon a time", max_tokens=tokens, ignore_eos=True))
+        except (OSError, ConnectionError, RPCError):
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def lost() -> int:
+        thread.join(600)
+        return int(sum(len(chunk.token_ids) for chunk in got) != tokens)
+
+    return lost
+
+
+def http_key_holder(target: Target, attempts: int) -> str:
+    """Completions with the key on fresh HTTP connections, one after another: how many were served."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+    body = json.dumps({"model": MODEL, "prompt": "Zoo", "max_tokens": 2}).encode()
+
+    async def all_of_them():
+        return [await _http_status(target, head, body, "127.0.0.1") for _ in range(attempts)]
+
+    return f"{asyncio.run(all_of_them()).count(200)}/{attempts}"
+
+
+def key_holder_connects(target: Target, attempts: int) -> dict:
     """Fresh connections with the key, one after another, while the flood holds its connections open: each
     must authenticate and be served; the unauthenticated connections the server held at each is recorded."""
     ok, held = 0, []
     for _ in range(attempts):
         try:
-            with Client("127.0.0.1", port, api_key=KEY, timeout=30) as c:
+            with target.client(timeout=30) as c:
                 stats = c.stats()
                 ok += c.health()["status"] == "ok"
                 held.append(stats["unauthenticated_connections"])
@@ -425,31 +648,31 @@ def engine_only(steps: int, clock, parts: bool, rounds: int) -> None:
         print(json.dumps({"engine_only": report}), flush=True)
 
 
-def _attack(name: str, port: int, started, stop, results) -> None:
+def _attack(name: str, target: Target, started, stop, results) -> None:
     started.set()
-    results.put(asyncio.run(globals()[name](port, stop)) or {})
+    results.put(asyncio.run(globals()[name](target, stop)) or {})
 
 
-def run_attack(name: str, port: int):
+def run_attack(name: str, target: Target):
     """The attack in a process of its own: in the bystander's, its work would share the bystander's GIL and
     be counted as the server's latency. Returns (stop event, process, queue of its report)."""
     context = multiprocessing.get_context("spawn")
     started, stop, results = context.Event(), context.Event(), context.Queue()
-    process = context.Process(target=_attack, args=(name, port, started, stop, results), daemon=True)
+    process = context.Process(target=_attack, args=(name, target, started, stop, results), daemon=True)
     process.start()
     started.wait(120)  # its imports done
     return stop, process, results
 
 
-def server_stats(port: int, steps_since: int | None = None) -> dict:
+def server_stats(target: Target, steps_since: int | None = None) -> dict:
     """The server's stats; with steps_since, also the summary of its steps from that step on
     (`step_times`)."""
-    with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
+    with target.client() as c:
         return c.stats() if steps_since is None else c.call("stats", {"steps_since": steps_since})
 
 
-def settle(port: int) -> dict:
-    with Client("127.0.0.1", port, api_key=KEY, timeout=60) as c:
+def settle(target: Target) -> dict:
+    with target.client() as c:
         for _ in range(600):
             stats = c.stats()
             if (
@@ -473,6 +696,114 @@ def percentiles(latencies: list[float]) -> dict:
     }  # with 40 samples p99 lies between the two slowest
 
 
+_saved_fd_limit: list = []
+
+
+@contextlib.contextmanager
+def _fd_limit(soft: int):
+    """The server (started inside) gets `soft` file descriptors, as the issue's probe had; this process gets
+    its own back once the server runs (_fd_limit_restored), for the attackers' connections."""
+    _saved_fd_limit[:] = [resource.getrlimit(resource.RLIMIT_NOFILE)]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, _saved_fd_limit[0][1]), _saved_fd_limit[0][1]))
+    try:
+        yield
+    finally:
+        _fd_limit_restored()
+
+
+def _fd_limit_restored() -> None:
+    if _saved_fd_limit:
+        resource.setrlimit(resource.RLIMIT_NOFILE, _saved_fd_limit.pop())
+
+
+def _server_files(tmp: str, tls: bool) -> list[str]:
+    """The keys file (KEY unlimited, SMALL_KEY at rpm 1, concurrent 1), HOSTILE_TEMPLATE, and with tls a
+    certificate made by trustme; the serve flags that use them."""
+    keys = os.path.join(tmp, "keys.toml")
+    with open(keys, "w") as f:
+        f.write(f'[[keys]]\nname = "bystander"\nsha256 = "{hash_secret(KEY)}"\n\n')
+        f.write(f'[[keys]]\nname = "small"\nsha256 = "{hash_secret(SMALL_KEY)}"\nrpm = 1\nconcurrent = 1\n')
+    template = os.path.join(tmp, "hostile.jinja")
+    with open(template, "w") as f:
+        f.write(HOSTILE_TEMPLATE)
+    flags = ["--keys-file", keys, "--http-port", "0", "--chat-template", template]
+    flags += ["--max-unauthenticated-connections", "1024", "--max-unauthenticated-per-address", "1024"]
+    if tls:
+        import trustme  # the test extra
+
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        cert.private_key_and_cert_chain_pem.write_to_path(os.path.join(tmp, "server.pem"))
+        ca.cert_pem.write_to_path(_ca_file(tmp, tls))
+        flags += ["--tls-cert", os.path.join(tmp, "server.pem"), "--tls-key", os.path.join(tmp, "server.pem")]
+    return flags
+
+
+def _ca_file(tmp: str, tls: bool) -> str | None:
+    return os.path.join(tmp, "ca.pem") if tls else None
+
+
+def scenario_report(name: str, target: Target, server, args) -> dict:
+    """One scenario against the running server: its report (the bystander, the attack, the server after)."""
+    report = {"scenario": name, "tls": args.tls}
+    if name == "connection_bursts":
+        levels, unserved = asyncio.run(
+            connection_bursts(server.port, args.bursts, args.burst_connections, server.rss_mb)
+        )
+        report.update(
+            rss_mb_after_each_burst=levels,
+            unserved_per_burst=unserved,
+            rss_growth_mb_burst3_to_8=round(
+                levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1
+            ),
+        )
+    else:
+        # The idle latency again, just before: the machine is shared, its load drifts over a run.
+        first_step = server_stats(target)["steps"]
+        idle_now = percentiles(bystander(target, args.samples))
+        idle_steps = server_stats(target, first_step)["step_times"]
+        stop, process, results = run_attack(name, target)
+        time.sleep(2.0)  # the attack under way
+        lost = stream_beside(target) if name in STREAM_BESIDE else None
+        first_step = server_stats(target)["steps"]
+        latencies = bystander(target, args.samples)
+        if name in ("unauthenticated_flood", "slowloris"):  # while their connections are open
+            report.update(key_holder_connects(target, 20))
+        if name == "slowloris":
+            report["http_key_holder_served"] = http_key_holder(target, 20)
+        held = server_stats(target, first_step)
+        if lost is not None:
+            report["lost_streams"] = lost()
+        stop.set()
+        report.update(results.get(timeout=120))
+        process.join(timeout=120)
+        report.update(
+            percentiles(latencies),
+            idle_before=idle_now,
+            p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
+            p99_over_idle_p99=round(percentiles(latencies)["p99_ms"] / idle_now["p99_ms"], 2),
+            during={
+                k: held[k]
+                for k in (
+                    "paused",
+                    "write_buffer_bytes",
+                    "pending_calls",
+                    "unauthenticated_connections",
+                    "connections",
+                )
+            },
+            server_steps={"idle_before": idle_steps, "during": held["step_times"]},
+        )
+    settle_stats = settle(target)
+    report.update(
+        kv_blocks_used_after=settle_stats["kv_blocks_used"],
+        pending_after=settle_stats["pending_requests"],
+        rss_mb=round(server.rss_mb(), 1),
+        open_fds=server.open_fds(),
+    )
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.hostile_clients",
@@ -485,6 +816,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--burst-connections", type=int, default=1000)
+    parser.add_argument("--stalled", type=int, default=STALLED, help="slowloris: connections held stalled")
+    parser.add_argument(
+        "--tls", action="store_true", help=f"serve TLS (runs {', '.join(TLS_SCENARIOS)} only)"
+    )
     parser.add_argument("--engine-only", action="store_true", help="time the engine's steps alone, no server")
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
     parser.add_argument(
@@ -514,72 +849,27 @@ def main(argv=None) -> int:
             args.rounds,
         )
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        key_file = os.path.join(tmp, "key")
-        with open(key_file, "w") as f:
-            f.write(KEY)
-        with serving(
-            "--api-key-file",
-            key_file,
-            "--max-unauthenticated-connections",
-            "1024",
-            "--max-unauthenticated-per-address",
-            "1024",
-        ) as server:
-            bystander(server.port, 5)  # warm up
-            idle = percentiles(bystander(server.port, args.samples))
+    names = args.scenarios.split(",")
+    if args.tls and set(names) - set(TLS_SCENARIOS):
+        parser.error(f"--tls runs only {', '.join(TLS_SCENARIOS)}")
+    with tempfile.TemporaryDirectory() as tmp, _fd_limit(FD_LIMIT):
+        serve_args = _server_files(tmp, args.tls)
+        with serving(*serve_args) as server:
+            _fd_limit_restored()
+            line = server.proc.stdout.readline()  # the HTTP door's address follows the msgpack door's
+            target = Target(server.port, int(line.rpartition(":")[2]), _ca_file(tmp, args.tls), args.stalled)
+            bystander(target, 5)  # warm up
+            idle = percentiles(bystander(target, args.samples))
             print(json.dumps({"scenario": "idle", **idle}), flush=True)
-            for name in args.scenarios.split(","):
-                report = {"scenario": name}
-                if name == "connection_bursts":
-                    levels, unserved = asyncio.run(
-                        connection_bursts(server.port, args.bursts, args.burst_connections, server.rss_mb)
-                    )
-                    report.update(
-                        rss_mb_after_each_burst=levels,
-                        unserved_per_burst=unserved,
-                        rss_growth_mb_burst3_to_8=round(
-                            levels[min(7, len(levels) - 1)] - levels[min(2, len(levels) - 1)], 1
-                        ),
-                    )
-                else:
-                    # The idle latency again, just before: the machine is shared, its load drifts over a run.
-                    first_step = server_stats(server.port)["steps"]
-                    idle_now = percentiles(bystander(server.port, args.samples))
-                    idle_steps = server_stats(server.port, first_step)["step_times"]
-                    stop, process, results = run_attack(name, server.port)
-                    time.sleep(2.0)  # the attack under way
-                    first_step = server_stats(server.port)["steps"]
-                    latencies = bystander(server.port, args.samples)
-                    if name == "unauthenticated_flood":  # while the flood's connections are still open
-                        report.update(key_holder_connects(server.port, 20))
-                    held = server_stats(server.port, first_step)
-                    stop.set()
-                    report.update(results.get(timeout=120))
-                    process.join(timeout=120)
-                    report.update(
-                        percentiles(latencies),
-                        idle_before=idle_now,
-                        p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
-                        during={
-                            k: held[k]
-                            for k in (
-                                "paused",
-                                "write_buffer_bytes",
-                                "pending_calls",
-                                "unauthenticated_connections",
-                                "connections",
-                            )
-                        },
-                        server_steps={"idle_before": idle_steps, "during": held["step_times"]},
-                    )
-                settle_stats = settle(server.port)
-                report.update(
-                    kv_blocks_used_after=settle_stats["kv_blocks_used"],
-                    pending_after=settle_stats["pending_requests"],
-                    rss_mb=round(server.rss_mb(), 1),
-                    open_fds=server.open_fds(),
-                )
+            for name in names:
+                report = {"scenario": name, "tls": args.tls}
+                try:
+                    report = scenario_report(name, target, server, args)
+                except (TimeoutError, OSError) as e:  # the server stopped answering (a template that never
+                    report["server_unresponsive"] = repr(e)  # ends, say): the rest cannot run
+                    print(json.dumps(report), flush=True)
+                    server.proc.kill()
+                    break
                 print(json.dumps(report), flush=True)
     return 0
 

@@ -26,7 +26,7 @@ from minisarathi.cli_args import (
     sampling_options_from_args,
 )
 from minisarathi.client import DEFAULT_PORT, Client
-from minisarathi.server.auth import KeyStore, add_key, limit_rule_broken
+from minisarathi.server.auth import MIN_SECRET_BITS, KeyStore, add_key, limit_rule_broken, secret_bits
 from minisarathi.server.protocol import RPCError, ServerLimits
 from minisarathi.server.request_log import configure_logging
 
@@ -234,7 +234,17 @@ def _key_store(args) -> KeyStore | None:
     if args.keys_file:
         return KeyStore.from_file(args.keys_file)
     secret = read_api_key(args.api_key_file)
-    return None if secret is None else KeyStore.single(secret)
+    if secret is None:
+        return None
+    exposed = [host for host in (args.host, args.http_host) if host and not _is_loopback(host)]
+    if exposed and secret_bits(secret) < MIN_SECRET_BITS:
+        source = f"--api-key-file {args.api_key_file}" if args.api_key_file else f"${API_KEY_ENV}"
+        raise ValueError(
+            f"{source}: the key has at most {secret_bits(secret):.0f} bits of entropy, fewer than the "
+            f"{MIN_SECRET_BITS} a key served beyond loopback ({exposed[0]}) needs; "
+            "`minisarathi keys add` makes strong ones"
+        )
+    return KeyStore.single(secret)
 
 
 def _check_exposure(flag: str, host: str, keys: KeyStore | None, insecure: bool) -> None:
@@ -246,15 +256,18 @@ def _check_exposure(flag: str, host: str, keys: KeyStore | None, insecure: bool)
         )
     if keys is not None or insecure:
         return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not _is_loopback(host):
         raise ValueError(
             f"{flag} {host}: listening beyond loopback without a key would let anyone who can reach "
             f"it use the server; give --keys-file or --api-key-file (or --insecure-no-auth)"
         )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def server_tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import re
+import socket
 import sys
 import time
 import uuid
@@ -26,6 +27,7 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
+from minisarathi.server.gate import Arrival, RateLimitedLog, bind
 from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
@@ -42,13 +44,22 @@ from minisarathi.server.openai_api import (
     parse_completion,
     usage,
 )
-from minisarathi.server.protocol import ABORTED, INVALID_PARAMS, OVERLOADED, RATE_LIMITED, RPCError
+from minisarathi.server.protocol import (
+    ABORTED,
+    INVALID_PARAMS,
+    OVERLOADED,
+    RATE_LIMITED,
+    UNAUTHORIZED,
+    RPCError,
+    short,
+)
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a prefilter: most bodies have none
 log = logging.getLogger("minisarathi.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+_UNAUTHORIZED_MESSAGE = "a valid API key is required: Authorization: Bearer KEY"
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
 REQUEST_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS
 
@@ -102,6 +113,142 @@ class _Choice:
         self.seen_chars, self.seen_tokens = len(completion.text), len(completion.token_ids)
 
 
+class _QuietErrors(logging.Filter):
+    """aiohttp's own log of malformed requests (a bad header, a bad method): one line per interval, no
+    traceback; a flood of them would otherwise write one traceback each."""
+
+    def __init__(self):
+        super().__init__()
+        self._log = RateLimitedLog(log, logging.INFO)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        self._log("%s: %s", record.getMessage(), short(repr(error)) if error is not None else "")
+        return False
+
+
+_AIOHTTP_LOG = logging.getLogger("minisarathi.http.aiohttp")
+_AIOHTTP_LOG.addFilter(_QuietErrors())
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP connection, around aiohttp's handler (which gets every event as it would from the
+    transport): counted by the hub like a msgpack connection, unauthenticated until one of its requests
+    brings a valid key, with the msgpack door's deadlines. Closed when it has not authenticated within
+    auth_timeout_s of connecting, when a request's headers take longer than message_timeout_s from their
+    first byte (its body: _json), or when it sends nothing for idle_timeout_s with no request running."""
+
+    def __init__(self, door: HttpDoor, handler: asyncio.Protocol, arrival: Arrival):
+        self.door, self.handler, self.arrival = door, handler, arrival
+        self.address, self.peer = arrival.address, arrival.peer
+        self.authenticated = door.hub.keys is None
+        self.key: Key | None = None
+        self.opened = time.monotonic()
+        self.closed = False
+        self.active = 0  # requests being handled
+        self.last_byte = self.opened
+        self.message_started: float | None = None  # first byte of a request not yet handled
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        hub = self.door.hub
+        hub.disconnect(self.arrival)  # this connection counts from now on
+        self.transport = transport
+        refused = hub.connect(self)
+        if refused is not None:
+            hub.refused_log("connection from %s refused: %s", self.peer, refused)
+            self.closed = True
+            transport.abort()
+            return
+        self.door.connections[transport] = self
+        self.handler.connection_made(transport)
+        self.watch()
+
+    def data_received(self, data: bytes) -> None:
+        self.last_byte = time.monotonic()
+        if not self.active and self.message_started is None:
+            self.message_started = self.last_byte
+        self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        was_served = self.door.connections.pop(self.transport, None) is self
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.door.hub.disconnect(self)
+        if was_served:
+            self.handler.connection_lost(exc)
+
+    def close(self) -> None:
+        """Evicted (the hub's limits) or out of time."""
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self.transport.abort()
+
+    def request_started(self) -> None:
+        self.active += 1
+        self.message_started = None
+
+    def request_ended(self) -> None:
+        self.active -= 1
+        self.last_byte = time.monotonic()
+        self.watch()
+
+    def watch(self) -> None:
+        """Check the deadlines at the next one."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.closed:
+            wait = self._next_deadline() - time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(max(wait, 0.0), self._check)
+
+    def _deadlines(self) -> list[tuple[float, str]]:
+        limits = self.door.hub.limits
+        deadlines = []
+        if not self.authenticated:
+            deadlines.append(
+                (self.opened + limits.auth_timeout_s, f"no valid key within {limits.auth_timeout_s:.0f}s")
+            )
+        if not self.active:
+            deadlines.append(
+                (self.last_byte + limits.idle_timeout_s, f"idle for {limits.idle_timeout_s:.0f}s")
+            )
+            if self.message_started is not None:
+                deadlines.append(
+                    (
+                        self.message_started + limits.message_timeout_s,
+                        f"a request took more than {limits.message_timeout_s:.0f}s to arrive",
+                    )
+                )
+        return deadlines
+
+    def _next_deadline(self) -> float:
+        return min(
+            (at for at, _ in self._deadlines()),
+            default=time.monotonic() + self.door.hub.limits.idle_timeout_s,
+        )
+
+    def _check(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        why = next((why for at, why in self._deadlines() if at <= now), None)
+        if why is not None:
+            log.debug("connection from %s closed: %s", self.peer, why)
+            self.close()
+        else:
+            self.watch()
+
+
 @dataclass
 class _Call:
     """One HTTP generation request while it runs."""
@@ -153,7 +300,8 @@ class HttpDoor:
         )
         self.serve_api = serve_api
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._socks: list = []  # listening
+        self.connections: dict[asyncio.BaseTransport, _Connection] = {}  # by transport, for the handlers
         self._created = int(time.time())
         app = web.Application(client_max_size=hub.limits.max_message_bytes, middlewares=[self._middleware])
         routes = [web.get("/health", self._health), web.get("/ready", self._ready)]
@@ -173,43 +321,56 @@ class HttpDoor:
         if self.templates is not None:
             await self.templates.start()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # The hub accepts the connections (counted from accept on, the TLS handshake under its deadline);
+        # aiohttp's handler serves each, logging to a logger that keeps a flood of bad requests quiet.
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, logger=_AIOHTTP_LOG
+        )
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.hub.tls)
-        await self._site.start()
+        # (an OSError becomes the hub's ListenError naming this door)
+        self._socks = bind(self.host, self.port, min(self.hub.limits.max_connections, socket.SOMAXCONN))
+        for sock in self._socks:
+            self.hub.listen(sock, self._protocol)
         scheme = "http" if self.hub.tls is None else "https"
-        return [f"{scheme}://{address[0]}:{address[1]}" for address in self._runner.addresses]
+        return [f"{scheme}://{s.getsockname()[0]}:{s.getsockname()[1]}" for s in self._socks]
+
+    def _protocol(self, arrival: Arrival) -> _Connection:
+        return _Connection(self, self._runner.server(), arrival)
 
     async def stop_accepting(self) -> None:
         """Draining: the API door closes its listener, so a load balancer's next connection to it is refused
         and goes to another replica (nginx retries a refused connection, even a POST; a request it already
         sent would not be); requests in flight go on. A probe-only door keeps answering, /ready with 503."""
-        if self.serve_api and self._site is not None:
-            await self._site.stop()
+        if self.serve_api:
+            self._stop_listening()
 
     async def stop(self) -> None:
+        self._stop_listening()
         if self.templates is not None:
             await self.templates.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def _stop_listening(self) -> None:
+        for sock in self._socks:
+            self.hub.stop_listening(sock)
+        self._socks = []
+
     # ------------------------------------------------------------------------------------------ plumbing
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        conn = self.connections.get(request.transport)
+        if conn is not None:
+            conn.request_started()
         try:
             if request.path.startswith("/v1/"):
-                accepted, request["key"], delay = self.hub.authenticate(
-                    _bearer(request), request.remote or ""
-                )
-                if not accepted:
-                    await asyncio.sleep(delay)  # failed keys slow their address down, as on the msgpack door
-                    raise OpenAIError(
-                        401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"
-                    )
+                await self._authenticate(request, conn)
             return await handler(request)
         except OpenAIError as e:
             response = _error_response(e)
+            if e.status == 408:  # the rest of a body that is late is not waited for
+                response.force_close()
             if "request_id" in request:  # the id is known once the handler read it
                 response.headers[REQUEST_ID_HEADER] = request["request_id"]
             return response
@@ -241,9 +402,34 @@ class HttpDoor:
             if request_id is not None:
                 response.headers[REQUEST_ID_HEADER] = request_id
             return response
+        finally:
+            if conn is not None:
+                conn.request_ended()
+
+    async def _authenticate(self, request: web.Request, conn: _Connection | None) -> None:
+        """The request's key, checked at its address's turn (the backoff shared with the msgpack door);
+        a good key takes its connection out of the unauthenticated pool."""
+        address = request.remote or ""
+        if not await self.hub.auth_turn(address):
+            raise OpenAIError(
+                429, "too many failed auths from this address; retry later", code="rate_limit_exceeded"
+            )
+        accepted, request["key"] = self.hub.authenticate(_bearer(request), address)
+        if not accepted:
+            raise OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
+        if conn is not None and request["key"] is not None and not self.hub.grant(conn, request["key"]):
+            raise OpenAIError(
+                429, f"more than {self.hub.limits.max_connections} connections", code="overloaded"
+            )
 
     async def _json(self, request: web.Request):
-        raw = await request.read()
+        # The body must arrive whole within the message deadline of the request's start.
+        limit = self.hub.limits.message_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                raw = await request.read()
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body took more than {limit:.0f}s to arrive") from None
         try:
             body = json.loads(raw)
         except UnicodeDecodeError as e:
@@ -733,6 +919,8 @@ def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
         )
     if error.code == ABORTED:
         return OpenAIError(503, error.message, code="draining")
+    if error.code == UNAUTHORIZED:  # the key was removed (SIGHUP) while the request arrived
+        return OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
     if error.code == RATE_LIMITED:
         return OpenAIError(429, error.message, code="rate_limit_exceeded", retry_after_s=error.retry_after_s)
     return OpenAIError(500, error.message, code="internal_error")

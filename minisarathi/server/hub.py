@@ -4,13 +4,15 @@ flight, drain, the request log and the security stats. No door imports another. 
 
 - `doors`: objects with `await start()` (-> addresses), `await stop_accepting()` (the drain began: close
   the listeners) and `await stop()` (every request answered or aborted); `accepting`, `shutting_down`.
-- `authenticate(secret, address)` -> (accepted, key, seconds to wait before a refusal); `precheck(key,
+- `await auth_turn(address)` before a credential is read (False: refuse it unchecked), then
+  `authenticate(secret, address)` -> (accepted, key): the per-address backoff of gate.py; `precheck(key,
   max_tokens, tokens, requests)` refuses what the quota and the queue would refuse, before any tokenizing;
   `admit(key, max_tokens, tokens, requests)` charges the key's quota and returns it, for the door's one
   `quota.finish(...)`.
-- Doors that keep connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a good auth,
-  `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key reload
-  revokes the connections whose key is gone.
+- `listen(sock, make_protocol)`: accept on a listening socket (gate.Listener); every connection is counted
+  from accept on. Doors' connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a
+  good auth, `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key
+  reload revokes the connections whose key is gone.
 - `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
   coroutine (on the tokenizer thread) for big ones.
 - `open(request_id, on_output)` registers a request (its id not `in_use`), `submit(...)` hands it to the
@@ -27,6 +29,7 @@ import collections
 import concurrent.futures
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -35,8 +38,9 @@ import threading
 import time
 from typing import Callable
 
-from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota
+from minisarathi.server.auth import Key, KeyStore, Quota
 from minisarathi.server.engine_worker import EngineWorker
+from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
 from minisarathi.server.protocol import (
     ABORTED,
     INTERNAL,
@@ -44,6 +48,7 @@ from minisarathi.server.protocol import (
     OVERLOADED,
     PROMPT_TOO_LONG,
     RATE_LIMITED,
+    UNAUTHORIZED,
     RPCError,
     ServerLimits,
 )
@@ -66,6 +71,9 @@ _INLINE_DETOKENIZE_TOKENS = 4096
 # than the rest of the server, so when the cores are short the engine's steps (every client's tokens), the
 # event loop and the small calls it answers inline go first.
 TOKENIZER_NICE_INCREMENT = 10
+# File descriptors kept for everything but connections (the model's files, logs, the loop's own): past
+# RLIMIT_NOFILE less these, a new connection closes the oldest unauthenticated one, or is refused.
+_FD_RESERVE = 64
 
 
 class ListenError(OSError):
@@ -119,7 +127,13 @@ class Hub:
         self._text_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tokenizer", initializer=_lower_thread_priority
         )
-        self._throttle = AuthThrottle()
+        self._gate = AuthGate()
+        self._listeners: list[Listener] = []
+        self.refused_log = RateLimitedLog(log)  # connections refused: one line per interval
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_open_connections = (
+            max(soft - _FD_RESERVE, soft // 2) if soft != resource.RLIM_INFINITY else None
+        )
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
         self.max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
@@ -225,16 +239,20 @@ class Hub:
 
     # ---------------------------------------------------------------- keys and quotas
 
-    def authenticate(self, secret: str | None, address: str) -> tuple[bool, Key | None, float]:
-        """(accepted, the key or None without keys, seconds to wait before answering a refusal: a per-address
-        backoff that grows with each failure)."""
+    async def auth_turn(self, address: str) -> bool:
+        """Wait for the address's turn to have a credential checked (at once unless it failed recently);
+        False: it queued too many, refuse the attempt unchecked."""
+        return self.keys is None or await self._gate.turn(address)
+
+    def authenticate(self, secret: str | None, address: str) -> tuple[bool, Key | None]:
+        """(accepted, the key or None without keys); a refusal spaces the address's next checks further."""
         if self.keys is None:
-            return True, None, 0.0
+            return True, None
         key = None if secret is None else self.keys.authenticate(secret)
         if key is None:
-            return False, None, self._throttle.failed(address)
-        self._throttle.succeeded(address)
-        return True, key, 0.0
+            self._gate.failed(address)
+            return False, None
+        return True, key
 
     @staticmethod
     def check_max_tokens(key: Key | None, max_tokens: int) -> None:
@@ -274,7 +292,11 @@ class Hub:
         return quota
 
     def _quota_for(self, key: Key, max_tokens: int, tokens: int, requests: int) -> Quota:
-        """The key's quota; RPCError(INVALID_PARAMS) for a request it could never admit."""
+        """The key's quota; RPCError(INVALID_PARAMS) for a request it could never admit, UNAUTHORIZED for a
+        key a reload removed while the request arrived."""
+        key = self.keys.current(key)
+        if key is None:
+            raise RPCError(UNAUTHORIZED, "the API key was revoked")
         self.check_max_tokens(key, max_tokens)
         if key.tpm is not None and tokens > key.tpm:
             raise RPCError(
@@ -292,11 +314,28 @@ class Hub:
 
     # ---------------------------------------------------------------- connections
 
+    def listen(self, sock: socket.socket, make_protocol) -> None:
+        """Serve a listening socket: make_protocol(arrival) makes each connection's protocol, which hands
+        the arrival back with disconnect() before it connects its own connection."""
+        listener = Listener(self, sock, make_protocol, self.tls)
+        self._listeners.append(listener)
+        listener.start()
+
+    def stop_listening(self, sock: socket.socket) -> None:
+        for listener in [lst for lst in self._listeners if lst.sock is sock]:
+            listener.close()
+            self._listeners.remove(listener)
+
     def connect(self, conn) -> str | None:
         """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
-        max_connections. With keys, an unauthenticated connection always gets in, closing the oldest
-        unauthenticated one of its address (or of all) past their limits: a flood of connections without the
-        key never locks a key holder out, and costs the flooder its own oldest."""
+        max_connections. With keys, an unauthenticated connection (its TLS handshake included) always gets
+        in, closing the oldest unauthenticated one of its address (or of all) past their limits: a flood of
+        connections without the key never locks a key holder out, and costs the flooder its own oldest. Past
+        the file-descriptor limit, the oldest unauthenticated connection makes room, if there is one."""
+        if self.max_open_connections is not None and len(self.connections) >= self.max_open_connections:
+            if not self._unauthenticated:
+                return f"{len(self.connections)} connections open, near the file-descriptor limit"
+            self._evict(next(iter(self._unauthenticated)))
         if conn.authenticated:
             if self._num_authenticated() >= self.limits.max_connections:
                 return f"more than {self.limits.max_connections} connections"
@@ -337,6 +376,7 @@ class Hub:
     def _evict(self, conn):
         self.counters["unauthenticated_evicted"] += 1
         self._unauthenticated.pop(conn, None)
+        self.connections.discard(conn)  # its close() aborts its socket: the descriptor is free already
         conn.close()
 
     # ---------------------------------------------------------------- prompts and text
@@ -535,7 +575,7 @@ class Hub:
         """What `stats` and the metrics report about auth, quotas and paused requests (on the loop)."""
         stats = {
             "unauthenticated_connections": len(self._unauthenticated),
-            "auth_failures": self._throttle.failures_total,
+            "auth_failures": self._gate.failures_total,
             **{
                 name: self.counters[name]
                 for name in ("paused", "resumed", "unread_aborts", "unauthenticated_evicted")

@@ -19,6 +19,7 @@ import msgpack
 
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
+from minisarathi.server.gate import Arrival, bind, bind_unix
 from minisarathi.server.hub import (
     UNREAD_HIGH_WATER,
     EngineRefused,
@@ -100,7 +101,7 @@ class _Connection:
         # tokenizer work goes with it
         self.tasks: set[asyncio.Task] = set()
         self.auth_failures = 0
-        self.auth_delay = 0.0  # seconds to wait before reading on, after a failed auth
+        self.auth_failed = False  # its last auth failed: its next message waits for its address's turn
         self.stalled = False  # its output waits unread: its requests are paused
         self.options = ConnectionOptions()  # its error form, notifications or not (the `options` call)
         self._on_stall = on_stall  # called once each time the output backs up
@@ -168,7 +169,11 @@ class _Connection:
         self.uncork()
         if self.closed:
             return False
-        self.writer.write_eof()
+        try:
+            self.writer.write_eof()
+        except OSError:  # the client already went (ENOTCONN): nothing to linger for
+            self.close()
+            return False
         self.output_ended = True
         return True
 
@@ -227,7 +232,8 @@ class MsgpackDoor:
         self.hub = hub
         self.host, self.port, self.unix_socket = host, port, unix_socket
         self.limits = hub.limits
-        self._servers: list[asyncio.AbstractServer] = []
+        self._socks: list[socket.socket] = []  # listening
+        self._connections: set[_Connection] = set()  # this door's (the hub's set has every door's)
         self._unix_path: str | None = None  # the socket file this door made
         self._request_ids = itertools.count()
         self._conn_ids = itertools.count()
@@ -239,61 +245,58 @@ class MsgpackDoor:
 
     async def start(self) -> list[str]:
         """Listen; returns the addresses ("HOST:PORT", "unix:PATH")."""
-        tls = (
-            {}
-            if self.hub.tls is None
-            else {"ssl": self.hub.tls, "ssl_handshake_timeout": self.limits.auth_timeout_s}
-        )
+        # The listen backlog holds a burst of connections as large as the server takes (asyncio's default,
+        # 100, is too short for a burst the loop is busy accepting).
+        backlog = min(self.limits.max_connections, socket.SOMAXCONN)
         addresses = []
         if self.host is not None:
-            # The listen backlog holds a burst of connections as large as the server takes (asyncio's default,
-            # 100, is too short for a burst the loop is busy accepting).
             try:
-                server = await asyncio.start_server(
-                    self._serve_connection,
-                    self.host,
-                    self.port,
-                    limit=_READ_SIZE,
-                    backlog=min(self.limits.max_connections, socket.SOMAXCONN),
-                    **tls,
-                )
+                socks = bind(self.host, self.port, backlog)
             except OSError as e:
                 raise ListenError("tcp", e) from None
-            self._servers.append(server)
-            addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
+            self._socks += socks
+            addresses += [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in socks]
         if self.unix_socket is not None:
             try:
-                server = await asyncio.start_unix_server(
-                    self._serve_connection, self.unix_socket, limit=_READ_SIZE, **tls
-                )
+                self._socks.append(bind_unix(self.unix_socket, backlog))
             except OSError as e:
                 raise ListenError("unix", e) from None
-            self._servers.append(server)
             self._unix_path = self.unix_socket
             addresses.append(f"unix:{self.unix_socket}")
+        for sock in self._socks:
+            self.hub.listen(sock, self._protocol)
         return addresses
+
+    def _protocol(self, arrival: Arrival) -> asyncio.Protocol:
+        reader = asyncio.StreamReader(limit=_READ_SIZE)
+        return asyncio.StreamReaderProtocol(
+            reader, lambda reader, writer: self._serve_connection(reader, writer, arrival)
+        )
 
     async def stop_accepting(self):
         """The listeners close; a connection with nothing in flight closes at once, each other one as soon as
         its last request is answered, so a client's next request reconnects instead of meeting a draining
         server."""
-        for server in self._servers:
-            server.close()
-        for conn in list(self.hub.connections):
+        for sock in self._socks:
+            self.hub.stop_listening(sock)
+        for conn in list(self._connections):
             if not conn.inflight:
                 conn.close(flush=True)
 
     async def stop(self):
-        for conn in list(self.hub.connections):
+        for conn in list(self._connections):
             conn.close(flush=True)
-        for server in self._servers:
-            await server.wait_closed()
+        for sock in self._socks:
+            self.hub.stop_listening(sock)
         if self._unix_path is not None and os.path.exists(self._unix_path):
             os.unlink(self._unix_path)
 
     # ---------------------------------------------------------------- connections
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arrival: Arrival
+    ):
+        self.hub.disconnect(arrival)  # the connection below counts from now on
         peer = writer.get_extra_info("peername")
         conn = _Connection(
             next(self._conn_ids),
@@ -315,8 +318,11 @@ class MsgpackDoor:
             conn.close(flush=True)
             return
         log.debug("conn=%d opened from %s", conn.id, peer or "unix socket")
+        self._connections.add(conn)
         reading = _Reader(conn, self.limits)
         try:
+            if not conn.authenticated and not await self._auth_turn(conn):
+                return
             while not conn.closed:
                 try:
                     # asyncio.timeout, not wait_for: the read runs in this task, not in one made per read,
@@ -370,13 +376,21 @@ class MsgpackDoor:
     async def _throttle_reading(self, conn: _Connection) -> bool:
         """Pause reading a connection: after a failed auth (its backoff), while its answers wait unread, and
         while it has max_pending_calls_per_connection calls unanswered. False when the connection is done."""
-        if conn.auth_delay:
-            delay, conn.auth_delay = conn.auth_delay, 0.0
-            await asyncio.sleep(delay)
+        if conn.auth_failed:
+            conn.auth_failed = False
+            if not await self._auth_turn(conn):
+                return False
         while conn.pending_calls >= self.limits.max_pending_calls_per_connection and not conn.closed:
             conn.call_done.clear()
             await conn.call_done.wait()
         return await self._wait_for_reader(conn)
+
+    async def _auth_turn(self, conn: _Connection) -> bool:
+        """Before an unauthenticated connection's next bytes are read: its address's turn at the backoff."""
+        if not await self.hub.auth_turn(conn.address):
+            conn.protocol_error(None, RPCError(UNAUTHORIZED, "too many failed auths from this address"))
+            conn.close(flush=True)
+        return not conn.closed
 
     async def _wait_for_reader(self, conn: _Connection) -> bool:
         """Backpressure: take no more requests from a client that leaves its responses unread, so a
@@ -426,6 +440,7 @@ class MsgpackDoor:
     def _close_connection(self, conn: _Connection):
         conn.close(flush=True)  # an error about a bad message, say, still reaches the client
         self.hub.disconnect(conn)
+        self._connections.discard(conn)
         self._drop_requests(conn)
         log.debug("conn=%d closed", conn.id)
 
@@ -684,11 +699,11 @@ class MsgpackDoor:
         now = time.monotonic()
         self._trim_throughput_window(now)
         window = min(_THROUGHPUT_WINDOW_S, now - self.hub.started)
-        connections = self.hub.connections
+        connections = self._connections
         return {
             **engine_stats,
             **self.hub.security_stats(),
-            "connections": len(connections),
+            "connections": len(self.hub.connections),
             "pending_requests": self.hub.num_requests,
             "pending_calls": sum(c.pending_calls for c in connections),
             "write_buffer_bytes": sum(c.buffered() for c in connections if not c.closed),
@@ -700,11 +715,11 @@ class MsgpackDoor:
         secret = single_param(params, "api_key", str)
         if self.hub.keys is None:
             return True
-        accepted, key, delay = self.hub.authenticate(secret, conn.address)
+        accepted, key = self.hub.authenticate(secret, conn.address)
         if not accepted:
             self.hub.revoke(conn)
             conn.auth_failures += 1
-            conn.auth_delay = delay
+            conn.auth_failed = True
             if conn.auth_failures >= _MAX_AUTH_FAILURES_PER_CONNECTION:
                 conn.close(flush=True)
             raise RPCError(UNAUTHORIZED, "wrong API key")

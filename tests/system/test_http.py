@@ -876,7 +876,11 @@ def test_an_unexpected_exception_is_an_openai_shaped_500_with_the_request_id(cap
         request["request_id"] = "bug-1"
         raise ZeroDivisionError("division by zero")
 
-    door = SimpleNamespace(hub=SimpleNamespace(authenticate=lambda secret, address: (True, None, 0.0)))
+    async def auth_turn(address):
+        return True
+
+    hub = SimpleNamespace(auth_turn=auth_turn, authenticate=lambda secret, address: (True, None))
+    door = SimpleNamespace(hub=hub, connections={}, _authenticate=lambda *a: HttpDoor._authenticate(door, *a))
     response = asyncio.run(HttpDoor._middleware(door, make_mocked_request("POST", "/v1/completions"), broken))
     error = json.loads(response.body)["error"]
     assert response.status == 500 and response.headers["X-Request-Id"] == "bug-1"

@@ -1,9 +1,18 @@
-"""auth.py on its own: the keys file, token-bucket quotas (on a fake clock), failed-auth throttling."""
+"""auth.py on its own: the keys file, token-bucket quotas (on a fake clock), key strength."""
 
 import pytest
 
 from minisarathi.server import auth
-from minisarathi.server.auth import AuthThrottle, Key, KeyStore, Quota, add_key, hash_secret, read_keys_file
+from minisarathi.server.auth import (
+    Key,
+    KeyStore,
+    Quota,
+    add_key,
+    hash_secret,
+    new_secret,
+    read_keys_file,
+    secret_bits,
+)
 
 
 class Clock:
@@ -139,17 +148,15 @@ def test_reload_keeps_bucket_levels_and_drops_removed_keys(tmp_path, clock):
         store.reload()
 
 
-def test_failed_auth_backoff_doubles_per_address_and_logs_a_summary(clock, caplog):
-    throttle = AuthThrottle()
-    delays = [throttle.failed("10.0.0.1") for _ in range(10)]
-    assert delays[:3] == [0.05, 0.1, 0.2] and delays[-1] == AuthThrottle.MAX_DELAY_S
-    assert throttle.failed("10.0.0.2") == 0.05  # per address
-    throttle.succeeded("10.0.0.1")
-    assert throttle.failed("10.0.0.1") == 0.05
-    assert not caplog.records  # no line per failure ...
-    clock.now += AuthThrottle.LOG_INTERVAL_S
-    throttle.failed("10.0.0.3")
-    assert [r.getMessage() for r in caplog.records] == [  # ... one summary per interval
-        "13 failed auth attempts from 3 addresses in the last 60s"
-    ]
-    assert throttle.failures_total == 13
+def test_an_undecodable_secret_is_a_wrong_key_not_an_error():
+    """An `Authorization: Bearer \\xff` header reaches the store as a lone surrogate (aiohttp's
+    surrogateescape): it used to raise UnicodeEncodeError, a 500 with a traceback."""
+    store = KeyStore.single("ms-right")
+    assert store.authenticate("\udcff") is None and store.authenticate("ms-right").name == "default"
+
+
+def test_secret_bits_tell_a_weak_key_from_a_made_one():
+    assert secret_bits("hunter2") < 40
+    assert secret_bits("a" * 27) < auth.MIN_SECRET_BITS <= secret_bits("a" * 28)  # 28 x log2(26)
+    assert all(secret_bits(new_secret()) >= 256 for _ in range(20))
+    assert secret_bits("0123456789abcdef" * 2) >= auth.MIN_SECRET_BITS  # 128 random bits in hex

@@ -1,0 +1,260 @@
+"""What every door's connections pass before they reach it: per-address backoff for failed auths, the accept
+loop (each connection counted by the hub from accept on, a TLS handshake included, under the auth
+deadline), and quiet logging of what a flood repeats.
+
+The backoff: each failed auth from an address spaces that address's next credential checks further apart
+(50 ms doubling to 5 s, forgotten 10 minutes after its last failure), on every door at once. A check waits
+for its address's turn *before* the credential is read, so neither new connections nor parallel requests
+buy an attacker more guesses; a success resets nothing (an attacker holding a key of their own could
+otherwise clear their backoff between guesses). Addresses without recent failures never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import logging
+import os
+import socket
+import ssl
+import stat
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger("minisarathi.server")
+
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_ACCEPT_RETRY_S = 0.1  # after accept() ran out of file descriptors: the others get a chance to close
+
+
+class RateLimitedLog:
+    """One log line per interval for something a flood repeats: the first at once, then a count."""
+
+    INTERVAL_S = 60.0
+
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING):
+        self._logger, self._level = logger, level
+        self._last: float | None = None
+        self._suppressed = 0
+
+    def __call__(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.INTERVAL_S:
+            self._suppressed += 1
+            return
+        more = (
+            f" (and {self._suppressed} more like it in {now - self._last:.0f}s)" if self._suppressed else ""
+        )
+        self._logger.log(self._level, message + more, *args)
+        self._last, self._suppressed = now, 0
+
+
+@dataclass
+class _Address:
+    failures: int = 0
+    last_failure: float = 0.0
+    next_turn: float = 0.0  # monotonic time of the next credential check allowed
+
+
+class AuthGate:
+    """Failed auths per client address, shared by every door; see the module's docstring."""
+
+    BASE_DELAY_S = 0.05
+    MAX_DELAY_S = 5.0
+    MAX_EXPONENT = 7  # 0.05 * 2**7 > 5 s: the exponent stops there (2**1024 is an OverflowError)
+    FORGET_AFTER_S = 600.0
+    MAX_ADDRESSES = 10_000  # the least recently failed are forgotten first: a flood of addresses is bounded
+    MAX_WAIT_S = 30.0  # a check that would wait longer is refused at once (its address queued too many)
+    LOG_INTERVAL_S = 60.0
+
+    def __init__(self):
+        self._addresses: collections.OrderedDict[str, _Address] = collections.OrderedDict()
+        self.failures_total = 0
+        self._interval_failures = 0
+        self._interval_addresses: set[str] = set()
+        self._interval_start = time.monotonic()
+
+    def spacing_s(self, failures: int) -> float:
+        """Seconds between two credential checks of an address with this many recent failures."""
+        if failures == 0:
+            return 0.0
+        return min(self.MAX_DELAY_S, self.BASE_DELAY_S * 2 ** min(failures - 1, self.MAX_EXPONENT))
+
+    def reserve(self, address: str) -> float | None:
+        """Take the address's next turn: seconds to wait for it (0: now), or None if that would be more than
+        MAX_WAIT_S (refuse the attempt unchecked)."""
+        state = self._recent(address)
+        if state is None:
+            return 0.0
+        now = time.monotonic()
+        turn = max(now, state.next_turn)
+        if turn - now > self.MAX_WAIT_S:
+            return None
+        state.next_turn = turn + self.spacing_s(state.failures)
+        return turn - now
+
+    async def turn(self, address: str) -> bool:
+        """Wait for the address's turn to have a credential checked; False: refuse it unchecked."""
+        wait = self.reserve(address)
+        if wait is None:
+            return False
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return True
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        state = self._recent(address) or _Address()
+        state.failures = min(state.failures + 1, self.MAX_EXPONENT + 1)
+        state.last_failure = now
+        state.next_turn = max(state.next_turn, now + self.spacing_s(state.failures))
+        self._addresses[address] = state
+        self._addresses.move_to_end(address)
+        if len(self._addresses) > self.MAX_ADDRESSES:
+            self._addresses.popitem(last=False)
+        self.failures_total += 1
+        self._interval_failures += 1
+        if len(self._interval_addresses) < self.MAX_ADDRESSES:
+            self._interval_addresses.add(address)
+        if now - self._interval_start >= self.LOG_INTERVAL_S:
+            log.warning(
+                "%d failed auth attempts from %d addresses in the last %.0fs",
+                self._interval_failures,
+                len(self._interval_addresses),
+                now - self._interval_start,
+            )
+            self._interval_failures = 0
+            self._interval_addresses.clear()
+            self._interval_start = now
+
+    def _recent(self, address: str) -> _Address | None:
+        state = self._addresses.get(address)
+        if state is not None and time.monotonic() - state.last_failure > self.FORGET_AFTER_S:
+            del self._addresses[address]
+            return None
+        return state
+
+
+class Arrival:
+    """A TLS connection accepted and not yet handed to its door (during its handshake): the hub counts it as
+    unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
+
+    key = None
+
+    def __init__(self, address: str, peer: str, authenticated: bool):
+        self.address, self.peer = address, peer
+        self.authenticated = authenticated
+        self.opened = time.monotonic()
+        self.closed = False
+        self.task: asyncio.Task | None = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the half-made transport closes the socket
+
+
+class Listener:
+    """Accepts connections on a bound, listening socket (in place of asyncio's server, which counts nothing
+    before a handshake completes and logs a traceback for each accept() past the file-descriptor limit)."""
+
+    def __init__(
+        self,
+        hub,
+        sock: socket.socket,
+        make_protocol: Callable[[Arrival], asyncio.Protocol],
+        tls: ssl.SSLContext | None,
+    ):
+        self.hub, self.sock, self.tls = hub, sock, tls
+        self._make_protocol = make_protocol
+        self._task: asyncio.Task | None = None
+        self._handshakes: set[asyncio.Task] = set()
+        self._accept_failed = RateLimitedLog(log)
+        sock.setblocking(False)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sock.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self.sock)
+            except OSError as e:
+                if self.sock.fileno() == -1:  # closed: the drain began
+                    return
+                # out of descriptors: wait for some to close; else one connection failed (ECONNABORTED)
+                self._accept_failed("cannot accept a connection: %s; retrying", e.strerror or e)
+                if e.errno in _OUT_OF_RESOURCES:
+                    await asyncio.sleep(_ACCEPT_RETRY_S)
+                continue
+            self._arrived(sock, peer)
+
+    def _arrived(self, sock: socket.socket, peer) -> None:
+        tcp = isinstance(peer, tuple)
+        address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
+        arrival = Arrival(address, name, authenticated=self.hub.keys is None)
+        # Only a TLS handshake takes time before the door has the connection (and counts it).
+        refused = None if self.tls is None else self.hub.connect(arrival)
+        if refused is not None:
+            self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
+            sock.close()
+            return
+        arrival.task = asyncio.get_running_loop().create_task(self._open(arrival, sock))
+        self._handshakes.add(arrival.task)
+        arrival.task.add_done_callback(self._handshakes.discard)
+
+    async def _open(self, arrival: Arrival, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = self.hub.limits.auth_timeout_s
+        try:
+            await loop.connect_accepted_socket(
+                lambda: self._make_protocol(arrival),
+                sock,
+                ssl=self.tls,
+                ssl_handshake_timeout=None if self.tls is None else deadline,
+            )
+        except (OSError, asyncio.CancelledError, TimeoutError) as e:
+            # a failed or stalled handshake (a plaintext client on the TLS port), or an eviction
+            log.debug("connection from %s closed before it was served: %r", arrival.peer, e)
+            sock.close()
+        finally:
+            self.hub.disconnect(arrival)
+
+
+def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening TCP sockets on every address `host` resolves to (as asyncio.start_server binds them)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, address in dict.fromkeys((info[0], info[4]) for info in infos):
+            sock = socket.create_server((address[0], port, *address[2:]), family=family, backlog=backlog)
+            socks.append(sock)
+            port = sock.getsockname()[1]  # port 0: every address on the one port the first got
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def bind_unix(path: str, backlog: int) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):  # a stale socket file, as asyncio's server removes it
+            os.remove(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,169 @@
+"""gate.py: AuthGate on a fake clock (the per-address backoff every door shares), the accept loop."""
+
+import asyncio
+import errno
+import logging
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from minisarathi.server import gate
+from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(gate.time, "monotonic", fake)
+    return fake
+
+
+def checks_in(auth_gate: AuthGate, address: str, clock: Clock, seconds: float) -> int:
+    """Credential checks an address gets in `seconds` when it asks as fast as it can (every turn taken at
+    once, as a client with many connections would)."""
+    end, checks = clock.now + seconds, 0
+    while (wait := auth_gate.reserve(address)) is not None and clock.now + wait < end:
+        checks += 1
+        clock.now += wait
+    return checks
+
+
+def test_failures_space_an_addresss_checks_doubling_and_capped(clock):
+    auth_gate = AuthGate()
+    assert [auth_gate.spacing_s(f) for f in range(4)] == [0.0, 0.05, 0.1, 0.2]
+    assert auth_gate.spacing_s(10) == auth_gate.spacing_s(10_000) == AuthGate.MAX_DELAY_S
+    for _ in range(5):
+        auth_gate.failed("10.0.0.1")
+    # after the 5th failure: at most 20 checks a second, however many connections ask at once
+    assert checks_in(auth_gate, "10.0.0.1", clock, 10.0) <= 20 * 10
+    assert auth_gate.reserve("10.0.0.2") == 0.0  # per address: another one never waits
+
+
+def test_a_new_attempt_waits_for_its_turn_before_its_check(clock):
+    """The old throttle slowed only the next read of the same connection: one new connection per guess
+    cost nothing (1,389 guesses/s)."""
+    auth_gate = AuthGate()
+    auth_gate.failed("10.0.0.1")
+    auth_gate.failed("10.0.0.1")
+    first, second = auth_gate.reserve("10.0.0.1"), auth_gate.reserve("10.0.0.1")
+    assert first == pytest.approx(0.1) and second == pytest.approx(0.2)  # two parallel attempts: in turn
+
+
+def test_a_success_resets_nothing(clock):
+    """A key holder's success (even from the attacker's own address) leaves every backoff as it was: no
+    method exists to reset it; only time does."""
+    auth_gate = AuthGate()
+    for _ in range(6):
+        auth_gate.failed("10.0.0.1")
+    assert not hasattr(auth_gate, "succeeded")
+    clock.now += AuthGate.FORGET_AFTER_S / 2
+    assert auth_gate.reserve("10.0.0.1") == 0.0 and auth_gate.reserve("10.0.0.1") > 1.0
+    clock.now += AuthGate.FORGET_AFTER_S + 10
+    assert auth_gate.reserve("10.0.0.1") == auth_gate.reserve("10.0.0.1") == 0.0
+
+
+def test_thousands_of_failures_do_not_overflow(clock):
+    """0.05 * 2**count raised OverflowError after ~1,024 failures of one address."""
+    auth_gate = AuthGate()
+    for _ in range(2000):
+        auth_gate.failed("10.0.0.1")
+    assert auth_gate.spacing_s(2000) == AuthGate.MAX_DELAY_S
+    assert auth_gate.failures_total == 2000
+
+
+def test_a_queue_too_long_is_refused_unchecked(clock):
+    auth_gate = AuthGate()
+    for _ in range(10):
+        auth_gate.failed("10.0.0.1")
+    waits = [auth_gate.reserve("10.0.0.1") for _ in range(20)]
+    assert None in waits and max(w for w in waits if w is not None) <= AuthGate.MAX_WAIT_S
+
+
+def test_a_flood_of_addresses_keeps_the_table_bounded(clock, monkeypatch):
+    monkeypatch.setattr(AuthGate, "MAX_ADDRESSES", 100)
+    auth_gate = AuthGate()
+    for i in range(1000):
+        auth_gate.failed(f"10.0.{i // 256}.{i % 256}")
+    assert len(auth_gate._addresses) == 100
+
+
+def test_turn_waits_on_the_loop():
+    auth_gate = AuthGate()
+    auth_gate.failed("10.0.0.1")
+
+    async def two_turns():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await auth_gate.turn("10.0.0.1") and await auth_gate.turn("10.0.0.1")
+        return loop.time() - start
+
+    assert asyncio.run(two_turns()) >= 0.05
+
+
+def test_failures_are_logged_as_one_summary_per_interval(clock, caplog):
+    auth_gate = AuthGate()
+    for i in range(13):
+        auth_gate.failed(f"10.0.0.{i % 3}")
+    assert not caplog.records
+    clock.now += AuthGate.LOG_INTERVAL_S
+    auth_gate.failed("10.0.0.9")
+    assert [r.getMessage() for r in caplog.records] == [
+        "14 failed auth attempts from 4 addresses in the last 60s"
+    ]
+
+
+def test_a_rate_limited_log_writes_one_line_per_interval_with_a_count(clock, caplog):
+    caplog.set_level(logging.INFO)
+    quiet = RateLimitedLog(logging.getLogger("test.gate"))
+    for _ in range(50):
+        quiet("refused %s", "x")
+    clock.now += RateLimitedLog.INTERVAL_S
+    quiet("refused %s", "y")
+    assert [r.getMessage() for r in caplog.records] == ["refused x", "refused y (and 49 more like it in 60s)"]
+
+
+def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog):
+    """asyncio's server logged a traceback for each accept() that ran out of descriptors."""
+    made = []
+
+    async def serve() -> None:
+        listening = socket.create_server(("127.0.0.1", 0))
+        hub = SimpleNamespace(
+            connect=lambda conn: None,
+            disconnect=lambda conn: None,
+            keys=None,
+            limits=SimpleNamespace(auth_timeout_s=5.0),
+        )
+        listener = Listener(hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None)
+        loop = asyncio.get_running_loop()
+        accept, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")] * 5
+
+        async def sock_accept(sock):
+            if failures:
+                raise failures.pop()
+            return await accept(sock)
+
+        loop.sock_accept = sock_accept
+        listener.start()
+        with socket.create_connection(listening.getsockname()):
+            for _ in range(200):
+                if made:
+                    break
+                await asyncio.sleep(0.01)
+        listener.close()
+
+    asyncio.run(serve())
+    assert len(made) == 1 and made[0].address == "127.0.0.1"
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot accept a connection: Too many open files; retrying"
+    ]
+    assert not any(r.exc_info for r in caplog.records)
