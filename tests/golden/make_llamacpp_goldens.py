@@ -6,7 +6,8 @@ and make_kquant_gguf.py's per-type files: the goldens of tests/unit/test_llamacp
 For each file (recorded with its sha256: the kquant files are written again, byte for byte, by the test) and
 each prompt (token ids, BOS first), llama-server runs one slot with a float32 KV cache and samples greedily;
 n_probs=2 gives, at every generated token, the two largest log-probabilities of the raw logits (before any
-sampler), so their difference is the top-2 logit gap.
+sampler), so their difference is the top-2 logit gap. ignore_eos masks EOS out of the sampling, not
+out of the log-probabilities.
 """
 
 from __future__ import annotations
@@ -66,12 +67,20 @@ def greedy(binary: str, gguf: Path) -> list[dict]:
             raise RuntimeError(f"llama-server did not start on {gguf}")
         cases = []
         for prompt in PROMPTS:
-            body = {"prompt": prompt, "n_predict": NEW_TOKENS, "temperature": 0, "n_probs": 2}
-            body |= {"cache_prompt": False, "ignore_eos": True, "return_tokens": True}
-            result = post(port, "/completion", body)
-            steps = result["completion_probabilities"]
-            top2 = [[[t["id"], t["logprob"]] for t in step["top_logprobs"][:2]] for step in steps]
-            cases.append({"prompt": prompt, "tokens": [s["id"] for s in steps], "top2": top2})
+            # one token a request: the server leaves out the probabilities of a token that ends inside a
+            # UTF-8 character (a byte token), so a longer generation's list does not line up with its
+            # tokens; such a token is recorded with top2 None
+            tokens, top2 = [], []
+            for _ in range(NEW_TOKENS):
+                body = {"prompt": prompt + tokens, "n_predict": 1, "temperature": 0, "n_probs": 2}
+                body |= {"cache_prompt": False, "ignore_eos": True, "return_tokens": True}
+                result = post(port, "/completion", body)
+                (token,) = result["tokens"]
+                steps = result.get("completion_probabilities") or [None]
+                assert steps[0] is None or steps[0]["id"] == token, result
+                tokens.append(token)
+                top2.append(steps[0] and [[t["id"], t["logprob"]] for t in steps[0]["top_logprobs"][:2]])
+            cases.append({"prompt": prompt, "tokens": tokens, "top2": top2})
         return cases
     finally:
         server.terminate()

@@ -2,10 +2,11 @@
 which records llama-server's greedy tokens and, at each, its two largest log-probabilities).
 
 Teacher-forced on llama.cpp's tokens: at every position our log-probabilities of its top-2 tokens are
-within LOGPROB_TOL of its own, and where its top-2 gap exceeds GAP_BOUND our greedy token is its token.
+within TOLERANCE of its own (relative to the row's largest |logit|), and where its top-2 gap exceeds twice
+that our greedy token is its token.
 llama.cpp rounds activations to 8 bits for its quantized dot products (Q8_0 blocks, Q8_K for the K-quants)
-and we do not, so the two differ by more than float32 rounding; the bounds are a few times the largest
-difference measured (see the goldens' script)."""
+and ours round them per block of 32 too but not alike, so the two differ by more than float32 rounding;
+the tolerances are about 1.5-4x the largest difference measured."""
 
 import hashlib
 import importlib.util
@@ -25,8 +26,12 @@ GOLDENS = json.loads((ROOT / "tests/golden/llamacpp_greedy.json").read_text())
 _spec = importlib.util.spec_from_file_location("make_kquant", ROOT / "tests/golden/make_kquant_gguf.py")
 make_kquant = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_kquant)
-LOGPROB_TOL = 0.05
-GAP_BOUND = 2 * LOGPROB_TOL  # each side's top-2 log-probabilities are within LOGPROB_TOL of the other's
+# |our log-probability - llama.cpp's| / the row's largest |logit|: measured at most 5e-4 on the float32
+# file and 0.019 on the quantized ones (llama.cpp's 8-bit activation blocks differ from ours)
+TOLERANCE = {"f32": 2e-3, "quantized": 0.03}
+# a top-2 gap that the two sides' errors cannot close: each side's top-2 log-probabilities are within the
+# tolerance of the other's
+GAP_BOUND = 2
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +46,41 @@ def paths(tmp_path_factory) -> dict[str, Path]:
     return found
 
 
-def compare(path: Path, cases: list[dict]) -> tuple[float, int, int]:
-    """(the largest log-probability difference, positions whose gap exceeds GAP_BOUND, of them those whose
-    greedy tokens differ) over every case, teacher-forced on llama.cpp's tokens."""
+def compare(path: Path, cases: list[dict]) -> tuple[float, int, int, int]:
+    """(the largest log-probability difference relative to its row's largest |logit|, positions compared,
+    of them those whose top-2 gap exceeds GAP_BOUND x the tolerance, of those the ones whose greedy tokens
+    differ), teacher-forced on llama.cpp's tokens."""
     model = load_model(path)
-    worst, decisive, differ = 0.0, 0, 0
+    tolerance = TOLERANCE["f32" if path.name.endswith("f32.gguf") else "quantized"]
+    worst, compared, decisive, differ = 0.0, 0, 0, 0
     for case in cases:
         prompt, tokens = case["prompt"], case["tokens"]
         logits, _ = prefill_then_greedy(model, prompt + tokens[:-1], 1)
         logits = logits[len(prompt) - 1 :].astype(np.float64)  # the rows that predict `tokens`
-        logprobs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
-        logprobs -= logits.max(1, keepdims=True)
-        for row, token, top2 in zip(logprobs, tokens, case["top2"], strict=True):
-            worst = max(worst, *(abs(row[i] - lp) for i, lp in top2))
-            if top2[0][1] - top2[1][1] > GAP_BOUND:
+        shifted = logits - logits.max(1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+        for row, scale, token, top2 in zip(
+            logprobs, np.abs(logits).max(1), tokens, case["top2"], strict=True
+        ):
+            if top2 is None:
+                continue  # a byte token, whose probabilities llama-server does not report
+            compared += 1
+            # llama.cpp's float32 softmax underflows to -FLT_MAX past a gap of ~100: nothing to compare
+            worst = max(worst, *(abs(row[i] - lp) / scale for i, lp in top2 if lp > -1e30))
+            if top2[0][1] - top2[1][1] > GAP_BOUND * tolerance * scale:
                 decisive += 1
                 differ += int(row.argmax()) != token
-    return worst, decisive, differ
+    return worst, compared, decisive, differ
 
 
 @pytest.mark.parametrize("name", list(GOLDENS["files"]))
 def test_greedy_tokens_and_log_probabilities_equal_llama_cpps(paths, name):
-    worst, decisive, differ = compare(paths[name], GOLDENS["files"][name]["cases"])
-    assert worst <= LOGPROB_TOL, name
-    assert differ == 0 and decisive >= len(GOLDENS["files"][name]["cases"]) * GOLDENS["new_tokens"] // 2
+    worst, compared, decisive, differ = compare(paths[name], GOLDENS["files"][name]["cases"])
+    assert worst <= TOLERANCE["f32" if name.endswith("f32.gguf") else "quantized"], name
+    assert differ == 0 and compared >= 48 and decisive >= compared // 3, (compared, decisive, differ)
 
 
 def test_another_formats_goldens_are_told_apart(paths):
-    # Q4_0's logits against the Q8_0 file's: the quantization error the comparison must see
-    worst, _, _ = compare(paths["kquant-q8_0.gguf"], GOLDENS["files"]["kquant-q4_0.gguf"]["cases"])
-    assert worst > 2 * LOGPROB_TOL
+    # Q4_0's log-probabilities against the Q8_0 file's: the quantization error the comparison must see
+    worst, *_ = compare(paths["kquant-q8_0.gguf"], GOLDENS["files"]["kquant-q4_0.gguf"]["cases"])
+    assert worst > TOLERANCE["quantized"]
