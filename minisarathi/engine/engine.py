@@ -125,15 +125,14 @@ class LLMEngine:
             # otherwise be millions of blocks, and host bookkeeping (free list, tables) that grows with them.
             num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
-        block_bytes = self.model.kv_cache_bytes_per_block(config.block_size)
+        pool = num_blocks * self.model.kv_cache_bytes_per_block(config.block_size) / 2**20
+        weights = f"{self.model.weight_format}, {self.model.weight_bytes / 2**20:.1f} MiB on {config.device}"
         log.info(
-            "weights: %s, %.1f MiB on %s; KV pool: %d blocks of %d tokens, %.1f MiB",
-            self.model.weight_format,
-            self.model.weight_bytes / 2**20,
-            config.device,
+            "weights: %s; KV pool: %d blocks of %d tokens, %.1f MiB",
+            weights,
             num_blocks,
             config.block_size,
-            num_blocks * block_bytes / 2**20,
+            pool,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it

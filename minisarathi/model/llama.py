@@ -19,8 +19,9 @@ from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
 from minisarathi.model.decode_graphs import DecodeGraphs
-from minisarathi.model.loader import load_weights, weight_format
+from minisarathi.model.loader import load_weights
 from minisarathi.parallel.communicator import Communicator
+from minisarathi.quant.layouts import weight_format
 from minisarathi.validation import check_int
 
 
@@ -113,15 +114,8 @@ class LlamaModel:
 
     def rank_info(self) -> list[dict]:
         """The processes that run the model (tensor parallelism has one per rank)."""
-        return [
-            {
-                "rank": 0,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "device": self.ops.device,
-                "weight_bytes": self.weight_bytes,
-            }
-        ]
+        info = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "device": self.ops.device}
+        return [info | {"weight_bytes": self.weight_bytes}]
 
     def new_sampler(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         """The backend's sampler for forward(..., device_logits=True)'s logits."""

@@ -17,7 +17,6 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -140,23 +139,6 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
                 f"{', '.join(stored[n].dtype for n in names)}"
             )
     return CheckpointWeights(stored, parts)
-
-
-def weight_format(weights: Mapping[str, Any]) -> str:
-    """The matrices' storage, most weights first: "bfloat16", "Q8_0", "Q4_K+Q6_K" (a Q4_K_M file),
-    "awq+float16" (an AWQ folder's linears and its 16-bit embedding table). Where a fused matrix mixes
-    types (Stacked), each part counts under its own."""
-    counts: dict[str, int] = {}
-    for tensor in weights.values():
-        if len(tensor.shape) != 2:
-            continue  # norms and biases
-        if getattr(tensor, "dtype", None) == "quantized":
-            parts = [(p.source, p.shape) for p in getattr(tensor.data, "parts", (tensor.data,))]
-        else:  # a CheckpointTensor's dtype name, or a NumPy array's
-            parts = [(str(tensor.dtype), tensor.shape)]
-        for kind, shape in parts:
-            counts[kind] = counts.get(kind, 0) + int(np.prod(shape))
-    return "+".join(sorted(counts, key=lambda k: -counts[k]))
 
 
 def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:

@@ -36,6 +36,7 @@ d * q - 8d equals ggml's d * (q - 8) as a number (both exact), and only a zero w
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
@@ -258,6 +259,23 @@ def take_columns(layout, start: int, stop: int):
     low = layout.low[:, g0 * group // 2 : g1 * group // 2]
     scale, minimum = layout.scale[:, g0:g1], layout.minimum[:, g0:g1]
     return replace(layout, low=low, high=high, scale=scale, minimum=minimum, shape=shape)
+
+
+def weight_format(weights: Mapping) -> str:
+    """The matrices' storage, most weights first: "bfloat16", "Q8_0", "Q4_K+Q6_K" (a Q4_K_M file),
+    "awq+float16" (an AWQ folder's linears and its 16-bit embedding table). Where a fused matrix mixes
+    types (Stacked), each part counts under its own."""
+    counts: dict[str, int] = {}
+    for tensor in weights.values():
+        if len(tensor.shape) != 2:
+            continue  # norms and biases
+        if getattr(tensor, "dtype", None) == "quantized":
+            parts = [(p.source, p.shape) for p in getattr(tensor.data, "parts", (tensor.data,))]
+        else:  # a loader CheckpointTensor's dtype name, or a NumPy array's
+            parts = [(str(tensor.dtype), tensor.shape)]
+        for kind, shape in parts:
+            counts[kind] = counts.get(kind, 0) + int(np.prod(shape))
+    return "+".join(sorted(counts, key=lambda k: -counts[k]))
 
 
 def type_name(ggml_type: int) -> str:

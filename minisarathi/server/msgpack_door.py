@@ -19,6 +19,7 @@ import msgpack
 
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
+from minisarathi.server.client_options import ConnectionOptions, parse_options
 from minisarathi.server.gate import Arrival, bind, bind_unix
 from minisarathi.server.hub import (
     UNREAD_HIGH_WATER,
@@ -42,14 +43,12 @@ from minisarathi.server.protocol import (
     UNAUTHORIZED,
     UNKNOWN_METHOD,
     UNPACKER_READ_SIZE,
-    ConnectionOptions,
     RPCError,
     ServerLimits,
     as_text,
     make_unpacker,
     pack,
     parse_generate,
-    parse_options,
     short,
     single_param,
     text_params,

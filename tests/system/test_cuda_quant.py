@@ -17,7 +17,7 @@ from minisarathi.backends.cuda_ops import QuantWeight
 from minisarathi.dtypes import convert, to_float32
 from minisarathi.model.llama import load_model
 from minisarathi.model.loader import CheckpointTensor
-from minisarathi.quant.layouts import Fp8Rows, IntGroups, Stacked, UintGroups, _pack_low
+from minisarathi.quant.layouts import Fp8Rows, IntGroups, Stacked, UintGroups, pack_low
 from minisarathi.testing import prefill_then_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -57,7 +57,7 @@ def make_layout(kind: str, rng, n: int = N, k: int = K):
         if kind == "AWQ":  # group 128's scale and zero point repeated per 32, as hf_quantized maps them
             scale = np.repeat(scale[:, ::4], 4, axis=1)[:, : k // 32]
         minimum = scale * rng.integers(0, 16, scale.shape).astype(np.float32)
-        return UintGroups(_pack_low(codes), None, scale, minimum, 4, (n, k), kind)
+        return UintGroups(pack_low(codes), None, scale, minimum, 4, (n, k), kind)
     assert kind == "FP8"
     values = rng.integers(0, 0x7F, (n, k)).astype(np.uint8) | (
         rng.integers(0, 2, (n, k)).astype(np.uint8) << 7
