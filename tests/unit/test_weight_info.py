@@ -11,8 +11,9 @@ import pytest
 
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.model.llama import load_model
-from minisarathi.model.loader import read_checkpoint, weight_format
+from minisarathi.model.loader import read_checkpoint
 from minisarathi.paths import default_model_dir
+from minisarathi.quant.layouts import weight_format
 
 ROOT = Path(__file__).parents[2]
 Q8_GGUF = ROOT / "models/stories260K-gguf/stories260K-q8_0.gguf"
