@@ -249,15 +249,18 @@ def take_columns(layout, start: int, stop: int):
             "tensor_parallel_size whose shares are whole groups"
         )
     shape = (layout.shape[0], stop - start)
+    c = np.ascontiguousarray  # a rank keeps its own compact copy, in the form the kernels read
     if isinstance(layout, Fp8Rows):
-        return replace(layout, values=layout.values[:, start:stop], shape=shape)
+        return replace(layout, values=c(layout.values[:, start:stop]), shape=shape)
     g0, g1 = start // group, stop // group
     if isinstance(layout, IntGroups):
-        return replace(layout, values=layout.values[:, start:stop], scale=layout.scale[:, g0:g1], shape=shape)
+        return replace(
+            layout, values=c(layout.values[:, start:stop]), scale=c(layout.scale[:, g0:g1]), shape=shape
+        )
     # a group's 32 codes lie in 16 low bytes (and 4 high bytes where bits == 5)
-    high = None if layout.high is None else layout.high[:, g0 * group // 8 : g1 * group // 8]
-    low = layout.low[:, g0 * group // 2 : g1 * group // 2]
-    scale, minimum = layout.scale[:, g0:g1], layout.minimum[:, g0:g1]
+    high = None if layout.high is None else c(layout.high[:, g0 * group // 8 : g1 * group // 8])
+    low = c(layout.low[:, g0 * group // 2 : g1 * group // 2])
+    scale, minimum = c(layout.scale[:, g0:g1]), c(layout.minimum[:, g0:g1])
     return replace(layout, low=low, high=high, scale=scale, minimum=minimum, shape=shape)
 
 

@@ -58,7 +58,10 @@ def test_tensor_parallel_equals_one_process(name, size):
 
 @pytest.mark.parametrize("file", ["kquant-q4_k_m.gguf", "kquant-q8_0.gguf"])
 def test_tensor_parallel_shards_quantized_gguf_weights_on_whole_groups(file, tmp_path):
-    # Q4_K_M's fused q/k/v mixes Q4_K and Q6_K parts; each rank keeps its rows and whole groups of columns
+    # Q4_K_M's fused q/k/v mixes Q4_K and Q6_K parts; each rank keeps its rows and whole groups of columns.
+    # The quantized kernels round activations to int8 per block of 32: the ranks' partial sums, added in
+    # another order, can move a hidden value across a rounding step, so the bound is the kernels' own
+    # (tests/unit/test_quant_linear_models.py), not float32's
     spec = importlib.util.spec_from_file_location("make_kquant", GOLDEN / "make_kquant_gguf.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
@@ -70,7 +73,7 @@ def test_tensor_parallel_shards_quantized_gguf_weights_on_whole_groups(file, tmp
         logits, tokens = prefill_then_greedy(model, prompt, 8, chunk_size=8)
     finally:
         model.close()
-    assert relative_error(logits, want_logits) <= 1e-5
+    assert relative_error(logits, want_logits) <= (4 * 2 + 1) * 2**-8  # 2 layers
     assert tokens == want_tokens
 
 
