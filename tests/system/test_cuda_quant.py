@@ -192,16 +192,17 @@ def _kquant_file(tmp_path: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize("file", ["stories260K-q8_0.gguf", "kquant-q4_k_m.gguf"])
-def test_gguf_models_give_the_cpu_backends_greedy_tokens(file, tmp_path):
+def test_gguf_models_give_the_reference_backends_greedy_tokens(file, tmp_path):
     """The bundled Q8_0 file and a generated Q4_K_M one (Q4_K with Q6_K parts, a quantized embedding
-    table), every quantized matrix on quant_linear.cu in float16, against the CPU backend."""
+    table), every quantized matrix on quant_linear.cu in float16, against the reference backend (float32 over the
+    dequantized weights; the CPU backend rounds activations to int8)."""
     path = (
         ROOT / "models/stories260K-gguf" / file
         if file.startswith("stories")
         else _kquant_file(tmp_path, file)
     )
     prompt = [1, *range(3, 400, 23)]
-    _, want = prefill_then_greedy(load_model(path, device="cpu"), prompt, 8)
+    _, want = prefill_then_greedy(load_model(path, device="reference"), prompt, 8)
     model = load_model(path, device="cuda-emulated", dtype="float16")
     assert isinstance(model.layers[0].qkv_proj, QuantWeight) and isinstance(model.embed_tokens, QuantWeight)
     # the weights take their quantized size on the device, not the 2 bytes a weight of float16
@@ -213,8 +214,8 @@ def test_gguf_models_give_the_cpu_backends_greedy_tokens(file, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq8-sym", "fp8-channel"])
-def test_quantized_folders_give_the_cpu_backends_greedy_tokens(fmt, tmp_path):
-    """AWQ (4-bit, zero points), GPTQ-8 and FP8 folders on quant_linear.cu in float16, against the CPU."""
+def test_quantized_folders_give_the_reference_backends_greedy_tokens(fmt, tmp_path):
+    """AWQ (4-bit, zero points), GPTQ-8 and FP8 folders on quant_linear.cu in float16, against the reference backend."""
     spec = importlib.util.spec_from_file_location(
         "make_folders", ROOT / "tests/golden/make_quantized_folders.py"
     )
@@ -222,7 +223,7 @@ def test_quantized_folders_give_the_cpu_backends_greedy_tokens(fmt, tmp_path):
     spec.loader.exec_module(make)
     path = make.write_folder(tmp_path / fmt, fmt)
     prompt = [1, *range(3, 400, 23)]
-    _, want = prefill_then_greedy(load_model(path, device="cpu"), prompt, 8)
+    _, want = prefill_then_greedy(load_model(path, device="reference"), prompt, 8)
     model = load_model(path, device="cuda-emulated", dtype="float16")
     assert all(isinstance(getattr(model.layers[0], n), QuantWeight) for n in ("qkv_proj", "down_proj"))
     _, got = prefill_then_greedy(model, prompt, 8)
