@@ -33,13 +33,14 @@ Q8_0 = ROOT / "models" / "stories260K-gguf" / "stories260K-q8_0.gguf"
 PROMPT = [1, 403, 407]  # "Once upon a time"
 # Q8_0's top-1 agreement with float32 over the README story's 201 positions: measured 0.990 (199 of 201)
 Q8_0_MIN_AGREEMENT = 0.97
+# No text that starts with a space or follows a special token: there llama.cpp prefixes "▁" (as the file's
+# tokenizer does; tests/unit/test_gguf_tokenizer.py checks it on Llama 2's vocabulary), tokenizer.json not
 TEXTS = [
     "Once upon a time",
-    " a leading space",
     "Lily's mom said, \"Lily, let's go!\"\nThe end.",
     "dragon ö 株 🙂",
     "",
-    "<s>hi</s>",
+    "hi</s>",
 ]
 
 _spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "tests" / "golden" / "make_gguf.py")
