@@ -166,14 +166,17 @@ def test_a_gguf_file_is_a_model_for_the_cli_and_llm(capsys):
     assert out.text.startswith(" ball.") and len(out.token_ids) == 24
 
 
-def rewrite(tmp_path, change_meta=None, change_tensors=None) -> Path:
-    """The F32 file with metadata fields and tensors changed: (key, value, type) and (name, array, type)."""
+def rewrite(tmp_path, change_meta=None, change_tensors=None, alignment=None) -> Path:
+    """The F32 file with metadata fields and tensors changed: (key, value, type) and (name, array, type),
+    and its data aligned to `alignment` bytes (general.alignment) instead of the default 32."""
     reader = gguf.GGUFReader(str(F32))
     fields = [f for f in reader.fields.values() if not f.name.startswith("GGUF.")]
     meta = {f.name: (f.contents(), f.types) for f in fields}
     meta.update(change_meta or {})
     out = tmp_path / "changed.gguf"
     writer = gguf.GGUFWriter(str(out), meta.pop("general.architecture")[0])
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     for name, (value, types) in meta.items():
         if types[0] == gguf.GGUFValueType.ARRAY:
             writer.add_array(name, value)
@@ -188,6 +191,19 @@ def rewrite(tmp_path, change_meta=None, change_tensors=None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def test_the_files_alignment_places_the_tensors_and_a_cut_file_is_named(tmp_path):
+    want = read_gguf(F32)
+    path = rewrite(tmp_path, alignment=256)
+    got = read_gguf(path)
+    assert set(got) == set(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="tensor 'output_norm.weight': the file ends inside its data"):
+        read_gguf(cut)
 
 
 def test_unsupported_architecture_is_named(tmp_path):

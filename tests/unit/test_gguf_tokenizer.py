@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from minisarathi import LLM, SamplingParams  # noqa: E402
-from minisarathi.quant.gguf_file import UnsupportedGGUF, read_header  # noqa: E402
+from minisarathi.quant.gguf_file import TensorInfo, UnsupportedGGUF, read_header  # noqa: E402
 from minisarathi.server.chat_template import load_chat_template  # noqa: E402
 from minisarathi.tokenizer import Tokenizer, special_tokens  # noqa: E402
 
@@ -304,8 +304,11 @@ def test_the_header_reads_as_gguf_reader_reads_it(trained, tmp_path):
     for path in (chat, stories / "stories260K-f32.gguf", stories / "stories260K-q8_0.gguf"):
         reader = gguf.GGUFReader(str(path))
         fields = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
-        shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
-        assert read_header(path) == (fields, shapes), path.name
+        tensors = {
+            t.name: TensorInfo(tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset))
+            for t in reader.tensors
+        }
+        assert read_header(path) == (fields, tensors), path.name
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(chat.read_bytes()[:5000])
     with pytest.raises(ValueError, match="cut.gguf: not a readable GGUF file"):
