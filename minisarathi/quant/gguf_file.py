@@ -131,7 +131,12 @@ class _Header:
         if not isinstance(alignment, int) or alignment <= 0:
             raise ValueError(f"general.alignment {alignment!r} is not a positive integer")
         data = -(-self.at // alignment) * alignment  # the data section starts at the next aligned byte
-        return fields, {name: TensorInfo(shape, kind, data + at) for name, shape, kind, at in infos}
+        tensors = {}
+        for name, shape, kind, at in infos:
+            if name in tensors:
+                raise ValueError(f"two tensors are named {name!r}")
+            tensors[name] = TensorInfo(shape, kind, data + at)
+        return fields, tensors
 
     def scalar(self, kind: int):
         dtype = np.dtype(_SCALARS[kind])

@@ -193,7 +193,7 @@ def rewrite(tmp_path, change_meta=None, change_tensors=None, alignment=None) -> 
     return out
 
 
-def test_the_files_alignment_places_the_tensors_and_a_cut_file_is_named(tmp_path):
+def test_the_files_alignment_places_the_tensors_and_a_cut_or_bad_file_is_named(tmp_path):
     want = read_gguf(F32)
     path = rewrite(tmp_path, alignment=256)
     got = read_gguf(path)
@@ -204,6 +204,12 @@ def test_the_files_alignment_places_the_tensors_and_a_cut_file_is_named(tmp_path
     cut.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match="tensor 'output_norm.weight': the file ends inside its data"):
         read_gguf(cut)
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(path.read_bytes().replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1))
+    with pytest.raises(
+        ValueError, match="twice.gguf: not a readable GGUF file .two tensors are named 'blk.0"
+    ):
+        read_gguf(twice)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
