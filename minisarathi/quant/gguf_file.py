@@ -1,5 +1,5 @@
-"""A GGUF file as a model: its config and weights, read with llama.cpp's `gguf` package (its tokenizer:
-minisarathi/quant/gguf_tokenizer.py).
+"""A GGUF file as a model: its config and weights, read from the file's header and data with NumPy alone
+(its tokenizer: minisarathi/quant/gguf_tokenizer.py).
 
 The hyper-parameters come from the `{arch}.*` metadata, and each tensor is converted with
 minisarathi/quant/layouts.py. Quantized matrices (the layers' projections, the embedding table and lm_head)
@@ -16,14 +16,16 @@ back. Qwen2 files are converted without that reordering (ggml rotates them in th
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from minisarathi.dtypes import dtype_name, to_float32
-from minisarathi.quant.layouts import from_gguf, take_rows, type_name
+from minisarathi.quant.layouts import BLOCKS, from_gguf, take_rows, tensor_type, type_name
 
 log = logging.getLogger("minisarathi.gguf")
 
@@ -71,31 +73,28 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == MAGIC
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over the file (memory-mapped); ImportError naming the extra without gguf."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ImportError(
-            "reading GGUF files needs the gguf package: pip install 'minisarathi[gguf]'"
-        ) from None
-    try:
-        return GGUFReader(str(path), "r")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file's header: its dimensions in ggml's order (a matrix's row length first),
+    its GGUF type (ggml_type's number) and where its data starts, in bytes from the start of the file."""
+
+    shape: tuple[int, ...]
+    type: int
+    offset: int
 
 
 # GGUF value types (gguf.GGUFValueType) -> NumPy dtype; 8 is a string, 9 an array
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8"}
 _SCALARS.update({11: "<i8", 12: "<f8"})
 _STRING, _ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32  # of the data section and each tensor's data, where general.alignment is absent
 
 
-def read_header(path: str | Path) -> tuple[dict, dict[str, list[int]]]:
+def read_header(path: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
     """(every key-value field as Python values, as gguf's ReaderField.contents() gives them; each tensor's
-    dimensions, ggml's order: a matrix's row length first), read from the file's header alone.
-    gguf.GGUFReader makes a NumPy view of every string, which for Llama 3's 128k tokens and 280k merges
-    took 47 s and 616 MiB on a 2-core VM; this takes about a second."""
+    TensorInfo), read from the file's header alone. gguf.GGUFReader makes a NumPy view of every string,
+    which for Llama 3's 128k tokens and 280k merges took 47 s and 616 MiB on a 2-core VM; this takes about
+    a second."""
     import mmap
 
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -111,7 +110,7 @@ class _Header:
     def __init__(self, data):
         self.data, self.at = data, 0
 
-    def read(self) -> tuple[dict, dict[str, list[int]]]:
+    def read(self) -> tuple[dict, dict[str, TensorInfo]]:
         if self.data[:4] != MAGIC:
             raise ValueError("no GGUF magic")
         self.at = 4
@@ -123,12 +122,21 @@ class _Header:
         for _ in range(n_fields):
             name = self.string()
             fields[name] = self.value(self.scalar(4))
-        shapes = {}
+        infos = []
         for _ in range(n_tensors):
             name = self.string()
-            shapes[name] = [self.scalar(10) for _ in range(self.scalar(4))]
-            self.at += 4 + 8  # its type and data offset
-        return fields, shapes
+            shape = tuple(self.scalar(10) for _ in range(self.scalar(4)))
+            infos.append((name, shape, self.scalar(4), self.scalar(10)))  # the offset: from the data's start
+        alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise ValueError(f"general.alignment {alignment!r} is not a positive integer")
+        data = -(-self.at // alignment) * alignment  # the data section starts at the next aligned byte
+        tensors = {}
+        for name, shape, kind, at in infos:
+            if name in tensors:
+                raise ValueError(f"two tensors are named {name!r}")
+            tensors[name] = TensorInfo(shape, kind, data + at)
+        return fields, tensors
 
     def scalar(self, kind: int):
         dtype = np.dtype(_SCALARS[kind])
@@ -181,9 +189,13 @@ def _float(value) -> float:
 
 def config_dict(path) -> dict:
     """A Hugging Face config.json dict of the file's model, for ModelConfig.from_dict."""
-    meta, shapes = read_header(path)
+    return header_config(*read_header(path), path)
+
+
+def header_config(meta: dict, infos: dict[str, TensorInfo], path) -> dict:
+    """config_dict from the header read_header gave."""
     arch, hf_arch, _ = architecture(meta, path)
-    names = set(shapes)
+    names = set(infos)
 
     def get(key: str, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -212,7 +224,7 @@ def config_dict(path) -> dict:
             f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (linear, none)"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    embed = shapes.get("token_embd.weight")
+    embed = infos["token_embd.weight"].shape if "token_embd.weight" in infos else None
     if tokens is None and embed is None:
         raise UnsupportedGGUF(
             f"{path}: neither tokenizer.ggml.tokens nor token_embd.weight gives the vocabulary"
@@ -268,18 +280,19 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     stored (float32, float16, or bfloat16 bits as uint16; a quantized vector dequantized to float32), under
     the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
-    _, _, permuted = architecture(metadata(path), path)
-    config = config_dict(path)
-    reader = open_gguf(path)
+    meta, infos = read_header(path)
+    _, _, permuted = architecture(meta, path)
+    config = header_config(meta, infos, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, types = {}, Counter()
     file_bytes = 0
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")  # uint8[file size]; the float tensors are views
     with open(path, "rb") as file:
-        for tensor in reader.tensors:
-            name = hf_name(tensor.name, path)
-            tensors[name] = tensor_weights(name, tensor, file)
-            types[type_name(tensor.tensor_type)] += 1
-            file_bytes += int(tensor.n_bytes)
+        for ggml_name, info in infos.items():
+            name = hf_name(ggml_name, path)
+            tensors[name], nbytes = tensor_weights(name, ggml_name, info, file, mapped)
+            types[type_name(info.type)] += 1
+            file_bytes += nbytes
     if permuted and restore_rope_order:
         for name in [n for n in tensors if ".q_proj." in n or ".k_proj." in n]:
             tensors[name] = unpermute_rows(tensors[name], heads if ".q_proj." in name else kv_heads)
@@ -295,18 +308,31 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     return tensors
 
 
-def tensor_weights(name: str, tensor, file):
-    """A reader tensor as read_gguf returns it. A float tensor is a view of the memory map; a quantized
-    one is converted from its blocks read from `file`, not through the map, so that none of its pages stay
-    mapped into the process, where they would count as resident for as long as any view of the map lives."""
-    if type_name(tensor.tensor_type) in DENSE_TYPES:
-        return from_gguf(tensor.name, tensor.tensor_type, tensor.data).data
-    blocks = np.empty(tensor.data.shape, dtype=np.uint8)  # uint8[rows, bytes per row]
-    file.seek(tensor.data_offset)
-    if file.readinto(blocks) != blocks.nbytes:
-        raise ValueError(f"tensor {tensor.name!r}: the file ends inside its data")
-    layout = from_gguf(tensor.name, tensor.tensor_type, blocks)  # UnsupportedTensorType names the tensor
-    return layout if name.endswith(QUANTIZED_WEIGHTS) else layout.dequantize()
+def tensor_weights(name: str, ggml_name: str, info: TensorInfo, file, mapped: np.ndarray):
+    """(tensor `ggml_name` as read_gguf returns it under its Hugging Face `name`, its bytes in the file).
+    A float tensor is a view of `mapped`, the file's memory map; a quantized one is converted from its
+    blocks read from `file`, not through the map, so that none of its pages stay mapped into the process,
+    where they would count as resident for as long as any view of the map lives."""
+    kind = tensor_type(ggml_name, info.type)  # UnsupportedTensorType names the tensor
+    weights, block_bytes = BLOCKS[kind]
+    row, *lead = info.shape
+    if row % weights:
+        raise ValueError(
+            f"tensor {ggml_name!r} ({kind.name}): rows of {row} weights are no whole number of "
+            f"{weights}-weight blocks"
+        )
+    shape = (*reversed(lead), row // weights * block_bytes)  # uint8[..., bytes per row], NumPy's order
+    nbytes = math.prod(shape)
+    if info.offset + nbytes > mapped.size:
+        raise ValueError(f"tensor {ggml_name!r}: the file ends inside its data")
+    if kind.name in DENSE_TYPES:
+        view = mapped[info.offset : info.offset + nbytes].reshape(shape)
+        return from_gguf(ggml_name, kind, view).data, nbytes
+    blocks = np.empty(shape, dtype=np.uint8)
+    file.seek(info.offset)
+    file.readinto(blocks)
+    layout = from_gguf(ggml_name, kind, blocks)
+    return (layout if name.endswith(QUANTIZED_WEIGHTS) else layout.dequantize()), nbytes
 
 
 def unpermute_rows(weights, n_head: int):

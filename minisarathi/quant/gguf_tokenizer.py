@@ -183,9 +183,9 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
 
 def llama_tokenizer(tokens, scores, types, merges, unk, add_space_prefix: bool):
     """A `tokenizers` BPE tokenizer of a SentencePiece/llama vocabulary: byte fallback to `<0xXX>` tokens,
-    `▁` for spaces (one prepended to the text), merges from the file or else from the scores."""
+    `▁` for spaces (one prepended to each piece of text), merges from the file or else from the scores."""
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models, normalizers
 
     if merges:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -200,9 +200,10 @@ def llama_tokenizer(tokens, scores, types, merges, unk, add_space_prefix: bool):
         byte_fallback=True,
     )
     hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
+    # llama.cpp prefixes a space to every piece of text, at the start and after each special token, even
+    # one that starts with a space (as Hugging Face's legacy Llama tokenizer); Metaspace's "first" would not
+    spaces = [normalizers.Replace(" ", "▁")]
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * add_space_prefix + spaces)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))

@@ -297,17 +297,22 @@ def type_name(ggml_type: int) -> str:
         return f"ggml type {int(ggml_type)}"
 
 
-def from_gguf(name: str, ggml_type: int, data: np.ndarray) -> Layout:
-    """Tensor `name`'s layout from its data as gguf.GGUFReader gives it: for quantized types and BF16 the
-    raw blocks, uint8[..., bytes per row]; for F16 and F32 the typed values (raw bytes are taken too)."""
+def tensor_type(name: str, ggml_type: int) -> GgmlType:
+    """Tensor `name`'s GGUF type, or UnsupportedTensorType naming the tensor and the type."""
     try:
-        kind = GgmlType(int(ggml_type))
+        return GgmlType(int(ggml_type))
     except ValueError:
         supported = ", ".join(t.name for t in GgmlType)
         raise UnsupportedTensorType(
             f"tensor {name!r} has GGUF type {type_name(ggml_type)}, which is not supported "
             f"(supported: {supported})"
         ) from None
+
+
+def from_gguf(name: str, ggml_type: int, data: np.ndarray) -> Layout:
+    """Tensor `name`'s layout from its data as gguf.GGUFReader gives it: for quantized types and BF16 the
+    raw blocks, uint8[..., bytes per row]; for F16 and F32 the typed values (raw bytes are taken too)."""
+    kind = tensor_type(name, ggml_type)
     weights, nbytes = BLOCKS[kind]
     raw = np.ascontiguousarray(data).view(np.uint8)  # uint8[..., row bytes]; a view, no copy
     lead, row_bytes = raw.shape[:-1], raw.shape[-1]

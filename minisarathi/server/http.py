@@ -513,9 +513,9 @@ class HttpDoor:
         if self.templates is None:
             raise OpenAIError(
                 400,
-                "this model has no chat template (chat_template in tokenizer_config.json or "
-                "chat_template.jinja); use /v1/completions or start the server with "
-                "--chat-template FILE",
+                "this model has no chat template (chat_template in tokenizer_config.json, "
+                "chat_template.jinja, or a GGUF file's tokenizer.chat_template); use /v1/completions or "
+                "start the server with --chat-template FILE",
                 param="messages",
                 code="no_chat_template",
             )

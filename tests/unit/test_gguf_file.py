@@ -33,13 +33,14 @@ Q8_0 = ROOT / "models" / "stories260K-gguf" / "stories260K-q8_0.gguf"
 PROMPT = [1, 403, 407]  # "Once upon a time"
 # Q8_0's top-1 agreement with float32 over the README story's 201 positions: measured 0.990 (199 of 201)
 Q8_0_MIN_AGREEMENT = 0.97
+# No text that starts with a space or follows a special token: there llama.cpp prefixes "▁" (as the file's
+# tokenizer does; tests/unit/test_gguf_tokenizer.py checks it on Llama 2's vocabulary), tokenizer.json not
 TEXTS = [
     "Once upon a time",
-    " a leading space",
     "Lily's mom said, \"Lily, let's go!\"\nThe end.",
     "dragon ö 株 🙂",
     "",
-    "<s>hi</s>",
+    "hi</s>",
 ]
 
 _spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "tests" / "golden" / "make_gguf.py")
@@ -165,14 +166,17 @@ def test_a_gguf_file_is_a_model_for_the_cli_and_llm(capsys):
     assert out.text.startswith(" ball.") and len(out.token_ids) == 24
 
 
-def rewrite(tmp_path, change_meta=None, change_tensors=None) -> Path:
-    """The F32 file with metadata fields and tensors changed: (key, value, type) and (name, array, type)."""
+def rewrite(tmp_path, change_meta=None, change_tensors=None, alignment=None) -> Path:
+    """The F32 file with metadata fields and tensors changed: (key, value, type) and (name, array, type),
+    and its data aligned to `alignment` bytes (general.alignment) instead of the default 32."""
     reader = gguf.GGUFReader(str(F32))
     fields = [f for f in reader.fields.values() if not f.name.startswith("GGUF.")]
     meta = {f.name: (f.contents(), f.types) for f in fields}
     meta.update(change_meta or {})
     out = tmp_path / "changed.gguf"
     writer = gguf.GGUFWriter(str(out), meta.pop("general.architecture")[0])
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     for name, (value, types) in meta.items():
         if types[0] == gguf.GGUFValueType.ARRAY:
             writer.add_array(name, value)
@@ -187,6 +191,25 @@ def rewrite(tmp_path, change_meta=None, change_tensors=None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def test_the_files_alignment_places_the_tensors_and_a_cut_or_bad_file_is_named(tmp_path):
+    want = read_gguf(F32)
+    path = rewrite(tmp_path, alignment=256)
+    got = read_gguf(path)
+    assert set(got) == set(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="tensor 'output_norm.weight': the file ends inside its data"):
+        read_gguf(cut)
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(path.read_bytes().replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1))
+    with pytest.raises(
+        ValueError, match="twice.gguf: not a readable GGUF file .two tensors are named 'blk.0"
+    ):
+        read_gguf(twice)
 
 
 def test_unsupported_architecture_is_named(tmp_path):

