@@ -194,8 +194,8 @@ def _kquant_file(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("file", ["stories260K-q8_0.gguf", "kquant-q4_k_m.gguf"])
 def test_gguf_models_give_the_reference_backends_greedy_tokens(file, tmp_path):
     """The bundled Q8_0 file and a generated Q4_K_M one (Q4_K with Q6_K parts, a quantized embedding
-    table), every quantized matrix on quant_linear.cu in float16, against the reference backend (float32 over the
-    dequantized weights; the CPU backend rounds activations to int8)."""
+    table), every quantized matrix on quant_linear.cu in float16, against the reference backend (float32
+    over the dequantized weights; the CPU backend rounds activations to int8)."""
     path = (
         ROOT / "models/stories260K-gguf" / file
         if file.startswith("stories")
@@ -215,7 +215,8 @@ def test_gguf_models_give_the_reference_backends_greedy_tokens(file, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq8-sym", "fp8-channel"])
 def test_quantized_folders_give_the_reference_backends_greedy_tokens(fmt, tmp_path):
-    """AWQ (4-bit, zero points), GPTQ-8 and FP8 folders on quant_linear.cu in float16, against the reference backend."""
+    """AWQ (4-bit, zero points), GPTQ-8 and FP8 folders on quant_linear.cu in float16, against the
+    reference backend."""
     spec = importlib.util.spec_from_file_location(
         "make_folders", ROOT / "tests/golden/make_quantized_folders.py"
     )
