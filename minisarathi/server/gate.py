@@ -146,8 +146,8 @@ class AuthGate:
 
 
 class Arrival:
-    """A TLS connection accepted and not yet handed to its door (during its handshake): the hub counts it as
-    unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
+    """A connection accepted and not yet handed to its door (a TLS one during its handshake): the hub counts
+    it as unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
 
     key = None
 
@@ -209,9 +209,9 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        # An address holding its share of a full pool is refused before any TLS or protocol work; and only a
-        # TLS handshake takes time before the door has the connection (and counts it).
-        refused = self.hub.crowded(address) or (None if self.tls is None else self.hub.connect(arrival))
+        # An address holding its share of a full pool is refused before any TLS or protocol work; the others
+        # count from now (the accept loop runs many accepts before their doors get them).
+        refused = self.hub.crowded(address) or self.hub.connect(arrival)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
             # a reset, not a FIN: the descriptor is free at once and no TIME_WAIT is left on this side
