@@ -20,6 +20,7 @@ import os
 import socket
 import ssl
 import stat
+import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +29,7 @@ log = logging.getLogger("minisarathi.server")
 
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_RETRY_S = 0.1  # after accept() ran out of file descriptors: the others get a chance to close
+_ABORT_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 
 
 class RateLimitedLog:
@@ -96,6 +98,11 @@ class AuthGate:
         state.next_turn = turn + self.spacing_s(state.failures)
         return turn - now
 
+    def wait_s(self, address: str) -> float:
+        """Seconds until the address's next turn, without taking it (0: none pending)."""
+        state = self._recent(address)
+        return 0.0 if state is None else max(0.0, state.next_turn - time.monotonic())
+
     async def turn(self, address: str) -> bool:
         """Wait for the address's turn to have a credential checked; False: refuse it unchecked."""
         wait = self.reserve(address)
@@ -139,8 +146,8 @@ class AuthGate:
 
 
 class Arrival:
-    """A TLS connection accepted and not yet handed to its door (during its handshake): the hub counts it as
-    unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
+    """A connection accepted and not yet handed to its door (a TLS one during its handshake): the hub counts
+    it as unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
 
     key = None
 
@@ -202,10 +209,13 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        # Only a TLS handshake takes time before the door has the connection (and counts it).
-        refused = None if self.tls is None else self.hub.connect(arrival)
+        # An address holding its share of a full pool is refused before any TLS or protocol work; the others
+        # count from now (the accept loop runs many accepts before their doors get them).
+        refused = self.hub.crowded(address) or self.hub.connect(arrival)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
+            # a reset, not a FIN: the descriptor is free at once and no TIME_WAIT is left on this side
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT_LINGER)
             sock.close()
             return
         arrival.task = asyncio.get_running_loop().create_task(self._open(arrival, sock))
@@ -216,6 +226,8 @@ class Listener:
         loop = asyncio.get_running_loop()
         deadline = self.hub.limits.auth_timeout_s
         try:
+            if self.tls is not None:  # an address in backoff waits for its turn before its handshake's work
+                await asyncio.sleep(self.hub.backoff_wait_s(arrival.address))
             await loop.connect_accepted_socket(
                 lambda: self._make_protocol(arrival),
                 sock,

@@ -119,6 +119,7 @@ class Hub:
         # cancelled requests the engine has not let go of yet -> tokens of an output that arrived meanwhile
         self._cancelling: dict[str, int] = {}
         self._unauthenticated: dict = {}  # connections not yet authenticated, oldest first
+        self._per_address = collections.Counter()  # client address -> its connections in _unauthenticated
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None  # set whenever no request is registered
         # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
@@ -244,6 +245,10 @@ class Hub:
         False: it queued too many, refuse the attempt unchecked."""
         return self.keys is None or await self._gate.turn(address)
 
+    def backoff_wait_s(self, address: str) -> float:
+        """Seconds until the address's next credential check may run (0 without keys or recent failures)."""
+        return 0.0 if self.keys is None else self._gate.wait_s(address)
+
     def authenticate(self, secret: str | None, address: str) -> tuple[bool, Key | None]:
         """(accepted, the key or None without keys); a refusal spaces the address's next checks further."""
         if self.keys is None:
@@ -328,25 +333,40 @@ class Hub:
 
     def connect(self, conn) -> str | None:
         """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
-        max_connections. With keys, an unauthenticated connection (its TLS handshake included) always gets
-        in, closing the oldest unauthenticated one of its address (or of all) past their limits: a flood of
-        connections without the key never locks a key holder out, and costs the flooder its own oldest. Past
-        the file-descriptor limit, the oldest unauthenticated connection makes room, if there is one."""
+        max_connections. With keys, an unauthenticated connection (its TLS handshake included) gets in unless
+        its address already holds its share of a full pool (`crowded`); past their limits it closes the
+        oldest unauthenticated one of its address, or of the address holding the most: a flood of connections
+        without the key never locks a key holder (or another address) out, and costs the flooder its own.
+        Past the file-descriptor limit, an unauthenticated connection makes room, if there is one."""
         if self.max_open_connections is not None and len(self.connections) >= self.max_open_connections:
             if not self._unauthenticated:
                 return f"{len(self.connections)} connections open, near the file-descriptor limit"
-            self._evict(next(iter(self._unauthenticated)))
+            self._evict(self._oldest_of_largest_address())
         if conn.authenticated:
             if self._num_authenticated() >= self.limits.max_connections:
                 return f"more than {self.limits.max_connections} connections"
         else:
-            same_address = [c for c in self._unauthenticated if c.address == conn.address]
-            if len(same_address) >= self.limits.max_unauthenticated_per_address:
-                self._evict(same_address[0])
+            if self._per_address[conn.address] >= self.limits.max_unauthenticated_per_address:
+                self._evict(next(c for c in self._unauthenticated if c.address == conn.address))
             if len(self._unauthenticated) >= self.limits.max_unauthenticated_connections:
-                self._evict(next(iter(self._unauthenticated)))
-            self._unauthenticated[conn] = None
+                self._evict(self._oldest_of_largest_address())
+            self._pool_add(conn)
         self.connections.add(conn)
+        return None
+
+    def crowded(self, address: str) -> str | None:
+        """Why a new unauthenticated connection from `address` is refused at accept, before any TLS or
+        protocol work: the pool is full and the address holds its share of it (the pool over the addresses
+        in it), so letting it in would only close one of its own (a reconnecting flood would churn)."""
+        if self.keys is None:
+            return None
+        full = len(self._unauthenticated) >= self.limits.max_unauthenticated_connections or (
+            self.max_open_connections is not None and len(self.connections) >= self.max_open_connections
+        )
+        held = self._per_address[address]
+        addresses = len(self._per_address) + (held == 0)
+        if full and held and held * addresses >= len(self._unauthenticated):
+            return f"its address holds {held} of {len(self._unauthenticated)} unauthenticated connections"
         return None
 
     def grant(self, conn, key: Key) -> bool:
@@ -354,7 +374,7 @@ class Hub:
         if not conn.authenticated:
             if self._num_authenticated() >= self.limits.max_connections:
                 return False
-            self._unauthenticated.pop(conn, None)
+            self._pool_remove(conn)
         conn.authenticated = True
         conn.key = key
         return True
@@ -364,18 +384,32 @@ class Hub:
         if conn.authenticated and self.keys is not None:
             conn.authenticated = False
             conn.opened = time.monotonic()
-            self._unauthenticated[conn] = None
+            self._pool_add(conn)
 
     def disconnect(self, conn):
         self.connections.discard(conn)
-        self._unauthenticated.pop(conn, None)
+        self._pool_remove(conn)
 
     def _num_authenticated(self) -> int:
         return sum(1 for c in self.connections if c.authenticated and not c.closed)
 
+    def _pool_add(self, conn) -> None:
+        self._unauthenticated[conn] = None
+        self._per_address[conn.address] += 1
+
+    def _pool_remove(self, conn) -> None:
+        if self._unauthenticated.pop(conn, False) is None:
+            self._per_address[conn.address] -= 1
+            if not self._per_address[conn.address]:
+                del self._per_address[conn.address]
+
+    def _oldest_of_largest_address(self):
+        address = self._per_address.most_common(1)[0][0]
+        return next(c for c in self._unauthenticated if c.address == address)
+
     def _evict(self, conn):
         self.counters["unauthenticated_evicted"] += 1
-        self._unauthenticated.pop(conn, None)
+        self._pool_remove(conn)
         self.connections.discard(conn)  # its close() aborts its socket: the descriptor is free already
         conn.close()
 

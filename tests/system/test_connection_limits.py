@@ -222,6 +222,31 @@ def test_key_holders_are_served_with_more_stalled_connections_than_file_descript
             sock.close()
 
 
+def test_a_flood_from_one_address_is_reset_at_accept_and_evicts_no_one_else(server):
+    """At the file-descriptor limit each new connection closed the oldest unauthenticated one, whoever held
+    it, and the flooder reconnected at once: ~1,000 evictions a second, the other addresses' first."""
+    others = [connect(server.http_port, "127.0.0.8") for _ in range(10)]
+    evicted_before = stats(server)["unauthenticated_evicted"]
+    flood = []
+    for _ in range(FD_LIMIT + 100):
+        with contextlib.suppress(OSError):
+            flood.append(connect(server.http_port, "127.0.0.9"))
+    try:
+        flood[-1].settimeout(AUTH_TIMEOUT_S / 2)  # once the last is answered, every one before it was
+        with pytest.raises(ConnectionResetError):  # refused before any HTTP parsing: a reset
+            flood[-1].recv(1)
+        for sock in others:  # still open: no byte, no end of stream
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+        # the one eviction: room for the connection that asks for the stats (its address held nothing)
+        assert stats(server)["unauthenticated_evicted"] <= evicted_before + 1
+        assert served_on_both_doors(server)  # a key holder's address holds nothing: it gets in
+    finally:
+        for sock in flood + others:
+            sock.close()
+
+
 def test_a_key_removed_while_its_http_body_arrives_is_a_401(server):
     """SIGHUP removing the key while the body was still arriving: a 500 and a KeyError traceback."""
     with connect(server.http_port) as sock:

@@ -139,6 +139,7 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
         listening = socket.create_server(("127.0.0.1", 0))
         hub = SimpleNamespace(
             connect=lambda conn: None,
+            crowded=lambda address: None,
             disconnect=lambda conn: None,
             keys=None,
             limits=SimpleNamespace(auth_timeout_s=5.0),
