@@ -73,10 +73,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.decode_graphs: DecodeGraphs | None = None  # use_decode_buckets() sets it
         self.weight_format = weight_format(weights)  # "bfloat16", "Q4_K+Q6_K", ...
-        placed = [self.embed_tokens, self.norm, self.lm_head]
-        placed += [w for layer in self.layers for w in vars(layer).values() if w is not None]
         # what the placed weights take in the backend's memory (a tied lm_head's packed copy included)
-        self.weight_bytes = sum(w.nbytes for w in {id(w): w for w in placed}.values())
+        layer_weights = [w for layer in self.layers for w in vars(layer).values() if w is not None]
+        placed = {id(w): w for w in [self.embed_tokens, self.norm, self.lm_head, *layer_weights]}
+        self.weight_bytes = sum(w.nbytes for w in placed.values())
 
     def _place(self, name: str, array: Any | None) -> Any:
         if array is None:

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket
 import ssl
 import stat
@@ -24,6 +25,8 @@ import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from minisarathi.server.auth import Key
 
 log = logging.getLogger("minisarathi.server")
 
@@ -211,7 +214,7 @@ class Listener:
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
         # An address holding its share of a full pool is refused before any TLS or protocol work; the others
         # count from now (the accept loop runs many accepts before their doors get them).
-        refused = self.hub.crowded(address) or self.hub.connect(arrival)
+        refused = self.hub.pool.crowded(address) or self.hub.pool.connect(arrival)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
             # a reset, not a FIN: the descriptor is free at once and no TIME_WAIT is left on this side
@@ -239,7 +242,7 @@ class Listener:
             log.debug("connection from %s closed before it was served: %r", arrival.peer, e)
             sock.close()
         finally:
-            self.hub.disconnect(arrival)
+            self.hub.pool.disconnect(arrival)
 
 
 def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -270,3 +273,108 @@ def bind_unix(path: str, backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+# File descriptors kept for everything but connections (the model's files, logs, the loop's own): past
+# RLIMIT_NOFILE less these, a new connection closes the oldest unauthenticated one, or is refused.
+_FD_RESERVE = 64
+
+
+class ConnectionPool:
+    """The open connections of the doors that keep them (the hub's `pool`): who gets in, and whom a flood
+    of unauthenticated connections costs. A connection has address, authenticated, key, opened, closed,
+    close()."""
+
+    def __init__(self, limits, with_keys: bool):
+        self.limits = limits  # ServerLimits
+        self.with_keys = with_keys  # False: every connection is authenticated from the start
+        self.connections: set = set()
+        self.unauthenticated: dict = {}  # connections not yet authenticated, oldest first
+        self.per_address = collections.Counter()  # client address -> its connections in unauthenticated
+        self.evicted = 0  # unauthenticated connections closed to make room
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_open = max(soft - _FD_RESERVE, soft // 2) if soft != resource.RLIM_INFINITY else None
+
+    def connect(self, conn) -> str | None:
+        """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
+        max_connections. With keys, an unauthenticated connection (its TLS handshake included) gets in unless
+        its address already holds its share of a full pool (`crowded`); past their limits it closes the
+        oldest unauthenticated one of its address, or of the address holding the most: a flood of connections
+        without the key never locks a key holder (or another address) out, and costs the flooder its own.
+        Past the file-descriptor limit, an unauthenticated connection makes room, if there is one."""
+        if self.max_open is not None and len(self.connections) >= self.max_open:
+            if not self.unauthenticated:
+                return f"{len(self.connections)} connections open, near the file-descriptor limit"
+            self.evict(self._oldest_of_largest_address())
+        if conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                return f"more than {self.limits.max_connections} connections"
+        else:
+            if self.per_address[conn.address] >= self.limits.max_unauthenticated_per_address:
+                self.evict(next(c for c in self.unauthenticated if c.address == conn.address))
+            if len(self.unauthenticated) >= self.limits.max_unauthenticated_connections:
+                self.evict(self._oldest_of_largest_address())
+            self._pool_add(conn)
+        self.connections.add(conn)
+        return None
+
+    def crowded(self, address: str) -> str | None:
+        """Why a new unauthenticated connection from `address` is refused at accept, before any TLS or
+        protocol work: the pool is full, other addresses are in it, and this one holds its share of it (the
+        pool over the addresses in it), so letting it in would only close one of its own (a reconnecting
+        flood would churn). An address alone in the pool is let in to close its own oldest: a key holder
+        behind the same address (a NAT, a proxy) must still get in."""
+        if not self.with_keys:
+            return None
+        full = len(self.unauthenticated) >= self.limits.max_unauthenticated_connections or (
+            self.max_open is not None and len(self.connections) >= self.max_open
+        )
+        held = self.per_address[address]
+        addresses = len(self.per_address) + (held == 0)
+        if full and held and addresses > 1 and held * addresses >= len(self.unauthenticated):
+            return f"its address holds {held} of {len(self.unauthenticated)} unauthenticated connections"
+        return None
+
+    def grant(self, conn, key: Key) -> bool:
+        """auth succeeded: the connection leaves the unauthenticated pool, if there is room for it."""
+        if not conn.authenticated:
+            if self._num_authenticated() >= self.limits.max_connections:
+                return False
+            self._pool_remove(conn)
+        conn.authenticated = True
+        conn.key = key
+        return True
+
+    def revoke(self, conn):
+        """Back to the unauthenticated pool; its auth deadline runs again from now."""
+        if conn.authenticated and self.with_keys:
+            conn.authenticated = False
+            conn.opened = time.monotonic()
+            self._pool_add(conn)
+
+    def disconnect(self, conn):
+        self.connections.discard(conn)
+        self._pool_remove(conn)
+
+    def _num_authenticated(self) -> int:
+        return sum(1 for c in self.connections if c.authenticated and not c.closed)
+
+    def _pool_add(self, conn) -> None:
+        self.unauthenticated[conn] = None
+        self.per_address[conn.address] += 1
+
+    def _pool_remove(self, conn) -> None:
+        if self.unauthenticated.pop(conn, False) is None:
+            self.per_address[conn.address] -= 1
+            if not self.per_address[conn.address]:
+                del self.per_address[conn.address]
+
+    def _oldest_of_largest_address(self):
+        address = self.per_address.most_common(1)[0][0]
+        return next(c for c in self.unauthenticated if c.address == address)
+
+    def evict(self, conn):
+        self.evicted += 1
+        self._pool_remove(conn)
+        self.connections.discard(conn)  # its close() aborts its socket: the descriptor is free already
+        conn.close()

@@ -153,9 +153,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         hub = self.door.hub
-        hub.disconnect(self.arrival)  # this connection counts from now on
+        hub.pool.disconnect(self.arrival)  # this connection counts from now on
         self.transport = transport
-        refused = hub.connect(self)
+        refused = hub.pool.connect(self)
         if refused is not None:
             hub.refused_log("connection from %s refused: %s", self.peer, refused)
             self.closed = True
@@ -185,7 +185,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
-        self.door.hub.disconnect(self)
+        self.door.hub.pool.disconnect(self)
         if was_served:
             self.handler.connection_lost(exc)
 
@@ -417,7 +417,7 @@ class HttpDoor:
         accepted, request["key"] = self.hub.authenticate(_bearer(request), address)
         if not accepted:
             raise OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
-        if conn is not None and request["key"] is not None and not self.hub.grant(conn, request["key"]):
+        if conn is not None and request["key"] is not None and not self.hub.pool.grant(conn, request["key"]):
             raise OpenAIError(
                 429, f"more than {self.hub.limits.max_connections} connections", code="overloaded"
             )

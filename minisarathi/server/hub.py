@@ -9,10 +9,8 @@ flight, drain, the request log and the security stats. No door imports another. 
   max_tokens, tokens, requests)` refuses what the quota and the queue would refuse, before any tokenizing;
   `admit(key, max_tokens, tokens, requests)` charges the key's quota and returns it, for the door's one
   `quota.finish(...)`.
-- `listen(sock, make_protocol)`: accept on a listening socket (gate.Listener); every connection is counted
-  from accept on. Doors' connections: `connect(conn)` (-> why refused, or None), `grant(conn, key)` on a
-  good auth, `revoke`, `disconnect`; conn has address, authenticated, key, opened, closed, close(). A key
-  reload revokes the connections whose key is gone.
+- `listen(sock, make_protocol)`: accept on a listening socket (gate.Listener); every connection counts in
+  `pool` (gate.ConnectionPool) from accept on. A key reload revokes the connections whose key is gone.
 - `check_prompt_bytes`, `encode_prompt`; `encode`/`decode` answer small texts at once and return a
   coroutine (on the tokenizer thread) for big ones.
 - `open(request_id, on_output)` registers a request (its id not `in_use`), `submit(...)` hands it to the
@@ -29,7 +27,6 @@ import collections
 import concurrent.futures
 import logging
 import os
-import resource
 import signal
 import socket
 import ssl
@@ -40,7 +37,7 @@ from typing import Callable
 
 from minisarathi.server.auth import Key, KeyStore, Quota
 from minisarathi.server.engine_worker import EngineWorker
-from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
+from minisarathi.server.gate import AuthGate, ConnectionPool, Listener, RateLimitedLog
 from minisarathi.server.protocol import (
     ABORTED,
     INTERNAL,
@@ -71,9 +68,6 @@ _INLINE_DETOKENIZE_TOKENS = 4096
 # than the rest of the server, so when the cores are short the engine's steps (every client's tokens), the
 # event loop and the small calls it answers inline go first.
 TOKENIZER_NICE_INCREMENT = 10
-# File descriptors kept for everything but connections (the model's files, logs, the loop's own): past
-# RLIMIT_NOFILE less these, a new connection closes the oldest unauthenticated one, or is refused.
-_FD_RESERVE = 64
 
 
 class ListenError(OSError):
@@ -110,16 +104,14 @@ class Hub:
         self.tls = tls  # every door's listeners use it
         self.doors: list = []
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []  # called by report_finished
-        self.connections: set = set()  # the open connections of the doors that keep them
-        self.counters = collections.Counter()  # paused, resumed, unread_aborts, unauthenticated_evicted
+        self.pool = ConnectionPool(self.limits, keys is not None)  # the doors' connections (gate.py)
+        self.counters = collections.Counter()  # paused, resumed, unread_aborts
         self.started = time.monotonic()
         self.shutting_down = False  # requests are refused (drain_delay_s after the drain began)
         self._leaving = False  # the drain began: /ready answers 503
         self._requests: dict[str, Callable] = {}  # engine request id -> its door's on_output
         # cancelled requests the engine has not let go of yet -> tokens of an output that arrived meanwhile
         self._cancelling: dict[str, int] = {}
-        self._unauthenticated: dict = {}  # connections not yet authenticated, oldest first
-        self._per_address = collections.Counter()  # client address -> its connections in _unauthenticated
         self._worker: EngineWorker | None = None
         self._drained: asyncio.Event | None = None  # set whenever no request is registered
         # One thread for big tokenize/detokenize work: off the loop, and one at a time, so a flood of them
@@ -131,10 +123,6 @@ class Hub:
         self._gate = AuthGate()
         self._listeners: list[Listener] = []
         self.refused_log = RateLimitedLog(log)  # connections refused: one line per interval
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.max_open_connections = (
-            max(soft - _FD_RESERVE, soft // 2) if soft != resource.RLIM_INFINITY else None
-        )
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, engine.max_model_len)
         # A prompt of more bytes than this has more tokens than any limit allows, whatever its text.
         self.max_prompt_bytes = self.max_prompt_tokens * _longest_token_bytes(engine.tokenizer)
@@ -230,11 +218,11 @@ class Hub:
         except ValueError as e:
             log.error("keys not reloaded, the old ones stay in force: %s", e)
             return
-        for conn in list(self.connections):
+        for conn in list(self.pool.connections):
             if conn.key is not None:
                 key = self.keys.current(conn.key)
                 if key is None:
-                    self.revoke(conn)
+                    self.pool.revoke(conn)
                 conn.key = key
         log.info("keys reloaded from %s", self.keys.path)
 
@@ -317,11 +305,9 @@ class Hub:
                 )
         return self.keys.quota(key)
 
-    # ---------------------------------------------------------------- connections
-
     def listen(self, sock: socket.socket, make_protocol) -> None:
         """Serve a listening socket: make_protocol(arrival) makes each connection's protocol, which hands
-        the arrival back with disconnect() before it connects its own connection."""
+        the arrival back with pool.disconnect() before it connects its own connection."""
         listener = Listener(self, sock, make_protocol, self.tls)
         self._listeners.append(listener)
         listener.start()
@@ -330,88 +316,6 @@ class Hub:
         for listener in [lst for lst in self._listeners if lst.sock is sock]:
             listener.close()
             self._listeners.remove(listener)
-
-    def connect(self, conn) -> str | None:
-        """Why a new connection is refused, or None once it is in. Authenticated (no keys): at most
-        max_connections. With keys, an unauthenticated connection (its TLS handshake included) gets in unless
-        its address already holds its share of a full pool (`crowded`); past their limits it closes the
-        oldest unauthenticated one of its address, or of the address holding the most: a flood of connections
-        without the key never locks a key holder (or another address) out, and costs the flooder its own.
-        Past the file-descriptor limit, an unauthenticated connection makes room, if there is one."""
-        if self.max_open_connections is not None and len(self.connections) >= self.max_open_connections:
-            if not self._unauthenticated:
-                return f"{len(self.connections)} connections open, near the file-descriptor limit"
-            self._evict(self._oldest_of_largest_address())
-        if conn.authenticated:
-            if self._num_authenticated() >= self.limits.max_connections:
-                return f"more than {self.limits.max_connections} connections"
-        else:
-            if self._per_address[conn.address] >= self.limits.max_unauthenticated_per_address:
-                self._evict(next(c for c in self._unauthenticated if c.address == conn.address))
-            if len(self._unauthenticated) >= self.limits.max_unauthenticated_connections:
-                self._evict(self._oldest_of_largest_address())
-            self._pool_add(conn)
-        self.connections.add(conn)
-        return None
-
-    def crowded(self, address: str) -> str | None:
-        """Why a new unauthenticated connection from `address` is refused at accept, before any TLS or
-        protocol work: the pool is full and the address holds its share of it (the pool over the addresses
-        in it), so letting it in would only close one of its own (a reconnecting flood would churn)."""
-        if self.keys is None:
-            return None
-        full = len(self._unauthenticated) >= self.limits.max_unauthenticated_connections or (
-            self.max_open_connections is not None and len(self.connections) >= self.max_open_connections
-        )
-        held = self._per_address[address]
-        addresses = len(self._per_address) + (held == 0)
-        if full and held and held * addresses >= len(self._unauthenticated):
-            return f"its address holds {held} of {len(self._unauthenticated)} unauthenticated connections"
-        return None
-
-    def grant(self, conn, key: Key) -> bool:
-        """auth succeeded: the connection leaves the unauthenticated pool, if there is room for it."""
-        if not conn.authenticated:
-            if self._num_authenticated() >= self.limits.max_connections:
-                return False
-            self._pool_remove(conn)
-        conn.authenticated = True
-        conn.key = key
-        return True
-
-    def revoke(self, conn):
-        """Back to the unauthenticated pool; its auth deadline runs again from now."""
-        if conn.authenticated and self.keys is not None:
-            conn.authenticated = False
-            conn.opened = time.monotonic()
-            self._pool_add(conn)
-
-    def disconnect(self, conn):
-        self.connections.discard(conn)
-        self._pool_remove(conn)
-
-    def _num_authenticated(self) -> int:
-        return sum(1 for c in self.connections if c.authenticated and not c.closed)
-
-    def _pool_add(self, conn) -> None:
-        self._unauthenticated[conn] = None
-        self._per_address[conn.address] += 1
-
-    def _pool_remove(self, conn) -> None:
-        if self._unauthenticated.pop(conn, False) is None:
-            self._per_address[conn.address] -= 1
-            if not self._per_address[conn.address]:
-                del self._per_address[conn.address]
-
-    def _oldest_of_largest_address(self):
-        address = self._per_address.most_common(1)[0][0]
-        return next(c for c in self._unauthenticated if c.address == address)
-
-    def _evict(self, conn):
-        self.counters["unauthenticated_evicted"] += 1
-        self._pool_remove(conn)
-        self.connections.discard(conn)  # its close() aborts its socket: the descriptor is free already
-        conn.close()
 
     # ---------------------------------------------------------------- prompts and text
 
@@ -608,12 +512,10 @@ class Hub:
     def security_stats(self) -> dict:
         """What `stats` and the metrics report about auth, quotas and paused requests (on the loop)."""
         stats = {
-            "unauthenticated_connections": len(self._unauthenticated),
+            "unauthenticated_connections": len(self.pool.unauthenticated),
+            "unauthenticated_evicted": self.pool.evicted,
             "auth_failures": self._gate.failures_total,
-            **{
-                name: self.counters[name]
-                for name in ("paused", "resumed", "unread_aborts", "unauthenticated_evicted")
-            },
+            **{name: self.counters[name] for name in ("paused", "resumed", "unread_aborts")},
         }
         if self.keys is not None:
             stats["keys"] = {

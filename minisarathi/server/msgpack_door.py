@@ -267,10 +267,8 @@ class MsgpackDoor:
         return addresses
 
     def _protocol(self, arrival: Arrival) -> asyncio.Protocol:
-        reader = asyncio.StreamReader(limit=_READ_SIZE)
-        return asyncio.StreamReaderProtocol(
-            reader, lambda reader, writer: self._serve_connection(reader, writer, arrival)
-        )
+        serve = lambda reader, writer: self._serve_connection(reader, writer, arrival)  # noqa: E731
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=_READ_SIZE), serve)
 
     async def stop_accepting(self):
         """The listeners close; a connection with nothing in flight closes at once, each other one as soon as
@@ -295,7 +293,7 @@ class MsgpackDoor:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arrival: Arrival
     ):
-        self.hub.disconnect(arrival)  # the connection below counts from now on
+        self.hub.pool.disconnect(arrival)  # the connection below counts from now on
         peer = writer.get_extra_info("peername")
         conn = _Connection(
             next(self._conn_ids),
@@ -310,7 +308,7 @@ class MsgpackDoor:
             conn.close()
             return
         bound_kernel_buffer(writer.get_extra_info("socket"))
-        refused = self.hub.connect(conn)
+        refused = self.hub.pool.connect(conn)
         if refused is not None:
             log.warning("conn=%d refused: %s", conn.id, refused)
             conn.protocol_error(None, RPCError(OVERLOADED, refused))
@@ -438,7 +436,7 @@ class MsgpackDoor:
 
     def _close_connection(self, conn: _Connection):
         conn.close(flush=True)  # an error about a bad message, say, still reaches the client
-        self.hub.disconnect(conn)
+        self.hub.pool.disconnect(conn)
         self._connections.discard(conn)
         self._drop_requests(conn)
         log.debug("conn=%d closed", conn.id)
@@ -702,7 +700,7 @@ class MsgpackDoor:
         return {
             **engine_stats,
             **self.hub.security_stats(),
-            "connections": len(self.hub.connections),
+            "connections": len(self.hub.pool.connections),
             "pending_requests": self.hub.num_requests,
             "pending_calls": sum(c.pending_calls for c in connections),
             "write_buffer_bytes": sum(c.buffered() for c in connections if not c.closed),
@@ -716,13 +714,13 @@ class MsgpackDoor:
             return True
         accepted, key = self.hub.authenticate(secret, conn.address)
         if not accepted:
-            self.hub.revoke(conn)
+            self.hub.pool.revoke(conn)
             conn.auth_failures += 1
             conn.auth_failed = True
             if conn.auth_failures >= _MAX_AUTH_FAILURES_PER_CONNECTION:
                 conn.close(flush=True)
             raise RPCError(UNAUTHORIZED, "wrong API key")
-        if not self.hub.grant(conn, key):
+        if not self.hub.pool.grant(conn, key):
             raise RPCError(OVERLOADED, f"more than {self.limits.max_connections} connections")
         conn.default_priority = key.priority
         return True

@@ -137,10 +137,11 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
 
     async def serve() -> None:
         listening = socket.create_server(("127.0.0.1", 0))
+        pool = SimpleNamespace(
+            connect=lambda conn: None, crowded=lambda address: None, disconnect=lambda conn: None
+        )
         hub = SimpleNamespace(
-            connect=lambda conn: None,
-            crowded=lambda address: None,
-            disconnect=lambda conn: None,
+            pool=pool,
             keys=None,
             limits=SimpleNamespace(auth_timeout_s=5.0),
         )
