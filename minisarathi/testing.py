@@ -136,3 +136,13 @@ def float64_logits(config, weights, token_ids) -> np.ndarray:
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w(p + "down_proj").T
     head = w("embed_tokens") if c.tie_word_embeddings else w("lm_head")
     return rms_norm(x, w("norm")) @ head.T
+
+
+class FakeClock:
+    """A time.monotonic stand-in that tests move by hand (`clock.now += 5`)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now

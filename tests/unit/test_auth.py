@@ -13,19 +13,12 @@ from minisarathi.server.auth import (
     read_keys_file,
     secret_bits,
 )
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from minisarathi.testing import FakeClock
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    fake = Clock()
+    fake = FakeClock()
     monkeypatch.setattr(auth.time, "monotonic", fake)
     return fake
 

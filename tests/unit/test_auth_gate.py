@@ -10,24 +10,17 @@ import pytest
 
 from minisarathi.server import gate
 from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from minisarathi.testing import FakeClock
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    fake = Clock()
+    fake = FakeClock()
     monkeypatch.setattr(gate.time, "monotonic", fake)
     return fake
 
 
-def checks_in(auth_gate: AuthGate, address: str, clock: Clock, seconds: float) -> int:
+def checks_in(auth_gate: AuthGate, address: str, clock: FakeClock, seconds: float) -> int:
     """Credential checks an address gets in `seconds` when it asks as fast as it can (every turn taken at
     once, as a client with many connections would)."""
     end, checks = clock.now + seconds, 0
