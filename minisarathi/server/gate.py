@@ -212,10 +212,10 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        # An address holding its share of a full pool is refused before any TLS or protocol work; the others
-        # count from now (the accept loop runs many accepts before their doors get them), except a plain
-        # connection without keys: its door refuses it past --max-connections in its protocol (`overloaded`)
-        counted = self.tls is not None or not arrival.authenticated
+        # An address holding its share of a full pool is refused before any TLS or protocol work; a TLS
+        # handshake counts from now, a plain connection from when its door takes it (counting those at accept
+        # raced a same-address key holder out, and a door refuses past --max-connections in its protocol)
+        counted = self.tls is not None
         refused = self.hub.pool.crowded(address) or (self.hub.pool.connect(arrival) if counted else None)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
