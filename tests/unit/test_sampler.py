@@ -78,6 +78,13 @@ def make_sampler(request):
     return request.param
 
 
+def draws(make_sampler, n: int) -> int:
+    """n draws, or n/4 on the emulator, which runs every row's blocks thread by thread: 5,000 draws over 16
+    tokens still fail the chi-square test where a token drawn 10% of the time is drawn 13%."""
+    emulated = make_sampler in (gpu_sampler_on_the_emulator, gpu_sampler_with_split_rows)
+    return n // 4 if emulated else n
+
+
 def rand_logits(n, vocab=V, seed=0, scale=2.0):
     return (scale * np.random.default_rng(seed).standard_normal((n, vocab))).astype(np.float32)
 
@@ -364,7 +371,7 @@ def test_unseeded_rows_follow_the_engine_seed(make_sampler):
     ],
 )
 def test_filters_never_return_excluded_tokens(p, make_sampler):
-    n = 4000
+    n = draws(make_sampler, 6000)
     logits = np.repeat(rand_logits(4, seed=1), n // 4, axis=0)
     out = run(make_sampler(V, seed=2), logits, [p] * n).token_ids
     for row in range(4):
@@ -592,7 +599,7 @@ def test_extreme_draws_stay_inside_the_kept_set(make_sampler):
     "p", [SP(), SP(temperature=0.6, top_k=6), SP(temperature=1.4, top_p=0.8, min_p=0.02)]
 )
 def test_frequencies_fit_the_distribution(p, make_sampler):
-    n = 20000
+    n = draws(make_sampler, 20000)
     logits = rand_logits(1, seed=9)
     expected = reference_probs(logits[0], p) * n
     drawn = run(make_sampler(V, seed=3), np.repeat(logits, n, axis=0), [p] * n).token_ids
