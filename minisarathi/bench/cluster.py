@@ -334,12 +334,14 @@ class Cluster:
     def close(self) -> None:
         for balancer in self.balancers.values():
             balancer.kill()
-        for replica in self.replicas:
-            if replica.proc is not None and replica.proc.poll() is None:
-                try:
-                    replica.stop(timeout=30)
-                except subprocess.TimeoutExpired:
-                    replica.kill()
+        running = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+        for replica in running:  # all drain at once
+            replica.proc.send_signal(signal.SIGTERM)
+        for replica in running:
+            try:
+                replica.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                replica.kill()
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
