@@ -10,7 +10,15 @@ from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch, prefill_then_greedy, relative_error
 
 GOLDEN = Path(__file__).parents[1] / "golden"
-GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
+GOLDEN_MODELS = [
+    "llama_gqa_bf16",
+    "qwen2_tied",
+    "llama3_rope_fp16",
+    "mistral_mha",
+    "llama_linear_rope_bias",
+    "qwen3_yarn_tied",
+    "qwen3_bf16",
+]
 
 
 @pytest.fixture(scope="module")
