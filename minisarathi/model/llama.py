@@ -156,9 +156,9 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(T, c.num_attention_heads, D)
             k = qkv[:, q_size : q_size + kv_size].reshape(T, c.num_key_value_heads, D)
             v = qkv[:, q_size + kv_size :].reshape(T, c.num_key_value_heads, D)
-            if layer.q_norm is not None:  # the backend's row RMSNorm over [T * heads, D]
-                q = ops.rms_norm(q.reshape(-1, D), layer.q_norm, c.rms_norm_eps).reshape(q.shape)
-                k = ops.rms_norm(k.reshape(-1, D), layer.k_norm, c.rms_norm_eps).reshape(k.shape)
+            if layer.q_norm is not None:  # the backends' RMSNorm over each head's D, [T, heads, D] out
+                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
             ops.rope_store_kv(
                 q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin
             )
