@@ -19,18 +19,24 @@ SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 @pytest.mark.parametrize(
-    "golden", GOLDENS, ids=lambda g: f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}"
+    "golden",
+    GOLDENS,
+    ids=lambda g: (
+        f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}-{g['chat_template_kwargs']}"
+    ),
 )
 def test_render_and_tokens_match_transformers(golden):
     template = ChatTemplate((GOLDEN_DIR / golden["template"]).read_text(encoding="utf-8"), SPECIAL)
-    text = template.render(golden["messages"], golden["add_generation_prompt"])
+    text = template.render(
+        golden["messages"], golden["add_generation_prompt"], kwargs=golden["chat_template_kwargs"]
+    )
     assert text == golden["text"]
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     assert tokenizer.encode(text, add_special_tokens=False) == golden["token_ids"]
 
 
 def test_both_styles_are_covered_and_bos_is_not_doubled():
-    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja"}
+    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja", "thinking.jinja"}
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     for golden in GOLDENS:
         if golden["template"] == "llama3.jinja":  # the template writes {{ bos_token }} itself

@@ -101,7 +101,7 @@ def test_mistral_window_covering_everything_is_fine():
         ({"architectures": None}, ["architectures"]),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, ["sliding_window", "128"]),
         ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type", "yarn"]),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, ["truncate", "False"]),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["rope_type", "dynamic"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
         ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),
