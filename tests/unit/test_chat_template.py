@@ -1,6 +1,7 @@
 """Chat templates render and tokenize exactly as transformers' apply_chat_template (committed goldens made by
 tests/golden/make_chat_goldens.py), inside a sandbox a template cannot escape."""
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,12 @@ import pytest
 pytest.importorskip("jinja2")
 
 from minisarathi.paths import default_model_dir
-from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from minisarathi.server.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    TemplateWorker,
+    load_chat_template,
+)
 from minisarathi.tokenizer import Tokenizer
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "chat_templates"
@@ -106,3 +112,21 @@ def test_special_tokens_only_in_special_tokens_map(tmp_path):
 def test_a_template_failing_in_python_is_a_template_error(source):
     with pytest.raises(ChatTemplateError, match="the template failed on these messages: "):
         ChatTemplate(source, SPECIAL).render([{"role": "user", "content": "hi"}])
+
+
+def test_the_worker_renders_with_the_requests_chat_template_kwargs():
+    template = ChatTemplate((GOLDEN_DIR / "thinking.jinja").read_text(encoding="utf-8"), SPECIAL)
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def render(kwargs):
+        worker = TemplateWorker(template, timeout_s=10.0, max_chars=10_000)
+        try:
+            return await worker.render(messages, True, kwargs)
+        finally:
+            await worker.close()
+
+    assert asyncio.run(render({"enable_thinking": False})) == template.render(
+        messages, True, kwargs={"enable_thinking": False}
+    )
+    assert asyncio.run(render({"enable_thinking": False})).endswith("<think>\n\n</think>\n\n")
+    assert asyncio.run(render(None)).endswith("<|im_start|>assistant\n")  # the kwargs made the difference
