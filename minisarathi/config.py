@@ -338,8 +338,15 @@ def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("linear", "llama3", "yarn"):
-        raise ValueError(f"rope_type must be one of default, linear, llama3, yarn, got {rope_type!r}")
+    if rope_type not in ("dynamic", "linear", "llama3", "yarn"):
+        raise ValueError(
+            f"rope_type must be one of default, dynamic, linear, llama3, yarn, got {rope_type!r}"
+        )
+    if rope_type == "dynamic":
+        # transformers' dynamic NTK rescales only past max_position_embeddings, which max_model_len never
+        # passes: within it the frequencies are the default ones
+        _check_positive(scaling, ("factor",))
+        return float(theta), None
     if rope_type == "yarn":
         return float(theta), _read_yarn(config, scaling)
     keys = (

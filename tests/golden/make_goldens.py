@@ -99,7 +99,7 @@ VARIANTS = {
         None,
     ),
     # Qwen3: q/k norms, a head_dim other than hidden / heads; YaRN whose original context (16) the prompt
-    # passes, so that both ends of its frequency ramp are exercised
+    # passes, so that both ends of its frequency ramp are exercised; dynamic NTK (untied, bf16)
     "qwen3_yarn_tied": (
         Qwen3Config(
             **COMMON,
@@ -128,6 +128,7 @@ VARIANTS = {
             num_key_value_heads=2,
             head_dim=16,
             tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
         ),
         torch.bfloat16,
         None,
