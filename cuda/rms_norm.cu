@@ -22,17 +22,19 @@ __device__ void rms_norm_row(const T* x, const T* weight, T* out, int hidden, fl
     }
 }
 
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, over rows r = t * heads + h of x[T, heads, hidden] whose
+// tokens lie token_stride elements apart (a row-strided q or k view of the QKV output; heads 1 otherwise).
 template <typename T>
 __global__ void rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out,
-                                int hidden, float eps) {
+                                int hidden, float eps, int heads, long long token_stride) {
     __shared__ float scratch[32];
     constexpr int N = vector_width<T>();
-    const long long row = (long long)blockIdx.x * hidden;
-    if (hidden % N == 0 && aligned16(x) && aligned16(weight) && aligned16(out))
-        rms_norm_row<N>(x + row, weight, out + row, hidden, eps, scratch);
+    const T* in = x + (blockIdx.x / heads) * token_stride + (long long)(blockIdx.x % heads) * hidden;
+    T* row_out = out + (long long)blockIdx.x * hidden;
+    if (hidden % N == 0 && aligned16(in) && aligned16(weight) && aligned16(row_out))
+        rms_norm_row<N>(in, weight, row_out, hidden, eps, scratch);
     else
-        rms_norm_row<1>(x + row, weight, out + row, hidden, eps, scratch);
+        rms_norm_row<1>(in, weight, row_out, hidden, eps, scratch);
 }
 
 template <int N, typename T>

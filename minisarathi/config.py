@@ -4,6 +4,7 @@ knobs."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,16 +135,19 @@ class EngineConfig:
             )
 
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str  # "linear" or "llama3" ("default" is stored as rope_scaling=None)
+    rope_type: str  # "linear", "llama3" or "yarn" ("default" is stored as rope_scaling=None)
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn only: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0  # yarn only
+    attention_factor: float = 1.0  # yarn only: cos and sin are scaled by it (transformers' mscale)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always; Llama with attention_bias
+    qkv_bias: bool  # Qwen2 always; Llama and Qwen3 with attention_bias
+    qk_norm: bool  # Qwen3: RMSNorm (weights [head_dim]) on each head of q and k before RoPE
     o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
     dtype: str  # the checkpoint's dtype, one of DTYPES
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
@@ -237,6 +242,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             dtype=dtype,
         )
@@ -246,7 +252,13 @@ class ModelConfig:
         angles taken in float64 so that far positions stay exact to float32 (a float32 product p * inv_freq
         is off by up to 0.004 rad at p = 100k). Built once per model; the rope_store_kv op reads it by
         position."""
-        return rope_cos_sin_table(self.rope_inv_freq(), self.max_position_embeddings)
+        table = rope_cos_sin_table(self.rope_inv_freq(), self.max_position_embeddings)
+        scaling = self.rope_scaling
+        return (
+            table
+            if scaling is None or scaling.rope_type != "yarn"
+            else table * np.float32(scaling.attention_factor)
+        )
 
     def rope_inv_freq(self) -> np.ndarray:
         """float32[head_dim/2]: RoPE frequencies with the scaling folded in, computed in float64."""
@@ -256,6 +268,8 @@ class ModelConfig:
             return inv_freq.astype(np.float32)
         if scaling.rope_type == "linear":  # positions / factor == frequencies / factor
             return (inv_freq / scaling.factor).astype(np.float32)
+        if scaling.rope_type == "yarn":
+            return _yarn_inv_freq(inv_freq, self.head_dim, self.rope_theta, scaling)
         # llama3, as transformers' _compute_llama3_parameters: long wavelengths are slowed down by
         # `factor`, short ones kept, and the band between them interpolated smoothly.
         old_len = scaling.original_max_position_embeddings
@@ -277,13 +291,31 @@ def rope_cos_sin_table(inv_freq: np.ndarray, num_positions: int) -> np.ndarray:
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, base: float, scaling: RopeScaling) -> np.ndarray:
+    """float32[dim/2]: YaRN as transformers' _compute_yarn_parameters: frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (/ factor), those turning more than beta_fast
+    times kept, with a linear ramp over the dimensions between."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return (
+            dim
+            * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low or 0.001), 0, 1)
+    return (inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)).astype(np.float32)
+
+
 def _positive_int(config: dict, name: str) -> int:
     return check_int(name, config.get(name), lo=1)
 
 
 def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> None:
     # Full attention only: a window that covers every position is the same thing.
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if config.get("use_sliding_window", False):
             raise ValueError(f"use_sliding_window must be false, got {config['use_sliding_window']!r}")
         return
@@ -306,14 +338,60 @@ def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"rope_type must be one of default, linear, llama3, got {rope_type!r}")
+    if rope_type not in ("dynamic", "linear", "llama3", "yarn"):
+        raise ValueError(
+            f"rope_type must be one of default, dynamic, linear, llama3, yarn, got {rope_type!r}"
+        )
+    if rope_type == "dynamic":
+        # transformers' dynamic NTK rescales only past max_position_embeddings, which max_model_len never
+        # passes: within it the frequencies are the default ones
+        _check_positive(scaling, ("factor",))
+        return float(theta), None
+    if rope_type == "yarn":
+        return float(theta), _read_yarn(config, scaling)
     keys = (
         ("factor",)
         if rope_type == "linear"
         else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     )
+    _check_positive(scaling, keys)
+    return float(theta), RopeScaling(rope_type, **{k: scaling[k] for k in keys})
+
+
+def _check_positive(scaling: dict, keys: tuple[str, ...]) -> None:
     for key in keys:
         if not isinstance(scaling.get(key), (int, float)) or scaling[key] <= 0:
             raise ValueError(f"rope scaling {key} must be a positive number, got {scaling.get(key)!r}")
-    return float(theta), RopeScaling(rope_type, **{k: scaling[k] for k in keys})
+
+
+def _read_yarn(config: dict, scaling: dict) -> RopeScaling:
+    """YaRN's parameters with transformers' defaults (beta_fast 32, beta_slow 1, the original context
+    max_position_embeddings) and its attention factor: 0.1 ln(factor) + 1, or the mscale ratio."""
+    if scaling.get("truncate", True) is not True:
+        raise ValueError(f"rope scaling truncate must be true, got {scaling['truncate']!r}")
+    given = {
+        k: scaling[k]
+        for k in (
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+        )
+        if scaling.get(k) is not None
+    }
+    values = {"original_max_position_embeddings": config["max_position_embeddings"], **given}
+    _check_positive({"factor": scaling.get("factor"), **values}, ("factor", *values))
+    factor = scaling["factor"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if "attention_factor" not in values:
+        both = "mscale" in values and "mscale_all_dim" in values
+        values["attention_factor"] = (
+            mscale(values["mscale"]) / mscale(values["mscale_all_dim"]) if both else mscale()
+        )
+    values.pop("mscale", None), values.pop("mscale_all_dim", None)
+    return RopeScaling("yarn", factor, **values)

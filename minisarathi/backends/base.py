@@ -52,7 +52,9 @@ class Backend(Protocol):
 
     # the ops of the forward pass (rows of x are tokens)
     def embedding(self, table: Array, ids: np.ndarray) -> Array: ...
-    def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array:
+        """Over the last axis of x[T, H], or of a q/k view x[T, heads, D] (Qwen3's per-head norms)."""
+
     def add_rms_norm(self, x: Array, residual: Array, w: Array, eps: float) -> tuple[Array, Array]: ...
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x[T, K] @ w[N, K].T (+ bias[N]): [T, N]. CpuOps may hand on the transposed product's F-order

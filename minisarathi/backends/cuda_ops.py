@@ -584,13 +584,18 @@ class CudaOps:
         return out
 
     def rms_norm(self, x, w, eps: float):
+        """x[T, H], or a q/k view x[T, heads, D] normed per head where it lies (a copy would be host work
+        that a graph capture on the emulator misses)."""
         self._check(x, "x")
-        x = self.xp.ascontiguousarray(x)
-        out = self.xp.empty_like(x)
-        T, H = x.shape
-        if T:
+        x = self.xp.ascontiguousarray(x) if x.ndim == 2 else x
+        heads, H = (1, x.shape[1]) if x.ndim == 2 else x.shape[1:]
+        token_stride = H if x.ndim == 2 else _row_stride(x, "x")
+        out = self.xp.empty(x.shape, x.dtype)
+        if x.shape[0]:
             self._kernel("rms_norm.cu", "rms_norm_kernel", x)(
-                (T,), (_threads(H),), (x, w, out, np.int32(H), np.float32(eps))
+                (x.shape[0] * heads,),
+                (_threads(H),),
+                (x, w, out, np.int32(H), np.float32(eps), np.int32(heads), np.int64(token_stride)),
             )
         return out
 

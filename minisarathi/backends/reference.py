@@ -60,8 +60,8 @@ class ReferenceOps:
         return table[ids]  # float32[T, H]: row ids[t] of table[V, H]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        mean_square = np.mean(x * x, axis=1, keepdims=True)  # float32[T, 1]
-        return x / np.sqrt(mean_square + np.float32(eps)) * w  # float32[T, H]
+        mean_square = np.mean(x * x, axis=-1, keepdims=True)  # float32[..., 1] from x[..., H]
+        return x / np.sqrt(mean_square + np.float32(eps)) * w  # float32[..., H]
 
     def add_rms_norm(
         self, x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float

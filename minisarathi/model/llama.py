@@ -30,6 +30,8 @@ class LayerWeights:
     input_layernorm: Any  # [H]
     qkv_proj: Any  # [(Hq + 2 Hk) D, H]
     qkv_bias: Any | None  # [(Hq + 2 Hk) D]
+    q_norm: Any | None  # [D], Qwen3
+    k_norm: Any | None  # [D], Qwen3
     o_proj: Any  # [H, Hq D]
     o_bias: Any | None  # [H]
     post_attention_layernorm: Any  # [H]
@@ -37,9 +39,8 @@ class LayerWeights:
     down_proj: Any  # [H, I]
 
 
-LINEAR_WEIGHTS = frozenset(
-    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-)  # of LayerWeights: read by linear only
+# of LayerWeights: read by linear only
+LINEAR_WEIGHTS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 
 
 class LlamaModel:
@@ -93,14 +94,8 @@ class LlamaModel:
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
-        return (
-            2
-            * c.num_hidden_layers
-            * c.num_key_value_heads
-            * block_size
-            * c.head_dim
-            * self.ops.activation_dtype.itemsize
-        )
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim  # K and V elements
+        return per_token * block_size * self.ops.activation_dtype.itemsize
 
     def copy_blocks(
         self, kv_cache: list[tuple[Any, Any]], sources: list[int], destinations: list[int]
@@ -137,9 +132,8 @@ class LlamaModel:
         if self.decode_graphs is not None and self.decode_graphs.takes(batch):
             logits = self.decode_graphs.forward(batch, kv_cache)
         else:
-            self.ops.upload_batch(
-                batch
-            )  # one host-to-device copy of the step's metadata, read by every layer
+            # one host-to-device copy of the step's metadata, read by every layer
+            self.ops.upload_batch(batch)
             logits = self.run(batch, kv_cache)
         return logits if device_logits else self.ops.to_numpy(logits)
 
@@ -162,6 +156,9 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(T, c.num_attention_heads, D)
             k = qkv[:, q_size : q_size + kv_size].reshape(T, c.num_key_value_heads, D)
             v = qkv[:, q_size + kv_size :].reshape(T, c.num_key_value_heads, D)
+            if layer.q_norm is not None:  # the backends' RMSNorm over each head's D, [T, heads, D] out
+                q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
             ops.rope_store_kv(
                 q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin
             )

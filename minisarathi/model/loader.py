@@ -60,10 +60,11 @@ class CheckpointWeights(Mapping):
     """The model's weights under the names LlamaModel uses, as CheckpointTensors, q/k/v and gate/up fused.
 
     Keys: embed_tokens, norm, lm_head (untied only), and per layer i `layers.{i}.` + input_layernorm,
-    qkv_proj, qkv_bias (if config.qkv_bias), o_proj, o_bias (if config.o_bias), post_attention_layernorm,
-    gate_up_proj, down_proj. Weights keep HF's [out, in] layout. Every tensor is checked when this is
-    built; a fused one is concatenated (one host copy in the stored dtype) each time it is read, so the
-    host holds at most one fused tensor while a backend places them one by one.
+    qkv_proj, qkv_bias (if config.qkv_bias), q_norm and k_norm (if config.qk_norm), o_proj, o_bias (if
+    config.o_bias), post_attention_layernorm, gate_up_proj, down_proj. Weights keep HF's [out, in] layout.
+    Every tensor is checked when this is built; a fused one is concatenated (one host copy in the stored
+    dtype) each time it is read, so the host holds at most one fused tensor while a backend places them
+    one by one.
     """
 
     def __init__(self, stored: dict[str, CheckpointTensor], parts: dict[str, list[str]]):
@@ -115,6 +116,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
                 (attn + "k_proj.bias", (kv_size,)),
                 (attn + "v_proj.bias", (kv_size,)),
             )
+        if c.qk_norm:
+            parts[out + "q_norm"] = use((attn + "q_norm.weight", (c.head_dim,)))
+            parts[out + "k_norm"] = use((attn + "k_norm.weight", (c.head_dim,)))
         parts[out + "o_proj"] = use((attn + "o_proj.weight", (H, q_size)))
         if c.o_bias:
             parts[out + "o_bias"] = use((attn + "o_proj.bias", (H,)))
@@ -165,9 +169,8 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     tensors = {}
     for file in files:
         tensors.update(read_safetensors(model_dir / file))
-    for name, layout in quantized_linears(
-        model_dir, tensors
-    ).items():  # from config.json's quantization_config
+    # from config.json's quantization_config
+    for name, layout in quantized_linears(model_dir, tensors).items():
         tensors[name] = CheckpointTensor("quantized", layout)
     return tensors
 

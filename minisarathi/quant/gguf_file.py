@@ -31,7 +31,11 @@ log = logging.getLogger("minisarathi.gguf")
 
 MAGIC = b"GGUF"
 # general.architecture -> (Hugging Face architecture, whether the converter permuted Q/K for ggml's RoPE)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
 # ggml tensor names (after "blk.N.") -> the Hugging Face names model/loader.py reads
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -42,6 +46,8 @@ LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -215,13 +221,15 @@ def header_config(meta: dict, infos: dict[str, TensorInfo], path) -> dict:
             f"{path}: {arch}.rope.dimension_count {rotary} != head_dim {head_dim} (partial RoPE)"
         )
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _float(get("rope.scaling.factor"))}
+    if scaling_type in ("linear", "yarn"):
+        rope_scaling = {"rope_type": scaling_type, "factor": _float(get("rope.scaling.factor"))}
+        if scaling_type == "yarn":  # beta_fast and beta_slow: transformers' defaults, as llama.cpp's
+            rope_scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
     elif scaling_type == "none":
         rope_scaling = None
     else:
         raise UnsupportedGGUF(
-            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (linear, none)"
+            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (linear, yarn, none)"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
     embed = infos["token_embd.weight"].shape if "token_embd.weight" in infos else None

@@ -90,10 +90,16 @@ class ChatTemplate:
         return self._template
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_chars: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_chars: int | None = None,
+        kwargs: dict | None = None,
     ) -> str:
         """The prompt text; ChatTemplateError if the template refuses, fails, or writes more than
-        max_chars characters (checked piece by piece, so a runaway output stops early)."""
+        max_chars characters (checked piece by piece, so a runaway output stops early). kwargs: the
+        request's chat_template_kwargs (enable_thinking, ...), variables beside the special tokens, as
+        transformers passes them."""
         pieces, length = [], 0
         try:
             for piece in self._compiled().generate(
@@ -101,7 +107,7 @@ class ChatTemplate:
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                **{**self.special_tokens, **(kwargs or {})},
             ):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:
@@ -182,10 +188,14 @@ class TemplateWorker:
         async with self._lock:
             await self._ensure_started()
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def render(
+        self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None
+    ) -> str:
         """The prompt text, or ChatTemplateError (the template's own error, or a limit it hit). A caller
         cancelled meanwhile leaves the exchange to finish, so the pipes stay in step."""
-        request = json.dumps({"messages": messages, "add_generation_prompt": add_generation_prompt})
+        request = json.dumps(
+            {"messages": messages, "add_generation_prompt": add_generation_prompt, "kwargs": kwargs}
+        )
         return await asyncio.shield(self._exchange(request.encode() + b"\n"))
 
     async def _exchange(self, request: bytes) -> str:
@@ -268,7 +278,9 @@ def _worker_main() -> None:
         # even if the parent is gone
         signal.setitimer(signal.ITIMER_REAL, config["timeout_s"] + 1.0)
         try:
-            text = template.render(request["messages"], request["add_generation_prompt"], config["max_chars"])
+            text = template.render(
+                request["messages"], request["add_generation_prompt"], config["max_chars"], request["kwargs"]
+            )
             answer = {"text": text}
         except ChatTemplateError as e:
             answer = {"error": str(e)}

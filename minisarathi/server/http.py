@@ -539,7 +539,7 @@ class HttpDoor:
         if parsed.messages is not None:
             try:
                 parsed.prompt_texts[0] = await self.templates.render(
-                    parsed.messages, parsed.add_generation_prompt
+                    parsed.messages, parsed.add_generation_prompt, parsed.chat_template_kwargs
                 )
             except ChatTemplateError as e:
                 raise OpenAIError(400, f"the chat template refused the messages: {e}", param=param) from None

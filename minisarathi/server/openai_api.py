@@ -6,6 +6,8 @@ rule is testable on plain dicts. docs/http.md lists every field taken and every 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +84,7 @@ class GenerationRequest:
     max_tokens_given: bool = True  # False: a chat request without one (the door fits it to the key)
     messages: list[dict] | None = None  # a chat request's, until the door renders them into prompt_texts[0]
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # the template's extra variables (enable_thinking, ...)
 
 
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
@@ -118,6 +121,7 @@ CHAT_FIELDS = _COMMON | {
     "logprobs",
     "top_logprobs",
     "add_generation_prompt",
+    "chat_template_kwargs",
     "response_format",
     "tools",
     "tool_choice",
@@ -208,7 +212,49 @@ def parse_chat(body, model: str, limits: DoorLimits) -> GenerationRequest:
     )
     request.max_tokens_given = given
     request.messages, request.add_generation_prompt = messages, add_generation_prompt
+    request.chat_template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     return request
+
+
+# chat_template_kwargs: what a template reads as variables, within bounds that keep a render's input small
+TEMPLATE_KWARGS_MAX_KEYS, TEMPLATE_KWARGS_MAX_CHARS, TEMPLATE_KWARGS_MAX_DEPTH = 16, 4096, 4
+# names the renderer sets itself (transformers lets a kwarg replace them; a client has no need to)
+TEMPLATE_RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def _template_kwargs(kwargs) -> dict | None:
+    """chat_template_kwargs: null, or an object of identifier keys and plain JSON values, bounded."""
+    if kwargs is None:
+        return None
+    name = "chat_template_kwargs"
+    if not isinstance(kwargs, dict):
+        raise bad(name, f"{name} must be an object or null, got {_show(kwargs)}")
+    if len(kwargs) > TEMPLATE_KWARGS_MAX_KEYS:
+        raise bad(name, f"{name} may hold at most {TEMPLATE_KWARGS_MAX_KEYS} keys, got {len(kwargs)}")
+    for key in kwargs:
+        if not key.isidentifier() or key in TEMPLATE_RESERVED or key.startswith("_"):
+            reserved = ", ".join(sorted(TEMPLATE_RESERVED))
+            raise bad(name, f"{name} key {_show(key)} must be a variable name other than {reserved}")
+
+    def plain(value, depth: int) -> bool:
+        if isinstance(value, (list, dict)) and depth >= TEMPLATE_KWARGS_MAX_DEPTH:
+            return False
+        if isinstance(value, list):
+            return all(plain(v, depth + 1) for v in value)
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and plain(v, depth + 1) for k, v in value.items())
+        return (
+            value is None
+            or isinstance(value, (bool, int, str))
+            or isinstance(value, float)
+            and math.isfinite(value)
+        )
+
+    if not all(plain(v, 1) for v in kwargs.values()):
+        raise bad(name, f"{name} values must be plain JSON nested at most {TEMPLATE_KWARGS_MAX_DEPTH} deep")
+    if len(json.dumps(kwargs)) > TEMPLATE_KWARGS_MAX_CHARS:
+        raise bad(name, f"{name} must be at most {TEMPLATE_KWARGS_MAX_CHARS} characters of JSON")
+    return kwargs
 
 
 def _check_body(body, fields: set[str], model: str) -> dict:

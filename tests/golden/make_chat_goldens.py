@@ -2,10 +2,12 @@
 
     pip install transformers && python tests/golden/make_chat_goldens.py
 
-For each test template (a ChatML-style and a Llama-3-style one, written for these tests) and each
-conversation, it stores what `apply_chat_template` renders, with and without add_generation_prompt, and
-the token ids of `apply_chat_template(..., tokenize=True)` over the bundled model's tokenizer. The chat
-endpoint must render and tokenize exactly the same (tests/unit/test_chat_template.py).
+For each test template (a ChatML-style, a Llama-3-style and a Qwen3-style thinking one, written for these
+tests) and each conversation, it stores what `apply_chat_template` renders, with and without
+add_generation_prompt (and, for a template that reads enable_thinking, with each chat_template_kwargs of
+KWARGS), and the token ids of `apply_chat_template(..., tokenize=True)` over the bundled model's
+tokenizer. Last made with transformers 5.24.0 (/work/venv-golden). The chat endpoint must render and
+tokenize exactly the same (tests/unit/test_chat_template.py).
 """
 
 import json
@@ -25,7 +27,13 @@ CONVERSATIONS = [
         {"role": "user", "content": 'Another one, with "quotes" and ünïcödé & <tags>!', "name": "Tom"},
     ],
     [{"role": "user", "content": "Line one\nline two\n\n  indented"}],
+    [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "<think>\nSmall sums.\n</think>\n\n4"},
+        {"role": "user", "content": "And 3 + 3?"},
+    ],
 ]
+KWARGS = [{}, {"enable_thinking": False}, {"enable_thinking": True}]
 
 
 def main():
@@ -37,18 +45,24 @@ def main():
         template = template_file.read_text(encoding="utf-8")
         for conversation in CONVERSATIONS:
             for add_generation_prompt in (True, False):
-                kwargs = dict(chat_template=template, add_generation_prompt=add_generation_prompt)
-                text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
-                ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
-                goldens.append(
-                    {
-                        "template": template_file.name,
-                        "messages": conversation,
-                        "add_generation_prompt": add_generation_prompt,
-                        "text": text,
-                        "token_ids": list(ids),
-                    }
-                )
+                for extra in KWARGS if "enable_thinking" in template else KWARGS[:1]:
+                    kwargs = dict(
+                        chat_template=template, add_generation_prompt=add_generation_prompt, **extra
+                    )
+                    text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+                    ids = tokenizer.apply_chat_template(
+                        conversation, tokenize=True, return_dict=False, **kwargs
+                    )
+                    goldens.append(
+                        {
+                            "template": template_file.name,
+                            "messages": conversation,
+                            "add_generation_prompt": add_generation_prompt,
+                            "chat_template_kwargs": extra,
+                            "text": text,
+                            "token_ids": list(ids),
+                        }
+                    )
     (HERE / "goldens.json").write_text(
         json.dumps(goldens, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
     )

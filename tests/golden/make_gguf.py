@@ -28,7 +28,7 @@ SOURCE = ROOT / "models" / "stories260K"
 OUT = ROOT / "models" / "stories260K-gguf"
 FILES = {"stories260K-f32.gguf": T.F32, "stories260K-q8_0.gguf": T.Q8_0}
 FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -38,6 +38,8 @@ NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -138,10 +140,12 @@ def write_gguf(
     writer.add_file_type(FILE_TYPES[qtype] if file_type is None else file_type)
     scaling = ModelConfig.from_pretrained(folder).rope_scaling  # transformers 4's keys or 5's
     if scaling is not None:
-        if scaling.rope_type != "linear":
+        if scaling.rope_type not in ("linear", "yarn"):
             raise ValueError(f"{folder}: RoPE scaling {scaling.rope_type!r} is not written here")
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling.rope_type))
         writer.add_rope_scaling_factor(scaling.factor)
+        if scaling.rope_type == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
     if callable(tokenizer):
         tokenizer(writer)
     elif tokenizer:

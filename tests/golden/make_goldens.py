@@ -2,7 +2,7 @@
 
 Needs torch and transformers, which minisarathi itself never imports:
     pip install torch==2.13.0 transformers
-    python tests/golden/make_goldens.py
+    python tests/golden/make_goldens.py [NAME ...]   # no NAME: every variant
 
 Each folder gets config.json, generation_config.json, safetensors weights in the variant's dtype, and
 golden.npz with the prompt, transformers' float32 logits for every prompt position (16-bit weights
@@ -12,12 +12,13 @@ upcast on load), greedy continuation tokens (a plain argmax loop over full forwa
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN = 24
@@ -97,6 +98,41 @@ VARIANTS = {
         torch.float16,
         None,
     ),
+    # Qwen3: q/k norms, a head_dim other than hidden / heads; YaRN whose original context (16) the prompt
+    # passes, so that both ends of its frequency ramp are exercised; dynamic NTK (untied, bf16)
+    "qwen3_yarn_tied": (
+        Qwen3Config(
+            **COMMON,
+            vocab_size=128,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        torch.float32,
+        None,
+    ),
+    "qwen3_bf16": (
+        Qwen3Config(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+        torch.bfloat16,
+        None,
+    ),
 }
 
 
@@ -144,4 +180,5 @@ def make(name: str, config, dtype: torch.dtype, shard_size: str | None, seed: in
 
 if __name__ == "__main__":
     for seed, (name, (config, dtype, shard_size)) in enumerate(VARIANTS.items()):
-        make(name, config, dtype, shard_size, seed)
+        if name in sys.argv[1:] or len(sys.argv) == 1:
+            make(name, config, dtype, shard_size, seed)

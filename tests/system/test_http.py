@@ -451,6 +451,12 @@ def test_models_health_ready_metrics_and_request_id(server):
         ),
         (
             "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"x": [[[[1]]]]}},
+            400,
+            "chat_template_kwargs",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "model": "nope"},
             404,
             "model",

@@ -96,6 +96,23 @@ def test_rms_norm_and_fused_residual_add(order, dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_of_a_row_strided_view(order, dtype):
+    """Qwen3's q/k norm: rms_norm over each head of q = qkv[:, :Hq D] viewed [T, Hq, D], read in place."""
+    ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(5)
+    T, Hq, Hk, D = 3, 4, 2, 32
+    qkv = on_device(rng.standard_normal((T, (Hq + 2 * Hk) * D)) * 3, dtype)
+    w = on_device(rng.standard_normal(D), dtype)
+    q = qkv[:, D : (Hq + 1) * D].reshape(T, Hq, D)  # a view that starts one head in: no copy, row-strided
+    assert not q.flags.c_contiguous and np.shares_memory(q, qkv)
+    x = as_float32(q).astype(np.float64)
+    expected = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * as_float32(w)  # float64[T, Hq, D]
+    out = ops.rms_norm(q, w, 1e-5)
+    assert out.shape == (T, Hq, D)
+    assert_close(out, expected.astype(np.float32), dtype)
+    assert not np.allclose(as_float32(out), x, atol=0.1)  # it normalized (the input has rms 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_vector_kernels_fall_back_on_unaligned_rows(order, dtype):
     """A row that starts off a 16-byte boundary takes the one-element path, with the same results."""
     ops, rng = cuda_ops.emulated(dtype), np.random.default_rng(13)

@@ -34,6 +34,7 @@ CASES = [
     ("llama_gqa_bf16", 2),
     ("llama_linear_rope_bias", 2),
     ("qwen2_tied", 2),
+    ("qwen3_yarn_tied", 2),  # q/k norms replicated on every rank
 ]
 
 

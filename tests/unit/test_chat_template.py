@@ -1,6 +1,7 @@
 """Chat templates render and tokenize exactly as transformers' apply_chat_template (committed goldens made by
 tests/golden/make_chat_goldens.py), inside a sandbox a template cannot escape."""
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,12 @@ import pytest
 pytest.importorskip("jinja2")
 
 from minisarathi.paths import default_model_dir
-from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from minisarathi.server.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    TemplateWorker,
+    load_chat_template,
+)
 from minisarathi.tokenizer import Tokenizer
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "chat_templates"
@@ -19,18 +25,24 @@ SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 @pytest.mark.parametrize(
-    "golden", GOLDENS, ids=lambda g: f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}"
+    "golden",
+    GOLDENS,
+    ids=lambda g: (
+        f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}-{g['chat_template_kwargs']}"
+    ),
 )
 def test_render_and_tokens_match_transformers(golden):
     template = ChatTemplate((GOLDEN_DIR / golden["template"]).read_text(encoding="utf-8"), SPECIAL)
-    text = template.render(golden["messages"], golden["add_generation_prompt"])
+    text = template.render(
+        golden["messages"], golden["add_generation_prompt"], kwargs=golden["chat_template_kwargs"]
+    )
     assert text == golden["text"]
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     assert tokenizer.encode(text, add_special_tokens=False) == golden["token_ids"]
 
 
 def test_both_styles_are_covered_and_bos_is_not_doubled():
-    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja"}
+    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja", "thinking.jinja"}
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     for golden in GOLDENS:
         if golden["template"] == "llama3.jinja":  # the template writes {{ bos_token }} itself
@@ -100,3 +112,21 @@ def test_special_tokens_only_in_special_tokens_map(tmp_path):
 def test_a_template_failing_in_python_is_a_template_error(source):
     with pytest.raises(ChatTemplateError, match="the template failed on these messages: "):
         ChatTemplate(source, SPECIAL).render([{"role": "user", "content": "hi"}])
+
+
+def test_the_worker_renders_with_the_requests_chat_template_kwargs():
+    template = ChatTemplate((GOLDEN_DIR / "thinking.jinja").read_text(encoding="utf-8"), SPECIAL)
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def render(kwargs):
+        worker = TemplateWorker(template, timeout_s=10.0, max_chars=10_000)
+        try:
+            return await worker.render(messages, True, kwargs)
+        finally:
+            await worker.close()
+
+    assert asyncio.run(render({"enable_thinking": False})) == template.render(
+        messages, True, kwargs={"enable_thinking": False}
+    )
+    assert asyncio.run(render({"enable_thinking": False})).endswith("<think>\n\n</think>\n\n")
+    assert asyncio.run(render(None)).endswith("<|im_start|>assistant\n")  # the kwargs made the difference

@@ -83,9 +83,12 @@ def test_f32_file_gives_the_safetensors_model_bit_for_bit(fp32):
     assert relative_error(got_logits, want_logits) <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama_linear_rope_bias", "llama_gqa_bf16"])
+@pytest.mark.parametrize(
+    "name", ["qwen2_tied", "llama_linear_rope_bias", "llama_gqa_bf16", "qwen3_yarn_tied", "qwen3_bf16"]
+)
 def test_golden_folders_through_gguf_give_their_weights(tmp_path, name):
-    # qwen2 (not reordered, q/k/v biases), linear RoPE scaling with attention biases, bf16 weights
+    # qwen2 (not reordered, q/k/v biases), linear RoPE scaling with attention biases, bf16 weights; qwen3's
+    # q/k norms and YaRN
     folder = ROOT / "tests" / "golden" / name
     path = make_gguf.write_gguf(folder, tmp_path / f"{name}.gguf", T.F32, tokenizer=False)
     config = ModelConfig.from_pretrained(folder)

@@ -10,7 +10,8 @@ from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch, prefill_then_greedy, relative_error
 
 GOLDEN = Path(__file__).parents[1] / "golden"
-GOLDEN_MODELS = ["llama_gqa_bf16", "qwen2_tied", "llama3_rope_fp16", "mistral_mha", "llama_linear_rope_bias"]
+# every folder make_goldens.py made (tests/golden/<name>/golden.npz)
+GOLDEN_MODELS = sorted(path.parent.name for path in GOLDEN.glob("*/golden.npz"))
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,29 @@ def test_fields_that_would_change_the_output_are_refused():
         ("annotations", [{"x": 1}]),
     ]:
         assert refused(messages=[{**USER, key: value}]) == f"messages[0].{key}"
+
+
+def test_chat_template_kwargs_are_taken_as_plain_json():
+    kwargs = {"enable_thinking": False, "level": 2, "names": ["a", {"b": None}], "t": 0.5}
+    assert chat(chat_template_kwargs=kwargs)[0].chat_template_kwargs == kwargs
+    assert chat(chat_template_kwargs=None)[0].chat_template_kwargs is None
+    assert chat()[0].chat_template_kwargs is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ([1], "must be an object or null"),
+        ({f"k{i}": 1 for i in range(17)}, "at most 16 keys"),
+        ({"not a name": 1}, "must be a variable name"),
+        ({"messages": []}, "must be a variable name other than"),
+        ({"add_generation_prompt": False}, "must be a variable name other than"),
+        ({"x": float("nan")}, "values must be plain JSON"),
+        ({"x": [[[[1]]]]}, "nested at most 4 deep"),
+        ({"x": "y" * 5000}, "at most 4096 characters"),
+    ],
+)
+def test_chat_template_kwargs_refused_with_a_clear_400(kwargs, message):
+    with pytest.raises(OpenAIError, match=message) as e:
+        chat(chat_template_kwargs=kwargs)
+    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"

@@ -120,9 +120,10 @@ class CpuOps:
         return np.take(table, ids, axis=0)  # float32[T, H]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        mean_square = np.einsum("th,th->t", x, x) / x.shape[1]  # float32[T], no x*x temporary
+        # x[..., H] (a q/k view [T, heads, D] included): float32[...], no x*x temporary
+        mean_square = np.einsum("...h,...h->...", x, x) / x.shape[-1]
         scale = 1.0 / np.sqrt(mean_square + np.float32(eps))
-        out = x * scale[:, None]
+        out = x * scale[..., None]
         out *= w
         return out
 

@@ -1,7 +1,9 @@
 """Runs the CUDA kernels of cuda/*.cu on the CPU: g++ against a shim header, one fiber per CUDA thread.
 
     module = load_module(cuda_dir() / "rms_norm.cu", ["rms_norm_kernel<float>"])
-    module.get_function("rms_norm_kernel<float>")(grid, block, (x, w, out, np.int32(h), np.float32(eps)))
+    module.get_function("rms_norm_kernel<float>")(
+        grid, block, (x, w, out, np.int32(h), np.float32(eps), np.int32(1), np.int64(h))
+    )
 
 See docs/cuda.md.
 """
