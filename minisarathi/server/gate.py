@@ -212,10 +212,10 @@ class Listener:
         tcp = isinstance(peer, tuple)
         address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        # An address holding its share of a full pool is refused before any TLS or protocol work; a TLS
-        # handshake counts from now, a plain connection from when its door takes it (counting those at accept
-        # raced a same-address key holder out, and a door refuses past --max-connections in its protocol)
-        counted = self.tls is not None
+        # An address holding its share of a full pool is refused before any TLS or protocol work; the others
+        # count from now (a burst of accepts runs before their doors get them), except a plain connection
+        # without keys: its door refuses it past --max-connections in its protocol (`overloaded`)
+        counted = self.tls is not None or not arrival.authenticated
         refused = self.hub.pool.crowded(address) or (self.hub.pool.connect(arrival) if counted else None)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
@@ -243,8 +243,7 @@ class Listener:
             # a failed or stalled handshake (a plaintext client on the TLS port), or an eviction
             log.debug("connection from %s closed before it was served: %r", arrival.peer, e)
             sock.close()
-        finally:
-            self.hub.pool.disconnect(arrival)
+            self.hub.pool.disconnect(arrival)  # served, it stays counted until its door's hand_over
 
 
 def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -318,6 +317,20 @@ class ConnectionPool:
                 self.evict(self._oldest_of_largest_address())
             self._pool_add(conn)
         self.connections.add(conn)
+        return None
+
+    def hand_over(self, arrival: Arrival, conn) -> str | None:
+        """The door's connection takes its arrival's place (and age) in the pool; an arrival evicted before
+        its door got it is refused (else it would come back and evict another, a same-address key holder
+        first). An arrival not counted (a plain one without keys) is counted now, by `connect`."""
+        if arrival.closed:
+            return "closed to make room for newer connections"
+        if arrival not in self.connections:
+            return self.connect(conn)
+        self.connections.discard(arrival)
+        self.connections.add(conn)
+        if arrival in self.unauthenticated:  # same address: per_address is unchanged
+            self.unauthenticated = {conn if c is arrival else c: None for c in self.unauthenticated}
         return None
 
     def crowded(self, address: str) -> str | None:

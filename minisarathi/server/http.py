@@ -153,9 +153,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         hub = self.door.hub
-        hub.pool.disconnect(self.arrival)  # this connection counts from now on
         self.transport = transport
-        refused = hub.pool.connect(self)
+        refused = hub.pool.hand_over(self.arrival, self)
         if refused is not None:
             hub.refused_log("connection from %s refused: %s", self.peer, refused)
             self.closed = True

@@ -293,7 +293,6 @@ class MsgpackDoor:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arrival: Arrival
     ):
-        self.hub.pool.disconnect(arrival)  # the connection below counts from now on
         peer = writer.get_extra_info("peername")
         conn = _Connection(
             next(self._conn_ids),
@@ -305,10 +304,11 @@ class MsgpackDoor:
         )
         writer.transport.set_write_buffer_limits(high=UNREAD_HIGH_WATER)
         if self.hub.shutting_down:  # accepted just before the listener closed: the client will go elsewhere
+            self.hub.pool.disconnect(arrival)
             conn.close()
             return
         bound_kernel_buffer(writer.get_extra_info("socket"))
-        refused = self.hub.pool.connect(conn)
+        refused = self.hub.pool.hand_over(arrival, conn)
         if refused is not None:
             log.warning("conn=%d refused: %s", conn.id, refused)
             conn.protocol_error(None, RPCError(OVERLOADED, refused))

@@ -222,12 +222,6 @@ def test_key_holders_are_served_with_more_stalled_connections_than_file_descript
             sock.close()
 
 
-@pytest.mark.xfail(
-    reason="plain connections are counted by their door, not at accept (counting them at accept raced a "
-    "same-address key holder out: test_server_hardening's lockout test), so a burst of accepts passes the "
-    "share check uncounted and evicts; open in issue 26",
-    strict=False,
-)
 def test_a_flood_from_one_address_is_reset_at_accept_and_evicts_no_one_else(server):
     """At the file-descriptor limit each new connection closed the oldest unauthenticated one, whoever held
     it, and the flooder reconnected at once: ~1,000 evictions a second, the other addresses' first."""
