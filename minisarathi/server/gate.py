@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -33,6 +34,18 @@ log = logging.getLogger("minisarathi.server")
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_RETRY_S = 0.1  # after accept() ran out of file descriptors: the others get a chance to close
 _ABORT_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+
+
+def client_address(ip: str) -> str:
+    """What every per-address rule counts as one client: an IPv6 address by its /64 (one host is usually
+    given a whole /64, so it could otherwise take a fresh address per connection), an IPv4 one as it is."""
+    try:
+        parsed = ipaddress.ip_address(ip)
+    except ValueError:  # "unix", or no address at all
+        return ip
+    if parsed.version == 6 and parsed.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(getattr(parsed, "ipv4_mapped", None) or parsed)
 
 
 class RateLimitedLog:
@@ -210,7 +223,7 @@ class Listener:
 
     def _arrived(self, sock: socket.socket, peer) -> None:
         tcp = isinstance(peer, tuple)
-        address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
+        address, name = (client_address(peer[0]), f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
         # An address holding its share of a full pool is refused before any TLS or protocol work; the others
         # count from now (a burst of accepts runs before their doors get them), except a plain connection

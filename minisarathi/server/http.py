@@ -27,7 +27,7 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
-from minisarathi.server.gate import Arrival, RateLimitedLog, bind
+from minisarathi.server.gate import Arrival, RateLimitedLog, bind, client_address
 from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
@@ -408,7 +408,7 @@ class HttpDoor:
     async def _authenticate(self, request: web.Request, conn: _Connection | None) -> None:
         """The request's key, checked at its address's turn (the backoff shared with the msgpack door);
         a good key takes its connection out of the unauthenticated pool."""
-        address = request.remote or ""
+        address = client_address(request.remote or "")
         if not await self.hub.auth_turn(address):
             raise OpenAIError(
                 429, "too many failed auths from this address; retry later", code="rate_limit_exceeded"

@@ -20,7 +20,7 @@ import msgpack
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.client_options import ConnectionOptions, parse_options
-from minisarathi.server.gate import Arrival, bind, bind_unix
+from minisarathi.server.gate import Arrival, bind, bind_unix, client_address
 from minisarathi.server.hub import (
     UNREAD_HIGH_WATER,
     EngineRefused,
@@ -87,7 +87,7 @@ class _Connection:
         self.id = conn_id
         self.writer = writer
         self.peer = peer  # the client's "host:port", for the request log
-        self.address = peer.rpartition(":")[0] if peer != "unix" else peer  # its IP, for per-address limits
+        self.address = client_address(peer.rpartition(":")[0] or peer)  # for per-address rules ("unix")
         self.limits = limits
         self.authenticated = authenticated
         self.opened = time.monotonic()  # the auth deadline runs from it (reset when an auth is revoked)
