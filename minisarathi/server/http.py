@@ -410,8 +410,11 @@ class HttpDoor:
         a good key takes its connection out of the unauthenticated pool."""
         address = client_address(request.remote or "")
         if not await self.hub.auth_turn(address):
-            raise OpenAIError(
-                429, "too many failed auths from this address; retry later", code="rate_limit_exceeded"
+            raise OpenAIError(  # Retry-After: when the address's queued turns have run
+                429,
+                "too many failed auths from this address; retry later",
+                code="rate_limit_exceeded",
+                retry_after_s=self.hub.backoff_wait_s(address),
             )
         accepted, request["key"] = self.hub.authenticate(_bearer(request), address)
         if not accepted:
