@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -33,6 +34,18 @@ log = logging.getLogger("minisarathi.server")
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_RETRY_S = 0.1  # after accept() ran out of file descriptors: the others get a chance to close
 _ABORT_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+
+
+def client_address(ip: str) -> str:
+    """What every per-address rule counts as one client: an IPv6 address by its /64 (one host is usually
+    given a whole /64, so it could otherwise take a fresh address per connection), an IPv4 one as it is."""
+    try:
+        parsed = ipaddress.ip_address(ip)
+    except ValueError:  # "unix", or no address at all
+        return ip
+    if parsed.version == 6 and parsed.ipv4_mapped is None:
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(getattr(parsed, "ipv4_mapped", None) or parsed)
 
 
 class RateLimitedLog:
@@ -210,12 +223,12 @@ class Listener:
 
     def _arrived(self, sock: socket.socket, peer) -> None:
         tcp = isinstance(peer, tuple)
-        address, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
+        address, name = (client_address(peer[0]), f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
         arrival = Arrival(address, name, authenticated=self.hub.keys is None)
-        # An address holding its share of a full pool is refused before any TLS or protocol work; a TLS
-        # handshake counts from now, a plain connection from when its door takes it (counting those at accept
-        # raced a same-address key holder out, and a door refuses past --max-connections in its protocol)
-        counted = self.tls is not None
+        # An address holding its share of a full pool is refused before any TLS or protocol work; the others
+        # count from now (a burst of accepts runs before their doors get them), except a plain connection
+        # without keys: its door refuses it past --max-connections in its protocol (`overloaded`)
+        counted = self.tls is not None or not arrival.authenticated
         refused = self.hub.pool.crowded(address) or (self.hub.pool.connect(arrival) if counted else None)
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
@@ -243,8 +256,7 @@ class Listener:
             # a failed or stalled handshake (a plaintext client on the TLS port), or an eviction
             log.debug("connection from %s closed before it was served: %r", arrival.peer, e)
             sock.close()
-        finally:
-            self.hub.pool.disconnect(arrival)
+            self.hub.pool.disconnect(arrival)  # served, it stays counted until its door's hand_over
 
 
 def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -318,6 +330,20 @@ class ConnectionPool:
                 self.evict(self._oldest_of_largest_address())
             self._pool_add(conn)
         self.connections.add(conn)
+        return None
+
+    def hand_over(self, arrival: Arrival, conn) -> str | None:
+        """The door's connection takes its arrival's place (and age) in the pool; an arrival evicted before
+        its door got it is refused (else it would come back and evict another, a same-address key holder
+        first). An arrival not counted (a plain one without keys) is counted now, by `connect`."""
+        if arrival.closed:
+            return "closed to make room for newer connections"
+        if arrival not in self.connections:
+            return self.connect(conn)
+        self.connections.discard(arrival)
+        self.connections.add(conn)
+        if arrival in self.unauthenticated:  # same address: per_address is unchanged
+            self.unauthenticated = {conn if c is arrival else c: None for c in self.unauthenticated}
         return None
 
     def crowded(self, address: str) -> str | None:

@@ -27,7 +27,7 @@ from aiohttp import web
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
-from minisarathi.server.gate import Arrival, RateLimitedLog, bind
+from minisarathi.server.gate import Arrival, RateLimitedLog, bind, client_address
 from minisarathi.server.hub import UNREAD_HIGH_WATER, EngineRefused, Hub, bound_kernel_buffer
 from minisarathi.server.metrics import CONTENT_TYPE, Metrics
 from minisarathi.server.openai_api import (
@@ -153,9 +153,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         hub = self.door.hub
-        hub.pool.disconnect(self.arrival)  # this connection counts from now on
         self.transport = transport
-        refused = hub.pool.connect(self)
+        refused = hub.pool.hand_over(self.arrival, self)
         if refused is not None:
             hub.refused_log("connection from %s refused: %s", self.peer, refused)
             self.closed = True
@@ -409,10 +408,13 @@ class HttpDoor:
     async def _authenticate(self, request: web.Request, conn: _Connection | None) -> None:
         """The request's key, checked at its address's turn (the backoff shared with the msgpack door);
         a good key takes its connection out of the unauthenticated pool."""
-        address = request.remote or ""
+        address = client_address(request.remote or "")
         if not await self.hub.auth_turn(address):
-            raise OpenAIError(
-                429, "too many failed auths from this address; retry later", code="rate_limit_exceeded"
+            raise OpenAIError(  # Retry-After: when the address's queued turns have run
+                429,
+                "too many failed auths from this address; retry later",
+                code="rate_limit_exceeded",
+                retry_after_s=self.hub.backoff_wait_s(address),
             )
         accepted, request["key"] = self.hub.authenticate(_bearer(request), address)
         if not accepted:

@@ -20,7 +20,7 @@ import msgpack
 from minisarathi.engine.step_log import step_time_summary
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.client_options import ConnectionOptions, parse_options
-from minisarathi.server.gate import Arrival, bind, bind_unix
+from minisarathi.server.gate import Arrival, bind, bind_unix, client_address
 from minisarathi.server.hub import (
     UNREAD_HIGH_WATER,
     EngineRefused,
@@ -87,7 +87,7 @@ class _Connection:
         self.id = conn_id
         self.writer = writer
         self.peer = peer  # the client's "host:port", for the request log
-        self.address = peer.rpartition(":")[0] if peer != "unix" else peer  # its IP, for per-address limits
+        self.address = client_address(peer.rpartition(":")[0] or peer)  # for per-address rules ("unix")
         self.limits = limits
         self.authenticated = authenticated
         self.opened = time.monotonic()  # the auth deadline runs from it (reset when an auth is revoked)
@@ -293,7 +293,6 @@ class MsgpackDoor:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arrival: Arrival
     ):
-        self.hub.pool.disconnect(arrival)  # the connection below counts from now on
         peer = writer.get_extra_info("peername")
         conn = _Connection(
             next(self._conn_ids),
@@ -305,10 +304,11 @@ class MsgpackDoor:
         )
         writer.transport.set_write_buffer_limits(high=UNREAD_HIGH_WATER)
         if self.hub.shutting_down:  # accepted just before the listener closed: the client will go elsewhere
+            self.hub.pool.disconnect(arrival)
             conn.close()
             return
         bound_kernel_buffer(writer.get_extra_info("socket"))
-        refused = self.hub.pool.connect(conn)
+        refused = self.hub.pool.hand_over(arrival, conn)
         if refused is not None:
             log.warning("conn=%d refused: %s", conn.id, refused)
             conn.protocol_error(None, RPCError(OVERLOADED, refused))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from minisarathi.server import gate
-from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog
+from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog, client_address
 from minisarathi.testing import FakeClock
 
 
@@ -87,6 +87,20 @@ def test_a_flood_of_addresses_keeps_the_table_bounded(clock, monkeypatch):
     for i in range(1000):
         auth_gate.failed(f"10.0.{i // 256}.{i % 256}")
     assert len(auth_gate._addresses) == 100
+
+
+def test_ipv6_clients_are_one_address_per_64_and_share_its_backoff(clock):
+    """Per-address rules keyed by the full IPv6 address: a host holding a /64 had 2**64 fresh addresses."""
+    same_64 = [client_address(ip) for ip in ("2001:db8:1:2::1", "2001:db8:1:2:ffff:0:0:7")]
+    assert same_64 == ["2001:db8:1:2::/64"] * 2
+    assert client_address("2001:db8:1:3::1") != same_64[0]  # the next /64 is another client
+    assert client_address("::ffff:192.0.2.7") == client_address("192.0.2.7") == "192.0.2.7"
+    assert client_address("unix") == "unix"
+    auth_gate = AuthGate()
+    for _ in range(5):
+        auth_gate.failed(client_address("2001:db8:1:2::1"))
+    assert auth_gate.wait_s(client_address("2001:db8:1:2::99")) > 0  # another address of the same /64 waits
+    assert auth_gate.wait_s(client_address("2001:db8:1:3::1")) == 0
 
 
 def test_turn_waits_on_the_loop():
