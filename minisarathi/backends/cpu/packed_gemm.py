@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.backends.cpu.native import AVX2, cpu_library_path, load_cpu_library
-from minisarathi.backends.cpu.process_setup import blas_threads_in_force
+from minisarathi.backends.cpu.process_setup import blas_threads_in_force, kernel_threads
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
 # No -mavx512f: each path has its target attribute and is chosen at run time.
-FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs", "-fopenmp"]
 
 # Weights shallower than this (K) are not packed: the fixed costs of a call from Python and of a register tile
 # (24 accumulators loaded and stored) outweigh its few k steps, and they lose to NumPy at every row count.
@@ -57,7 +57,7 @@ class PackedGemm:
 
     def __init__(self, lib: ctypes.CDLL, isa: str | None = None):
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.packed_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+        lib.packed_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
         lib.packed_gemm.restype = i32
         lib.packed_gemm_panel_width.argtypes = [i32]
         best = lib.packed_gemm_best_isa()
@@ -84,8 +84,8 @@ class PackedGemm:
             packed[full, :, : n - full * nr] = w[full * nr :].T
         return PackedWeight(packed, n, packed.ctypes.data)
 
-    def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
-        """float32[M, N] = x[M, K] @ w.T, C order."""
+    def matmul(self, x: np.ndarray, w: PackedWeight, threads: int | None = None) -> np.ndarray:
+        """float32[M, N] = x[M, K] @ w.T, C order. threads: None, kernel_threads()."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         m, k = x.shape
         if k != w.panels.shape[1]:
@@ -96,7 +96,16 @@ class PackedGemm:
             )
         out = np.empty((m, w.out_features), dtype=np.float32)
         status = self.lib.packed_gemm(
-            self._code, x.ctypes.data, m, k, k, w.address, w.out_features, out.ctypes.data, w.out_features
+            self._code,
+            x.ctypes.data,
+            m,
+            k,
+            k,
+            w.address,
+            w.out_features,
+            out.ctypes.data,
+            w.out_features,
+            kernel_threads() if threads is None else threads,
         )
         if status == -1:
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
