@@ -4,8 +4,9 @@ NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repack
 kernel reads panels packed once. It has an AVX-512 and an AVX2 + FMA path, the widest this CPU runs chosen at
 load, and needs a C++ compiler (CXX, default g++) the first time; the library is cached by content
 (minisarathi/backends/cpu/native.py). Where the CPU has neither, no compiler, or MINISARATHI_PACKED_GEMM=0 is
-set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's matmul. The kernel runs one
-thread, so weights are packed only where BLAS runs one thread too (`packs`).
+set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's matmul. The kernel runs the
+engine's thread count (process_setup.kernel_threads); weights are packed only where BLAS runs one thread
+(`packs`).
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class PackedGemm:
 def packs(in_features: int) -> bool:
     """The rule for which weights CpuOps packs: where the kernel runs here, the weight is at least
     MIN_IN_FEATURES deep, and BLAS runs one thread (EngineConfig.blas_threads = 1, or the auto rule's 1 on a
-    busy or pinned machine). The kernel runs one thread; where NumPy may use several cores, its matmul is kept
-    (the kernel against multi-threaded BLAS is unmeasured)."""
+    busy or pinned machine). Where NumPy may use several cores, its matmul is kept: the kernel on several
+    threads against multi-threaded BLAS is not yet measured."""
     return in_features >= MIN_IN_FEATURES and blas_threads_in_force() == 1 and kernel() is not None
 
 
