@@ -1,5 +1,6 @@
-"""The BLAS thread count the engine chooses (EngineConfig.blas_threads) is the one in force afterwards; the
-OpenBLAS kernels in force are logged with where they come from."""
+"""The BLAS thread count the engine chooses (EngineConfig.blas_threads) is the one in force afterwards, for
+BLAS and the native matmuls (process_setup.kernel_threads); the OpenBLAS kernels in force are logged with
+where they come from."""
 
 import logging
 import os
@@ -23,7 +24,9 @@ def blas_threads_in_force() -> set[int]:
 def restore_blas_threads():
     before = ThreadpoolController().select(user_api="blas")
     original = {lib.prefix: lib.num_threads for lib in before.lib_controllers}
+    kernel_threads = process_setup.kernel_threads()
     yield
+    process_setup._kernel_threads = kernel_threads
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
         lib.set_num_threads(original.get(lib.prefix, lib.num_threads))
 
@@ -33,7 +36,7 @@ def test_the_set_count_is_applied_and_logged(threads, caplog):
     with caplog.at_level(logging.INFO, logger="minisarathi.engine"):
         engine = LLMEngine(blas_threads=threads)
     assert blas_threads_in_force() == {threads}
-    assert engine.cpu_setup.blas_threads == threads
+    assert engine.cpu_setup.blas_threads == threads == process_setup.kernel_threads()
     assert f"BLAS threads: {threads} (set)" in caplog.text
 
 
@@ -44,7 +47,7 @@ def test_auto_gives_blas_the_idle_cpus(monkeypatch, cpus, load, expected):
     monkeypatch.setattr(process_setup, "available_cpus", lambda: cpus)
     monkeypatch.setattr(process_setup.os, "getloadavg", lambda: (load, load, load))
     engine = LLMEngine()
-    assert engine.cpu_setup.blas_threads == expected
+    assert engine.cpu_setup.blas_threads == expected == process_setup.kernel_threads()
     assert blas_threads_in_force() == {expected}
     assert engine.cpu_setup.how.startswith(f"auto: {cpus} CPUs, load average {load:.2f}")
 

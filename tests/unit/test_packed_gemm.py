@@ -81,7 +81,9 @@ def test_every_path_is_the_chain_of_fused_multiply_adds(isa, m, n, k):
     x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
     path = PackedGemm(packed_gemm.kernel().lib, isa)
     assert path.isa == isa and path.panel_width == {"avx2": 16, "avx512": 32}[isa]
-    np.testing.assert_array_equal(path.matmul(x, path.pack(w)), fma_chains(x, w))
+    packed, want = path.pack(w), fma_chains(x, w)
+    for threads in (1, 2, 3):  # threads split the panels: the same chains, whatever the count
+        np.testing.assert_array_equal(path.matmul(x, packed, threads), want)
 
 
 @needs_kernel

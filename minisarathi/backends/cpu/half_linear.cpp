@@ -13,7 +13,8 @@
 // between blocks: an exact float32 store and load) or the ISA path. So a row's result is bit-identical
 // whatever batch it is in, and the scalar, AVX2 and AVX-512 paths agree bit for bit; the blocking below
 // changes only the order of memory accesses. Built without -ffast-math and with -ffp-contract=off so the
-// compiler keeps that chain. One thread, like q8_linear.cpp.
+// compiler keeps that chain. Threads (OpenMP) split the panel groups, so the result is also the same
+// whatever the thread count.
 // GCC 12 warns of its own intrinsics' deliberately undefined operands when they are inlined into a
 // function with a target attribute; the warnings are false.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -51,6 +52,8 @@ void run_blocks(const Operands& a, int64_t m, int max_rows, Tile tile) {
     const int64_t group = block_bytes >= GROUP_BYTES ? 1 : GROUP_BYTES / block_bytes;
     for (int64_t k0 = 0; k0 < a.k; k0 += kc_max) {
         const int64_t kc = a.k - k0 < kc_max ? a.k - k0 : kc_max;
+        // The barrier at its end keeps each output's K blocks in order (they meet in `out`).
+#pragma omp for schedule(static)
         for (int64_t g = 0; g < panels; g += group) {
             const int64_t g_end = g + group < panels ? g + group : panels;
             for (int64_t i = 0; i < m; i += max_rows)
@@ -88,8 +91,9 @@ inline float widen_scalar(uint16_t v, int format) {
 
 // The scalar path: the same per-output chain, one output at a time.
 void scalar_linear(const Operands& a, int64_t m, int format) {
-    for (int64_t i = 0; i < m; ++i)
-        for (int64_t c = 0; c < a.n; ++c) {
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < a.n; ++c)
+        for (int64_t i = 0; i < m; ++i) {
             const uint16_t* w = a.w + (c / LANES) * a.k * LANES + c % LANES;
             const float* x = a.x + i * a.k;
             float acc = 0.0f;
@@ -260,16 +264,19 @@ __attribute__((visibility("default"))) int half_linear_best_isa() {
 
 // out[m, n] = x[m, k] @ w.T for w packed as uint16[ceil(n / 16)][k][16] in `format` (0 bf16, 1 fp16); x and
 // out C-contiguous. isa: AUTO or one to force (tests); returns the ISA run, or -1 where the CPU lacks it or
-// the format is unknown.
+// the format is unknown or threads < 1. threads: how many to run.
 __attribute__((visibility("default"))) int half_linear(const float* x, int64_t m, int64_t k,
                                                        const uint16_t* w, int64_t n, float* out, int format,
-                                                       int isa) {
+                                                       int isa, int threads) {
     if (isa == AUTO) isa = half_linear_best_isa();
-    if (!supported(isa) || (format != BF16 && format != F16)) return -1;
+    if (!supported(isa) || (format != BF16 && format != F16) || threads < 1) return -1;
     const Operands a{x, k, w, n, out};
-    if (k == 0)
+    if (k == 0) {
         for (int64_t i = 0; i < m * n; ++i) out[i] = 0.0f;
-    else if (isa == AVX512)
+        return isa;
+    }
+#pragma omp parallel num_threads(threads)
+    if (isa == AVX512)
         format == BF16 ? avx512_linear<BF16>(a, m) : avx512_linear<F16>(a, m);
     else if (isa == AVX2)
         format == BF16 ? avx2_linear<BF16>(a, m) : avx2_linear<F16>(a, m);

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.backends.cpu.native import load_cpu_library
+from minisarathi.backends.cpu.process_setup import kernel_threads
 from minisarathi.dtypes import DTYPES, convert, dtype_name, to_float32
 from minisarathi.model.loader import CheckpointTensor
 
@@ -34,6 +35,7 @@ FLAGS = [
     "-fvisibility=hidden",
     "-Wall",
     "-Wl,-z,defs",
+    "-fopenmp",
 ]
 LANES = 16  # outputs per panel (the kernel's LANES)
 FORMATS = {"bfloat16": 0, "float16": 1}  # the kernel's enum Format
@@ -131,21 +133,25 @@ class HalfLinear:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib.half_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+        self.lib.half_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, *[ctypes.c_int] * 3]
         self.lib.half_linear.restype = ctypes.c_int
         self.best_isa = {v: k for k, v in ISAS.items()}[self.lib.half_linear_best_isa()]
 
-    def matmul(self, x: np.ndarray, w: HalfWeight, isa: str | None = None) -> np.ndarray:
+    def matmul(
+        self, x: np.ndarray, w: HalfWeight, isa: str | None = None, threads: int | None = None
+    ) -> np.ndarray:
         """float32[M, N] = x[M, K] @ w.T, C order. isa: "avx512", "avx2" or "scalar" to force a path
-        (ValueError where this CPU lacks it); None: the widest this CPU runs."""
+        (ValueError where this CPU lacks it); None: the widest this CPU runs. threads: None for
+        kernel_threads()."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         m, k = x.shape
         if k != w.shape[1]:
             raise ValueError(f"x: {k} input features, the weight takes {w.shape[1]}")
         out = np.empty((m, w.out_features), dtype=np.float32)
         code = 0 if isa is None else ISAS[isa]
+        threads = kernel_threads() if threads is None else threads
         ran = self.lib.half_linear(
-            x.ctypes.data, m, k, w.address, w.out_features, out.ctypes.data, FORMATS[w.dtype], code
+            x.ctypes.data, m, k, w.address, w.out_features, out.ctypes.data, FORMATS[w.dtype], code, threads
         )
         if ran < 0:
             raise ValueError(f"half_linear: this CPU cannot run the {isa} path")

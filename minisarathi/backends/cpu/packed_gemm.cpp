@@ -222,17 +222,29 @@ __attribute__((visibility("default"))) int packed_gemm_panel_width(int isa) {
 }
 
 // out[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w[N, K].T on path isa; packed: w as
-// float32[ceil(N / NR)][K][NR] with that path's NR. Returns 0; -1 when the input tiles could not be
-// allocated; -2 when this CPU cannot run the path.
+// float32[ceil(N / NR)][K][NR] with that path's NR; threads (>= 1) split the panels, each thread packing its
+// own input tiles, so every output's chain (and result) is the same whatever the count. Returns 0; -1 when
+// the input tiles could not be allocated; -2 when this CPU cannot run the path or threads < 1.
 __attribute__((visibility("default"))) int packed_gemm(int isa, const float* x, int64_t m, int64_t k,
                                                       int64_t ldx, const float* packed, int64_t n, float* out,
-                                                      int64_t ldo) {
-    if (!supported(isa)) return -2;
-    if (isa == AVX512)
-        return gemm<avx512::NR, avx512::MR, avx512::GROUP_BYTES>(avx512::tiles, nullptr, nullptr, x, m, k,
-                                                                 ldx, packed, n, out, ldo);
-    return gemm<avx2::NR, avx2::MR, avx2::GROUP_BYTES>(avx2::tiles, avx2::WIDE, avx2::wide, x, m, k, ldx,
-                                                       packed, n, out, ldo);
+                                                      int64_t ldo, int threads) {
+    if (!supported(isa) || threads < 1) return -2;
+    const int64_t nr = isa == AVX512 ? avx512::NR : avx2::NR, panels = (n + nr - 1) / nr;
+    int status = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : status)
+    for (int t = 0; t < threads; ++t) {
+        const int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
+        const int64_t cols = (p1 * nr < n ? p1 * nr : n) - p0 * nr;
+        if (cols <= 0) continue;
+        const float* w = packed + p0 * k * nr;
+        float* o = out + p0 * nr;
+        status = isa == AVX512 ? gemm<avx512::NR, avx512::MR, avx512::GROUP_BYTES>(
+                                     avx512::tiles, nullptr, nullptr, x, m, k, ldx, w, cols, o, ldo)
+                               : gemm<avx2::NR, avx2::MR, avx2::GROUP_BYTES>(avx2::tiles, avx2::WIDE,
+                                                                            avx2::wide, x, m, k, ldx, w,
+                                                                            cols, o, ldo);
+    }
+    return status;
 }
 
 }  // extern "C"

@@ -4,8 +4,9 @@ NumPy's `x @ w.T` hands OpenBLAS the weight as it is stored, and OpenBLAS repack
 kernel reads panels packed once. It has an AVX-512 and an AVX2 + FMA path, the widest this CPU runs chosen at
 load, and needs a C++ compiler (CXX, default g++) the first time; the library is cached by content
 (minisarathi/backends/cpu/native.py). Where the CPU has neither, no compiler, or MINISARATHI_PACKED_GEMM=0 is
-set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's matmul. The kernel runs one
-thread, so weights are packed only where BLAS runs one thread too (`packs`).
+set (to measure against NumPy), `kernel()` is None and CpuOps keeps NumPy's matmul. The kernel runs the
+engine's thread count (process_setup.kernel_threads); weights are packed only where BLAS runs one thread
+(`packs`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.backends.cpu.native import AVX2, cpu_library_path, load_cpu_library
-from minisarathi.backends.cpu.process_setup import blas_threads_in_force
+from minisarathi.backends.cpu.process_setup import blas_threads_in_force, kernel_threads
 
 SOURCE = Path(__file__).resolve().parent / "packed_gemm.cpp"
 # No -ffast-math: each output's chain of multiply-adds must stay in k order (determinism, see the source).
 # No -mavx512f: each path has its target attribute and is chosen at run time.
-FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs", "-fopenmp"]
 
 # Weights shallower than this (K) are not packed: the fixed costs of a call from Python and of a register tile
 # (24 accumulators loaded and stored) outweigh its few k steps, and they lose to NumPy at every row count.
@@ -57,7 +58,7 @@ class PackedGemm:
 
     def __init__(self, lib: ctypes.CDLL, isa: str | None = None):
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.packed_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+        lib.packed_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
         lib.packed_gemm.restype = i32
         lib.packed_gemm_panel_width.argtypes = [i32]
         best = lib.packed_gemm_best_isa()
@@ -84,8 +85,8 @@ class PackedGemm:
             packed[full, :, : n - full * nr] = w[full * nr :].T
         return PackedWeight(packed, n, packed.ctypes.data)
 
-    def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
-        """float32[M, N] = x[M, K] @ w.T, C order."""
+    def matmul(self, x: np.ndarray, w: PackedWeight, threads: int | None = None) -> np.ndarray:
+        """float32[M, N] = x[M, K] @ w.T, C order. threads: None, kernel_threads()."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         m, k = x.shape
         if k != w.panels.shape[1]:
@@ -96,7 +97,16 @@ class PackedGemm:
             )
         out = np.empty((m, w.out_features), dtype=np.float32)
         status = self.lib.packed_gemm(
-            self._code, x.ctypes.data, m, k, k, w.address, w.out_features, out.ctypes.data, w.out_features
+            self._code,
+            x.ctypes.data,
+            m,
+            k,
+            k,
+            w.address,
+            w.out_features,
+            out.ctypes.data,
+            w.out_features,
+            kernel_threads() if threads is None else threads,
         )
         if status == -1:
             raise MemoryError(f"packed_gemm: no memory for the input tiles of {m} x {k}")
@@ -108,8 +118,8 @@ class PackedGemm:
 def packs(in_features: int) -> bool:
     """The rule for which weights CpuOps packs: where the kernel runs here, the weight is at least
     MIN_IN_FEATURES deep, and BLAS runs one thread (EngineConfig.blas_threads = 1, or the auto rule's 1 on a
-    busy or pinned machine). The kernel runs one thread; where NumPy may use several cores, its matmul is kept
-    (the kernel against multi-threaded BLAS is unmeasured)."""
+    busy or pinned machine). Where NumPy may use several cores, its matmul is kept: the kernel on several
+    threads against multi-threaded BLAS is not yet measured."""
     return in_features >= MIN_IN_FEATURES and blas_threads_in_force() == 1 and kernel() is not None
 
 

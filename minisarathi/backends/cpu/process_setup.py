@@ -146,9 +146,21 @@ def release_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
+_kernel_threads = 1  # the native matmuls' thread count; configure_cpu sets it by BLAS's rule
+
+
+def kernel_threads() -> int:
+    """How many threads the native matmuls (quant_linear, half_linear, packed_gemm) run: the count
+    configure_cpu chose for BLAS, or 1 before it runs."""
+    return _kernel_threads
+
+
 def configure_cpu(blas_threads: int | None) -> CpuSetup:
-    """Apply EngineConfig.blas_threads (None: auto) and the allocator thresholds to this process."""
+    """Apply EngineConfig.blas_threads (None: auto) to BLAS and the native matmuls, and the allocator
+    thresholds, to this process."""
+    global _kernel_threads
     threads, how = (blas_threads, "set") if blas_threads is not None else auto_blas_threads()
+    _kernel_threads = threads
     if not set_blas_threads(threads):
         threads, how = None, "threadpoolctl is not installed: pip install 'minisarathi[cpu]' to choose"
         if blas_threads is not None:

@@ -23,7 +23,8 @@
 //
 // Determinism: each output is one float accumulator vector fed block by block in k order, then reduced
 // the same way, whatever tile it falls in; the activations are quantized alike on every path. So a row's
-// result is bit-identical whatever batch it is in (for one ISA). One thread, like packed_gemm.cpp.
+// result is bit-identical whatever batch it is in (for one ISA). Threads (OpenMP) split the outputs, so each
+// output keeps its chain and the result is also the same whatever the thread count.
 #include "cpu_isa.h"
 
 #include <math.h>
@@ -109,6 +110,7 @@ inline int code_at(const Part& p, int64_t row, int64_t k, int64_t c) {
 
 void scalar_part(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
     const int64_t nb = k / BLOCK, ng = k / p.group;
+#pragma omp for schedule(static) nowait
     for (int64_t c = 0; c < p.rows; ++c)
         for (int64_t t = 0; t < m; ++t) {
             float acc = 0.0f;
@@ -311,6 +313,7 @@ using TileFn = void (*)(const Activations&, int64_t, int64_t, const Part&, int64
 template <int NT, typename Pick>
 void run_part(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo, int NN,
               Pick pick) {
+#pragma omp for schedule(static) nowait
     for (int64_t j = 0; j < p.rows; j += NN) {
         const int nn = p.rows - j < NN ? (int)(p.rows - j) : NN;
         for (int64_t i = 0; i < m; i += NT) {
@@ -405,39 +408,45 @@ extern "C" {
 __attribute__((visibility("default"))) int quant_linear_best_isa() { return cpu_isa::best(); }
 
 // out[m, sum of rows] = x[m, k] @ w.T, w the `count` parts stacked on their rows; x, out C-contiguous, k a
-// multiple of 32. isa: AUTO or one to force (tests). Returns the ISA run; -1 where the CPU lacks it, -2 for
+// multiple of 32. isa: AUTO or one to force (tests); threads: how many to run (>= 1). Returns the ISA run; -1 where the CPU lacks it, -2 for
 // a bad argument, -3 where no memory for the quantized activations.
 __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t m, int64_t k,
                                                         const Part* parts, int64_t count, float* out,
-                                                        int isa) {
+                                                        int isa, int threads) {
     if (isa == cpu_isa::AUTO) isa = cpu_isa::best();
     if (!cpu_isa::supported(isa)) return -1;
-    if (k <= 0 || k % BLOCK || m < 0) return -2;
+    if (k <= 0 || k % BLOCK || m < 0 || threads < 1) return -2;
     int64_t n = 0;
     for (int64_t i = 0; i < count; ++i) {
         if (!valid(parts[i]) || ((parts[i].scale_sub || parts[i].minimum_sub) && k % SUPER)) return -2;
         n += parts[i].rows;
     }
     if (m == 0) return isa;
-    thread_local Activations a;
-    if (!a.reserve(m, k)) return -3;
+    thread_local Activations mine;
+    if (!mine.reserve(m, k)) return -3;
+    const Activations& a = mine;  // the caller's buffer: inside the region `mine` would name each thread's own
     const int64_t nb = k / BLOCK;
-    for (int64_t t = 0; t < m; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-            const float* src = x + t * k + b * BLOCK;
-            int8_t* q = a.q + t * k + b * BLOCK;
+    // Each thread quantizes some rows, then (after the barrier) computes a share of every part's outputs.
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m; ++t)
+            for (int64_t b = 0; b < nb; ++b) {
+                const float* src = x + t * k + b * BLOCK;
+                int8_t* q = a.q + t * k + b * BLOCK;
+                if (isa == cpu_isa::SCALAR)
+                    quantize_block_scalar(src, q, a.s + t * nb + b, a.sum + t * nb + b);
+                else
+                    avx2::quantize_block(src, q, a.s + t * nb + b, a.sum + t * nb + b);
+            }
+        int64_t column = 0;
+        for (int64_t i = 0; i < count; ++i) {
             if (isa == cpu_isa::SCALAR)
-                quantize_block_scalar(src, q, a.s + t * nb + b, a.sum + t * nb + b);
+                scalar_part(a, m, k, parts[i], out + column, n);
             else
-                avx2::quantize_block(src, q, a.s + t * nb + b, a.sum + t * nb + b);
+                run_vector(isa, a, m, k, parts[i], out + column, n);
+            column += parts[i].rows;
         }
-    int64_t column = 0;
-    for (int64_t i = 0; i < count; ++i) {
-        if (isa == cpu_isa::SCALAR)
-            scalar_part(a, m, k, parts[i], out + column, n);
-        else
-            run_vector(isa, a, m, k, parts[i], out + column, n);
-        column += parts[i].rows;
     }
     return isa;
 }

@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.backends.cpu.native import load_cpu_library
+from minisarathi.backends.cpu.process_setup import kernel_threads
 from minisarathi.quant.layouts import IntGroups, Stacked, UintGroups, pack_low
 
 SOURCE = Path(__file__).resolve().parent / "quant_linear.cpp"
 # No -mavx512f: each path has its target attribute and is chosen at run time. No -ffast-math: the order of
 # each output's sums is what makes a row's result independent of its batch.
-FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs"]
+FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wl,-z,defs", "-fopenmp"]
 BLOCK = 32  # activation columns per int8 scale (the kernel's BLOCK)
 KINDS = {"int8": 0, "int6": 1, "uint4": 2, "uint5": 3}  # the kernel's enum Kind
 ISAS = {"scalar": 1, "avx2": 2, "avx512": 3, "avx512_vnni": 4}  # cpu_isa.h's enum Isa
@@ -237,13 +238,15 @@ class QuantLinear:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.lib.quant_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+        self.lib.quant_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
         self.lib.quant_linear.restype = ctypes.c_int
         self.best_isa = ORDER[self.lib.quant_linear_best_isa() - 1]
 
-    def matmul(self, x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray:
+    def matmul(
+        self, x: np.ndarray, w: QuantWeight, isa: str | None = None, threads: int | None = None
+    ) -> np.ndarray:
         """float32[M, N] = x[M, K] @ w.T, C order. isa: one of ORDER to force a path (ValueError where this
-        CPU lacks it); None: the widest this CPU runs."""
+        CPU lacks it); None: the widest this CPU runs. threads: None, kernel_threads()."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         m, k = x.shape
         n, width = w.shape
@@ -251,7 +254,16 @@ class QuantLinear:
             raise ValueError(f"x: {k} input features, the weight takes {width}")
         out = np.empty((m, n), dtype=np.float32)
         code = 0 if isa is None else ISAS[isa]
-        ran = self.lib.quant_linear(x.ctypes.data, m, k, w.structs, len(w.parts), out.ctypes.data, code)
+        ran = self.lib.quant_linear(
+            x.ctypes.data,
+            m,
+            k,
+            w.structs,
+            len(w.parts),
+            out.ctypes.data,
+            code,
+            kernel_threads() if threads is None else threads,
+        )
         if ran == -1:
             raise ValueError(f"quant_linear: this CPU cannot run the {isa} path")
         if ran < 0:
