@@ -68,3 +68,22 @@ void inverse_cdf(const float* probs, int64_t rows, int64_t vocab, int64_t block,
         out[r] = chosen * block + (token < last ? token : last);
     }
 }
+
+// Structured outputs (minisarathi/structured.py): the tokens a grammar forbids set to -inf in place. logits:
+// float32[N, vocab]; rows: int64[count], the rows masked; mask: uint32[count, words], bit j of word w allowing
+// token 32 w + j (llguidance's layout). Words with every bit set (most of a permissive mask) cost one test.
+extern "C" __attribute__((visibility("default")))
+void apply_token_bitmask(float* logits, int64_t vocab, const int64_t* rows, int64_t count, const uint32_t* mask,
+                         int64_t words) {
+    const float minus_infinity = -__builtin_inff();
+    for (int64_t r = 0; r < count; r++) {
+        float* row = logits + rows[r] * vocab;
+        const uint32_t* bits = mask + r * words;
+        for (int64_t w = 0; w < words; w++) {
+            if (bits[w] == 0xffffffffu) continue;
+            const int64_t end = 32 * w + 32 < vocab ? 32 * w + 32 : vocab;
+            for (int64_t t = 32 * w; t < end; t++)
+                if (!((bits[w] >> (t - 32 * w)) & 1u)) row[t] = minus_infinity;
+        }
+    }
+}
