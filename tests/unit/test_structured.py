@@ -1,0 +1,290 @@
+"""Structured outputs (minisarathi/structured.py) on the bundled model: every output under a JSON schema
+parses and validates (jsonschema), regexes and choices match, an unconstrained request beside constrained ones
+keeps its tokens, and a refused constraint fails at admission."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
+jsonschema = pytest.importorskip("jsonschema", reason="the schema checks need jsonschema (the test extra)")
+
+from minisarathi import structured  # noqa: E402
+from minisarathi.backends.cpu import native_sampling  # noqa: E402
+from minisarathi.engine.engine import LLMEngine  # noqa: E402
+from minisarathi.llm import LLM  # noqa: E402
+from minisarathi.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = ["Once upon a time", "Tom had a red", "Lily and Tom went to the park. They saw", "The cat"]
+
+# Bounded, so that every output can finish within MAX_TOKENS even one byte a token.
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {"enum": ["red", "green", "blue", 7, None]},
+    {"type": "boolean"},
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["ok", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"type": "string", "maxLength": 4}]},
+    {"type": "string", "minLength": 2, "maxLength": 12},
+    {
+        "type": "object",
+        "properties": {"kind": {"const": "dog"}, "legs": {"type": "integer", "minimum": 3, "maximum": 4}},
+        "required": ["kind", "legs"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 1, "maximum": 9},
+                "done": {"type": "boolean"},
+            },
+            "required": ["id", "done"],
+            "additionalProperties": False,
+        },
+        "maxItems": 2,
+    },
+]
+MAX_TOKENS = 120
+
+
+def texts(outputs):
+    return [c for o in outputs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=256, num_kv_blocks=2048)
+
+
+def test_200_outputs_under_10_schemas_parse_and_validate_greedy_and_sampled(llm):
+    prompts, params, schemas = [], [], []
+    for k, schema in enumerate(SCHEMAS):
+        structured_params = {"json": schema}
+        for prompt in PROMPTS:  # greedy: 4 prompts x 1
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=structured_params))
+            schemas.append(schema)
+        for prompt in PROMPTS[:2]:  # temperature 1.0: 2 prompts x 8 choices, seeded
+            prompts.append(prompt)
+            params.append(
+                SamplingParams(
+                    temperature=1.0, n=8, seed=k, max_tokens=MAX_TOKENS, structured=structured_params
+                )
+            )
+            schemas.append(schema)
+    outputs = llm.generate(prompts, params)
+    checked = 0
+    for output, schema in zip(outputs, schemas):
+        for choice in output.outputs:
+            assert choice.finish_reason == "stop", (schema, choice.text)
+            jsonschema.validate(json.loads(choice.text), schema)
+            checked += 1
+    assert checked == 200
+    sampled = [c.text for o, p in zip(outputs, params) if p.n == 8 for c in o.outputs]
+    assert len(set(sampled)) > 40  # the draws differ: the mask leaves the model its choices
+    # negative control: the validator refuses an output of another schema
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(outputs[0].outputs[0].text), SCHEMAS[1])
+
+
+def test_the_outputs_are_not_json_without_the_constraint(llm):
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30))
+    for choice in texts(outputs):
+        with pytest.raises(ValueError):
+            json.loads(choice.text)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    forms = [
+        ({"regex": "[a-z]{3,8}-[0-9]{2}"}, lambda t: re.fullmatch("[a-z]{3,8}-[0-9]{2}", t)),
+        ({"choice": ["cat", "dog", 'a "quoted" bird']}, lambda t: t in ("cat", "dog", 'a "quoted" bird')),
+        (
+            {"grammar": 'start: "yes" | "no" | "n" NUM\nNUM: /[0-9]/'},
+            lambda t: re.fullmatch("yes|no|n[0-9]", t),
+        ),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ]
+    for spec, check in forms:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=spec)
+        sampled = SamplingParams(temperature=1.0, n=6, seed=3, max_tokens=MAX_TOKENS, structured=spec)
+        outputs = llm.generate([PROMPTS[0], PROMPTS[1]], [greedy, sampled])
+        for choice in texts(outputs):
+            if spec.get("json_object") and choice.finish_reason == "length":
+                continue  # any object may run long: that it ends with "length" is the contract
+            assert choice.finish_reason == "stop" and check(choice.text), (spec, choice.text)
+
+
+def test_an_unconstrained_request_keeps_its_tokens_beside_constrained_ones():
+    options = dict(chunk_size=16, block_size=4, num_kv_blocks=512)
+    plain = [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40),
+    ]
+    alone = LLM(**options).generate([PROMPTS[2], PROMPTS[3]], plain)
+    mixed_params = [SamplingParams(temperature=1.0, n=3, max_tokens=40, structured={"json": SCHEMAS[0]})]
+    mixed = LLM(**options).generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], mixed_params + plain)
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+    assert all(json.loads(c.text) for c in mixed[0].outputs)
+
+
+@pytest.mark.parametrize("options", [dict(chunk_size=3, block_size=4), dict(chunk_size=64, block_size=16)])
+def test_greedy_constrained_output_is_the_same_whatever_the_chunk_and_block_size(options):
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured={"json": s}) for s in SCHEMAS[:4]
+    ]
+    base = LLM(chunk_size=512, block_size=16, num_kv_blocks=512).generate(PROMPTS, params)
+    other = LLM(**options, num_kv_blocks=512).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in other] == [o.outputs[0].token_ids for o in base]
+
+
+def test_the_matcher_survives_recompute_preemption():
+    """A pool too small for all the requests at once preempts (recompute) and readmits them: each matcher
+    only moves on output tokens, so the outputs are those of a roomy pool."""
+    params = SamplingParams(temperature=0, max_tokens=60, structured={"json": SCHEMAS[0]})
+    prompts = [p + " " + str(i) for i in range(6) for p in PROMPTS[:2]]
+    roomy = LLM(block_size=4, num_kv_blocks=512).generate(prompts, params)
+    tight = LLM(block_size=4, num_kv_blocks=24)
+    small = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in roomy]
+    for o in small:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS[0])
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, structured={"json": SCHEMAS[0]})
+    (choice,) = llm.generate([PROMPTS[0]], params)[0].outputs
+    assert choice.finish_reason == "length" and len(choice.token_ids) == 3
+    with pytest.raises(ValueError):
+        json.loads(choice.text)
+
+
+def test_a_stop_string_still_ends_a_constrained_request(llm):
+    free = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, structured={"json": SCHEMAS[0]})
+    )
+    text = free[0].outputs[0].text
+    cut = text.index(",")
+    params = SamplingParams(temperature=0, max_tokens=60, structured={"json": SCHEMAS[0]}, stop=[","])
+    (choice,) = llm.generate([PROMPTS[0]], params)[0].outputs
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == (text[:cut], "stop", ",")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"json": {"type": "intger"}}, "structured.json is refused by llguidance"),
+        ({"json": "{not json"}, "structured.json is not valid JSON"),
+        ({"json": [1]}, "structured.json must be a JSON schema object"),
+        ({"regex": "[a-"}, "structured.regex is refused by llguidance"),
+        ({"grammar": "start: foo"}, "structured.grammar is refused by llguidance"),
+        ({"choice": []}, "structured.choice must be a non-empty list"),
+        ({"json_object": 1}, "structured.json_object must be true"),
+        ({"json": {}, "regex": "a"}, "structured must be a map with one key"),
+        ({"xml": "a"}, "structured must be a map with one key"),
+        ("a", "structured must be a map with one key"),
+    ],
+)
+def test_a_refused_constraint_is_a_value_error_naming_it(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(structured=spec)
+
+
+def test_min_tokens_is_refused_with_a_constraint():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured"):
+        SamplingParams(min_tokens=2, structured={"regex": "a+"})
+
+
+def test_a_grammar_refused_with_the_tokenizer_fails_the_whole_batch_at_admission(llm):
+    """llguidance checks special tokens only with the engine's tokenizer: prepare_request refuses it, before
+    anything of the batch runs."""
+    refused = SamplingParams(structured={"grammar": 'start: "a" <|nope|>'})  # no such special token here
+    steps = len(llm.engine.step_records)
+    with pytest.raises(ValueError, match="structured is refused by llguidance: .*unknown special token"):
+        llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=4), refused])
+    assert len(llm.engine.step_records) == steps and not llm.engine.has_unfinished_requests()
+
+
+def test_unconstrained_steps_skip_the_mask(llm, monkeypatch):
+    calls = []
+    monkeypatch.setattr(structured, "compute_bitmask", lambda *a: calls.append(a))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4))
+    assert calls == []
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 100, 512])
+def test_the_native_bitmask_kernel_matches_numpy(vocab, monkeypatch):
+    if native_sampling.token_bitmask_kernel() is None:
+        pytest.skip("the native sampling library cannot be built here")
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    rows = np.array([4, 0, 2])
+    bitmask = rng.integers(-(2**31), 2**31, (3, structured.bitmask_words(vocab)), dtype=np.int64).astype(
+        np.int32
+    )
+    bitmask[1] = -1  # every token allowed
+    native = structured.apply_token_bitmask(logits, rows, bitmask)
+    monkeypatch.setattr(native_sampling, "token_bitmask_kernel", lambda: None)
+    numpy = structured.apply_token_bitmask(logits, rows, bitmask)
+    np.testing.assert_array_equal(native, numpy)
+    # the reference: bit j of word w of row i's mask allows token 32 w + j of row rows[i]
+    want = logits.copy()
+    for i, r in enumerate(rows):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = -np.inf
+    np.testing.assert_array_equal(native, want)
+    assert np.isneginf(native).any() and not np.isneginf(native[[1, 3]]).any()
+    np.testing.assert_array_equal(native[0], logits[0])  # the all-ones row is untouched
+
+
+def test_each_choice_has_its_own_matcher():
+    engine = LLMEngine(num_kv_blocks=256)
+    engine.add_request(
+        "r", PROMPTS[0], SamplingParams(n=3, temperature=1.0, max_tokens=5, structured={"regex": "[a-z]+"})
+    )
+    engine.step()
+    choices = engine.requests["r"].choices
+    assert len({id(c.matcher) for c in choices}) == 3
