@@ -288,3 +288,21 @@ def test_each_choice_has_its_own_matcher():
     engine.step()
     choices = engine.requests["r"].choices
     assert len({id(c.matcher) for c in choices}) == 3
+
+
+def test_a_complete_grammar_ends_the_request_without_sampling_eos(llm):
+    """When the grammar allows nothing more the request stops at once: no EOS is spent (nor a step), and
+    ignore_eos cannot run it on."""
+    eos = llm.engine.tokenizer.eos_token_ids
+    for ignore_eos in (False, True):
+        params = SamplingParams(
+            temperature=1.0,
+            n=4,
+            seed=1,
+            max_tokens=50,
+            ignore_eos=ignore_eos,
+            structured={"choice": ["cat", "dog"]},
+        )
+        for choice in llm.generate([PROMPTS[0]], params)[0].outputs:
+            assert (choice.finish_reason, choice.text in ("cat", "dog")) == ("stop", True)
+            assert not set(choice.token_ids) & set(eos)
