@@ -87,6 +87,15 @@ class GenerationRequest:
     chat_template_kwargs: dict | None = None  # the template's extra variables (enable_thinking, ...)
 
 
+# vLLM's structured-output fields (SamplingParams.structured): `structured_outputs` is its map, the guided_*
+# ones its older names for one key of it. OpenAI's `response_format` is the other way to ask.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_FIELDS = ("structured_outputs", *_GUIDED)
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
 _EXTENSIONS = (
     "top_k",
@@ -112,7 +121,9 @@ _COMMON = {
     "user",
     "max_tokens",
     "priority",
+    "response_format",
     *_EXTENSIONS,
+    *_STRUCTURED_FIELDS,
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {
@@ -122,7 +133,6 @@ CHAT_FIELDS = _COMMON | {
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -135,7 +145,6 @@ REFUSED = {
     "echo": "echo is not supported (the prompt's own logprobs are not computed)",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported; use n",
-    "response_format": 'response_format other than {"type": "text"} is not supported',
     "tools": "tools are not supported",
     "tool_choice": "tool_choice is not supported",
     "parallel_tool_calls": "parallel_tool_calls is not supported",
@@ -158,8 +167,6 @@ def _is_noop(name: str, value, body: dict) -> bool:
         return True
     if name == "best_of":
         return value == body.get("n", 1)
-    if name == "response_format":
-        return value == {"type": "text"}
     if name == "tools":
         return value == []
     if name == "metadata":  # only labels stored completions, which are never stored here
@@ -338,11 +345,56 @@ def _request(
         check_list_bounds(sampling, limits.lists)
     except ListBoundError as e:
         raise bad(e.field, str(e)) from None
+    structured, structured_name = _structured(body)
     try:  # the engine gives choice i the seed seed + i
-        params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
+        params = SamplingParams(
+            **sampling, n=n, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+        )
     except (ValueError, TypeError) as e:
-        raise _sampling_error(str(e), max_tokens_name) from None
+        message = str(e)
+        if message.startswith("structured"):  # named as this request named it
+            raise bad(structured_name, structured_name + " " + message.split(" ", 1)[1]) from None
+        raise _sampling_error(message, max_tokens_name) from None
     return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model, priority)
+
+
+def _structured(body: dict) -> tuple[dict | None, str | None]:
+    """SamplingParams.structured from response_format, structured_outputs or a guided_* field (at most one),
+    and the name of the field it came from; (None, None) without one."""
+    given = [name for name in ("response_format", *_STRUCTURED_FIELDS) if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"{given[1]} cannot be combined with {given[0]}: give one constraint")
+    if not given:
+        return None, None
+    name = given[0]
+    value = body[name]
+    if name in _GUIDED:
+        return {_GUIDED[name]: value}, name
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise bad(name, f"{name} must be an object, got {_show(value)}")
+        return value, name
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None, None
+    if kind == "json_object" and len(value) == 1:
+        return {"json_object": True}, name
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise bad(
+            name,
+            f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or '
+            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {_show(value)}',
+        )
+    spec, where = value["json_schema"], f"{name}.json_schema"
+    if not isinstance(spec, dict) or not set(spec) <= {"name", "schema", "strict", "description"}:
+        raise bad(where, f"{where} must be an object of name, schema, strict and description")
+    if not isinstance(spec.get("name", ""), str) or not isinstance(
+        spec.get("strict", False), (bool, type(None))
+    ):
+        raise bad(where, f"{where}.name must be a string and {where}.strict a boolean")
+    if not isinstance(spec.get("schema"), dict):
+        raise bad(f"{where}.schema", f"{where}.schema must be a JSON schema object")
+    return {"json": spec["schema"]}, f"{where}.schema"
 
 
 def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:
