@@ -225,6 +225,8 @@ def test_a_stop_string_still_ends_a_constrained_request(llm):
         ({"json": {}, "regex": "a"}, "structured must be a map with one key"),
         ({"xml": "a"}, "structured must be a map with one key"),
         ("a", "structured must be a map with one key"),
+        ({"choice": ["x" * 1000] * 70}, "structured.choice must be at most 65536 characters as JSON"),
+        ({"json": {"enum": [{1, 2}]}}, "structured.json must be JSON"),
     ],
 )
 def test_a_refused_constraint_is_a_value_error_naming_it(spec, message):
@@ -306,3 +308,20 @@ def test_a_complete_grammar_ends_the_request_without_sampling_eos(llm):
         for choice in llm.generate([PROMPTS[0]], params)[0].outputs:
             assert (choice.finish_reason, choice.text in ("cat", "dog")) == ("stop", True)
             assert not set(choice.token_ids) & set(eos)
+
+
+def test_overlap_gives_the_same_tokens():
+    """With overlap, step N+1's forward is issued before step N's tokens reach the matchers; its mask is
+    computed after they do, so the tokens are the synchronous engine's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured={"json": SCHEMAS[5]}),
+        SamplingParams(temperature=1.0, seed=2, n=3, max_tokens=MAX_TOKENS, structured={"json": SCHEMAS[9]}),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30),
+    ]
+
+    def tokens(overlap):
+        llm = LLM(overlap=overlap, chunk_size=16, block_size=4, num_kv_blocks=512)
+        assert llm.engine.overlap is overlap
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], params)]
+
+    assert tokens(True) == tokens(False)
