@@ -325,3 +325,27 @@ def test_overlap_gives_the_same_tokens():
         return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], params)]
 
     assert tokens(True) == tokens(False)
+
+
+def test_logprobs_of_a_constrained_row_are_those_of_its_masked_logits():
+    """The masked softmax spreads the mass over the allowed tokens only: each logprob reported is the float64
+    log-softmax of the masked row, at least the unmasked one, and every token listed is allowed."""
+    from minisarathi.sampler import Sampler
+
+    rng = np.random.default_rng(0)
+    vocab = 512
+    logits = rng.standard_normal((2, vocab)).astype(np.float32) * 3
+    bitmask = np.zeros((1, structured.bitmask_words(vocab)), np.int32)
+    allowed = np.array([3, 40, 41, 200, 511])
+    for t in allowed:
+        bitmask[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    masked = structured.apply_token_bitmask(logits, np.array([1]), bitmask)
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=3)] * 2
+    out = Sampler(vocab).sample(masked, params, [None, None], [[1], [1]], [[], []])
+    assert out.token_ids[1] in allowed
+    row = masked[1].astype(np.float64)
+    reference = row - (row[allowed].max() + np.log(np.exp(row[allowed] - row[allowed].max()).sum()))
+    free = logits[1].astype(np.float64) - np.log(np.exp(logits[1].astype(np.float64)).sum())
+    for token, logprob in out.logprobs[1]:
+        assert token in allowed
+        assert logprob == pytest.approx(reference[token], abs=1e-5) and logprob >= free[token]
