@@ -349,3 +349,70 @@ def test_logprobs_of_a_constrained_row_are_those_of_its_masked_logits():
     for token, logprob in out.logprobs[1]:
         assert token in allowed
         assert logprob == pytest.approx(reference[token], abs=1e-5) and logprob >= free[token]
+
+
+def walk(tokenizer, vocab: int, spec: dict, rng: np.random.Generator, max_steps: int = 200) -> list[int]:
+    """Tokens drawn uniformly among those the mask allows, until the grammar is complete."""
+    matcher = structured.matcher(SamplingParams(structured=spec), tokenizer, vocab)
+    tokens = []
+    for _ in range(max_steps):
+        bitmask = structured.compute_bitmask([matcher], vocab)
+        allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), count=vocab, bitorder="little"))
+        token = int(rng.choice(allowed))
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+        if structured.finished(matcher, token):
+            break
+    return tokens
+
+
+def test_a_byte_level_bpe_vocabulary_and_a_padded_one():
+    """llguidance reads the engine's tokenizer.json whatever its kind: a byte-level BPE (Llama 3, Qwen,
+    GPT-2 style), here trained on a few lines, with the model's vocabulary padded past the tokenizer's (ids
+    that decode to nothing, never allowed). Every walk of allowed tokens ends as valid JSON."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from minisarathi.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    hf.train_from_iterator(['{"name": "Tom", "age": 3}', "Once upon a time there was a cat."] * 20, trainer)
+    tokenizer = Tokenizer(hf, None, (hf.token_to_id("<|endoftext|>"),), None, None)
+    vocab = hf.get_vocab_size() + 100  # padded, as checkpoints pad theirs
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        tokens = walk(tokenizer, vocab, {"json": SCHEMAS[0]}, rng)
+        assert max(tokens) < hf.get_vocab_size()
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMAS[0])
+
+
+def test_a_random_model_with_a_padded_vocabulary(tmp_path):
+    """The engine's rows are the model's vocabulary (1000 here), wider than the tokenizer's 512: the padding
+    ids are never allowed, and sampled outputs still validate."""
+    from minisarathi.bench.random_model import write_random_model
+
+    path = write_random_model(
+        tmp_path / "m",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
+    llm = LLM(path, num_kv_blocks=512)
+    params = SamplingParams(
+        temperature=1.0, n=8, seed=0, max_tokens=MAX_TOKENS, structured={"json": SCHEMAS[8]}
+    )
+    for choice in llm.generate([PROMPTS[0]], params)[0].outputs:
+        assert choice.finish_reason == "stop" and max(choice.token_ids) < 512
+        jsonschema.validate(json.loads(choice.text), SCHEMAS[8])
