@@ -73,6 +73,7 @@ class Step:
     schedule_time: float  # scheduling and batch building
     issue_time: float  # issuing the forward, then the sampling
     sampled: PendingSample | None = None
+    mask_time: float = 0.0  # structured outputs: the constrained rows' masks, computed and applied (in issue)
 
     @property
     def scheduled(self) -> dict[Sequence, int]:
@@ -128,13 +129,8 @@ class LLMEngine:
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         pool = num_blocks * self.model.kv_cache_bytes_per_block(config.block_size) / 2**20
         weights = f"{self.model.weight_format}, {self.model.weight_bytes / 2**20:.1f} MiB on {config.device}"
-        log.info(
-            "weights: %s; KV pool: %d blocks of %d tokens, %.1f MiB",
-            weights,
-            num_blocks,
-            config.block_size,
-            pool,
-        )
+        kv_pool = f"{num_blocks} blocks of {config.block_size} tokens, {pool:.1f} MiB"
+        log.info("weights: %s; KV pool: %s", weights, kv_pool)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
         self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
@@ -379,8 +375,11 @@ class LLMEngine:
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
         step.samplers, step.logits = samplers, None
+        masking = time.monotonic()
+        logits = structured.mask_logits(self.sampler, logits, samplers)
+        step.mask_time = time.monotonic() - masking
         step.sampled = self.sampler.launch(
-            structured.mask_logits(self.sampler, logits, samplers),
+            logits,
             [s.params for s in samplers],
             [s.generator for s in samplers],
             [s.prompt_token_ids for s in samplers],
@@ -420,6 +419,7 @@ class LLMEngine:
                 schedule.overloaded,
                 step_time - ids_wait,
                 ids_wait,
+                step.mask_time,
             )
         )
 

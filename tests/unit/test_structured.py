@@ -416,3 +416,14 @@ def test_a_random_model_with_a_padded_vocabulary(tmp_path):
     for choice in llm.generate([PROMPTS[0]], params)[0].outputs:
         assert choice.finish_reason == "stop" and max(choice.token_ids) < 512
         jsonschema.validate(json.loads(choice.text), SCHEMAS[8])
+
+
+def test_the_step_log_has_the_mask_time(llm):
+    steps = len(llm.engine.step_records)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5))
+    plain = llm.engine.step_records[steps:]
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, structured={"regex": "[a-z ]+"}))
+    constrained = llm.engine.step_records[steps + len(plain) :]
+    assert plain and all(r.mask_time < 5e-4 for r in plain)  # one pass over the rows: nothing to mask
+    assert constrained and all(0 < r.mask_time < r.execution_time for r in constrained)
+    assert np.median([r.mask_time for r in constrained]) > np.median([r.mask_time for r in plain])
