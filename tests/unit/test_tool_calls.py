@@ -246,11 +246,49 @@ def test_chat_requests_take_tool_messages_and_refuse_two_constraints():
 
 
 def test_a_special_token_trigger_is_a_token_in_the_grammar_and_kept_in_the_text(tokenizer):
-    fmt = ToolFormat(FORMATS["mistral"], 7)
-    request = parse_chat({"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS}, "m", LIMITS, fmt)
-    assert "<[7]>" in request.params.structured["grammar"] and request.params.skip_special_tokens is False
+    """Mistral's [TOOL_CALLS] as its tokenizers have it, one special token (a byte-level BPE trained on a few
+    lines here): referenced by id in the grammar, which takes the call, and decoded, not skipped."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "[TOOL_CALLS]"],
+        show_progress=False,
+    )
+    hf.train_from_iterator(['{"name": "now", "arguments": {}}', "Once upon a time."] * 20, trainer)
+    mistral = Tokenizer(hf, None, (hf.token_to_id("<|endoftext|>"),), None, None)
+    fmt = ToolFormat.for_tokenizer(FORMATS["mistral"], mistral)
+    assert fmt.trigger_token == hf.token_to_id("[TOOL_CALLS]")
+    user = [{"role": "user", "content": "Hi"}]
+    request = parse_chat({"messages": user, "tools": TOOLS, "tool_choice": "required"}, "m", LIMITS, fmt)
+    assert request.params.skip_special_tokens is False
+    text = '[TOOL_CALLS][{"name": "now", "arguments": {}}]'
+    tokens = mistral.encode(text, add_special_tokens=False)
+    assert tokens[0] == fmt.trigger_token
+    for tool_choice, prefix in (("required", []), ("auto", mistral.encode("Once upon a time.", False))):
+        body = {"messages": user, "tools": TOOLS, "tool_choice": tool_choice}
+        params = parse_chat(body, "m", LIMITS, fmt).params
+        matcher = structured.matcher(params, mistral, hf.get_vocab_size())
+        assert matcher.try_consume_tokens(prefix + tokens) == len(prefix + tokens) and matcher.is_accepting()
+    assert mistral.decode(tokens, skip_special_tokens=False) == text
     # the bundled tokenizer spells "<tool_call>" in plain pieces: a literal in the grammar
     assert ToolFormat.for_tokenizer(FORMATS["hermes"], tokenizer).trigger_token is None
+
+
+def test_the_parser_flag_overrides_the_template(tokenizer):
+    from minisarathi.server.chat_template import ChatTemplate
+    from minisarathi.server.tool_calls import tool_format
+
+    hermes = ChatTemplate("<tool_call>{{ messages }}", {})
+    assert tool_format(hermes, None, tokenizer).format.name == "hermes"
+    assert tool_format(hermes, "llama3_json", tokenizer).format.name == "llama3_json"
+    assert tool_format(ChatTemplate("{{ messages }}", {}), None, tokenizer) is None
+    assert tool_format(None, "mistral", tokenizer).format.name == "mistral"
 
 
 def test_the_format_is_told_from_the_template():
