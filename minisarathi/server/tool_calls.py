@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from minisarathi import structured
+from minisarathi.server.protocol import short
 
 
 class ToolError(ValueError):
@@ -30,15 +31,6 @@ class ToolError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
-
-
-def bad(param: str, message: str) -> ToolError:
-    return ToolError(param, message)
-
-
-def show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 100 else text[:100] + "..."
 
 
 @dataclass(frozen=True)
@@ -103,9 +95,6 @@ class ToolRequest:
     format: ToolFormat
     parallel: bool
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format.format)
-
 
 def parse_tools(body: dict, tool_format: ToolFormat | None) -> tuple[ToolRequest | None, dict | None]:
     """The request's tools, and the constraint (SamplingParams.structured) for its tool_choice: (None, None)
@@ -113,18 +102,20 @@ def parse_tools(body: dict, tool_format: ToolFormat | None) -> tuple[ToolRequest
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {show(parallel)}")
+        raise ToolError(
+            "parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {short(repr(parallel), 100)}"
+        )
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise bad("tool_choice", "tool_choice needs tools")
+            raise ToolError("tool_choice", "tool_choice needs tools")
         return None, None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise bad("tools", f"tools must be an array of at most {MAX_TOOLS} tools")
+        raise ToolError("tools", f"tools must be an array of at most {MAX_TOOLS} tools")
     schemas = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) != {"type", "function"}:
-            raise bad(where, f'{where} must be {{"type": "function", "function": {{...}}}}')
+            raise ToolError(where, f'{where} must be {{"type": "function", "function": {{...}}}}')
         function, where = tool["function"], f"{where}.function"
         if not isinstance(function, dict) or not set(function) <= {
             "name",
@@ -132,22 +123,25 @@ def parse_tools(body: dict, tool_format: ToolFormat | None) -> tuple[ToolRequest
             "parameters",
             "strict",
         }:
-            raise bad(where, f"{where} must be an object of name, description, parameters and strict")
+            raise ToolError(where, f"{where} must be an object of name, description, parameters and strict")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise bad(f"{where}.name", f"{where}.name must be 1-64 letters, digits, _, . or -")
+            raise ToolError(f"{where}.name", f"{where}.name must be 1-64 letters, digits, _, . or -")
         if name in schemas:
-            raise bad(f"{where}.name", f"{where}.name {name!r} is given twice")
+            raise ToolError(f"{where}.name", f"{where}.name {name!r} is given twice")
         if not isinstance(function.get("description", ""), str):
-            raise bad(f"{where}.description", f"{where}.description must be a string")
+            raise ToolError(f"{where}.description", f"{where}.description must be a string")
         if not isinstance(function.get("strict", False), (bool, type(None))):
-            raise bad(f"{where}.strict", f"{where}.strict must be a boolean")
+            raise ToolError(f"{where}.strict", f"{where}.strict must be a boolean")
         schema = function.get("parameters")
         schema = EMPTY_PARAMETERS if schema is None else schema
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise ToolError(f"{where}.parameters", f"{where}.parameters must be a JSON schema of an object")
+        schema = {**schema, "type": "object"}  # the arguments are an object, whatever else the schema allows
         try:  # llguidance refuses a bad schema here, at admission, with the field's name
             structured.grammar({"json": schema})
         except ValueError as e:
-            raise bad(f"{where}.parameters", f"{where}.parameters " + str(e).split(" ", 1)[1]) from None
+            raise ToolError(f"{where}.parameters", f"{where}.parameters " + str(e).split(" ", 1)[1]) from None
         schemas[name] = schema
     if choice is None or choice == "auto":
         names, required = list(schemas), False
@@ -164,16 +158,19 @@ def parse_tools(body: dict, tool_format: ToolFormat | None) -> tuple[ToolRequest
     ):
         name = choice["function"]["name"]
         if name not in schemas:
-            raise bad("tool_choice.function.name", f"tool_choice names {show(name)}, which is not in tools")
+            raise ToolError(
+                "tool_choice.function.name",
+                f"tool_choice names {short(repr(name), 100)}, which is not in tools",
+            )
         names, required = [name], True
     else:
-        raise bad(
+        raise ToolError(
             "tool_choice",
             'tool_choice must be "none", "auto", "required" or '
-            f'{{"type": "function", "function": {{"name": ...}}}}, got {show(choice)}',
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {short(repr(choice), 100)}',
         )
     if tool_format is None:
-        raise bad(
+        raise ToolError(
             "tools",
             "this model's chat template has no tool-call format the server can tell; start it with "
             f"--tool-call-parser NAME ({', '.join(FORMATS)})",
@@ -362,7 +359,7 @@ class ToolStream:
     """One choice's parser, with the ids it gave its calls: text pieces in, OpenAI chat deltas out."""
 
     def __init__(self, request: ToolRequest):
-        self.parser = request.parser()
+        self.parser = ToolCallParser(request.format.format)
         self.ids: list[str] = []
 
     def deltas(self, piece: str, final: bool) -> list[dict]:

@@ -189,6 +189,10 @@ def test_bad_tools_are_refused_naming_the_field():
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "intger"}}}]},
             "tools[0].function.parameters",
         ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
