@@ -229,3 +229,27 @@ def test_without_the_constraint_calls_do_not_validate(model_dir):
                 pass
         counts.append(good)
     assert counts == [0, 8]
+
+
+def test_a_template_without_a_format_needs_the_parser_flag(tmp_path):
+    """chatml.jinja shows no call format: tools are a 400 naming `tools`, until --tool-call-parser names one
+    (llama3_json here: the calls come back from that format's text)."""
+    for f in default_model_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    shutil.copy(TEMPLATE.with_name("chatml.jinja"), tmp_path / "chat_template.jinja")
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "max_tokens": MAX_TOKENS, "temperature": 0}
+    for flags in ((), ("--tool-call-parser", "llama3_json")):
+        args = ("--http-port", "0", "--served-model-name", "m", "--num-kv-blocks", "512", *flags)
+        with launch(*args, model_dir=tmp_path) as s:
+            status, _, answer = raw(s, "POST", "/v1/chat/completions", {**body, "tool_choice": "required"})
+            if not flags:
+                assert status == 400 and answer["error"]["param"] == "tools"
+                assert "--tool-call-parser" in answer["error"]["message"]
+                status, _, answer = raw(s, "POST", "/v1/chat/completions", {**body, "tool_choice": "none"})
+                assert status == 200 and "tool_calls" not in answer["choices"][0]["message"]
+                continue
+            assert status == 200, answer
+            choice = answer["choices"][0]
+            assert choice["finish_reason"] in ("tool_calls", "length") and choice["message"]["tool_calls"]
+            call = choice["message"]["tool_calls"][0]["function"]
+            valid(call["name"], call["arguments"])
