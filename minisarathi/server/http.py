@@ -140,7 +140,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, door: HttpDoor, handler: asyncio.Protocol, arrival: Arrival):
         self.door, self.handler, self.arrival = door, handler, arrival
-        self.address, self.peer = arrival.address, arrival.peer
+        self.address, self.peer, self.ip = arrival.address, arrival.peer, arrival.ip  # a proxy's header's
         self.authenticated = door.hub.keys is None
         self.key: Key | None = None
         self.opened = time.monotonic()
@@ -408,7 +408,7 @@ class HttpDoor:
     async def _authenticate(self, request: web.Request, conn: _Connection | None) -> None:
         """The request's key, checked at its address's turn (the backoff shared with the msgpack door);
         a good key takes its connection out of the unauthenticated pool."""
-        address = client_address(request.remote or "")
+        address = conn.address if conn is not None else client_address(request.remote or "")
         if not await self.hub.auth_turn(address):
             raise OpenAIError(  # Retry-After: when the address's queued turns have run
                 429,
@@ -462,6 +462,11 @@ class HttpDoor:
         request["request_id"] = given or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return request["request_id"]
 
+    def _client_ip(self, request: web.Request) -> str:
+        """For the request log: the client's IP, as a trusted proxy's header named it."""
+        conn = self.connections.get(request.transport)
+        return conn.ip if conn is not None else request.remote or ""
+
     # ------------------------------------------------------------------------------------------ endpoints
 
     async def _health(self, request):
@@ -504,7 +509,7 @@ class HttpDoor:
         request_id = self._request_id(request, "completion")
         received = time.monotonic()
         parsed = parse_completion(await self._json(request), self.model_name, self.limits)
-        call = _Call(request_id, "completion", parsed, request.remote or "", received, request.get("key"))
+        call = _Call(request_id, "completion", parsed, self._client_ip(request), received, request.get("key"))
         await self._prepare(call, "prompt", add_special_tokens=True)
         return await self._generate(request, call)
 
@@ -522,7 +527,7 @@ class HttpDoor:
                 code="no_chat_template",
             )
         parsed = parse_chat(body, self.model_name, self.limits)
-        call = _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
+        call = _Call(request_id, "chat", parsed, self._client_ip(request), received, request.get("key"))
         await self._prepare(call, "messages", add_special_tokens=False)
         return await self._generate(request, call)
 

@@ -96,12 +96,14 @@ class Hub:
         keys: KeyStore | None = None,
         model_name: str = "",
         tls: ssl.SSLContext | None = None,
+        proxies=None,
     ):
         self.engine = engine
         self.limits = limits or ServerLimits()
         self.keys = keys  # None: no auth
         self.model_name = model_name  # the model folder's name, never its path
-        self.tls = tls  # every door's listeners use it
+        # every door's listeners use them (gate.Listener); proxies: proxy_protocol.TrustedProxies
+        self.tls, self.proxies = tls, proxies
         self.doors: list = []
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []  # called by report_finished
         self.pool = ConnectionPool(self.limits, keys is not None)  # the doors' connections (gate.py)
@@ -308,7 +310,7 @@ class Hub:
     def listen(self, sock: socket.socket, make_protocol) -> None:
         """Serve a listening socket: make_protocol(arrival) makes each connection's protocol, which hands
         the arrival back with pool.disconnect() before it connects its own connection."""
-        listener = Listener(self, sock, make_protocol, self.tls)
+        listener = Listener(self, sock, make_protocol, self.tls, self.proxies)
         self._listeners.append(listener)
         listener.start()
 

@@ -152,7 +152,9 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
             keys=None,
             limits=SimpleNamespace(auth_timeout_s=5.0),
         )
-        listener = Listener(hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None)
+        listener = Listener(
+            hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None, None
+        )
         loop = asyncio.get_running_loop()
         accept, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")] * 5
 
