@@ -2,7 +2,9 @@
 front of `minisarathi serve` processes, for tests/system/test_deploy.py and bench/deploy.py.
 
 A recipe is used as written, with its example addresses (127.0.0.1:7000-7002 msgpack, 8000-8002 HTTP)
-replaced by free ports, and its affinity line optionally removed (round robin).
+replaced by free ports, its affinity line optionally removed (round robin), and optionally the lines of
+docs/deploy.md that make the balancer start each connection with a PROXY protocol header (for replicas run
+with --proxy-protocol-from).
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ AFFINITY = {
     "haproxy-http.cfg": "balance hdr(X-Session-Id)",
 }
 ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
+# Replicas with keys answer a msgpack `health` without one with an error: the check can only see that the
+# replica answers ([1, 0, ...]), as docs/deploy.md says.
+KEYED_CHECK = ("tcp-check expect binary a26f6b", "tcp-check expect binary 940100")
+# The PROXY protocol on, as docs/deploy.md gives it: HAProxy sends v2 to the msgpack door and v1 to the HTTP
+# door (both versions get used), its checks included; nginx's stream module sends v1 (its http proxy cannot
+# send a header at all).
+PROXY_PROTOCOL = {
+    "haproxy-msgpack.cfg": [
+        (" fall 2 rise 2", " fall 2 rise 2 send-proxy-v2 check-send-proxy"),
+        ("tcp-check connect", "tcp-check connect send-proxy"),
+    ],
+    "haproxy-http.cfg": [(" fall 2 rise 2", " fall 2 rise 2 send-proxy check-send-proxy")],
+    "nginx-msgpack.conf": [
+        ("proxy_pass minisarathi_msgpack;", "proxy_pass minisarathi_msgpack;\n        proxy_protocol on;")
+    ],
+}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
 FAIL_TIMEOUT_S = 2.0  # the nginx recipes' fail_timeout (HAProxy's rise x inter is shorter)
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")  # Debian's libnginx-mod-stream
@@ -165,6 +183,8 @@ class Balancer:
     ports: tuple[int, int, int]  # listen, replica 1, replica 2
     work_dir: Path
     affinity: bool = True
+    proxy_protocol: bool = False  # start each connection to a replica with a PROXY header
+    keyed: bool = False  # the replicas have keys (a msgpack check sees only that they answer)
     proc: subprocess.Popen | None = None
     config_path: Path = field(init=False)
 
@@ -186,6 +206,13 @@ class Balancer:
                 f"log_format upstreams '$upstream_addr|$upstream_status';\n"
                 f"    access_log {ACCESS_LOG} upstreams;",
             )
+        if self.proxy_protocol:
+            if self.recipe not in PROXY_PROTOCOL:
+                raise ValueError(f"{self.recipe}: nginx's http proxy cannot send a PROXY protocol header")
+            for line, with_header in PROXY_PROTOCOL[self.recipe]:
+                text = text.replace(line, with_header)
+        if self.keyed:
+            text = text.replace(*KEYED_CHECK)
         if not self.affinity:
             text = text.replace(AFFINITY[self.recipe], ROUND_ROBIN[self.kind])
             if self.kind == "haproxy":
@@ -250,8 +277,17 @@ class Balancer:
 class Cluster:
     """Two replicas with both doors, and a balancer per door (nginx or HAProxy) in front of them."""
 
-    def __init__(self, kind: str, affinity: bool = True, extra_args: tuple[str, ...] = ()):
-        """Two replicas, as the recipes name (add `server` lines to them for more)."""
+    def __init__(
+        self,
+        kind: str,
+        affinity: bool = True,
+        extra_args: tuple[str, ...] = (),
+        doors: tuple[str, ...] = ("msgpack", "http"),
+        proxy_protocol: bool = False,
+        keyed: bool = False,
+    ):
+        """Two replicas, as the recipes name (add `server` lines to them for more); a balancer for each of
+        `doors`; `keyed`: the replicas' extra_args give them keys."""
         self.kind = kind
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"minisarathi-{kind}-"))
         self.replicas = [Replica(free_port(), free_port(), self.work_dir, extra_args) for _ in range(2)]
@@ -263,8 +299,10 @@ class Cluster:
                 (free_port(), *(getattr(r, f"{door}_port") for r in self.replicas)),
                 self.work_dir,
                 affinity,
+                proxy_protocol,
+                keyed,
             )
-            for door in ("msgpack", "http")
+            for door in doors
         }
 
     @property

@@ -62,14 +62,16 @@ async def read_header(sock: socket.socket) -> tuple[str, int] | None:
     when the header says to use the connection's own peer (v2 LOCAL or no TCP address, v1 UNKNOWN).
     ProxyHeaderError if it is not a valid header; the caller bounds the time."""
     loop = asyncio.get_running_loop()
-    start = await _receive(loop, sock, len(V2_SIGNATURE), b"")  # fewer bytes than either version's shortest
-    if start == V2_SIGNATURE:
+    start = await _receive(loop, sock, len(V1_PREFIX), b"")  # fewer bytes than either version's shortest
+    if start == V2_SIGNATURE[: len(start)]:
         fixed = await _receive(loop, sock, _V2_FIXED - len(start), start)
+        if not fixed.startswith(V2_SIGNATURE):
+            raise ProxyHeaderError(f"the connection did not start with a PROXY header ({_shown(fixed)})")
         length = struct.unpack_from("!H", fixed, 14)[0]
         if length > V2_MAX_PAYLOAD:
             raise ProxyHeaderError(f"a v2 PROXY header of {length} bytes, more than {V2_MAX_PAYLOAD}")
         return parse_v2(await _receive(loop, sock, length, fixed))
-    if not start.startswith(V1_PREFIX):
+    if start != V1_PREFIX:
         raise ProxyHeaderError(f"the connection did not start with a PROXY header ({_shown(start)})")
     line = start
     # byte by byte: a v1 line has no length, and a byte past its CRLF would be the connection's own

@@ -161,7 +161,8 @@ def test_the_header_is_read_and_not_a_byte_more(header, client):
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "did not start with a PROXY header"),
         (b"PROXY " + b"x" * 200, "without CRLF in its first 107 bytes"),  # oversized v1
         (v2(1, 0x11, b"", length=65535), "more than 2048"),  # oversized v2: refused before its payload
-        (b"\x94\x00\x00\xa6health\x90" + b"more than twelve bytes", "did not start with a PROXY header"),
+        (b"\x94\x00\x00\xa6health\x90", "did not start with a PROXY header"),  # refused at its 6th byte
+        (V2_SIGNATURE[:8] + b"\x00" * 8, "did not start with a PROXY header"),
     ],
 )
 def test_bad_headers_on_the_socket(sent, why):
