@@ -48,6 +48,7 @@ from minisarathi.server.protocol import (
     ABORTED,
     INVALID_PARAMS,
     OVERLOADED,
+    OVERLOADED_RETRY_S,
     RATE_LIMITED,
     UNAUTHORIZED,
     RPCError,
@@ -421,7 +422,10 @@ class HttpDoor:
             raise OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
         if conn is not None and request["key"] is not None and not self.hub.pool.grant(conn, request["key"]):
             raise OpenAIError(
-                429, f"more than {self.hub.limits.max_connections} connections", code="overloaded"
+                429,
+                f"more than {self.hub.limits.max_connections} connections",
+                code="overloaded",
+                retry_after_s=OVERLOADED_RETRY_S,
             )
 
     async def _json(self, request: web.Request):
@@ -918,14 +922,11 @@ def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
     if error.code == INVALID_PARAMS:  # the engine's messages start with the field they are about
         field_name = error.message.split(" ", 1)[0]
         return OpenAIError(400, error.message, param=field_name if field_name in REQUEST_FIELDS else None)
-    if error.code == OVERLOADED:
-        return (
-            OpenAIError(429, error.message, code="overloaded")
-            if accepting
-            else OpenAIError(503, error.message, code="draining")
-        )
-    if error.code == ABORTED:
-        return OpenAIError(503, error.message, code="draining")
+    # overloaded and draining: Retry-After is overloaded's small constant (a draining replica's client
+    # retries through its balancer, which sends it elsewhere)
+    if error.code in (OVERLOADED, ABORTED):
+        status, code = (429, "overloaded") if error.code == OVERLOADED and accepting else (503, "draining")
+        return OpenAIError(status, error.message, code=code, retry_after_s=OVERLOADED_RETRY_S)
     if error.code == UNAUTHORIZED:  # the key was removed (SIGHUP) while the request arrived
         return OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
     if error.code == RATE_LIMITED:

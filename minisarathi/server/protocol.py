@@ -25,7 +25,8 @@ UNKNOWN_METHOD = 2
 INVALID_PARAMS = 3  # the message names the offending field
 PROMPT_TOO_LONG = 4
 UNAUTHORIZED = 5
-OVERLOADED = 6  # queue full, too many requests in flight on the connection, or shutting down
+OVERLOADED = 6  # queue full, too many requests in flight on the connection, or shutting down; retry_after_s
+OVERLOADED_RETRY_S = 1.0  # overloaded's retry_after_s: a small constant, not an estimate (docs/protocol.md)
 ABORTED = 7  # aborted by the client, or by the server on shutdown
 INTERNAL = 8
 RATE_LIMITED = 9  # over the key's quota; the error map also carries retry_after_s
@@ -50,7 +51,8 @@ class RPCError(Exception):
         super().__init__(f"{ERROR_NAMES.get(code, code)}: {message}")
         self.code = code
         self.message = message
-        self.retry_after_s = retry_after_s  # rate_limited only: when the quota will admit the request
+        # rate_limited: when the quota will admit the request
+        self.retry_after_s = OVERLOADED_RETRY_S if code == OVERLOADED else retry_after_s
 
     @property
     def name(self) -> str:
