@@ -25,8 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
+
 from minisarathi.bench.multiturn import served_model
-from minisarathi.client import AsyncClient, Client
+from minisarathi.client import AsyncClient, Client, RPCError
+from minisarathi.paths import default_model_dir
+from minisarathi.server.auth import add_key
+from minisarathi.server.protocol import UNAUTHORIZED
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 # the affinity line of each recipe, deleted for round robin
@@ -508,3 +513,82 @@ class ContinuousLoad:
                 )
             except Exception as e:  # counted, as above
                 self._record("http", f"{type(e).__name__}: {e}")
+
+
+GUESSER, KEY_HOLDER = "127.0.0.40", "127.0.0.41"  # two clients behind the balancer
+
+
+def brute_force_behind(kind: str, executable: str, work_dir: Path, proxy_protocol: bool, guesses: int = 12):
+    """Two replicas with a key (and, with proxy_protocol, --proxy-protocol-from the balancer's 127.0.0.1)
+    behind round-robin balancers: per door, `guesses` wrong keys from GUESSER, each on a new connection, then
+    {"key_holder_s": a KEY_HOLDER's auth and 2-token generate (None: refused), "next_guess_s": GUESSER's next
+    wrong key}.
+    nginx: the msgpack door only (its http proxy sends no PROXY header)."""
+    keys = work_dir / "keys.toml"
+    secret = add_key(keys, "alice")
+    doors = ("msgpack",) if kind == "nginx" else ("msgpack", "http")
+    trust = ("--proxy-protocol-from", "127.0.0.1") if proxy_protocol else ()
+    cluster = Cluster(
+        kind,
+        affinity=False,
+        extra_args=("--keys-file", str(keys), *trust),
+        doors=doors,
+        proxy_protocol=proxy_protocol,
+        keyed=True,
+    )
+    results = {}
+    try:
+        cluster.start(executable)
+        for door in doors:
+            port = cluster.balancers[door].ports[0]
+            for _ in range(guesses):
+                _wrong_key_s(door, port)
+            results[door] = {
+                "key_holder_s": _key_holder_s(door, port, secret),
+                "next_guess_s": _wrong_key_s(door, port),
+            }
+    finally:
+        cluster.close()
+    return results
+
+
+def _wrong_key_s(door: str, port: int) -> float:
+    """Seconds a wrong key from GUESSER takes to be refused, on a new connection."""
+    start = time.monotonic()
+    if door == "msgpack":
+        with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(GUESSER, 0)) as sock:
+            sock.sendall(msgpack.packb([0, 0, "auth", ["wrong"]]))
+            answer = msgpack.unpackb(sock.recv(1 << 16))
+        if answer[2]["code"] != UNAUTHORIZED:
+            raise RuntimeError(f"a wrong key was answered {answer}")
+    else:
+        _http_completion(port, GUESSER, "wrong", want=(401, 429))  # 429: its backoff queue was full
+    return time.monotonic() - start
+
+
+def _key_holder_s(door: str, port: int, key: str) -> float | None:
+    """Seconds until KEY_HOLDER's 2 tokens came back, or None if it was refused (its address's backoff)."""
+    start = time.monotonic()
+    try:
+        if door == "msgpack":
+            with Client("127.0.0.1", port, api_key=key, source_address=(KEY_HOLDER, 0), timeout=60) as c:
+                c.generate("Zoo", max_tokens=2)
+        elif _http_completion(port, KEY_HOLDER, key, want=(200, 429)) == 429:
+            return None
+    except RPCError as e:
+        if e.code != UNAUTHORIZED:
+            raise
+        return None
+    return time.monotonic() - start
+
+
+def _http_completion(port: int, source: str, key: str, want: tuple[int, ...]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    body = {"model": default_model_dir().name, "prompt": "Zoo", "max_tokens": 2}  # the replicas' model
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    answer = response.read()
+    conn.close()
+    if response.status not in want:
+        raise RuntimeError(f"HTTP {response.status}, not {want}: {answer[:200]!r}")
+    return response.status
