@@ -162,6 +162,31 @@ class AuthGate:
         return state
 
 
+class AcceptRate:
+    """New connections per second per client address (`--accept-rate-per-address`; 0: no limit): a bucket
+    of a second's worth (at least one), refilled continuously; a connection past it is refused at accept,
+    before any TLS or protocol work. Off by default: behind a balancer without the PROXY protocol every
+    client shares the balancer's address."""
+
+    MAX_ADDRESSES = 10_000  # the least recently seen are forgotten first (a new bucket is a full one)
+
+    def __init__(self, rate: float):
+        self.rate, self.burst = rate, max(rate, 1.0)
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+
+    def admit(self, address: str) -> bool:
+        if not self.rate or address == "unix":
+            return True
+        now = time.monotonic()
+        tokens, at = self._buckets.pop(address, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        admitted = tokens >= 1.0
+        self._buckets[address] = (tokens - admitted, now)  # address -> (tokens left, when)
+        if len(self._buckets) > self.MAX_ADDRESSES:
+            self._buckets.popitem(last=False)
+        return admitted
+
+
 class Arrival:
     """A connection accepted and not yet handed to its door (a TLS one during its handshake): the hub counts
     it as unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
@@ -234,12 +259,16 @@ class Listener:
         # count from now (a burst of accepts runs before their doors get them), except a plain connection
         # without keys: its door refuses it past --max-connections in its protocol (`overloaded`)
         counted = self.tls is not None or not arrival.authenticated
-        refused = self.hub.pool.crowded(address) or (self.hub.pool.connect(arrival) if counted else None)
+        proxied = tcp and self.proxies is not None and ip in self.proxies  # rated once its header is read
+        refused = (
+            (None if proxied else self.hub.pool.too_fast(address))
+            or self.hub.pool.crowded(address)
+            or (self.hub.pool.connect(arrival) if counted else None)
+        )
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
             _reset(sock)
             return
-        proxied = tcp and self.proxies is not None and ip in self.proxies
         arrival.task = asyncio.get_running_loop().create_task(self._open(arrival, sock, proxied))
         self._handshakes.add(arrival.task)
         arrival.task.add_done_callback(self._handshakes.discard)
@@ -346,6 +375,7 @@ class ConnectionPool:
         self.unauthenticated: dict = {}  # connections not yet authenticated, oldest first
         self.per_address = collections.Counter()  # client address -> its connections in unauthenticated
         self.evicted = 0  # unauthenticated connections closed to make room
+        self.accept_rate = AcceptRate(limits.accept_rate_per_address)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_open = max(soft - _FD_RESERVE, soft // 2) if soft != resource.RLIM_INFINITY else None
 
@@ -370,12 +400,12 @@ class ConnectionPool:
 
     def readdress(self, conn, address: str) -> str | None:
         """A connection counted under a trusted proxy's address is its client's (the proxy's header named
-        it): why it is refused as a new connection from that address would be (`crowded`), or None once its
-        share of the unauthenticated pool has moved there."""
+        it): why it is refused as a new connection from that address would be (`too_fast`, `crowded`), or
+        None once its share of the unauthenticated pool has moved there."""
         counted = conn in self.unauthenticated
         self._pool_remove(conn)
         conn.address = address
-        refused = self.crowded(address)
+        refused = self.too_fast(address) or self.crowded(address)
         if refused is None and counted:
             self._add_unauthenticated(conn)
         return refused
@@ -393,6 +423,14 @@ class ConnectionPool:
         if arrival in self.unauthenticated:  # same address: per_address is unchanged
             self.unauthenticated = {conn if c is arrival else c: None for c in self.unauthenticated}
         return None
+
+    def too_fast(self, address: str) -> str | None:
+        """Why a new connection from `address` is refused at accept for its rate (AcceptRate), or None."""
+        if self.accept_rate.admit(address):
+            return None
+        return (
+            f"more than {self.limits.accept_rate_per_address:g} new connections per second from its address"
+        )
 
     def crowded(self, address: str) -> str | None:
         """Why a new unauthenticated connection from `address` is refused at accept, before any TLS or

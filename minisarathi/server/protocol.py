@@ -81,7 +81,7 @@ class RPCError(Exception):
         return cls(INTERNAL, repr(error))
 
 
-MAY_BE_ZERO = {"drain_delay_s"}  # ServerLimits fields whose 0 means "none"
+MAY_BE_ZERO = {"drain_delay_s", "accept_rate_per_address"}  # ServerLimits fields whose 0 means "none"
 
 
 @dataclass
@@ -114,6 +114,7 @@ class ServerLimits:
     max_unauthenticated_message_bytes: int = 4096  # one message before auth succeeds
     max_unauthenticated_connections: int = 256  # past it, the oldest unauthenticated one is closed
     max_unauthenticated_per_address: int = 32  # the same, per client IP address
+    accept_rate_per_address: float = 0.0  # new connections per second per client address (gate.AcceptRate)
     max_write_buffer_bytes: int = (
         16 << 20
     )  # a client that stops reading its streams is disconnected past this

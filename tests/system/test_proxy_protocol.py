@@ -234,3 +234,28 @@ def test_the_header_comes_before_tls(tmp_path):
         with pytest.raises((ssl.SSLError, ConnectionError)):  # a TLS client behind no header
             connect(server.port, tls=context)
         assert "Traceback" not in open(server.log_path).read()
+
+
+def answered(port: int, header: bytes = b"", source: str = "127.0.0.1") -> bool:
+    """A new connection's `options` call is answered (not reset at accept)."""
+    try:
+        with connect(port, header, source) as sock:
+            return call(sock, "options", {})[0] == 1
+    except ConnectionError:
+        return False
+
+
+def test_the_accept_rate_counts_each_address_and_the_client_behind_the_proxy(tmp_path):
+    """--accept-rate-per-address 5: a burst of 5 new connections per address, then 5 a second; the
+    balancer's own address is not rated, the clients its headers name are."""
+    launched, _ = start_server(tmp_path, "--accept-rate-per-address", "5")
+    with launched as server:
+        assert sum(answered(server.port, source="127.0.0.2") for _ in range(12)) == 5
+        assert answered(server.port, source="127.0.0.3")  # another address
+        assert sum(answered(server.port, v1("203.0.113.5")) for _ in range(12)) == 5
+        assert sum(answered(server.port, v2("203.0.113.6")) for _ in range(6)) == 5
+        assert answered(server.port, v2(None))  # the balancer's own, past 25 connections in all
+        time.sleep(0.5)  # two more a second later (2.5 at 5 a second)
+        assert sum(answered(server.port, source="127.0.0.2") for _ in range(4)) == 2
+        log = open(server.log_path).read()
+        assert "new connections per second from its address" in log and "Traceback" not in log
