@@ -1,6 +1,8 @@
 """What every door's connections pass before they reach it: per-address backoff for failed auths, the accept
-loop (each connection counted by the hub from accept on, a TLS handshake included, under the auth
-deadline), and quiet logging of what a flood repeats.
+loop (each connection counted by the hub from accept on, a trusted balancer's PROXY header and a TLS
+handshake included, under the auth deadline; an optional accept rate per address), and quiet logging of
+what a flood repeats. "Address" is always the client's (client_address; behind a trusted balancer, the one
+its PROXY header names: proxy_protocol.py).
 
 The backoff: each failed auth from an address spaces that address's next credential checks further apart
 (50 ms doubling to 5 s, forgotten 10 minutes after its last failure), on every door at once. A check waits
