@@ -8,6 +8,12 @@ haproxy) and the HTTP extra. For each balancer: two replicas (both doors, prefix
 recipes of deploy/, then per door a multi-turn run with affinity and one with round robin (the balancer is
 restarted in between; each run's conversations are new text), then each replica restarted in turn under load.
 docs/deploy.md records a run.
+
+    python bench/deploy.py --proxy-protocol --out bench-proxy.json
+
+instead measures, per balancer and door, what one client guessing keys behind the balancer costs another
+key holder behind it, with the PROXY protocol on (the replicas count each client) and off (they count the
+balancer): the key holder's seconds, and the guesser's next guess (bench.cluster.brute_force_behind).
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minisarathi.bench.cluster import Cluster, ContinuousLoad, find_balancer  # noqa: E402
+from minisarathi.bench.cluster import Cluster, ContinuousLoad, brute_force_behind, find_balancer  # noqa: E402
 from minisarathi.bench.multiturn import MultiTurnConfig, run_multiturn, summarize_turns  # noqa: E402
 from minisarathi.llm import LLM  # noqa: E402
 from minisarathi.sampling_params import SamplingParams  # noqa: E402
@@ -88,6 +95,24 @@ def rolling_restart(cluster: Cluster, settle_s: float, model: str | None) -> dic
     return result
 
 
+def brute_force(kind: str, executable: str) -> dict:
+    results = {}
+    for on in (True, False):
+        with tempfile.TemporaryDirectory() as work_dir:
+            results["proxy_protocol" if on else "no_proxy_protocol"] = runs = brute_force_behind(
+                kind, executable, Path(work_dir), proxy_protocol=on
+            )
+        for door, seconds in runs.items():
+            held = seconds["key_holder_s"]
+            print(
+                f"  {door:8s} PROXY protocol {'on ' if on else 'off'}: key holder "
+                f"{'refused' if held is None else f'{held:.3f}s'}, the guesser's next guess "
+                f"{seconds['next_guess_s']:.3f}s",
+                flush=True,
+            )
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,6 +131,11 @@ def main() -> int:
     parser.add_argument(
         "--settle-s", type=float, default=2.0, help="load before the first restart and after the last"
     )
+    parser.add_argument(
+        "--proxy-protocol",
+        action="store_true",
+        help="measure brute force behind the balancer with the PROXY protocol on and off (nothing else)",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
     report = {
@@ -121,6 +151,9 @@ def main() -> int:
             continue
         print(f"{kind} ({executable}), load average {os.getloadavg()[0]:.1f}", flush=True)
         load_average = {"start": os.getloadavg()}  # 1, 5, 15 minutes: the machine is shared
+        if args.proxy_protocol:
+            report["balancers"][kind] = {**brute_force(kind, executable), "load_average": load_average}
+            continue
         cluster = Cluster(kind, extra_args=(*([args.model] if args.model else []), "--shutdown-grace", "30"))
         try:
             cluster.start(executable)

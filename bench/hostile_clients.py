@@ -3,6 +3,8 @@
     python -m bench.hostile_clients                      # every scenario (docs/reliability.md)
     python -m bench.hostile_clients --scenarios unread_streams,unauthenticated_flood --samples 20
     python -m bench.hostile_clients --engine-only        # the engine's step time alone, no server (see below)
+    python -m bench.hostile_clients --scenarios brute_force,slowloris --accept-rate 20   # with the server's
+                                                          # --accept-rate-per-address 20
 
 A server with an API key runs the bundled model. A bystander (with the key) times back-to-back greedy
 24-token generates: first alone (idle), then while each attacker runs:
@@ -820,6 +822,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tls", action="store_true", help=f"serve TLS (runs {', '.join(TLS_SCENARIOS)} only)"
     )
+    parser.add_argument(
+        "--accept-rate",
+        type=float,
+        default=0.0,
+        help="the server's --accept-rate-per-address (new connections per second per address; 0: off)",
+    )
     parser.add_argument("--engine-only", action="store_true", help="time the engine's steps alone, no server")
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per batch with --engine-only")
     parser.add_argument(
@@ -853,7 +861,7 @@ def main(argv=None) -> int:
     if args.tls and set(names) - set(TLS_SCENARIOS):
         parser.error(f"--tls runs only {', '.join(TLS_SCENARIOS)}")
     with tempfile.TemporaryDirectory() as tmp, _fd_limit(FD_LIMIT):
-        serve_args = _server_files(tmp, args.tls)
+        serve_args = [*_server_files(tmp, args.tls), "--accept-rate-per-address", str(args.accept_rate)]
         with serving(*serve_args) as server:
             _fd_limit_restored()
             line = server.proc.stdout.readline()  # the HTTP door's address follows the msgpack door's

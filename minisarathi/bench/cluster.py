@@ -2,7 +2,9 @@
 front of `minisarathi serve` processes, for tests/system/test_deploy.py and bench/deploy.py.
 
 A recipe is used as written, with its example addresses (127.0.0.1:7000-7002 msgpack, 8000-8002 HTTP)
-replaced by free ports, and its affinity line optionally removed (round robin).
+replaced by free ports, its affinity line optionally removed (round robin), and optionally the lines of
+docs/deploy.md that make the balancer start each connection with a PROXY protocol header (for replicas run
+with --proxy-protocol-from).
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
+
 from minisarathi.bench.multiturn import served_model
-from minisarathi.client import AsyncClient, Client
+from minisarathi.client import AsyncClient, Client, RPCError
+from minisarathi.paths import default_model_dir
+from minisarathi.server.auth import add_key
+from minisarathi.server.protocol import UNAUTHORIZED
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 # the affinity line of each recipe, deleted for round robin
@@ -35,6 +42,22 @@ AFFINITY = {
     "haproxy-http.cfg": "balance hdr(X-Session-Id)",
 }
 ROUND_ROBIN = {"nginx": "", "haproxy": "balance roundrobin"}
+# Replicas with keys answer a msgpack `health` without one with an error: the check can only see that the
+# replica answers ([1, 0, ...]), as docs/deploy.md says.
+KEYED_CHECK = ("tcp-check expect binary a26f6b", "tcp-check expect binary 940100")
+# The PROXY protocol on, as docs/deploy.md gives it: HAProxy sends v2 to the msgpack door and v1 to the HTTP
+# door (both versions get used), its checks included; nginx's stream module sends v1 (its http proxy cannot
+# send a header at all).
+PROXY_PROTOCOL = {
+    "haproxy-msgpack.cfg": [
+        (" fall 2 rise 2", " fall 2 rise 2 send-proxy-v2 check-send-proxy"),
+        ("tcp-check connect", "tcp-check connect send-proxy"),
+    ],
+    "haproxy-http.cfg": [(" fall 2 rise 2", " fall 2 rise 2 send-proxy check-send-proxy")],
+    "nginx-msgpack.conf": [
+        ("proxy_pass minisarathi_msgpack;", "proxy_pass minisarathi_msgpack;\n        proxy_protocol on;")
+    ],
+}
 EXAMPLE_PORTS = {"msgpack": (7000, 7001, 7002), "http": (8000, 8001, 8002)}
 FAIL_TIMEOUT_S = 2.0  # the nginx recipes' fail_timeout (HAProxy's rise x inter is shorter)
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")  # Debian's libnginx-mod-stream
@@ -165,6 +188,8 @@ class Balancer:
     ports: tuple[int, int, int]  # listen, replica 1, replica 2
     work_dir: Path
     affinity: bool = True
+    proxy_protocol: bool = False  # start each connection to a replica with a PROXY header
+    keyed: bool = False  # the replicas have keys (a msgpack check sees only that they answer)
     proc: subprocess.Popen | None = None
     config_path: Path = field(init=False)
 
@@ -186,6 +211,13 @@ class Balancer:
                 f"log_format upstreams '$upstream_addr|$upstream_status';\n"
                 f"    access_log {ACCESS_LOG} upstreams;",
             )
+        if self.proxy_protocol:
+            if self.recipe not in PROXY_PROTOCOL:
+                raise ValueError(f"{self.recipe}: nginx's http proxy cannot send a PROXY protocol header")
+            for line, with_header in PROXY_PROTOCOL[self.recipe]:
+                text = text.replace(line, with_header)
+        if self.keyed:
+            text = text.replace(*KEYED_CHECK)
         if not self.affinity:
             text = text.replace(AFFINITY[self.recipe], ROUND_ROBIN[self.kind])
             if self.kind == "haproxy":
@@ -250,8 +282,17 @@ class Balancer:
 class Cluster:
     """Two replicas with both doors, and a balancer per door (nginx or HAProxy) in front of them."""
 
-    def __init__(self, kind: str, affinity: bool = True, extra_args: tuple[str, ...] = ()):
-        """Two replicas, as the recipes name (add `server` lines to them for more)."""
+    def __init__(
+        self,
+        kind: str,
+        affinity: bool = True,
+        extra_args: tuple[str, ...] = (),
+        doors: tuple[str, ...] = ("msgpack", "http"),
+        proxy_protocol: bool = False,
+        keyed: bool = False,
+    ):
+        """Two replicas, as the recipes name (add `server` lines to them for more); a balancer for each of
+        `doors`; `keyed`: the replicas' extra_args give them keys."""
         self.kind = kind
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"minisarathi-{kind}-"))
         self.replicas = [Replica(free_port(), free_port(), self.work_dir, extra_args) for _ in range(2)]
@@ -263,8 +304,10 @@ class Cluster:
                 (free_port(), *(getattr(r, f"{door}_port") for r in self.replicas)),
                 self.work_dir,
                 affinity,
+                proxy_protocol,
+                keyed,
             )
-            for door in ("msgpack", "http")
+            for door in doors
         }
 
     @property
@@ -470,3 +513,82 @@ class ContinuousLoad:
                 )
             except Exception as e:  # counted, as above
                 self._record("http", f"{type(e).__name__}: {e}")
+
+
+GUESSER, KEY_HOLDER = "127.0.0.40", "127.0.0.41"  # two clients behind the balancer
+
+
+def brute_force_behind(kind: str, executable: str, work_dir: Path, proxy_protocol: bool, guesses: int = 12):
+    """Two replicas with a key (and, with proxy_protocol, --proxy-protocol-from the balancer's 127.0.0.1)
+    behind round-robin balancers: per door, `guesses` wrong keys from GUESSER, each on a new connection, then
+    {"key_holder_s": a KEY_HOLDER's auth and 2-token generate (None: refused), "next_guess_s": GUESSER's next
+    wrong key}.
+    nginx: the msgpack door only (its http proxy sends no PROXY header)."""
+    keys = work_dir / "keys.toml"
+    secret = add_key(keys, "alice")
+    doors = ("msgpack",) if kind == "nginx" else ("msgpack", "http")
+    trust = ("--proxy-protocol-from", "127.0.0.1") if proxy_protocol else ()
+    cluster = Cluster(
+        kind,
+        affinity=False,
+        extra_args=("--keys-file", str(keys), *trust),
+        doors=doors,
+        proxy_protocol=proxy_protocol,
+        keyed=True,
+    )
+    results = {}
+    try:
+        cluster.start(executable)
+        for door in doors:
+            port = cluster.balancers[door].ports[0]
+            for _ in range(guesses):
+                _wrong_key_s(door, port)
+            results[door] = {
+                "key_holder_s": _key_holder_s(door, port, secret),
+                "next_guess_s": _wrong_key_s(door, port),
+            }
+    finally:
+        cluster.close()
+    return results
+
+
+def _wrong_key_s(door: str, port: int) -> float:
+    """Seconds a wrong key from GUESSER takes to be refused, on a new connection."""
+    start = time.monotonic()
+    if door == "msgpack":
+        with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(GUESSER, 0)) as sock:
+            sock.sendall(msgpack.packb([0, 0, "auth", ["wrong"]]))
+            answer = msgpack.unpackb(sock.recv(1 << 16))
+        if answer[2]["code"] != UNAUTHORIZED:
+            raise RuntimeError(f"a wrong key was answered {answer}")
+    else:
+        _http_completion(port, GUESSER, "wrong", want=(401, 429))  # 429: its backoff queue was full
+    return time.monotonic() - start
+
+
+def _key_holder_s(door: str, port: int, key: str) -> float | None:
+    """Seconds until KEY_HOLDER's 2 tokens came back, or None if it was refused (its address's backoff)."""
+    start = time.monotonic()
+    try:
+        if door == "msgpack":
+            with Client("127.0.0.1", port, api_key=key, source_address=(KEY_HOLDER, 0), timeout=60) as c:
+                c.generate("Zoo", max_tokens=2)
+        elif _http_completion(port, KEY_HOLDER, key, want=(200, 429)) == 429:
+            return None
+    except RPCError as e:
+        if e.code != UNAUTHORIZED:
+            raise
+        return None
+    return time.monotonic() - start
+
+
+def _http_completion(port: int, source: str, key: str, want: tuple[int, ...]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    body = {"model": default_model_dir().name, "prompt": "Zoo", "max_tokens": 2}  # the replicas' model
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    answer = response.read()
+    conn.close()
+    if response.status not in want:
+        raise RuntimeError(f"HTTP {response.status}, not {want}: {answer[:200]!r}")
+    return response.status

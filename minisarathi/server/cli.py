@@ -119,6 +119,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates signed by it"
     )
+    a.add_argument(
+        "--proxy-protocol-from",
+        action="append",
+        default=[],
+        metavar="CIDR[,CIDR...]",
+        help="connections from these addresses (load balancers) start with a PROXY protocol header (v1 or "
+        "v2) naming the client, whose address the per-address limits count (docs/deploy.md)",
+    )
     limits = parser.add_argument_group("limits (docs/protocol.md)")
     for field in dataclasses.fields(ServerLimits):
         default = getattr(ServerLimits, field.name)
@@ -191,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.http_host is not None:
         _check_exposure("--http-host", args.http_host, keys, args.insecure_no_auth)
     tls = server_tls_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+    proxies = _trusted_proxies(args.proxy_protocol_from)
     options = engine_options_from_args(args)
     model_dir = Path(options["model"] or default_model_dir())
     template = None
@@ -199,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         template = load_chat_template(model_dir, args.chat_template)
     engine = LLMEngine(**options)
-    hub = Hub(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls)
+    hub = Hub(engine, limits, keys=keys, model_name=model_dir.resolve().name, tls=tls, proxies=proxies)
     hub.doors.append(MsgpackDoor(hub, None if args.no_msgpack else args.host, args.port, args.unix_socket))
     if args.http_port is not None or args.metrics_port is not None:
         _add_http_doors(hub, args, model_dir, template)
@@ -208,6 +217,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except ListenError as e:
         raise ValueError(f"{_listener_flags(e.listener, args)}: cannot listen ({e.strerror})") from None
     return 0
+
+
+def _trusted_proxies(specs: list[str]):
+    from minisarathi.server.proxy_protocol import TrustedProxies
+
+    try:
+        return TrustedProxies(specs) if specs else None
+    except ValueError as e:
+        raise ValueError(f"--proxy-protocol-from: {e}") from None
 
 
 def _listener_flags(listener, args: argparse.Namespace) -> str:

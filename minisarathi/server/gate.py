@@ -1,6 +1,8 @@
 """What every door's connections pass before they reach it: per-address backoff for failed auths, the accept
-loop (each connection counted by the hub from accept on, a TLS handshake included, under the auth
-deadline), and quiet logging of what a flood repeats.
+loop (each connection counted by the hub from accept on, a trusted balancer's PROXY header and a TLS
+handshake included, under the auth deadline; an optional accept rate per address), and quiet logging of
+what a flood repeats. "Address" is always the client's (client_address; behind a trusted balancer, the one
+its PROXY header names: proxy_protocol.py).
 
 The backoff: each failed auth from an address spaces that address's next credential checks further apart
 (50 ms doubling to 5 s, forgotten 10 minutes after its last failure), on every door at once. A check waits
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minisarathi.server.auth import Key
+from minisarathi.server.proxy_protocol import ProxyHeaderError, TrustedProxies, read_header
 
 log = logging.getLogger("minisarathi.server")
 
@@ -161,14 +164,40 @@ class AuthGate:
         return state
 
 
+class AcceptRate:
+    """New connections per second per client address (`--accept-rate-per-address`; 0: no limit): a bucket
+    of a second's worth (at least one), refilled continuously; a connection past it is refused at accept,
+    before any TLS or protocol work. Off by default: behind a balancer without the PROXY protocol every
+    client shares the balancer's address."""
+
+    MAX_ADDRESSES = 10_000  # the least recently seen are forgotten first (a new bucket is a full one)
+
+    def __init__(self, rate: float):
+        self.rate, self.burst = rate, max(rate, 1.0)
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+
+    def admit(self, address: str) -> bool:
+        if not self.rate or address == "unix":
+            return True
+        now = time.monotonic()
+        tokens, at = self._buckets.pop(address, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        admitted = tokens >= 1.0
+        self._buckets[address] = (tokens - admitted, now)  # address -> (tokens left, when)
+        if len(self._buckets) > self.MAX_ADDRESSES:
+            self._buckets.popitem(last=False)
+        return admitted
+
+
 class Arrival:
     """A connection accepted and not yet handed to its door (a TLS one during its handshake): the hub counts
     it as unauthenticated when there are keys (and evicting it ends the handshake), else as any connection."""
 
     key = None
 
-    def __init__(self, address: str, peer: str, authenticated: bool):
-        self.address, self.peer = address, peer
+    def __init__(self, ip: str, peer: str, authenticated: bool):
+        self.ip, self.peer = ip, peer  # the client's IP ("unix") and "IP:PORT": a trusted proxy's header's
+        self.address = client_address(ip)
         self.authenticated = authenticated
         self.opened = time.monotonic()
         self.closed = False
@@ -190,12 +219,14 @@ class Listener:
         sock: socket.socket,
         make_protocol: Callable[[Arrival], asyncio.Protocol],
         tls: ssl.SSLContext | None,
+        proxies: TrustedProxies | None,
     ):
-        self.hub, self.sock, self.tls = hub, sock, tls
+        self.hub, self.sock, self.tls, self.proxies = hub, sock, tls, proxies
         self._make_protocol = make_protocol
         self._task: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()
         self._accept_failed = RateLimitedLog(log)
+        self._bad_header = RateLimitedLog(log)
         sock.setblocking(False)
 
     def start(self) -> None:
@@ -223,27 +254,33 @@ class Listener:
 
     def _arrived(self, sock: socket.socket, peer) -> None:
         tcp = isinstance(peer, tuple)
-        address, name = (client_address(peer[0]), f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
-        arrival = Arrival(address, name, authenticated=self.hub.keys is None)
+        ip, name = (peer[0], f"{peer[0]}:{peer[1]}") if tcp else ("unix", "unix")
+        arrival = Arrival(ip, name, authenticated=self.hub.keys is None)
+        address = arrival.address
         # An address holding its share of a full pool is refused before any TLS or protocol work; the others
         # count from now (a burst of accepts runs before their doors get them), except a plain connection
         # without keys: its door refuses it past --max-connections in its protocol (`overloaded`)
         counted = self.tls is not None or not arrival.authenticated
-        refused = self.hub.pool.crowded(address) or (self.hub.pool.connect(arrival) if counted else None)
+        proxied = tcp and self.proxies is not None and ip in self.proxies  # rated once its header is read
+        refused = (
+            (None if proxied else self.hub.pool.too_fast(address))
+            or self.hub.pool.crowded(address)
+            or (self.hub.pool.connect(arrival) if counted else None)
+        )
         if refused is not None:
             self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
-            # a reset, not a FIN: the descriptor is free at once and no TIME_WAIT is left on this side
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT_LINGER)
-            sock.close()
+            _reset(sock)
             return
-        arrival.task = asyncio.get_running_loop().create_task(self._open(arrival, sock))
+        arrival.task = asyncio.get_running_loop().create_task(self._open(arrival, sock, proxied))
         self._handshakes.add(arrival.task)
         arrival.task.add_done_callback(self._handshakes.discard)
 
-    async def _open(self, arrival: Arrival, sock: socket.socket) -> None:
+    async def _open(self, arrival: Arrival, sock: socket.socket, proxied: bool) -> None:
         loop = asyncio.get_running_loop()
         deadline = self.hub.limits.auth_timeout_s
         try:
+            if proxied and not await self._take_proxy_header(arrival, sock, deadline):
+                return
             if self.tls is not None:  # an address in backoff waits for its turn before its handshake's work
                 await asyncio.sleep(self.hub.backoff_wait_s(arrival.address))
             await loop.connect_accepted_socket(
@@ -257,6 +294,40 @@ class Listener:
             log.debug("connection from %s closed before it was served: %r", arrival.peer, e)
             sock.close()
             self.hub.pool.disconnect(arrival)  # served, it stays counted until its door's hand_over
+
+    async def _take_proxy_header(self, arrival: Arrival, sock: socket.socket, deadline: float) -> bool:
+        """A connection from a trusted proxy: its header's client becomes the arrival's (its pool share
+        moves to that address, under the rules of a new connection from it). False: it was closed (no valid
+        header within the deadline, or refused as that address's connection would be)."""
+        try:
+            async with asyncio.timeout(deadline):
+                client = await read_header(sock)
+        except TimeoutError:
+            self._bad_header(
+                "connection from proxy %s closed: no PROXY header within %.0fs", arrival.peer, deadline
+            )
+            return self._closed(arrival, sock)
+        except ProxyHeaderError as e:
+            self._bad_header("connection from proxy %s closed: %s", arrival.peer, e)
+            return self._closed(arrival, sock)
+        if client is not None:  # None: v2 LOCAL, v1 UNKNOWN (the proxy's own connection, e.g. a check)
+            arrival.ip, arrival.peer = client[0], f"{client[0]}:{client[1]}"
+            refused = self.hub.pool.readdress(arrival, client_address(client[0]))
+            if refused is not None:
+                self.hub.refused_log("connection from %s refused: %s", arrival.peer, refused)
+                return self._closed(arrival, sock)
+        return True
+
+    def _closed(self, arrival: Arrival, sock: socket.socket) -> bool:
+        _reset(sock)
+        self.hub.pool.disconnect(arrival)
+        return False
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset, not a FIN: the descriptor is free at once and no TIME_WAIT is left on this side."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT_LINGER)
+    sock.close()
 
 
 def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -306,6 +377,7 @@ class ConnectionPool:
         self.unauthenticated: dict = {}  # connections not yet authenticated, oldest first
         self.per_address = collections.Counter()  # client address -> its connections in unauthenticated
         self.evicted = 0  # unauthenticated connections closed to make room
+        self.accept_rate = AcceptRate(limits.accept_rate_per_address)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_open = max(soft - _FD_RESERVE, soft // 2) if soft != resource.RLIM_INFINITY else None
 
@@ -324,13 +396,21 @@ class ConnectionPool:
             if self._num_authenticated() >= self.limits.max_connections:
                 return f"more than {self.limits.max_connections} connections"
         else:
-            if self.per_address[conn.address] >= self.limits.max_unauthenticated_per_address:
-                self.evict(next(c for c in self.unauthenticated if c.address == conn.address))
-            if len(self.unauthenticated) >= self.limits.max_unauthenticated_connections:
-                self.evict(self._oldest_of_largest_address())
-            self._pool_add(conn)
+            self._add_unauthenticated(conn)
         self.connections.add(conn)
         return None
+
+    def readdress(self, conn, address: str) -> str | None:
+        """A connection counted under a trusted proxy's address is its client's (the proxy's header named
+        it): why it is refused as a new connection from that address would be (`too_fast`, `crowded`), or
+        None once its share of the unauthenticated pool has moved there."""
+        counted = conn in self.unauthenticated
+        self._pool_remove(conn)
+        conn.address = address
+        refused = self.too_fast(address) or self.crowded(address)
+        if refused is None and counted:
+            self._add_unauthenticated(conn)
+        return refused
 
     def hand_over(self, arrival: Arrival, conn) -> str | None:
         """The door's connection takes its arrival's place (and age) in the pool; an arrival evicted before
@@ -345,6 +425,14 @@ class ConnectionPool:
         if arrival in self.unauthenticated:  # same address: per_address is unchanged
             self.unauthenticated = {conn if c is arrival else c: None for c in self.unauthenticated}
         return None
+
+    def too_fast(self, address: str) -> str | None:
+        """Why a new connection from `address` is refused at accept for its rate (AcceptRate), or None."""
+        if self.accept_rate.admit(address):
+            return None
+        return (
+            f"more than {self.limits.accept_rate_per_address:g} new connections per second from its address"
+        )
 
     def crowded(self, address: str) -> str | None:
         """Why a new unauthenticated connection from `address` is refused at accept, before any TLS or
@@ -386,6 +474,15 @@ class ConnectionPool:
 
     def _num_authenticated(self) -> int:
         return sum(1 for c in self.connections if c.authenticated and not c.closed)
+
+    def _add_unauthenticated(self, conn) -> None:
+        """Past the limits: the oldest unauthenticated connection of its address goes, or of the address
+        holding the most."""
+        if self.per_address[conn.address] >= self.limits.max_unauthenticated_per_address:
+            self.evict(next(c for c in self.unauthenticated if c.address == conn.address))
+        if len(self.unauthenticated) >= self.limits.max_unauthenticated_connections:
+            self.evict(self._oldest_of_largest_address())
+        self._pool_add(conn)
 
     def _pool_add(self, conn) -> None:
         self.unauthenticated[conn] = None

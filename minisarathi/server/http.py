@@ -48,6 +48,7 @@ from minisarathi.server.protocol import (
     ABORTED,
     INVALID_PARAMS,
     OVERLOADED,
+    OVERLOADED_RETRY_S,
     RATE_LIMITED,
     UNAUTHORIZED,
     RPCError,
@@ -142,7 +143,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, door: HttpDoor, handler: asyncio.Protocol, arrival: Arrival):
         self.door, self.handler, self.arrival = door, handler, arrival
-        self.address, self.peer = arrival.address, arrival.peer
+        self.address, self.peer, self.ip = arrival.address, arrival.peer, arrival.ip  # a proxy's header's
         self.authenticated = door.hub.keys is None
         self.key: Key | None = None
         self.opened = time.monotonic()
@@ -412,7 +413,7 @@ class HttpDoor:
     async def _authenticate(self, request: web.Request, conn: _Connection | None) -> None:
         """The request's key, checked at its address's turn (the backoff shared with the msgpack door);
         a good key takes its connection out of the unauthenticated pool."""
-        address = client_address(request.remote or "")
+        address = conn.address if conn is not None else client_address(request.remote or "")
         if not await self.hub.auth_turn(address):
             raise OpenAIError(  # Retry-After: when the address's queued turns have run
                 429,
@@ -425,7 +426,10 @@ class HttpDoor:
             raise OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
         if conn is not None and request["key"] is not None and not self.hub.pool.grant(conn, request["key"]):
             raise OpenAIError(
-                429, f"more than {self.hub.limits.max_connections} connections", code="overloaded"
+                429,
+                f"more than {self.hub.limits.max_connections} connections",
+                code="overloaded",
+                retry_after_s=OVERLOADED_RETRY_S,
             )
 
     async def _json(self, request: web.Request):
@@ -465,6 +469,11 @@ class HttpDoor:
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be {REQUEST_ID_RULE}", param=REQUEST_ID_HEADER)
         request["request_id"] = given or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return request["request_id"]
+
+    def _client_ip(self, request: web.Request) -> str:
+        """For the request log: the client's IP, as a trusted proxy's header named it."""
+        conn = self.connections.get(request.transport)
+        return conn.ip if conn is not None else request.remote or ""
 
     # ------------------------------------------------------------------------------------------ endpoints
 
@@ -508,7 +517,7 @@ class HttpDoor:
         request_id = self._request_id(request, "completion")
         received = time.monotonic()
         parsed = parse_completion(await self._json(request), self.model_name, self.limits)
-        call = _Call(request_id, "completion", parsed, request.remote or "", received, request.get("key"))
+        call = _Call(request_id, "completion", parsed, self._client_ip(request), received, request.get("key"))
         await self._prepare(call, "prompt", add_special_tokens=True)
         return await self._generate(request, call)
 
@@ -526,7 +535,7 @@ class HttpDoor:
                 code="no_chat_template",
             )
         parsed = parse_chat(body, self.model_name, self.limits, self.tool_format)
-        call = _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
+        call = _Call(request_id, "chat", parsed, self._client_ip(request), received, request.get("key"))
         await self._prepare(call, "messages", add_special_tokens=False)
         return await self._generate(request, call)
 
@@ -937,14 +946,11 @@ def _from_rpc(error: RPCError, accepting: bool = True) -> OpenAIError:
     if error.code == INVALID_PARAMS:  # the engine's messages start with the field they are about
         field_name = error.message.split(" ", 1)[0]
         return OpenAIError(400, error.message, param=field_name if field_name in REQUEST_FIELDS else None)
-    if error.code == OVERLOADED:
-        return (
-            OpenAIError(429, error.message, code="overloaded")
-            if accepting
-            else OpenAIError(503, error.message, code="draining")
-        )
-    if error.code == ABORTED:
-        return OpenAIError(503, error.message, code="draining")
+    # overloaded and draining: Retry-After is overloaded's small constant (a draining replica's client
+    # retries through its balancer, which sends it elsewhere)
+    if error.code in (OVERLOADED, ABORTED):
+        status, code = (429, "overloaded") if error.code == OVERLOADED and accepting else (503, "draining")
+        return OpenAIError(status, error.message, code=code, retry_after_s=OVERLOADED_RETRY_S)
     if error.code == UNAUTHORIZED:  # the key was removed (SIGHUP) while the request arrived
         return OpenAIError(401, _UNAUTHORIZED_MESSAGE, code="invalid_api_key")
     if error.code == RATE_LIMITED:

@@ -96,12 +96,13 @@ class Hub:
         keys: KeyStore | None = None,
         model_name: str = "",
         tls: ssl.SSLContext | None = None,
+        proxies=None,
     ):
         self.engine = engine
         self.limits = limits or ServerLimits()
         self.keys = keys  # None: no auth
         self.model_name = model_name  # the model folder's name, never its path
-        self.tls = tls  # every door's listeners use it
+        self.tls, self.proxies = tls, proxies  # the listeners' SSLContext, proxy_protocol.TrustedProxies
         self.doors: list = []
         self.finish_listeners: list[Callable[[FinishedRequest], None]] = []  # called by report_finished
         self.pool = ConnectionPool(self.limits, keys is not None)  # the doors' connections (gate.py)
@@ -308,7 +309,7 @@ class Hub:
     def listen(self, sock: socket.socket, make_protocol) -> None:
         """Serve a listening socket: make_protocol(arrival) makes each connection's protocol, which hands
         the arrival back with pool.disconnect() before it connects its own connection."""
-        listener = Listener(self, sock, make_protocol, self.tls)
+        listener = Listener(self, sock, make_protocol, self.tls, self.proxies)
         self._listeners.append(listener)
         listener.start()
 
@@ -365,10 +366,7 @@ class Hub:
     def open(self, request_id: str, on_output: Callable) -> None:
         """Register a request (its id not in_use) under the server's limits; RPCError(OVERLOADED) if it may
         not. From now on drain waits for it."""
-        if self.shutting_down:
-            raise RPCError(OVERLOADED, "server is shutting down")
-        if len(self._requests) >= self.limits.max_queued_requests:
-            raise RPCError(OVERLOADED, f"server queue is full ({self.limits.max_queued_requests} requests)")
+        self.precheck(None, 0, 0, 0, queued=1)  # the queue's checks: room for one more, not shutting down
         self._requests[request_id] = on_output
         self._drained.clear()
 

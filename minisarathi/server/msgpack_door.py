@@ -293,13 +293,12 @@ class MsgpackDoor:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arrival: Arrival
     ):
-        peer = writer.get_extra_info("peername")
         conn = _Connection(
             next(self._conn_ids),
             writer,
             self.limits,
             authenticated=self.hub.keys is None,
-            peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix",
+            peer=arrival.peer,  # a trusted proxy's client, as its header named it
             on_stall=self._on_stall,
         )
         writer.transport.set_write_buffer_limits(high=UNREAD_HIGH_WATER)
@@ -314,7 +313,7 @@ class MsgpackDoor:
             conn.protocol_error(None, RPCError(OVERLOADED, refused))
             conn.close(flush=True)
             return
-        log.debug("conn=%d opened from %s", conn.id, peer or "unix socket")
+        log.debug("conn=%d opened from %s", conn.id, conn.peer)
         self._connections.add(conn)
         reading = _Reader(conn, self.limits)
         try:

@@ -36,7 +36,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.retry_after_s = retry_after_s  # 429 over a key's quota: the Retry-After header
+        self.retry_after_s = retry_after_s  # the Retry-After header (429s, the 503 draining)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -25,7 +25,8 @@ UNKNOWN_METHOD = 2
 INVALID_PARAMS = 3  # the message names the offending field
 PROMPT_TOO_LONG = 4
 UNAUTHORIZED = 5
-OVERLOADED = 6  # queue full, too many requests in flight on the connection, or shutting down
+OVERLOADED = 6  # queue full, too many requests in flight on the connection, or shutting down; retry_after_s
+OVERLOADED_RETRY_S = 1.0  # overloaded's retry_after_s: a small constant, not an estimate (docs/protocol.md)
 ABORTED = 7  # aborted by the client, or by the server on shutdown
 INTERNAL = 8
 RATE_LIMITED = 9  # over the key's quota; the error map also carries retry_after_s
@@ -50,7 +51,8 @@ class RPCError(Exception):
         super().__init__(f"{ERROR_NAMES.get(code, code)}: {message}")
         self.code = code
         self.message = message
-        self.retry_after_s = retry_after_s  # rate_limited only: when the quota will admit the request
+        # rate_limited: when the quota will admit the request
+        self.retry_after_s = OVERLOADED_RETRY_S if code == OVERLOADED else retry_after_s
 
     @property
     def name(self) -> str:
@@ -79,7 +81,7 @@ class RPCError(Exception):
         return cls(INTERNAL, repr(error))
 
 
-MAY_BE_ZERO = {"drain_delay_s"}  # ServerLimits fields whose 0 means "none"
+MAY_BE_ZERO = {"drain_delay_s", "accept_rate_per_address"}  # ServerLimits fields whose 0 means "none"
 
 
 @dataclass
@@ -112,6 +114,7 @@ class ServerLimits:
     max_unauthenticated_message_bytes: int = 4096  # one message before auth succeeds
     max_unauthenticated_connections: int = 256  # past it, the oldest unauthenticated one is closed
     max_unauthenticated_per_address: int = 32  # the same, per client IP address
+    accept_rate_per_address: float = 0.0  # new connections per second per client address (gate.AcceptRate)
     max_write_buffer_bytes: int = (
         16 << 20
     )  # a client that stops reading its streams is disconnected past this

@@ -158,6 +158,13 @@ def test_serve_http_flags_name_themselves(tmp_path):
         )
 
 
+def test_a_bad_proxy_protocol_network_is_named():
+    check_refused(
+        run_cli("serve", "--port", "0", "--proxy-protocol-from", "10.0.0.0/8,10.0.0.0/33"),
+        "--proxy-protocol-from: '10.0.0.0/33' is not an IP address or network",
+    )
+
+
 # ------------------------------------------------------------------ bench
 
 

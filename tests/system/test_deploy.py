@@ -5,7 +5,10 @@
 - session affinity raises the prefix-cache hit rate of a multi-turn workload over round robin;
 - a replica that is killed (no drain) costs only the streams that had started: calls in flight on it, from
   Client and AsyncClient, are sent again and answered by the other replica;
-- a balancer that dies gives its clients a clear error at once, never a hang.
+- a balancer that dies gives its clients a clear error at once, never a hang;
+- with the PROXY protocol on (HAProxy send-proxy-v2 / send-proxy, nginx stream proxy_protocol), the replicas'
+  per-address auth backoff counts the client behind the balancer: a brute-forcing client is slowed, the other
+  key holders behind the same balancer are not.
 
 The balancers come from the distribution (Debian: apt-get install nginx libnginx-mod-stream haproxy); without
 them these tests skip and say so.
@@ -18,7 +21,7 @@ import time
 import pytest
 from test_server import offline_greedy
 
-from minisarathi.bench.cluster import Cluster, ContinuousLoad, find_balancer
+from minisarathi.bench.cluster import Cluster, ContinuousLoad, brute_force_behind, find_balancer
 from minisarathi.bench.multiturn import MultiTurnConfig, run_multiturn, summarize_turns
 from minisarathi.client import AsyncClient, Client
 from minisarathi.config import EngineConfig
@@ -152,6 +155,18 @@ def test_a_dead_balancer_gives_a_clear_error_not_a_hang(cluster):
         async_thread.join(timeout=30)
         assert time.monotonic() - t < 10
     assert errors == [None]
+
+
+@pytest.mark.parametrize("kind", ["nginx", "haproxy"])
+def test_behind_a_balancer_the_backoff_counts_the_client_not_the_balancer(kind, tmp_path):
+    """bench.cluster.brute_force_behind: 12 wrong keys from one client behind the balancer (round robin: six
+    failures on each replica, whose next check of that client then waits 1.6 s), then a key holder at
+    another address is served at once and the guesser's next guess still waits. Without the PROXY protocol
+    every connection would come from the balancer, and the key holder would wait as long (bench/deploy.py
+    --proxy-protocol measures both: docs/deploy.md)."""
+    for door, seconds in brute_force_behind(kind, balancer(kind), tmp_path, proxy_protocol=True).items():
+        assert seconds["key_holder_s"] is not None and seconds["key_holder_s"] < 1.0, (door, seconds)
+        assert seconds["next_guess_s"] > 0.5, (door, seconds)
 
 
 def _exception_of(fn, *args) -> Exception | None:

@@ -557,6 +557,7 @@ def test_chat_without_a_template_is_a_clear_400_and_a_full_queue_a_429():
             status == 429
             and error["error"]["code"] == "overloaded"
             and "queue is full" in error["error"]["message"]
+            and headers["Retry-After"] == "1"  # overloaded's small constant
         )
         long.close()
         deadline = time.monotonic() + 30

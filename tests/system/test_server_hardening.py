@@ -25,6 +25,7 @@ from minisarathi.server.protocol import (
     INVALID_MESSAGE,
     INVALID_PARAMS,
     OVERLOADED,
+    OVERLOADED_RETRY_S,
     PROMPT_TOO_LONG,
     UNAUTHORIZED,
     ServerLimits,
@@ -176,7 +177,11 @@ def test_one_connection_holds_no_more_requests_than_the_engine_runs(server):
         if message[0] == 1 and message[2] is not None:
             errors[message[1]] = message[2]
     assert errors == {
-        97: {"code": OVERLOADED, "message": "more than 96 requests in flight on this connection"}
+        97: {
+            "code": OVERLOADED,
+            "message": "more than 96 requests in flight on this connection",
+            "retry_after_s": OVERLOADED_RETRY_S,
+        }
     }
     conn.close()
     wait_until_idle(server, api_key=KEY)

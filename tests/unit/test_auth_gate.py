@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from minisarathi.server import gate
-from minisarathi.server.gate import AuthGate, Listener, RateLimitedLog, client_address
+from minisarathi.server.gate import AcceptRate, AuthGate, Listener, RateLimitedLog, client_address
 from minisarathi.testing import FakeClock
 
 
@@ -145,14 +145,19 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
     async def serve() -> None:
         listening = socket.create_server(("127.0.0.1", 0))
         pool = SimpleNamespace(
-            connect=lambda conn: None, crowded=lambda address: None, disconnect=lambda conn: None
+            connect=lambda conn: None,
+            crowded=lambda address: None,
+            too_fast=lambda address: None,
+            disconnect=lambda conn: None,
         )
         hub = SimpleNamespace(
             pool=pool,
             keys=None,
             limits=SimpleNamespace(auth_timeout_s=5.0),
         )
-        listener = Listener(hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None)
+        listener = Listener(
+            hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None, None
+        )
         loop = asyncio.get_running_loop()
         accept, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")] * 5
 
@@ -176,3 +181,26 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
         "cannot accept a connection: Too many open files; retrying"
     ]
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_the_accept_rate_is_a_bucket_per_address(clock):
+    rate = AcceptRate(5.0)
+    assert [rate.admit("127.0.0.2") for _ in range(7)] == [True] * 5 + [False] * 2  # a second's burst
+    assert rate.admit("127.0.0.3")  # another address has its own
+    clock.now += 0.2  # one more
+    assert [rate.admit("127.0.0.2") for _ in range(2)] == [True, False]
+    clock.now += 10  # refilled to the burst, no more
+    assert sum(rate.admit("127.0.0.2") for _ in range(20)) == 5
+    assert all(rate.admit("unix") for _ in range(20))  # the Unix socket is local
+
+
+def test_the_accept_rate_is_off_at_zero_and_bounded_in_addresses(clock):
+    assert all(AcceptRate(0.0).admit("127.0.0.2") for _ in range(1000))
+    slow = AcceptRate(0.5)  # below one a second: a burst of one
+    assert [slow.admit("a"), slow.admit("a")] == [True, False]
+    clock.now += 2
+    assert slow.admit("a")
+    many = AcceptRate(1.0)
+    for i in range(AcceptRate.MAX_ADDRESSES + 10):
+        many.admit(f"10.0.{i // 256}.{i % 256}")
+    assert len(many._buckets) == AcceptRate.MAX_ADDRESSES
