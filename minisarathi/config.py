@@ -169,6 +169,13 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm (weights [head_dim]) on each head of q and k before RoPE
     o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
     dtype: str  # the checkpoint's dtype, one of DTYPES
+    # Sliding-window attention: query position i sees keys j with i - sliding_window < j <= i, on the layers
+    # where sliding_layers is True (None: every layer); None where every layer attends to all its keys.
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    extra_layer_norms: tuple[
+        str, ...
+    ] = ()  # per-layer RMSNorms besides Llama's two (Gemma 3's feedforward's)
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -210,7 +217,7 @@ class ModelConfig:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
         max_positions = _positive_int(config, "max_position_embeddings")
-        _check_no_sliding_window(arch, config, max_positions)
+        window = _sliding_window(arch, config, max_positions)
 
         hidden = _positive_int(config, "hidden_size")
         heads = _positive_int(config, "num_attention_heads")
@@ -245,7 +252,20 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             dtype=dtype,
+            sliding_window=window,
         )
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as paged_attention takes it."""
+        sliding = self.sliding_layers or (True,) * self.num_hidden_layers
+        return [self.sliding_window if s else None for s in sliding]
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer, where all of them slide: the KV blocks before it can be freed."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     def rope_cos_sin(self) -> np.ndarray:
         """float32[max_position_embeddings, head_dim]: row p is [cos(p * inv_freq) | sin(p * inv_freq)], the
@@ -313,17 +333,18 @@ def _positive_int(config: dict, name: str) -> int:
     return check_int(name, config.get(name), lo=1)
 
 
-def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> None:
-    # Full attention only: a window that covers every position is the same thing.
+def _sliding_window(arch: str, config: dict, max_positions: int) -> int | None:
+    """Mistral's window over every layer (Qwen2/Qwen3's use_sliding_window is refused); None where it covers
+    every position, which is full attention."""
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if config.get("use_sliding_window", False):
             raise ValueError(f"use_sliding_window must be false, got {config['use_sliding_window']!r}")
-        return
+        return None
     window = config.get("sliding_window")
-    if window is not None and window < max_positions:
-        raise ValueError(
-            f"sliding_window must be null or >= max_position_embeddings ({max_positions}), got {window!r}"
-        )
+    if window is None:
+        return None
+    check_int("sliding_window", window, lo=1)
+    return window if window < max_positions else None
 
 
 def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:

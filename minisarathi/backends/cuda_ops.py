@@ -748,8 +748,9 @@ class CudaOps:
             ),
         )
 
-    def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
-        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind
+    def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, window: int | None = None):
+        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position (with a sliding
+        window, position - window + 1..position; the kernels take 0 for none). One launch per kind
         of row, over disjoint rows of one output: decodes (query runs of one token) to decode_attention.cu,
         longer runs (prefill chunks) of 16-bit models to prefill_attention.cu (tensor cores), and what those
         do not take (float32 prefills, shapes they do not support) to paged_attention.cu."""
@@ -777,24 +778,25 @@ class CudaOps:
         prefills = q_lens > 1
         if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):
             prefills[:] = False
+        window = np.int32(window or 0)
         if decodes.any() and prefills.any():
             # A hybrid step: the decodes' output rows are disjoint from the chunks', so their K/V reads run on
             # a second stream, under the prefill's tensor-core work, and the step joins them before going on.
             with self.launcher.side_stream():
-                self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
-            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+                self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes, window)
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out, window)
             self.launcher.join_side_stream()
         elif decodes.any():
-            self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
+            self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes, window)
         elif prefills.any():
-            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out, window)
         rest = ~(decodes | prefills)
         if rest.any():
-            self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest)
+            self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest, window)
         return out
 
     def _decode_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray, window: np.int32
     ) -> None:
         """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
         T, Hq, D = q.shape
@@ -833,6 +835,7 @@ class CudaOps:
                 np.int64(_row_stride(q, "q")),
                 np.float32(scale),
                 np.int32(plan.table_capacity),
+                window,
             ),
             shared_mem=plan.shared_mem,
         )
@@ -849,6 +852,7 @@ class CudaOps:
                     out,
                     np.int32(Hq),
                     np.int32(D),
+                    window,
                 ),
             )
 
@@ -883,7 +887,7 @@ class CudaOps:
         return cached[1:]
 
     def _chunk_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray, window: np.int32
     ) -> None:
         """paged_attention.cu for the query runs of the sequences where bool[S] `selected` holds (any run
         length, any shape)."""
@@ -947,6 +951,7 @@ class CudaOps:
                 np.float32(scale),
                 np.int32(PA_PARTITION_SIZE),
                 np.int32(key_tile),
+                window,
             ),
             shared_mem=smem,
         )
@@ -971,6 +976,7 @@ class CudaOps:
                     np.int32(Hq),
                     np.int32(D),
                     np.int32(PA_PARTITION_SIZE),
+                    window,
                 ),
             )
 
@@ -988,7 +994,15 @@ class CudaOps:
         self._shared_mem_opt_in[id(kernel)] = allowed
 
     def _prefill_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, splits: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        batch: Batch,
+        scale: float,
+        out,
+        window: np.int32,
+        splits: int | None = None,
     ) -> None:
         """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token. A grid too small
         to fill the GPU is split along the keys (_prefill_splits; `splits` forces a number), each split's
@@ -1047,6 +1061,7 @@ class CudaOps:
                 np.int64(_row_stride(q, "q")),
                 np.float32(scale * math.log2(math.e)),
                 np.int32(split_tiles * PF["PF_KEYS"]),
+                window,
             ),
             shared_mem=smem,
         )
@@ -1070,6 +1085,7 @@ class CudaOps:
                     np.int32(Hq),
                     np.int32(D),
                     np.int32(split_tiles * PF["PF_KEYS"]),
+                    window,
                 ),
             )
 

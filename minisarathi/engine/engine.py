@@ -134,7 +134,8 @@ class LLMEngine:
             config.block_size,
             pool,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
+        self.block_manager = BlockManager(*blocks)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
         self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
@@ -517,9 +518,8 @@ class LLMEngine:
 
     def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
-        if self.block_manager.enable_prefix_caching:
-            for (seq, n), begin in zip(step.scheduled.items(), step.starts):
-                self.block_manager.register_computed(seq, begin + n)
+        for (seq, n), begin in zip(step.scheduled.items(), step.starts):
+            self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = [], [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
             done = self._append_token(seq, token, sampled, row, now)

@@ -60,13 +60,9 @@ class LlamaModel:
         self.lm_head = ops.linear_weight(
             self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
         )
+        fields = LayerWeights.__dataclass_fields__
         self.layers = [
-            LayerWeights(
-                **{
-                    name: self._place(name, weights.get(f"layers.{i}.{name}"))
-                    for name in LayerWeights.__dataclass_fields__
-                }
-            )
+            LayerWeights(**{name: self._place(name, weights.get(f"layers.{i}.{name}")) for name in fields})
             for i in range(config.num_hidden_layers)
         ]
         # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
@@ -146,7 +142,7 @@ class LlamaModel:
         q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)  # [T, H]
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+        for layer, (k_cache, v_cache), window in zip(self.layers, kv_cache, c.layer_windows):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
@@ -162,7 +158,7 @@ class LlamaModel:
             ops.rope_store_kv(
                 q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin
             )
-            attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
+            attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale, window)  # [T, Hq, D]
             hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
             if self.comm is not None:
                 hidden = self.comm.all_reduce(hidden)

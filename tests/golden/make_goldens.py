@@ -133,6 +133,19 @@ VARIANTS = {
         torch.bfloat16,
         None,
     ),
+    # Mistral with a sliding window of 6 over every layer: the 24-token prompt is 4 windows long
+    "mistral_sliding": (
+        MistralConfig(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=6,
+        ),
+        torch.float32,
+        None,
+    ),
 }
 
 
