@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
     float* __restrict__ partial_max,       // [partitions, num_tokens, num_q_heads]
     float* __restrict__ partial_sum,       // [partitions, num_tokens, num_q_heads]
     int num_tokens, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
-    long long q_stride, float scale, int partition_size, int key_tile, int window) {
+    long long q_stride, float scale, int partition_size, int key_tile,
+    int span) {   // keys a row sees back from its own: its sliding window, or 2^31 - 1 (all of them)
     extern __shared__ __align__(16) unsigned char smem[];
     float* q_s = reinterpret_cast<float*>(smem);
     float* p_s = q_s + PA_MAX_ROWS * head_dim;
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
     // Keys this CTA reads: its partition, cut at the last query's position (causality) and, with a window,
     // begun at the first query's first visible key.
     const int last_position = positions[first_token + tokens - 1];
-    const int key_begin = max(partition * partition_size, window_begin(positions[first_token], window));
+    const int key_begin = max(partition * partition_size, positions[first_token] - span + 1);
     const int key_end = min((partition + 1) * partition_size, last_position + 1);
 
     float row_max[PA_ROWS_PER_WARP], row_sum[PA_ROWS_PER_WARP], acc[PA_ROWS_PER_WARP][PA_DIMS_PER_LANE];
@@ -130,6 +131,9 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
     const int lane_row = warp + lane * PA_WARPS;
     const int row_positions = lane < PA_ROWS_PER_WARP && lane_row < rows ? positions[first_token + lane_row / group] : -1;
     const int lane_dims = head_dim - lane;   // this lane's dimensions d = lane + 32 i are those with 32 i < lane_dims
+    // Key j is visible to a row at position p when 0 <= p - j < span (causal, and within a window): one
+    // unsigned compare against the parameter (a row with no position, -1, sees none). A register more held
+    // through the tile loop made ptxas spill at sm_90.
     __syncthreads();   // q_s complete
 
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
             if (r >= rows) continue;   // uniform across the warp, so the shuffles below see all lanes
             const int row_position = __shfl_sync(FULL_WARP, row_positions, w);
             float score = negative_infinity();
-            if (lane < n && tile + lane <= row_position && tile + lane >= window_begin(row_position, window)) {
+            if (lane < n && (unsigned)(row_position - tile - lane) < (unsigned)span) {
                 const float* qr = q_s + r * head_dim;
                 const T* kr = k_s + lane * k_pitch;
                 float dot = 0.0f;

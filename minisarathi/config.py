@@ -3,6 +3,7 @@ knobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -135,7 +136,14 @@ class EngineConfig:
             )
 
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+GEMMA3_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -173,9 +181,12 @@ class ModelConfig:
     # where sliding_layers is True (None: every layer); None where every layer attends to all its keys.
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None
-    extra_layer_norms: tuple[
-        str, ...
-    ] = ()  # per-layer RMSNorms besides Llama's two (Gemma 3's feedforward's)
+    extra_layer_norms: tuple[str, ...] = ()  # per-layer RMSNorms besides Llama's two (Gemma 3's)
+    # Gemma 3 (model/gemma.py): the attention scale's query_pre_attn_scalar**-0.5, the RoPE base of its
+    # sliding layers (the global ones take rope_theta and rope_scaling), tanh soft-capping of the logits
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -214,6 +225,8 @@ class ModelConfig:
             read_scheme(config["quantization_config"])  # refused here, before any tensor is read
         if config.get("mlp_bias", False):
             raise ValueError(f"mlp_bias must be false, got {config['mlp_bias']!r}")
+        if arch == "Gemma3ForCausalLM":
+            return cls._from_gemma3(config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
         max_positions = _positive_int(config, "max_position_embeddings")
@@ -254,6 +267,64 @@ class ModelConfig:
             dtype=dtype,
             sliding_window=window,
         )
+
+    @classmethod
+    def _from_gemma3(cls, config: dict) -> ModelConfig:
+        """Gemma 3 text: GeGLU (tanh GELU), (1 + w) norms, q/k norms, interleaved sliding and global layers
+        (layer_types, or every sliding_window_pattern-th global), each kind with its own RoPE, tied
+        embeddings by default."""
+        activation = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
+        if config.get("attn_logit_softcapping") is not None:  # transformers' Gemma3Attention never applies it
+            raise ValueError(f"attn_logit_softcapping must be null, got {config['attn_logit_softcapping']!r}")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention must be false (a causal language model)")
+        layers = _positive_int(config, "num_hidden_layers")
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(
+                f"layer_types must name sliding_attention or full_attention for each of the {layers} layers"
+            )
+        params = config.get("rope_parameters")
+        if params is not None and "full_attention" in params:  # transformers 5: one set per layer type
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"the sliding layers' rope_type must be default, got {local['rope_type']!r}")
+            config = {**config, "rope_parameters": params["full_attention"]}
+            local_theta = local.get("rope_theta", 10000.0)
+        else:
+            local_theta = config.get("rope_local_base_freq", 10000.0)
+        softcap = config.get("final_logit_softcapping")
+        llama = {
+            **config,
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_act": "silu",  # checked above; the Llama reading checks the rest
+            "sliding_window": None,
+            "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        }
+        return dataclasses.replace(
+            cls.from_dict(llama),
+            architecture="Gemma3ForCausalLM",
+            qk_norm=True,
+            sliding_window=check_int("sliding_window", config.get("sliding_window"), lo=1),
+            sliding_layers=tuple(t == "sliding_attention" for t in types),
+            extra_layer_norms=GEMMA3_NORMS,
+            query_pre_attn_scalar=check_float(
+                "query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256)
+            ),
+            local_rope_theta=check_float("rope_local_base_freq", local_theta),
+            final_logit_softcapping=None
+            if softcap is None
+            else check_float("final_logit_softcapping", softcap),
+        )
+
+    def local_rope_cos_sin(self) -> np.ndarray:
+        """Gemma 3's sliding layers' table: default RoPE over local_rope_theta (rope_cos_sin's layout)."""
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None).rope_cos_sin()
 
     @property
     def layer_windows(self) -> list[int | None]:

@@ -79,6 +79,12 @@ class Backend(Protocol):
         """Query at position p sees its sequence's keys 0..p, or only p - window + 1..p (a sliding window)."""
 
     def silu_and_mul(self, x: Array) -> Array: ...
+    def gelu_tanh_and_mul(self, x: Array) -> Array:
+        """Gemma 3's GeGLU: gelu_tanh(x[:, :I]) * x[:, I:] (backends/gemma_ops.py)."""
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """tanh(x / cap) * cap (Gemma 3's logits; CudaOps in place)."""
+
     def copy_blocks(
         self, kv_cache: list[tuple[Array, Array]], sources: list[int], destinations: list[int]
     ) -> None:

@@ -50,6 +50,7 @@ TEMPLATED_KERNELS = {
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
     "decode_attention.cu": ["decode_attention_reduce_kernel"],
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
+    "gemma.cu": ["gelu_tanh_and_mul_kernel", "softcap_kernel"],
     "copy_blocks.cu": ["copy_blocks_kernel"],
 }
 PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
@@ -951,7 +952,7 @@ class CudaOps:
                 np.float32(scale),
                 np.int32(PA_PARTITION_SIZE),
                 np.int32(key_tile),
-                window,
+                window or np.int32(2**31 - 1),  # the kernel's span: every key back to 0
             ),
             shared_mem=smem,
         )
@@ -1099,6 +1100,26 @@ class CudaOps:
                 (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2))
             )
         return out
+
+    def gelu_tanh_and_mul(self, x):
+        self._check(x, "x")
+        x = self.xp.ascontiguousarray(x)
+        T, two_i = x.shape
+        out = self.xp.empty((T, two_i // 2), dtype=x.dtype)
+        if T:
+            self._kernel("gemma.cu", "gelu_tanh_and_mul_kernel", x)(
+                (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2))
+            )
+        return out
+
+    def softcap(self, x, cap: float):
+        """In place: x is the logits linear just made (C order)."""
+        self._check(x, "x")
+        if x.size:
+            self._kernel("gemma.cu", "softcap_kernel", x)(
+                (_grid_stride_blocks(x.size),), (256,), (x, np.int64(x.size), np.float32(cap))
+            )
+        return x
 
     def copy_blocks(self, kv_cache, sources: list[int], destinations: list[int]) -> None:
         pairs = self.launcher.to_device(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from minisarathi.backends.gemma_ops import GemmaNumpyOps
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
 
-class ReferenceOps:
+class ReferenceOps(GemmaNumpyOps):
     """The Backend interface on the host, in float32 NumPy, kept as simple as it can be."""
 
     device = "reference"

@@ -22,7 +22,7 @@ from minisarathi.engine.scheduler import SchedulerOutput
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir

@@ -11,15 +11,12 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from minisarathi.backends.base import Backend
-from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
 from minisarathi.model.decode_graphs import DecodeGraphs
-from minisarathi.model.loader import load_weights
 from minisarathi.parallel.communicator import Communicator
 from minisarathi.quant.layouts import weight_format
 from minisarathi.validation import check_int
@@ -174,11 +171,3 @@ class LlamaModel:
             hidden, residual = hidden[rows], residual[rows]
         x, _ = ops.add_rms_norm(hidden, residual, self.norm, c.rms_norm_eps)
         return ops.linear(x, self.lm_head)  # [N, vocab]
-
-
-def load_model(path: str | Path, device: str = "cpu", dtype: str = "auto") -> LlamaModel:
-    """A Hugging Face folder's model on the backend for `device` (minisarathi/backends/devices.py), computing
-    in `dtype` ("auto": the checkpoint's on the CUDA backends)."""
-    config = ModelConfig.from_pretrained(path)
-    backend = make_backend(device, config.dtype if dtype == "auto" else dtype, explicit_dtype=dtype != "auto")
-    return LlamaModel(config, load_weights(path, config), backend)

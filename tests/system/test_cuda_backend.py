@@ -14,7 +14,8 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import ModelConfig
 from minisarathi.dtypes import bf16_to_float32
-from minisarathi.model.llama import LlamaModel, load_model
+from minisarathi.model.families import load_model
+from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch

@@ -22,6 +22,7 @@ from minisarathi.backends.cpu.half_linear import HalfWeight
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
 from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.cpu.quant_linear import QuantWeight
+from minisarathi.backends.gemma_ops import GemmaNumpyOps
 from minisarathi.batch import Batch
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.sampler import Sampler
@@ -38,7 +39,7 @@ def transposed_linear(rows: int, blas_core: str | None) -> bool:
     return blas_core in AVX512_CORES and rows in TRANSPOSED_ROWS
 
 
-class CpuOps:
+class CpuOps(GemmaNumpyOps):
     """The Backend interface (minisarathi/backends/base.py) on the CPU.
 
     Every layer of a forward pass sees the same batch, so what the ops derive from the batch alone (RoPE's
