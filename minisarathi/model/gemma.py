@@ -54,9 +54,7 @@ def scaled_embedding(table: CheckpointTensor, hidden_size: int) -> CheckpointTen
 
 
 class Gemma3Model(LlamaModel):
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend, comm=None):
-        if comm is not None:
-            raise ValueError("Gemma 3 runs without tensor parallelism (tensor_parallel_size 1)")
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend):
         weights = OnePlusNorms(weights)
         super().__init__(config, weights, ops)
         self.embed_tokens = ops.weight(scaled_embedding(weights["embed_tokens"], config.hidden_size))

@@ -48,6 +48,10 @@ class LlamaModel:
         dtype) or float32 arrays; ops the backend that places them and runs the forward pass.
         comm: one rank of a tensor-parallel group, which runs `config` and `weights` as sharded by
         minisarathi/parallel/sharding.py and sums o_proj's and down_proj's partial outputs over the ranks."""
+        if (
+            type(self) is LlamaModel and config.architecture == "Gemma3ForCausalLM"
+        ):  # the tensor-parallel ranks'
+            raise ValueError("Gemma 3 runs without tensor parallelism: its forward is model/gemma.py's")
         self.config = config
         self.ops = ops
         self.comm = comm

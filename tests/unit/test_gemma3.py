@@ -15,6 +15,7 @@ from minisarathi.backends.devices import make_backend
 from minisarathi.config import SCHEDULERS, ModelConfig
 from minisarathi.llm import LLM
 from minisarathi.model import gemma
+from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
@@ -124,3 +125,27 @@ def test_unsupported_gemma_configs_name_the_field(changes, words):
         ModelConfig.from_dict(gemma_dict(**changes))
     for word in words:
         assert word in str(error.value)
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu", "cuda-emulated"])
+def test_gemma_ops_against_float64(device):
+    """GeGLU with tanh GELU and the soft-cap, on every backend, against their float64 formulas (and GeGLU
+    is not silu's)."""
+    ops = make_backend(device, "float32", True)
+    rng = np.random.default_rng(0)
+    x = (4 * rng.standard_normal((5, 2 * 24))).astype(np.float32)
+    g, u = x[:, :24].astype(np.float64), x[:, 24:].astype(np.float64)
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    got = ops.to_numpy(ops.gelu_tanh_and_mul(ops.weight(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(ops.to_numpy(ops.silu_and_mul(ops.weight(x))) - want).max() > 0.1
+    logits = (30 * rng.standard_normal((3, 40))).astype(np.float32)
+    capped = ops.to_numpy(ops.softcap(ops.weight(logits), 8.0))
+    np.testing.assert_allclose(capped, np.tanh(logits.astype(np.float64) / 8) * 8, rtol=1e-6, atol=1e-5)
+
+
+def test_tensor_parallel_ranks_refuse_gemma():
+    """The ranks build a LlamaModel (parallel/worker.py): Llama's forward on Gemma's weights."""
+    config = ModelConfig.from_pretrained(GOLDEN)
+    with pytest.raises(ValueError, match="Gemma 3 runs without tensor parallelism"):
+        LlamaModel(config, load_weights(GOLDEN, config), make_backend("cpu", "float32", True))

@@ -327,6 +327,10 @@ def paged_attention(
         if not isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = out_decode
     for start, end, tiles, context_len in plan.prefills:
+        if window is not None:  # only the blocks from the first query's window on (those before may be freed)
+            skipped = max(0, context_len - (end - start) - window + 1) // block_size
+            tiles = tiles.reshape(Hk, -1)[:, skipped:].ravel()
+            context_len -= skipped * block_size  # keys counted from the first gathered one: the same masks
         k, v = buffers.gather(k_cache, v_cache, tiles)
         k, v = k.reshape(Hk, 1, -1, D), v.reshape(Hk, 1, -1, D)  # [Hk, 1, n, D]: padding past context_len
         _prefill_attention(q[start:end], k, v, context_len, out[start:end], window)
