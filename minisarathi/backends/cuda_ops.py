@@ -802,7 +802,7 @@ class CudaOps:
         """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
-        plan, items, rows = self._decode_plan(batch, decodes, Hq, Hk, D, q.dtype.itemsize, block_size)
+        plan, items, rows = self._decode_plan(batch, decodes, Hq, Hk, D, q.dtype.itemsize, block_size, window)
         xp = self.xp
         slots = max(1, plan.num_slots)
         partial_out = xp.empty((slots, Hq, D), dtype=np.float32)
@@ -858,12 +858,21 @@ class CudaOps:
             )
 
     def _decode_plan(
-        self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int, block_size: int
+        self,
+        batch: Batch,
+        decodes: np.ndarray,
+        Hq: int,
+        Hk: int,
+        D: int,
+        itemsize: int,
+        block_size: int,
+        window: np.int32,
     ):
-        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared
-        by every layer; a graph bucket's batch (the plan_context_len of a BucketBatch, decode_graphs.py) has
-        one plan for the bucket's life, for rows of up to that many keys (the kernels take each row's keys
-        from context_lens), whose device arrays stay here because its graph reads them."""
+        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step and
+        window, shared by the layers; a graph bucket's batch (the plan_context_len of a BucketBatch,
+        decode_graphs.py) has one plan for the bucket's life, for rows of up to that many keys (the kernels
+        take each row's keys from context_lens), whose device arrays stay here because its graph reads them.
+        A sliding window: the rows are planned for the keys in it, as the kernel cuts them."""
         capacity = getattr(batch, "plan_context_len", None)
         bucket = capacity is not None
         key = (("bucket", batch.num_seqs, capacity) if bucket else (id(batch.context_lens),)) + (
@@ -872,15 +881,18 @@ class CudaOps:
             D,
             itemsize,
             block_size,
+            int(window),
         )
         cached = self._decode_plans.get(key)
         if cached is None or not (bucket or cached[0] is batch.context_lens):
             seqs = np.flatnonzero(decodes)
             shape = Hq, Hk, D, self.dtype, itemsize, block_size, self.launcher.multiprocessors
+            spans = batch.context_lens[seqs] if window == 0 else np.minimum(batch.context_lens[seqs], window)
             if bucket:
-                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, capacity, *shape)
+                span = capacity if window == 0 else min(capacity, int(window))
+                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, span, *shape)
             else:
-                plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], *shape)
+                plan = decode_plan.plan(batch.query_start[seqs], seqs, spans, *shape)
             if not bucket and len(self._decode_plans) >= 8:
                 self._decode_plans = {k: v for k, v in self._decode_plans.items() if k[0] == "bucket"}
             to = self.launcher.to_device

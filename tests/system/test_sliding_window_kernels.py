@@ -63,11 +63,14 @@ def check(dtype, Hq, Hk, D, block_size, runs, window, prefill_splits=None):
     assert np.abs(unwindowed[rows] - expected[rows]).max() > 10 * atol
 
 
+@pytest.mark.parametrize("window", [100, 700])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_kernel(dtype):
-    """Decodes of contexts long enough to split, shorter than the window, and at its edge."""
+def test_decode_kernel(dtype, window):
+    """Decodes of contexts longer than the window, shorter than it, and at its edge; the window of 700
+    is cut into splits (merged by decode_attention_reduce_kernel) that begin past key 0."""
     assert cuda_ops.decode_plan.supports(dtype, 2 if dtype == "bfloat16" else 4, 8, 2, 64, 16, 200)
-    check(dtype, 8, 2, 64, 16, [(1500, 1), (600, 1), (70, 1), (5, 1), (99, 1), (100, 1)], window=100)
+    contexts = [(1500, 1), (600, 1), (70, 1), (5, 1), (window - 1, 1), (window, 1)]
+    check(dtype, 8, 2, 64, 16, contexts, window)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
