@@ -96,3 +96,26 @@ def test_kv_use_stays_bounded_by_the_window(model_dir, prefix_caching):
         assert most <= 6 // 2 + 4 // 2 + 1, most
     if prefix_caching:
         assert engine.block_manager.prefix_hits > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-emulated"])
+def test_shared_prompts_with_freed_blocks(model_dir, device):
+    """n = 2 forks a prompt whose first blocks are already freed (-1 entries are shared, never counted), two
+    equal requests share cached blocks, and overlap schedules a step before the last one's blocks are freed:
+    every choice is still transformers' greedy continuation, and the ref counts hold."""
+    prompt, expected = golden()
+    llm = LLM(
+        model_dir,
+        chunk_size=5,
+        block_size=2,
+        num_kv_blocks=64,
+        max_model_len=64,
+        device=device,
+        dtype="float32",
+        enable_prefix_caching=True,
+        overlap=True,
+    )
+    params = SamplingParams(temperature=0, n=2, max_tokens=len(expected), ignore_eos=True)
+    outputs = llm.generate([prompt, prompt], params)
+    llm.engine.check_invariants()
+    assert [choice.token_ids for out in outputs for choice in out.outputs] == [expected] * 4
