@@ -109,9 +109,8 @@ class PendingSample:
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size
-        self._eos_array = np.array(
-            eos_token_ids, np.int64
-        )  # int64[E]: masked while min_tokens is not reached
+        # int64[E]: masked while min_tokens is not reached
+        self._eos_array = np.array(eos_token_ids, np.int64)
         self._eos_set = frozenset(eos_token_ids)
         self._rng = make_generator(seed)  # for the rows without a seed of their own
         # The last step's stop/EOS mask and what it was made for: (params, which rows were under min_tokens,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minisarathi import structured as structured_outputs
 from minisarathi.validation import check_float, check_int
 
 # The smallest normal float32: the sampler works in float32, where a smaller positive number is 0 or loses
@@ -33,6 +34,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: no text (and no stop strings), token ids only; saves CPU per token
     logit_bias: dict[int, float] | None = None  # added to these token ids' logits (OpenAI's; in [-100, 100])
+    # a constraint on the output, e.g. {"json": schema}; its forms: minisarathi/structured.py
+    structured: dict | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -97,6 +100,10 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        # llguidance's grammar (JSON text) of the constraint, checked here so a refused one fails in its door
+        self.grammar = None if self.structured is None else structured_outputs.grammar(self.structured)
+        if self.grammar is not None and self.min_tokens:  # the grammar decides where the output may end
+            raise ValueError("min_tokens cannot be combined with structured")
 
     @property
     def greedy(self) -> bool:

@@ -53,7 +53,10 @@ TEMPLATED_KERNELS = {
     "gemma.cu": ["gelu_tanh_and_mul_kernel", "softcap_kernel"],
     "copy_blocks.cu": ["copy_blocks_kernel"],
 }
-PLAIN_KERNELS = {"sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"]}
+PLAIN_KERNELS = {
+    "sampling.cu": ["argmax_kernel", "apply_penalties_kernel", "sample_kernel"],
+    "token_bitmask.cu": ["apply_token_bitmask_kernel"],
+}
 # Kernels whose CTAs wait for each other (sample_kernel's split rows): launched cooperatively, so that a
 # grid the device cannot hold at once fails to launch instead of hanging.
 COOPERATIVE_KERNELS = {"sample_kernel"}
@@ -1156,6 +1159,17 @@ class CudaOps:
                 (N,), (_threads(V, 1024),), (logits, np.int32(V), ids)
             )
         return ids
+
+    def apply_token_bitmask(self, logits, rows, bitmask) -> None:
+        """In place on float32 logits[N, V]: row rows[i] (device int64[R]) keeps the tokens whose bits are set
+        in bitmask[i] (device uint32[R, ceil(V / 32)]), the others become -inf (structured outputs)."""
+        N, V = logits.shape
+        if len(rows):
+            self._plain_kernel("token_bitmask.cu", "apply_token_bitmask_kernel")(
+                (len(rows),),
+                (_threads(V, 1024),),
+                (logits, np.int32(V), rows, bitmask, np.int32(bitmask.shape[1])),
+            )
 
     def apply_penalties(
         self,

@@ -239,6 +239,14 @@ class GpuSampler:
         )
         return PendingSample(token_ids, lambda: self._output(params, rows, wait()))
 
+    def apply_token_bitmask(self, logits, rows: np.ndarray, bitmask: np.ndarray):
+        """Structured outputs (minisarathi/structured.py): a float32 copy of the device logits [N, V] with the
+        tokens host int32 bitmask[i] clears in row rows[i] (int64[R]) at -inf, by one kernel on the device."""
+        x = self.xp.array(convert(logits, dtype_name(logits), "float32"), order="C")  # a copy, float32[N, V]
+        to_device = self.ops.launcher.to_device
+        self.ops.apply_token_bitmask(x, to_device(rows.astype(np.int64)), to_device(bitmask.view(np.uint32)))
+        return x
+
     def _mask_stop_tokens(self, x, params, output_ids) -> None:
         flat = stop_token_indexes(params, output_ids, self._eos_array, self.vocab_size)
         if flat.size:

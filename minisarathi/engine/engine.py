@@ -11,6 +11,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
+from minisarathi import structured
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.batch import Batch, make_batch
 from minisarathi.config import EngineConfig
@@ -72,6 +73,7 @@ class Step:
     schedule_time: float  # scheduling and batch building
     issue_time: float  # issuing the forward, then the sampling
     sampled: PendingSample | None = None
+    mask_time: float = 0.0  # structured outputs: the constrained rows' masks, computed and applied (in issue)
 
     @property
     def scheduled(self) -> dict[Sequence, int]:
@@ -127,13 +129,8 @@ class LLMEngine:
         self.kv_cache = self.model.new_kv_cache(num_blocks, config.block_size)
         pool = num_blocks * self.model.kv_cache_bytes_per_block(config.block_size) / 2**20
         weights = f"{self.model.weight_format}, {self.model.weight_bytes / 2**20:.1f} MiB on {config.device}"
-        log.info(
-            "weights: %s; KV pool: %d blocks of %d tokens, %.1f MiB",
-            weights,
-            num_blocks,
-            config.block_size,
-            pool,
-        )
+        kv_pool = f"{num_blocks} blocks of {config.block_size} tokens, {pool:.1f} MiB"
+        log.info("weights: %s; KV pool: %s", weights, kv_pool)
         blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
         self.block_manager = BlockManager(*blocks)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
@@ -267,6 +264,7 @@ class LLMEngine:
             logprobs=None if params.logprobs is None else [],
             stream=stream,
             priority=priority,
+            matcher=structured.matcher(params, self.tokenizer, vocab),
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -363,9 +361,8 @@ class LLMEngine:
         """Issue the step's block copies and forward; the logits of its sampling rows, on the device."""
         copies = self.block_manager.take_copies()
         try:
-            if (
-                copies
-            ):  # n > 1: shared partial blocks about to be written, copied while they hold what they held
+            # n > 1: shared partial blocks about to be written, copied while they hold what they held
+            if copies:
                 self.model.copy_blocks(self.kv_cache, [s for s, _ in copies], [d for _, d in copies])
             return self.model.forward(batch, self.kv_cache, device_logits=True)
         except TensorParallelError as e:  # the ranks are gone for good: fail every later step the same way
@@ -379,6 +376,9 @@ class LLMEngine:
         if any(s.params.n > 1 and s.choices is None for s in samplers):
             logits, samplers = self._fork(logits, samplers)
         step.samplers, step.logits = samplers, None
+        masking = time.monotonic()
+        logits = structured.mask_logits(self.sampler, logits, samplers)
+        step.mask_time = time.monotonic() - masking
         step.sampled = self.sampler.launch(
             logits,
             [s.params for s in samplers],
@@ -420,6 +420,7 @@ class LLMEngine:
                 schedule.overloaded,
                 step_time - ids_wait,
                 ids_wait,
+                step.mask_time,
             )
         )
 
@@ -508,6 +509,7 @@ class LLMEngine:
             if params.detokenize
             else None,
             seq_id=next(self._arrivals),
+            matcher=parent.matcher and parent.matcher.deep_copy(),  # (the parent's has consumed nothing)
             output_token_ids=[],
             logprobs=None if params.logprobs is None else [],
             block_table=[],
@@ -542,8 +544,7 @@ class LLMEngine:
         """Add a sampled token to seq; returns whether it finished seq."""
         seq.output_token_ids.append(token)
         metrics = seq.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
+        metrics.first_token_time = metrics.first_token_time or now  # (monotonic times are never 0)
         metrics.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprobs(seq, sampled.logprobs[row], sampled.ranks[row]))
@@ -557,6 +558,8 @@ class LLMEngine:
             self._finish(seq, "stop", token, now)
         elif seq.detokenizer is not None and (stop_string := self._detokenize(seq, token)) is not None:
             self._finish(seq, "stop", stop_string, now)
+        elif seq.matcher is not None and structured.finished(seq.matcher, token):  # the grammar is complete
+            self._finish(seq, "stop", None, now)
         elif seq.num_tokens > seq.max_kv_tokens:  # max_tokens, or max_model_len, reached
             self._finish(seq, "length", None, now)
         else:

@@ -27,6 +27,7 @@ class Sequence:
     max_kv_tokens: int  # most tokens it will ever hold in the KV cache (final length - 1)
     generator: Any = None  # numpy Generator of a seeded request; None: the engine's shared one
     detokenizer: Any = None  # IncrementalDetokenizer; None when params.detokenize is False
+    matcher: Any = None  # structured outputs: its grammar's llguidance LLMatcher (minisarathi/structured.py)
     stream: bool = True  # False: outputs only when it finishes
     seq_id: int = -1  # arrival order, given when queued; "newest" = largest
     priority: int = 0  # lower runs first (docs/scheduling.md, "Priorities")
@@ -41,9 +42,8 @@ class Sequence:
     num_prefill_tokens: int = 0  # length when last admitted: tokens below it are prefill, above decode
     block_table: list[int] = field(default_factory=list)
     block_row: int = -1  # its row of BlockManager.tables while admitted
-    block_hashes: list[bytes] = field(
-        default_factory=list
-    )  # chained hashes of its full blocks, grown on demand
+    # chained hashes of its full blocks, grown on demand
+    block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     fork_tail: bool = False  # n > 1: its partial last block may still be shared with another choice
@@ -70,9 +70,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return (
-            self.finish_reason is not None
-        )  # set with status FINISHED (cheaper to test than an enum in 3.11)
+        # set with status FINISHED (cheaper to test than an enum in 3.11)
+        return self.finish_reason is not None
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole history."""

@@ -29,6 +29,8 @@ class StepRecord:
     # 0.
     host_time: float
     ids_wait_time: float
+    # structured outputs: computing the constrained rows' bitmasks and applying them (part of execution_time)
+    mask_time: float = 0.0
 
 
 class StepLog:

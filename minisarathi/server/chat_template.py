@@ -95,16 +95,17 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         max_chars: int | None = None,
         kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text; ChatTemplateError if the template refuses, fails, or writes more than
         max_chars characters (checked piece by piece, so a runaway output stops early). kwargs: the
         request's chat_template_kwargs (enable_thinking, ...), variables beside the special tokens, as
-        transformers passes them."""
+        transformers passes them; tools: the request's tools, OpenAI's shape, as transformers' tools=."""
         pieces, length = [], 0
         try:
             for piece in self._compiled().generate(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **(kwargs or {})},
@@ -189,12 +190,21 @@ class TemplateWorker:
             await self._ensure_started()
 
     async def render(
-        self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text, or ChatTemplateError (the template's own error, or a limit it hit). A caller
         cancelled meanwhile leaves the exchange to finish, so the pipes stay in step."""
         request = json.dumps(
-            {"messages": messages, "add_generation_prompt": add_generation_prompt, "kwargs": kwargs}
+            {
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "kwargs": kwargs,
+                "tools": tools,
+            }
         )
         return await asyncio.shield(self._exchange(request.encode() + b"\n"))
 
@@ -279,7 +289,11 @@ def _worker_main() -> None:
         signal.setitimer(signal.ITIMER_REAL, config["timeout_s"] + 1.0)
         try:
             text = template.render(
-                request["messages"], request["add_generation_prompt"], config["max_chars"], request["kwargs"]
+                request["messages"],
+                request["add_generation_prompt"],
+                config["max_chars"],
+                request["kwargs"],
+                request["tools"],
             )
             answer = {"text": text}
         except ChatTemplateError as e:

@@ -29,6 +29,7 @@ from minisarathi.client import DEFAULT_PORT, Client
 from minisarathi.server.auth import MIN_SECRET_BITS, KeyStore, add_key, limit_rule_broken, secret_bits
 from minisarathi.server.protocol import RPCError, ServerLimits
 from minisarathi.server.request_log import configure_logging
+from minisarathi.server.tool_calls import FORMATS, tool_format
 
 # ServerLimits fields whose flag is not simply the field's name (without a trailing _s for seconds)
 _LIMIT_FLAGS = {"max_tokens": "--max-tokens-limit"}
@@ -93,6 +94,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--chat-template", default=None, help="Jinja2 chat template file (default: the model folder's own)"
     )
+    h.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(FORMATS),
+        help="the model's tool-call format (default: told from its chat template; docs/http.md)",
+    )
     a = parser.add_argument_group("security (docs/security.md)")
     a.add_argument(
         "--api-key-file",
@@ -140,6 +147,7 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             ("--http-host", door, "needs --http-port or --metrics-port"),
             ("--served-model-name", door, "needs --http-port or --metrics-port"),
             ("--chat-template", http, "needs --http-port"),
+            ("--tool-call-parser", http, "needs --http-port"),
             (
                 "--metrics-key-labels",
                 door and args.keys_file is not None,
@@ -223,7 +231,8 @@ def _add_http_doors(hub, args: argparse.Namespace, model_dir: Path, template) ->
     metrics.watch_hub(hub, args.metrics_key_labels)
     host = args.http_host or args.host
     if args.http_port is not None:
-        hub.doors.append(HttpDoor(hub, host, args.http_port, name, template, metrics))
+        tools = tool_format(template, args.tool_call_parser, engine.tokenizer)
+        hub.doors.append(HttpDoor(hub, host, args.http_port, name, template, metrics, tool_format=tools))
     if args.metrics_port is not None:
         hub.doors.append(HttpDoor(hub, host, args.metrics_port, name, None, metrics, serve_api=False))
 

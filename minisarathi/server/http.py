@@ -54,6 +54,7 @@ from minisarathi.server.protocol import (
     short,
 )
 from minisarathi.server.request_log import REQUEST_ID_RULE, FinishedRequest, valid_request_id
+from minisarathi.server.tool_calls import ToolFormat, ToolStream, tool_message
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a prefilter: most bodies have none
 log = logging.getLogger("minisarathi.http")
@@ -90,6 +91,7 @@ class _Choice:
     seen_tokens: int = 0
     started: bool = False  # chat streams: the role delta was sent
     ended: bool = False  # its last delta (with the finish reason) is queued
+    tools: ToolStream | None = None  # a chat stream with tools: its tool-call parser
     error_sent: bool = False
 
     @property
@@ -278,9 +280,10 @@ class HttpDoor:
         chat_template: ChatTemplate | None,
         metrics: Metrics | None,
         serve_api: bool = True,
+        tool_format: ToolFormat | None = None,
     ):
         """serve_api=False: only /health, /ready and /metrics (`--metrics-port` with the msgpack door
-        alone)."""
+        alone). tool_format: the model's tool-call format (None: tools are refused)."""
         self.hub = hub
         self.host, self.port = host, port
         self.model_name = model_name
@@ -298,6 +301,7 @@ class HttpDoor:
             hub.limits,
         )
         self.serve_api = serve_api
+        self.tool_format = tool_format
         self._runner: web.AppRunner | None = None
         self._socks: list = []  # listening
         self.connections: dict[asyncio.BaseTransport, _Connection] = {}  # by transport, for the handlers
@@ -521,7 +525,7 @@ class HttpDoor:
                 param="messages",
                 code="no_chat_template",
             )
-        parsed = parse_chat(body, self.model_name, self.limits)
+        parsed = parse_chat(body, self.model_name, self.limits, self.tool_format)
         call = _Call(request_id, "chat", parsed, request.remote or "", received, request.get("key"))
         await self._prepare(call, "messages", add_special_tokens=False)
         return await self._generate(request, call)
@@ -541,7 +545,10 @@ class HttpDoor:
         if parsed.messages is not None:
             try:
                 parsed.prompt_texts[0] = await self.templates.render(
-                    parsed.messages, parsed.add_generation_prompt, parsed.chat_template_kwargs
+                    parsed.messages,
+                    parsed.add_generation_prompt,
+                    parsed.chat_template_kwargs,
+                    None if parsed.tools is None else parsed.tools.tools,
                 )
             except ChatTemplateError as e:
                 raise OpenAIError(400, f"the chat template refused the messages: {e}", param=param) from None
@@ -778,26 +785,39 @@ class HttpDoor:
                     new_ids, delta.logprobs, call.request.logprobs, self.hub.engine.tokenizer.token_bytes
                 )
             )
-        chunks = []
         if call.kind == "completion":
             body = {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            if not choice.started:
-                chunks.append(
-                    self._chunk(
-                        call,
-                        {
-                            "index": choice.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        },
-                    )
+            return [self._chunk(call, body)]
+        chunks = []
+        if not choice.started:
+            chunks.append(
+                self._chunk(
+                    call,
+                    {
+                        "index": choice.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    },
                 )
-                choice.started = True
-            delta = {"content": piece} if piece or not reason else {}
-            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        chunks.append(self._chunk(call, body))
+            )
+            choice.started = True
+        if call.request.tools is None:
+            deltas = [{"content": piece} if piece or not reason else {}]
+        else:  # content and tool-call deltas, as the parser tells them apart (it may hold text back)
+            choice.tools = choice.tools or ToolStream(call.request.tools)
+            deltas = choice.tools.deltas(piece, reason is not None)
+            reason = choice.tools.finish_reason(reason)
+            if not deltas and (reason or logprobs):
+                deltas = [{}]
+        for i, delta in enumerate(deltas):  # the logprobs on the first, the finish reason on the last
+            body = {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": reason if i == len(deltas) - 1 else None,
+            }
+            chunks.append(self._chunk(call, body))
         return chunks
 
     def _chunk(self, call: _Call, choice_body: dict) -> dict:
@@ -839,8 +859,12 @@ class HttpDoor:
             body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(completion)}
             if call.kind == "completion":
                 body["text"] = completion.text
-            else:
+            elif call.request.tools is None:
                 body["message"] = {"role": "assistant", "content": completion.text}
+            else:
+                body["message"], body["finish_reason"] = tool_message(
+                    call.request.tools, completion.text, body["finish_reason"]
+                )
             choices.append(body)
         return {**self._envelope(call, chunk=False), "choices": choices, "usage": self._usage(call)}
 

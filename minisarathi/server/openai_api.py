@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from minisarathi.outputs import CompletionOutput, Logprob
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.server.protocol import ListBoundError, ServerLimits, check_list_bounds
+from minisarathi.server.tool_calls import ToolError, ToolFormat, ToolRequest, parse_tools
 from minisarathi.validation import PRIORITY_RANGE
 
 # vLLM's floor for a logprob that is -inf (a masked token): JSON has no infinity.
@@ -85,8 +86,18 @@ class GenerationRequest:
     messages: list[dict] | None = None  # a chat request's, until the door renders them into prompt_texts[0]
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None  # the template's extra variables (enable_thinking, ...)
+    tools: ToolRequest | None = None  # a chat request's tools, unless tool_choice is "none"
 
 
+# vLLM's structured-output fields (SamplingParams.structured): `structured_outputs` is its map, the guided_*
+# ones its older names for one key of it. OpenAI's `response_format` is the other way to ask.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_FIELDS = ("structured_outputs", *_GUIDED)
 # Extensions vLLM users rely on, taken by both endpoints with SamplingParams' meaning.
 _EXTENSIONS = (
     "top_k",
@@ -112,7 +123,9 @@ _COMMON = {
     "user",
     "max_tokens",
     "priority",
+    "response_format",
     *_EXTENSIONS,
+    *_STRUCTURED_FIELDS,
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {
@@ -122,7 +135,6 @@ CHAT_FIELDS = _COMMON | {
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -135,10 +147,6 @@ REFUSED = {
     "echo": "echo is not supported (the prompt's own logprobs are not computed)",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported; use n",
-    "response_format": 'response_format other than {"type": "text"} is not supported',
-    "tools": "tools are not supported",
-    "tool_choice": "tool_choice is not supported",
-    "parallel_tool_calls": "parallel_tool_calls is not supported",
     "store": "store: true (stored completions) is not supported",
     "metadata": "metadata must be an object of strings or null",
     "service_tier": 'service_tier other than "auto" or "default" is not supported',
@@ -146,7 +154,6 @@ REFUSED = {
 # Fields of a message that clients echo back from an earlier answer: taken only with their empty value.
 MESSAGE_ECHOES = {
     "refusal": (None,),
-    "tool_calls": (None, []),
     "function_call": (None,),
     "audio": (None,),
     "annotations": (None, []),
@@ -158,15 +165,11 @@ def _is_noop(name: str, value, body: dict) -> bool:
         return True
     if name == "best_of":
         return value == body.get("n", 1)
-    if name == "response_format":
-        return value == {"type": "text"}
-    if name == "tools":
-        return value == []
     if name == "metadata":  # only labels stored completions, which are never stored here
         return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
     if name == "service_tier":
         return value in ("auto", "default")
-    return name == "tool_choice" and value == "none"
+    return False
 
 
 def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
@@ -185,11 +188,17 @@ def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
     )
 
 
-def parse_chat(body, model: str, limits: DoorLimits) -> GenerationRequest:
+def parse_chat(
+    body, model: str, limits: DoorLimits, tool_format: ToolFormat | None = None
+) -> GenerationRequest:
     """A /v1/chat/completions body. Its messages are left for the door to render (in the template worker,
     after the quota check), then to tokenize without added special tokens (the template writes its own) and
-    check with check_prompt_length."""
+    check with check_prompt_length. tool_format: the model's tool-call format (None: tools are refused)."""
     body = _check_body(body, CHAT_FIELDS, model)
+    try:
+        tools, tools_constraint = parse_tools(body, tool_format)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
     messages = _messages(body.get("messages"))
     add_generation_prompt = body.get("add_generation_prompt", True)
     if not isinstance(add_generation_prompt, bool):
@@ -208,9 +217,18 @@ def parse_chat(body, model: str, limits: DoorLimits) -> GenerationRequest:
     # Without a limit the answer may run to the end of the context, as in OpenAI, within the server's cap.
     given = max_tokens is not None
     request = _request(
-        body, model, limits, [None], [None], limits.max_tokens if not given else max_tokens, name, wanted
+        body,
+        model,
+        limits,
+        [None],
+        [None],
+        limits.max_tokens if not given else max_tokens,
+        name,
+        wanted,
+        tools_constraint,
+        skip_special_tokens=tools is None or tools.format.trigger_token is None,
     )
-    request.max_tokens_given = given
+    request.max_tokens_given, request.tools = given, tools
     request.messages, request.add_generation_prompt = messages, add_generation_prompt
     request.chat_template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     return request
@@ -288,7 +306,11 @@ def _request(
     max_tokens,
     max_tokens_name: str,
     logprobs: int | None,
+    tools_constraint: dict | None = None,
+    skip_special_tokens: bool = True,
 ) -> GenerationRequest:
+    """tools_constraint: the calls' grammar of a chat request's tools; skip_special_tokens False keeps a
+    special-token trigger in the text, for the tool-call parser."""
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not _is_int(n) or not 1 <= n <= limits.max_n:
@@ -338,11 +360,62 @@ def _request(
         check_list_bounds(sampling, limits.lists)
     except ListBoundError as e:
         raise bad(e.field, str(e)) from None
+    structured, structured_name = _structured(body)
+    if tools_constraint is not None:
+        if structured is not None:
+            raise bad(structured_name, f"{structured_name} cannot be combined with tools")
+        structured, structured_name = tools_constraint, "tools"
+    if not skip_special_tokens:
+        sampling["skip_special_tokens"] = False
     try:  # the engine gives choice i the seed seed + i
-        params = SamplingParams(**sampling, n=n, max_tokens=max_tokens, logprobs=logprobs)
+        params = SamplingParams(
+            **sampling, n=n, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+        )
     except (ValueError, TypeError) as e:
-        raise _sampling_error(str(e), max_tokens_name) from None
+        message = str(e)
+        if message.startswith("structured"):  # named as this request named it
+            raise bad(structured_name, structured_name + " " + message.split(" ", 1)[1]) from None
+        raise _sampling_error(message, max_tokens_name) from None
     return GenerationRequest(prompts, texts, params, stream, include_usage, logprobs, model, priority)
+
+
+def _structured(body: dict) -> tuple[dict | None, str | None]:
+    """SamplingParams.structured from response_format, structured_outputs or a guided_* field (at most one),
+    and the name of the field it came from; (None, None) without one."""
+    given = [name for name in ("response_format", *_STRUCTURED_FIELDS) if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"{given[1]} cannot be combined with {given[0]}: give one constraint")
+    if not given:
+        return None, None
+    name = given[0]
+    value = body[name]
+    if name in _GUIDED:
+        return {_GUIDED[name]: value}, name
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise bad(name, f"{name} must be an object, got {_show(value)}")
+        return value, name
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None, None
+    if kind == "json_object" and len(value) == 1:
+        return {"json_object": True}, name
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise bad(
+            name,
+            f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or '
+            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {_show(value)}',
+        )
+    spec, where = value["json_schema"], f"{name}.json_schema"
+    if not isinstance(spec, dict) or not set(spec) <= {"name", "schema", "strict", "description"}:
+        raise bad(where, f"{where} must be an object of name, schema, strict and description")
+    if not isinstance(spec.get("name", ""), str) or not isinstance(
+        spec.get("strict", False), (bool, type(None))
+    ):
+        raise bad(where, f"{where}.name must be a string and {where}.strict a boolean")
+    if not isinstance(spec.get("schema"), dict):
+        raise bad(f"{where}.schema", f"{where}.schema must be a JSON schema object")
+    return {"json": spec["schema"]}, f"{where}.schema"
 
 
 def _sampling_error(message: str, max_tokens_name: str) -> OpenAIError:
@@ -412,7 +485,7 @@ def _messages(messages) -> list[dict]:
                         + (" or []" if [] in MESSAGE_ECHOES[key] else "")
                         + ")",
                     )
-            elif key not in ("role", "content", "name"):
+            elif key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise bad(f"{where}.{key}", f"{where}.{key} is not supported")
         content = message.get("content")
         if isinstance(content, list):
@@ -434,11 +507,51 @@ def _messages(messages) -> list[dict]:
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of text parts")
         if content is None and role != "assistant":
             raise bad(f"{where}.content", f"{where}.content is required")
-        name = message.get("name")
+        name, call_id = message.get("name"), message.get("tool_call_id")
         if name is not None and not isinstance(name, str):
             raise bad(f"{where}.name", f"{where}.name must be a string")
+        if call_id is not None and (role != "tool" or not isinstance(call_id, str)):
+            raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id must be a string, on a tool message")
+        fields = {"role": role, "content": content, "name": name, "tool_call_id": call_id}
+        fields["tool_calls"] = _tool_calls(message.get("tool_calls"), role, f"{where}.tool_calls")
+        result.append({k: v for k, v in fields.items() if v is not None})
+    return result
+
+
+def _tool_calls(calls, role: str, where: str) -> list[dict] | None:
+    """An assistant message's tool_calls as templates read them (transformers' convention): each call's
+    arguments a JSON object, not OpenAI's JSON text."""
+    if calls is None or calls == []:
+        return None
+    if role != "assistant" or not isinstance(calls, list):
+        raise bad(where, f"{where} must be an array, on an assistant message")
+    result = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not set(call) <= {"id", "type", "function"}
+            or not isinstance(call.get("id", ""), str)
+            or set(function) != {"name", "arguments"}
+            or not isinstance(function["name"], str)
+            or not isinstance(function["arguments"], str)
+        ):
+            raise bad(
+                f"{where}[{i}]",
+                f'{where}[{i}] must be {{"id": string, "type": "function", "function": '
+                '{"name": string, "arguments": JSON text}}',
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise bad(
+                f"{where}[{i}].function.arguments", f"{where}[{i}].function.arguments must be a JSON object"
+            )
         result.append(
-            {k: v for k, v in {"role": role, "content": content, "name": name}.items() if v is not None}
+            {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
         )
     return result
 

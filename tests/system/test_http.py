@@ -447,7 +447,7 @@ def test_models_health_ready_metrics_and_request_id(server):
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             400,
-            "tools",
+            "tools[0]",
         ),
         (
             "/v1/chat/completions",

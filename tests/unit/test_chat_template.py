@@ -29,12 +29,16 @@ SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     GOLDENS,
     ids=lambda g: (
         f"{g['template']}-{len(g['messages'])}-{g['add_generation_prompt']}-{g['chat_template_kwargs']}"
+        f"{'-tools' if 'tools' in g else ''}"
     ),
 )
 def test_render_and_tokens_match_transformers(golden):
     template = ChatTemplate((GOLDEN_DIR / golden["template"]).read_text(encoding="utf-8"), SPECIAL)
     text = template.render(
-        golden["messages"], golden["add_generation_prompt"], kwargs=golden["chat_template_kwargs"]
+        golden["messages"],
+        golden["add_generation_prompt"],
+        kwargs=golden["chat_template_kwargs"],
+        tools=golden.get("tools"),
     )
     assert text == golden["text"]
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
@@ -42,7 +46,13 @@ def test_render_and_tokens_match_transformers(golden):
 
 
 def test_both_styles_are_covered_and_bos_is_not_doubled():
-    assert {g["template"] for g in GOLDENS} == {"chatml.jinja", "llama3.jinja", "thinking.jinja"}
+    assert {g["template"] for g in GOLDENS} == {
+        "chatml.jinja",
+        "llama3.jinja",
+        "thinking.jinja",
+        "tools.jinja",
+    }
+    assert any("tools" in g and any(m["role"] == "tool" for m in g["messages"]) for g in GOLDENS)
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     for golden in GOLDENS:
         if golden["template"] == "llama3.jinja":  # the template writes {{ bos_token }} itself

@@ -103,6 +103,7 @@ def test_two_different_models_are_refused(capsys, tmp_path, command):
         (["serve", "--http-host", "127.0.0.1"], "--http-host needs --http-port or --metrics-port"),
         (["serve", "--served-model-name", "x"], "--served-model-name needs --http-port or --metrics-port"),
         (["serve", "--chat-template", "t.jinja", "--metrics-port", "0"], "--chat-template needs --http-port"),
+        (["serve", "--tool-call-parser", "hermes"], "--tool-call-parser needs --http-port"),
         (
             ["serve", "--no-msgpack"],
             "--no-msgpack: with no --http-port and no --unix-socket nothing would be",
@@ -157,6 +158,7 @@ def test_companion_flags_given_together_pass_the_checks(monkeypatch):
         ["generate", "hi", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "5", "--sample-seed", "1"],
         ["generate", "hi", "--kv-cache-mb", "4", "--tensor-parallel-size", "2", "--rank-timeout-s", "5"],
         ["serve", "--http-port", "0", "--http-host", "127.0.0.1", "--chat-template", "t.jinja"],
+        ["serve", "--http-port", "0", "--tool-call-parser", "mistral"],
         ["serve", "--metrics-port", "0", "--served-model-name", "x"],
         ["client", "hi", "--unix-socket", "/tmp/s", "--temperature", "1", "--min-p", "0.1"],
         ["bench", "run", "--target", "server", "--port", "7001", "--max-model-len", "64"],
@@ -178,7 +180,7 @@ def test_companion_flags_given_together_pass_the_checks(monkeypatch):
         ["bench", "capacity", "--slo-scale", "3"],
     ):
         assert main(argv) == 0, argv
-    assert len(ran) == 10
+    assert len(ran) == 11
 
 
 # ------------------------------------------------------------------ --help

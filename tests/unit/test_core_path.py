@@ -38,6 +38,7 @@ LAYERS = (
     "backends.gpu_sampling",
     "backends.emulator",
     "server.http",
+    "structured",
 )
 HOOKS = {
     "engine/engine.py": {
@@ -47,6 +48,7 @@ HOOKS = {
         "engine.profile",
         "parallel.group",
         "backends.cpu.process_setup",
+        "structured",
     },
     "model/llama.py": {"model.decode_graphs", "parallel.communicator"},
     "sampler.py": {"backends.cpu"},
@@ -81,6 +83,8 @@ def package_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         names = (
             [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and node.module != "minisarathi"
+            else [f"minisarathi.{a.name}" for a in node.names]  # from minisarathi import x: module x
             if isinstance(node, ast.ImportFrom) and node.module
             else [a.name for a in node.names]
             if isinstance(node, ast.Import)

@@ -1,5 +1,7 @@
 """SamplingParams validation: a bad field raises ValueError naming it; good values are normalized."""
 
+import sys
+
 import pytest
 
 from minisarathi.sampling_params import SamplingParams
@@ -69,3 +71,12 @@ def test_good_values_are_normalized():
         dict(max_tokens=1, min_tokens=1),
     ):
         SamplingParams(**edge)
+
+
+def test_structured_without_llguidance_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance then raises ImportError
+    with pytest.raises(
+        ValueError, match=r"structured outputs need llguidance: pip install 'minisarathi\[structured\]'"
+    ):
+        SamplingParams(structured={"regex": "a+"})
+    assert SamplingParams().grammar is None  # unconstrained requests never import it

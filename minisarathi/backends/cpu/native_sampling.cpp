@@ -68,3 +68,45 @@ void inverse_cdf(const float* probs, int64_t rows, int64_t vocab, int64_t block,
         out[r] = chosen * block + (token < last ? token : last);
     }
 }
+
+// Structured outputs (minisarathi/structured.py): the tokens a grammar forbids set to -inf in place. logits:
+// float32[N, vocab]; rows: int64[count], the rows masked; mask: uint32[count, words], bit j of word w allowing
+// token 32 w + j (llguidance's layout; little-endian, so byte k holds tokens 8 k .. 8 k + 7). A byte at a
+// time: all set (most of a permissive mask) is skipped, none set (most of a strict one) is a fill, others add
+// a table's 0 or -inf per token (branchless: branching bit by bit on a mixed mask cost 6x).
+namespace {
+
+struct ByteMasks {
+    float add[256][8];   // per byte pattern, what its 8 tokens get added: 0 where the bit is set, else -inf
+    ByteMasks() {
+        for (int b = 0; b < 256; b++)
+            for (int j = 0; j < 8; j++) add[b][j] = (b >> j) & 1 ? 0.0f : -__builtin_inff();
+    }
+};
+
+const ByteMasks byte_masks;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+void apply_token_bitmask(float* logits, int64_t vocab, const int64_t* rows, int64_t count, const uint32_t* mask,
+                         int64_t words) {
+    const float minus_infinity = -__builtin_inff();
+    const uint8_t* bytes_of_rows = reinterpret_cast<const uint8_t*>(mask);
+    for (int64_t r = 0; r < count; r++) {
+        float* row = logits + rows[r] * vocab;
+        const uint8_t* bytes = bytes_of_rows + r * words * 4;
+        for (int64_t b = 0; b < (vocab + 7) / 8; b++) {
+            const uint8_t byte = bytes[b];
+            if (byte == 0xff) continue;
+            float* tokens = row + 8 * b;
+            const int n = 8 * b + 8 <= vocab ? 8 : static_cast<int>(vocab - 8 * b);
+            if (byte == 0) {
+                for (int j = 0; j < n; j++) tokens[j] = minus_infinity;
+            } else {
+                const float* add = byte_masks.add[byte];
+                for (int j = 0; j < n; j++) tokens[j] += add[j];   // x + 0 is x; x + -inf is -inf
+            }
+        }
+    }
+}

@@ -1,4 +1,5 @@
-"""The sampler's inverse CDF in one native call: native_sampling.cpp, compiled at first use, via ctypes.
+"""The sampler's inverse CDF in one native call: native_sampling.cpp, compiled at first use, via ctypes; and
+the bitmask of structured outputs applied to logits (minisarathi/structured.py).
 
 Sampler._inverse_cdf in NumPy costs a few dozen array calls and a float64 reduction per block of every row;
 the kernel picks the same tokens, bit for bit, in one call. It needs a C++ compiler (CXX, default g++) the
@@ -81,6 +82,8 @@ def _library() -> ctypes.CDLL | None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr]
         lib.inverse_cdf.restype = None
+        lib.apply_token_bitmask.argtypes = [ptr, i64, ptr, i64, ptr, i64]
+        lib.apply_token_bitmask.restype = None
     return lib
 
 
@@ -89,3 +92,33 @@ def kernel(vocab_size: int, block: int) -> InverseCdf | None:
     None where it cannot be (the log says why) or is turned off."""
     lib = _library()
     return None if lib is None else InverseCdf(lib.inverse_cdf, vocab_size, block)
+
+
+class TokenBitmask:
+    """apply_token_bitmask of native_sampling.cpp: in place, with the GIL held (a few us a row)."""
+
+    def __init__(self, function):
+        self._function = function
+
+    def __call__(self, logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+        """Sets to -inf, in C-ordered float32 logits [N, V], the tokens int32 bitmask[i] clears in row
+        rows[i] (int64[R], each in [0, N)); bitmask is [R, ceil(V / 32)]."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
+        n, vocab = logits.shape
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            raise ValueError("logits must be C-ordered float32")
+        if bitmask.shape != (len(rows), (vocab + 31) // 32) or (
+            rows.size and not 0 <= rows.min() <= rows.max() < n
+        ):
+            raise ValueError(f"bitmask must be [{len(rows)}, {(vocab + 31) // 32}] and rows in [0, {n})")
+        self._function(
+            logits.ctypes.data, vocab, rows.ctypes.data, len(rows), bitmask.ctypes.data, bitmask.shape[1]
+        )
+
+
+@functools.cache
+def token_bitmask_kernel() -> TokenBitmask | None:
+    """The bitmask kernel, the library built at first use; None where it cannot be, or is turned off."""
+    lib = _library()
+    return None if lib is None else TokenBitmask(lib.apply_token_bitmask)
