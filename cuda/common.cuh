@@ -19,6 +19,11 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+// The first key a query at `position` sees: key 0, or with a sliding window (window > 0) the first of the
+// last `window` keys up to its own.
+__device__ __forceinline__ int window_begin(int position, int window) {
+    return window > 0 ? max(0, position - window + 1) : 0;
+}
 
 constexpr unsigned FULL_WARP = 0xffffffffu;
 

@@ -5,7 +5,9 @@
 // row; the host fixes S per row (backends/decode_plan.py: from the step's lengths eagerly, the same for every
 // row of a CUDA graph's batch-size bucket) and the key range is derived here, on the device, from the row's
 // context length: split s covers keys [s P, (s + 1) P) of the row's `len`, P = split_length(len, S). So a
-// graph's fixed grid follows each step's real lengths, and the splits past a row's end exit at once.
+// graph's fixed grid follows each step's real lengths, and the splits past a row's end exit at once. With a
+// sliding window (window > 0) the row's keys are only its last `window` ones, `span` keys from `first`, which
+// the splits cut instead (the blocks before them may be freed, block-table entries -1: never read).
 // A row that uses one split writes its output directly; a row that uses several writes (unnormalized
 // accumulator, max, sum) per split into its partial slots and decode_attention_reduce_kernel merges them.
 //
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
     float* __restrict__ partial_max,       // [slots, num_q_heads]
     float* __restrict__ partial_sum,       // [slots, num_q_heads]
     int num_q_heads, int num_kv_heads, int head_dim, int log2_block_size, int max_blocks_per_seq,
-    long long q_stride, float scale, int table_capacity) {
+    long long q_stride, float scale, int table_capacity, int window) {
     constexpr int VEC = 16 / (int)sizeof(T);            // elements per 16-byte chunk
     constexpr int CHUNKS_PER_LANE = DA_LANE_ELEMENTS / VEC;
     constexpr int TK = tile_keys<T>();
@@ -127,9 +129,10 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
 
     const int* item = items + 5 * blockIdx.x;
     const int token = item[0], seq = item[1], split = item[2], len = context_lens[seq];
-    const int split_keys = split_length(len, item[3]);
-    const int key_begin = split * split_keys, key_end = min(len, key_begin + split_keys);
-    const bool direct = len <= split_keys;   // the row's only used split: normalize and write the output
+    const int first = window_begin(len - 1, window), span = len - first;
+    const int split_keys = split_length(span, item[3]);
+    const int key_begin = first + split * split_keys, key_end = min(len, key_begin + split_keys);
+    const bool direct = span <= split_keys;   // the row's only used split: normalize and write the output
     const int slot = item[4];
     const int group = num_q_heads / num_kv_heads;
     const int head_chunks = (group + GROUP_TILE - 1) / GROUP_TILE;
@@ -360,8 +363,8 @@ __global__ void __launch_bounds__(DA_THREADS, GROUP_TILE == 4 ? 4 : 2) decode_at
 }
 
 // Merges the splits of one decode row and query head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,
-// over the splits that hold keys (the first ceil(len / split_length) of the row's; a row that uses one split
-// had it write the output).
+// over the splits that hold keys (the first ceil(span / split_length) of the row's, span its keys in the
+// window; a row that uses one split had it write the output).
 template <typename T>
 __global__ void decode_attention_reduce_kernel(const float* __restrict__ partial_out,   // [slots, Hq, D]
                                                const float* __restrict__ partial_max,   // [slots, Hq]
@@ -369,11 +372,12 @@ __global__ void decode_attention_reduce_kernel(const float* __restrict__ partial
                                                const int* __restrict__ rows,   // int32[R, 4]: token, seq, first slot, splits
                                                const int* __restrict__ context_lens,   // int32[num_seqs]
                                                T* __restrict__ out,            // [num_tokens, Hq, D]
-                                               int num_q_heads, int head_dim) {
+                                               int num_q_heads, int head_dim, int window) {
     const int* row = rows + 4 * blockIdx.x;
     const int token = row[0], len = context_lens[row[1]], first = row[2];
-    const int split_keys = split_length(len, row[3]);
-    const int used = (len + split_keys - 1) / split_keys;   // splits that hold keys
+    const int span = len - window_begin(len - 1, window);
+    const int split_keys = split_length(span, row[3]);
+    const int used = (span + split_keys - 1) / split_keys;   // splits that hold keys
     if (used == 1) return;   // its one split wrote the output
     const int head = blockIdx.y;
     float global_max = negative_infinity();

@@ -4,7 +4,8 @@
 // token at position p of sequence s attends to keys 0..p of s, which live in the paged cache: key j
 // is at block block_tables[s][j / block_size], offset j % block_size. The new keys of this step are
 // already stored (store_kv runs first), so "causal within the chunk" and "full over the history" are
-// the same rule: key position <= query position.
+// the same rule: key position <= query position. A sliding window (window > 0) also hides the keys at or
+// before p - window; the blocks of those may be freed (block-table entries -1), so they are never read.
 //
 // Work decomposition: grid = (work items, KV heads, partitions).
 //  - A work item is a run of up to `tile_tokens` consecutive query tokens of one sequence; the host
@@ -89,7 +90,8 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
     float* __restrict__ partial_max,       // [partitions, num_tokens, num_q_heads]
     float* __restrict__ partial_sum,       // [partitions, num_tokens, num_q_heads]
     int num_tokens, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
-    long long q_stride, float scale, int partition_size, int key_tile) {
+    long long q_stride, float scale, int partition_size, int key_tile,
+    int span) {   // keys a row sees back from its own: its sliding window, or 2^31 - 1 (all of them)
     extern __shared__ __align__(16) unsigned char smem[];
     float* q_s = reinterpret_cast<float*>(smem);
     float* p_s = q_s + PA_MAX_ROWS * head_dim;
@@ -110,10 +112,11 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
         q_s[i] = to_float(q[token * q_stride + (long long)head * head_dim + d]) * scale;
     }
 
-    // Keys this CTA reads: its partition, cut at the last query's position (causality).
+    // Keys this CTA reads: its partition, cut at the last query's position (causality) and, with a window,
+    // begun at the first query's first visible key.
     const int last_position = positions[first_token + tokens - 1];
-    const int key_begin = partition * partition_size;
-    const int key_end = min(key_begin + partition_size, last_position + 1);
+    const int key_begin = max(partition * partition_size, positions[first_token] - span + 1);
+    const int key_end = min((partition + 1) * partition_size, last_position + 1);
 
     float row_max[PA_ROWS_PER_WARP], row_sum[PA_ROWS_PER_WARP], acc[PA_ROWS_PER_WARP][PA_DIMS_PER_LANE];
 #pragma unroll
@@ -128,6 +131,9 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
     const int lane_row = warp + lane * PA_WARPS;
     const int row_positions = lane < PA_ROWS_PER_WARP && lane_row < rows ? positions[first_token + lane_row / group] : -1;
     const int lane_dims = head_dim - lane;   // this lane's dimensions d = lane + 32 i are those with 32 i < lane_dims
+    // Key j is visible to a row at position p when 0 <= p - j < span (causal, and within a window): one
+    // unsigned compare against the parameter (a row with no position, -1, sees none). A register more held
+    // through the tile loop made ptxas spill at sm_90.
     __syncthreads();   // q_s complete
 
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
@@ -142,7 +148,7 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
             if (r >= rows) continue;   // uniform across the warp, so the shuffles below see all lanes
             const int row_position = __shfl_sync(FULL_WARP, row_positions, w);
             float score = negative_infinity();
-            if (lane < n && tile + lane <= row_position) {
+            if (lane < n && (unsigned)(row_position - tile - lane) < (unsigned)span) {
                 const float* qr = q_s + r * head_dim;
                 const T* kr = k_s + lane * k_pitch;
                 float dot = 0.0f;
@@ -187,7 +193,7 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
         const int head = kv_head * group + r % group;
         const long long row = token * num_q_heads + head;
         if (gridDim.z == 1) {
-            const float inv_sum = 1.0f / row_sum[w];   // key 0 is always visible, so row_sum > 0
+            const float inv_sum = 1.0f / row_sum[w];   // a row's own key is always visible: row_sum > 0
 #pragma unroll
             for (int i = 0; i < PA_DIMS_PER_LANE; ++i) {
                 const int d = lane + 32 * i;
@@ -209,7 +215,8 @@ __global__ void __launch_bounds__(PA_THREADS, PA_MIN_CTAS_PER_SM) paged_attentio
 }
 
 // Merges the partitions of each (token, head) listed in `tokens`: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
-// A token at position p has keys in partitions 0 .. p / partition_size, all of them written.
+// A token at position p has keys in partitions window_begin(p) / partition_size .. p / partition_size, all of
+// them written (those before its window may not be).
 template <typename T>
 __global__ void paged_attention_reduce_kernel(const float* __restrict__ partial_out,
                                               const float* __restrict__ partial_max,
@@ -217,19 +224,20 @@ __global__ void paged_attention_reduce_kernel(const float* __restrict__ partial_
                                               const int* __restrict__ positions,
                                               const int* __restrict__ tokens,   // int32[grid x]: tokens to merge
                                               T* __restrict__ out, int num_tokens, int num_q_heads, int head_dim,
-                                              int partition_size) {
+                                              int partition_size, int window) {
     const int token = tokens[blockIdx.x];
     const long long row = (long long)token * num_q_heads + blockIdx.y;
     const long long partition_step = (long long)num_tokens * num_q_heads;
+    const int first = window_begin(positions[token], window) / partition_size;
     const int partitions = positions[token] / partition_size + 1;
     float global_max = negative_infinity();
-    for (int p = 0; p < partitions; ++p) global_max = fmaxf(global_max, partial_max[p * partition_step + row]);
+    for (int p = first; p < partitions; ++p) global_max = fmaxf(global_max, partial_max[p * partition_step + row]);
     float denominator = 0.0f;
-    for (int p = 0; p < partitions; ++p)
+    for (int p = first; p < partitions; ++p)
         denominator += expf(partial_max[p * partition_step + row] - global_max) * partial_sum[p * partition_step + row];
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float numerator = 0.0f;
-        for (int p = 0; p < partitions; ++p)
+        for (int p = first; p < partitions; ++p)
             numerator += expf(partial_max[p * partition_step + row] - global_max) *
                          partial_out[(p * partition_step + row) * head_dim + d];
         out[row * head_dim + d] = from_float<T>(numerator / denominator);

@@ -4,7 +4,10 @@
 // go to decode_attention.cu. Query token at position p of sequence s attends to keys 0..p of s, which
 // live in the paged cache (key j: block block_tables[s][j / block_size], offset j % block_size); this
 // step's keys are already stored, so the one rule "key position <= query position" covers both the
-// history and causality within the chunk. Positions of a run are consecutive (the batch contract).
+// history and causality within the chunk. Positions of a run are consecutive (the batch contract). A sliding
+// window (window > 0) also hides the keys at or before p - window: a CTA starts at the tile of its first
+// query's first visible key (the blocks before may be freed), and masks within the tiles that reach before
+// its last query's.
 //
 // Work decomposition: grid = (work items, KV heads, key splits), 128 threads. A work item is a run of up
 // to PF_ROWS / G consecutive query tokens of one sequence; the CTA's PF_ROWS = 128 rows are (token, query
@@ -74,7 +77,7 @@ __device__ __forceinline__ void load_kv_tile(const T* __restrict__ k_cache, cons
 // key position `key0` (k_s, v_s: their rows in a stage): S = Q K^T, mask, rescale, O += P V.
 template <typename T, int D, int KEYS>
 __device__ __forceinline__ void attend(const T* q_w, const T* k_s, const T* v_s, int key0, int first_position, int group,
-                                       float scale_log2, float (&o)[PF_WARP_BLOCKS][D / 8][4],
+                                       int window, float scale_log2, float (&o)[PF_WARP_BLOCKS][D / 8][4],
                                        float (&row_max)[PF_WARP_BLOCKS][2], float (&row_sum)[PF_WARP_BLOCKS][2]) {
     constexpr int PITCH = D + PF_PAD;
     constexpr int KSTEPS = D / 16;   // k16 steps of Q K^T; also pairs of n8 tiles of P V
@@ -106,7 +109,9 @@ __device__ __forceinline__ void attend(const T* q_w, const T* k_s, const T* v_s,
         }
     }
 
-    if (key0 + KEYS - 1 > first_position) {   // keys past the CTA's first query position (uniform across the CTA)
+    // Keys past the CTA's first query position, or (a window) at or before its last row's position - window:
+    // uniform across the CTA.
+    if (key0 + KEYS - 1 > first_position || (window > 0 && key0 <= first_position + (PF_ROWS - 1) / group - window)) {
         // Row r's position is first_position + r / group (a run's positions are consecutive), worked out here
         // rather than held in registers through the loop; padding rows see keys harmlessly (zero Q).
 #pragma unroll
@@ -118,7 +123,8 @@ __device__ __forceinline__ void attend(const T* q_w, const T* k_s, const T* v_s,
                 for (int j = 0; j < NTILES; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        if (j * 8 + 2 * t + e > last_visible) s[b][j][2 * h + e] = negative_infinity();
+                        if (j * 8 + 2 * t + e > last_visible || (window > 0 && j * 8 + 2 * t + e <= last_visible - window))
+                            s[b][j][2 * h + e] = negative_infinity();
             }
     }
 
@@ -202,7 +208,8 @@ __global__ void __launch_bounds__(PF_THREADS, PF_CTAS_PER_SM) prefill_attention_
     float* __restrict__ partial_sum,       // [splits, num_tokens, num_q_heads]
     int num_tokens, int num_q_heads, int num_kv_heads, int block_size, int max_blocks_per_seq, long long q_stride,
     float scale_log2,                      // softmax scale * log2(e)
-    int split_keys) {                      // keys per split, a multiple of PF_KEYS
+    int split_keys,                        // keys per split, a multiple of PF_KEYS
+    int window) {                          // sliding window (0: none)
     static_assert(D % 16 == 0, "head_dim must be a multiple of 16 (the mma k step)");
     constexpr int STAGES = pf_stages<D>();
     constexpr int PITCH = D + PF_PAD;
@@ -223,9 +230,11 @@ __global__ void __launch_bounds__(PF_THREADS, PF_CTAS_PER_SM) prefill_attention_
     const int g = lane / 4, t = lane % 4;   // this lane's fragment row (and row + 8) and column pair
     const int first_position = positions[first_token];
     const int key_end = positions[first_token + tokens - 1] + 1;
-    const int first_tile = blockIdx.z * (split_keys / PF_KEYS);
-    const int num_tiles = min((key_end + PF_KEYS - 1) / PF_KEYS - first_tile, split_keys / PF_KEYS);
-    if (num_tiles <= 0) return;   // CTA-uniform: this split lies past the run's last key (the reduce skips it)
+    const int split_tile = blockIdx.z * (split_keys / PF_KEYS);
+    const int first_tile = max(split_tile, window_begin(first_position, window) / PF_KEYS);
+    const int num_tiles = min((key_end + PF_KEYS - 1) / PF_KEYS, split_tile + split_keys / PF_KEYS) - first_tile;
+    // CTA-uniform: this split lies past the run's last key, or before every row's window (the reduce skips it)
+    if (num_tiles <= 0) return;
     const int table_start = seq * max_blocks_per_seq;   // an index (the table has < 2^31 entries): a pointer costs 2 registers
 
     // Block-table entry of key j of tile `it` (threads j < PF_KEYS); -1 past the run's last key. Entries are
@@ -287,7 +296,7 @@ __global__ void __launch_bounds__(PF_THREADS, PF_CTAS_PER_SM) prefill_attention_
 #pragma unroll 1   // unrolled, ptxas interleaves the halves' loads at D = 128 and spills
         for (int sub = 0; sub < PF_KEYS; sub += SUB_KEYS)
             attend<T, D, SUB_KEYS>(q_s + warp * 32 * PITCH, k_s + sub * PITCH, k_s + (PF_KEYS + sub) * PITCH, tile + sub,
-                                   first_position, group, scale_log2, o, row_max, row_sum);
+                                   first_position, group, window, scale_log2, o, row_max, row_sum);
     }
     cp_async_wait<0>();   // the trailing (empty) groups
 
@@ -313,7 +322,7 @@ __global__ void __launch_bounds__(PF_THREADS, PF_CTAS_PER_SM) prefill_attention_
                     partial_sum[prow] = sum;
                 }
             } else {
-                const float inv_sum = 1.0f / sum;   // key 0 is visible to every row, so sum > 0
+                const float inv_sum = 1.0f / sum;   // a row's own key is visible to it, so sum > 0
                 T* dst = out + row * D + 2 * t;
 #pragma unroll
                 for (int j = 0; j < D / 8; ++j)

@@ -3,6 +3,7 @@ knobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -135,7 +136,14 @@ class EngineConfig:
             )
 
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+GEMMA3_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,16 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm (weights [head_dim]) on each head of q and k before RoPE
     o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
     dtype: str  # the checkpoint's dtype, one of DTYPES
+    # Sliding-window attention: query position i sees keys j with i - sliding_window < j <= i, on the layers
+    # where sliding_layers is True (None: every layer); None where every layer attends to all its keys.
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    extra_layer_norms: tuple[str, ...] = ()  # per-layer RMSNorms besides Llama's two (Gemma 3's)
+    # Gemma 3 (model/gemma.py): the attention scale's query_pre_attn_scalar**-0.5, the RoPE base of its
+    # sliding layers (the global ones take rope_theta and rope_scaling), tanh soft-capping of the logits
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -207,10 +225,12 @@ class ModelConfig:
             read_scheme(config["quantization_config"])  # refused here, before any tensor is read
         if config.get("mlp_bias", False):
             raise ValueError(f"mlp_bias must be false, got {config['mlp_bias']!r}")
+        if arch == "Gemma3ForCausalLM":
+            return cls._from_gemma3(config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
         max_positions = _positive_int(config, "max_position_embeddings")
-        _check_no_sliding_window(arch, config, max_positions)
+        window = _sliding_window(arch, config, max_positions)
 
         hidden = _positive_int(config, "hidden_size")
         heads = _positive_int(config, "num_attention_heads")
@@ -245,7 +265,78 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             dtype=dtype,
+            sliding_window=window,
         )
+
+    @classmethod
+    def _from_gemma3(cls, config: dict) -> ModelConfig:
+        """Gemma 3 text: GeGLU (tanh GELU), (1 + w) norms, q/k norms, interleaved sliding and global layers
+        (layer_types, or every sliding_window_pattern-th global), each kind with its own RoPE, tied
+        embeddings by default."""
+        activation = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
+        if config.get("attn_logit_softcapping") is not None:  # transformers' Gemma3Attention never applies it
+            raise ValueError(f"attn_logit_softcapping must be null, got {config['attn_logit_softcapping']!r}")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention must be false (a causal language model)")
+        layers = _positive_int(config, "num_hidden_layers")
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(
+                f"layer_types must name sliding_attention or full_attention for each of the {layers} layers"
+            )
+        params = config.get("rope_parameters")
+        if params is not None and "full_attention" in params:  # transformers 5: one set per layer type
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"the sliding layers' rope_type must be default, got {local['rope_type']!r}")
+            config = {**config, "rope_parameters": params["full_attention"]}
+            local_theta = local.get("rope_theta", 10000.0)
+        else:
+            local_theta = config.get("rope_local_base_freq", 10000.0)
+        softcap = config.get("final_logit_softcapping")
+        llama = {
+            **config,
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_act": "silu",  # checked above; the Llama reading checks the rest
+            "sliding_window": None,
+            "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        }
+        return dataclasses.replace(
+            cls.from_dict(llama),
+            architecture="Gemma3ForCausalLM",
+            qk_norm=True,
+            sliding_window=check_int("sliding_window", config.get("sliding_window"), lo=1),
+            sliding_layers=tuple(t == "sliding_attention" for t in types),
+            extra_layer_norms=GEMMA3_NORMS,
+            query_pre_attn_scalar=check_float(
+                "query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256)
+            ),
+            local_rope_theta=check_float("rope_local_base_freq", local_theta),
+            final_logit_softcapping=None
+            if softcap is None
+            else check_float("final_logit_softcapping", softcap),
+        )
+
+    def local_rope_cos_sin(self) -> np.ndarray:
+        """Gemma 3's sliding layers' table: default RoPE over local_rope_theta (rope_cos_sin's layout)."""
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None).rope_cos_sin()
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as paged_attention takes it."""
+        sliding = self.sliding_layers or (True,) * self.num_hidden_layers
+        return [self.sliding_window if s else None for s in sliding]
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer, where all of them slide: the KV blocks before it can be freed."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     def rope_cos_sin(self) -> np.ndarray:
         """float32[max_position_embeddings, head_dim]: row p is [cos(p * inv_freq) | sin(p * inv_freq)], the
@@ -313,17 +404,18 @@ def _positive_int(config: dict, name: str) -> int:
     return check_int(name, config.get(name), lo=1)
 
 
-def _check_no_sliding_window(arch: str, config: dict, max_positions: int) -> None:
-    # Full attention only: a window that covers every position is the same thing.
+def _sliding_window(arch: str, config: dict, max_positions: int) -> int | None:
+    """Mistral's window over every layer (Qwen2/Qwen3's use_sliding_window is refused); None where it covers
+    every position, which is full attention."""
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if config.get("use_sliding_window", False):
             raise ValueError(f"use_sliding_window must be false, got {config['use_sliding_window']!r}")
-        return
+        return None
     window = config.get("sliding_window")
-    if window is not None and window < max_positions:
-        raise ValueError(
-            f"sliding_window must be null or >= max_position_embeddings ({max_positions}), got {window!r}"
-        )
+    if window is None:
+        return None
+    check_int("sliding_window", window, lo=1)
+    return window if window < max_positions else None
 
 
 def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:

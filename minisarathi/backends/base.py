@@ -74,9 +74,17 @@ class Backend(Protocol):
         """RoPE on q in place; rotated k and v written into the cache (negative slot: not stored)."""
 
     def paged_attention(
-        self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float
-    ) -> Array: ...
+        self, q: Array, k_cache: Array, v_cache: Array, batch: Batch, scale: float, window: int | None = None
+    ) -> Array:
+        """Query at position p sees its sequence's keys 0..p, or only p - window + 1..p (a sliding window)."""
+
     def silu_and_mul(self, x: Array) -> Array: ...
+    def gelu_tanh_and_mul(self, x: Array) -> Array:
+        """Gemma 3's GeGLU: gelu_tanh(x[:, :I]) * x[:, I:] (backends/gemma_ops.py)."""
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """tanh(x / cap) * cap (Gemma 3's logits; CudaOps in place)."""
+
     def copy_blocks(
         self, kv_cache: list[tuple[Array, Array]], sources: list[int], destinations: list[int]
     ) -> None:

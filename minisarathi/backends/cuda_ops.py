@@ -50,6 +50,7 @@ TEMPLATED_KERNELS = {
     "paged_attention.cu": ["paged_attention_kernel", "paged_attention_reduce_kernel"],
     "decode_attention.cu": ["decode_attention_reduce_kernel"],
     "silu_and_mul.cu": ["silu_and_mul_kernel"],
+    "gemma.cu": ["gelu_tanh_and_mul_kernel", "softcap_kernel"],
     "copy_blocks.cu": ["copy_blocks_kernel"],
 }
 PLAIN_KERNELS = {
@@ -751,8 +752,9 @@ class CudaOps:
             ),
         )
 
-    def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float):
-        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position. One launch per kind
+    def paged_attention(self, q, k_cache, v_cache, batch: Batch, scale: float, window: int | None = None):
+        """[T, Hq, D] attention of each query over its sequence's cached keys 0..position (with a sliding
+        window, position - window + 1..position; the kernels take 0 for none). One launch per kind
         of row, over disjoint rows of one output: decodes (query runs of one token) to decode_attention.cu,
         longer runs (prefill chunks) of 16-bit models to prefill_attention.cu (tensor cores), and what those
         do not take (float32 prefills, shapes they do not support) to paged_attention.cu."""
@@ -780,29 +782,30 @@ class CudaOps:
         prefills = q_lens > 1
         if not (self.dtype != "float32" and D in PREFILL_HEAD_DIMS and group <= PF["PF_ROWS"]):
             prefills[:] = False
+        window = np.int32(window or 0)
         if decodes.any() and prefills.any():
             # A hybrid step: the decodes' output rows are disjoint from the chunks', so their K/V reads run on
             # a second stream, under the prefill's tensor-core work, and the step joins them before going on.
             with self.launcher.side_stream():
-                self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
-            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+                self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes, window)
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out, window)
             self.launcher.join_side_stream()
         elif decodes.any():
-            self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes)
+            self._decode_attention(q, k_cache, v_cache, batch, scale, out, decodes, window)
         elif prefills.any():
-            self._prefill_attention(q, k_cache, v_cache, batch, scale, out)
+            self._prefill_attention(q, k_cache, v_cache, batch, scale, out, window)
         rest = ~(decodes | prefills)
         if rest.any():
-            self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest)
+            self._chunk_attention(q, k_cache, v_cache, batch, scale, out, rest, window)
         return out
 
     def _decode_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, decodes: np.ndarray, window: np.int32
     ) -> None:
         """decode_attention.cu for the sequences where `decodes` (bool[S]) is set: one query token each."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
-        plan, items, rows = self._decode_plan(batch, decodes, Hq, Hk, D, q.dtype.itemsize, block_size)
+        plan, items, rows = self._decode_plan(batch, decodes, Hq, Hk, D, q.dtype.itemsize, block_size, window)
         xp = self.xp
         slots = max(1, plan.num_slots)
         partial_out = xp.empty((slots, Hq, D), dtype=np.float32)
@@ -836,6 +839,7 @@ class CudaOps:
                 np.int64(_row_stride(q, "q")),
                 np.float32(scale),
                 np.int32(plan.table_capacity),
+                window,
             ),
             shared_mem=plan.shared_mem,
         )
@@ -852,16 +856,26 @@ class CudaOps:
                     out,
                     np.int32(Hq),
                     np.int32(D),
+                    window,
                 ),
             )
 
     def _decode_plan(
-        self, batch: Batch, decodes: np.ndarray, Hq: int, Hk: int, D: int, itemsize: int, block_size: int
+        self,
+        batch: Batch,
+        decodes: np.ndarray,
+        Hq: int,
+        Hk: int,
+        D: int,
+        itemsize: int,
+        block_size: int,
+        window: np.int32,
     ):
-        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step, shared
-        by every layer; a graph bucket's batch (the plan_context_len of a BucketBatch, decode_graphs.py) has
-        one plan for the bucket's life, for rows of up to that many keys (the kernels take each row's keys
-        from context_lens), whose device arrays stay here because its graph reads them."""
+        """(plan, its items and rows on the device) for the decode rows of a batch. One plan per step and
+        window, shared by the layers; a graph bucket's batch (the plan_context_len of a BucketBatch,
+        decode_graphs.py) has one plan for the bucket's life, for rows of up to that many keys (the kernels
+        take each row's keys from context_lens), whose device arrays stay here because its graph reads them.
+        A sliding window: the rows are planned for the keys in it, as the kernel cuts them."""
         capacity = getattr(batch, "plan_context_len", None)
         bucket = capacity is not None
         key = (("bucket", batch.num_seqs, capacity) if bucket else (id(batch.context_lens),)) + (
@@ -870,15 +884,18 @@ class CudaOps:
             D,
             itemsize,
             block_size,
+            int(window),
         )
         cached = self._decode_plans.get(key)
         if cached is None or not (bucket or cached[0] is batch.context_lens):
             seqs = np.flatnonzero(decodes)
             shape = Hq, Hk, D, self.dtype, itemsize, block_size, self.launcher.multiprocessors
+            spans = batch.context_lens[seqs] if window == 0 else np.minimum(batch.context_lens[seqs], window)
             if bucket:
-                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, capacity, *shape)
+                span = capacity if window == 0 else min(capacity, int(window))
+                plan = decode_plan.bucket_plan(batch.query_start[seqs], seqs, span, *shape)
             else:
-                plan = decode_plan.plan(batch.query_start[seqs], seqs, batch.context_lens[seqs], *shape)
+                plan = decode_plan.plan(batch.query_start[seqs], seqs, spans, *shape)
             if not bucket and len(self._decode_plans) >= 8:
                 self._decode_plans = {k: v for k, v in self._decode_plans.items() if k[0] == "bucket"}
             to = self.launcher.to_device
@@ -886,7 +903,7 @@ class CudaOps:
         return cached[1:]
 
     def _chunk_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray
+        self, q, k_cache, v_cache, batch: Batch, scale: float, out, selected: np.ndarray, window: np.int32
     ) -> None:
         """paged_attention.cu for the query runs of the sequences where bool[S] `selected` holds (any run
         length, any shape)."""
@@ -950,6 +967,7 @@ class CudaOps:
                 np.float32(scale),
                 np.int32(PA_PARTITION_SIZE),
                 np.int32(key_tile),
+                window or np.int32(2**31 - 1),  # the kernel's span: every key back to 0
             ),
             shared_mem=smem,
         )
@@ -974,6 +992,7 @@ class CudaOps:
                     np.int32(Hq),
                     np.int32(D),
                     np.int32(PA_PARTITION_SIZE),
+                    window,
                 ),
             )
 
@@ -991,7 +1010,15 @@ class CudaOps:
         self._shared_mem_opt_in[id(kernel)] = allowed
 
     def _prefill_attention(
-        self, q, k_cache, v_cache, batch: Batch, scale: float, out, splits: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        batch: Batch,
+        scale: float,
+        out,
+        window: np.int32,
+        splits: int | None = None,
     ) -> None:
         """Writes the rows of out[T, Hq, D] that belong to query runs longer than one token. A grid too small
         to fill the GPU is split along the keys (_prefill_splits; `splits` forces a number), each split's
@@ -1050,6 +1077,7 @@ class CudaOps:
                 np.int64(_row_stride(q, "q")),
                 np.float32(scale * math.log2(math.e)),
                 np.int32(split_tiles * PF["PF_KEYS"]),
+                window,
             ),
             shared_mem=smem,
         )
@@ -1073,6 +1101,7 @@ class CudaOps:
                     np.int32(Hq),
                     np.int32(D),
                     np.int32(split_tiles * PF["PF_KEYS"]),
+                    window,
                 ),
             )
 
@@ -1086,6 +1115,26 @@ class CudaOps:
                 (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2))
             )
         return out
+
+    def gelu_tanh_and_mul(self, x):
+        self._check(x, "x")
+        x = self.xp.ascontiguousarray(x)
+        T, two_i = x.shape
+        out = self.xp.empty((T, two_i // 2), dtype=x.dtype)
+        if T:
+            self._kernel("gemma.cu", "gelu_tanh_and_mul_kernel", x)(
+                (_grid_stride_blocks(T * two_i // 2),), (256,), (x, out, np.int32(T), np.int32(two_i // 2))
+            )
+        return out
+
+    def softcap(self, x, cap: float):
+        """In place: x is the logits linear just made (C order)."""
+        self._check(x, "x")
+        if x.size:
+            self._kernel("gemma.cu", "softcap_kernel", x)(
+                (_grid_stride_blocks(x.size),), (256,), (x, np.int64(x.size), np.float32(cap))
+            )
+        return x
 
     def copy_blocks(self, kv_cache, sources: list[int], destinations: list[int]) -> None:
         pairs = self.launcher.to_device(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from minisarathi.backends.gemma_ops import GemmaNumpyOps
 from minisarathi.batch import Batch
 from minisarathi.sampler import Sampler
 
 
-class ReferenceOps:
+class ReferenceOps(GemmaNumpyOps):
     """The Backend interface on the host, in float32 NumPy, kept as simple as it can be."""
 
     device = "reference"
@@ -89,10 +90,8 @@ class ReferenceOps:
         """RoPE on q[T, Hq, D] in place; the rotated k[T, Hk, D] and v (k and v left as they are) written to
         the cache at slot_mapping[t] = block * block_size + offset. A negative slot is padding: not stored."""
         half = q.shape[2] // 2
-        cos = cos_sin[
-            positions, None, :half
-        ]  # float32[T, 1, D/2]: row p of the table is [cos(p f) | sin(p f)]
-        sin = cos_sin[positions, None, half:]  # float32[T, 1, D/2], the same for every head of a token
+        # float32[T, 1, D/2] each, the same for every head of a token: row p is [cos(p f) | sin(p f)]
+        cos, sin = cos_sin[positions, None, :half], cos_sin[positions, None, half:]
         q[...] = rotate(q, cos, sin)
         k_rotated = rotate(k, cos, sin)  # float32[T, Hk, D]
         block_size = k_cache.shape[2]
@@ -104,11 +103,12 @@ class ReferenceOps:
             v_cache[block, :, offset] = v[t]
 
     def paged_attention(
-        self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, scale: float
+        self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, scale: float, window=None
     ) -> np.ndarray:
         """float32[T, Hq, D]: query token t of sequence s, at position p, attends to the keys at positions
-        0..p of s (causal), each read from the cache through s's block table. GQA: query head h reads KV head
-        h // (Hq / Hk). Only those keys are read, so block-table entries past a context never matter."""
+        0..p of s (causal; with a sliding window, p - window + 1..p), each read from the cache through s's
+        block table. GQA: query head h reads KV head h // (Hq / Hk). Only those keys are read, so block-table
+        entries outside them (past a context, or freed before a window) never matter."""
         T, Hq, D = q.shape
         Hk, block_size = k_cache.shape[1], k_cache.shape[2]
         group = Hq // Hk
@@ -116,12 +116,13 @@ class ReferenceOps:
         for s in range(batch.num_seqs):
             table = batch.block_tables[s]
             for t in range(batch.query_start[s], batch.query_start[s + 1]):
-                keys = np.arange(batch.positions[t] + 1)  # int[p+1]: positions 0..p
+                first = 0 if window is None else max(0, batch.positions[t] - window + 1)
+                keys = np.arange(first, batch.positions[t] + 1)  # int[n]: positions first..p
                 blocks, offsets = table[keys // block_size], keys % block_size
                 # the KV heads repeated so that query head h lines up with KV head h // group
-                K = np.repeat(k_cache[blocks, :, offsets], group, axis=1)  # float32[p+1, Hq, D]
-                V = np.repeat(v_cache[blocks, :, offsets], group, axis=1)  # float32[p+1, Hq, D]
-                scores = np.einsum("hd,khd->hk", q[t], K) * np.float32(scale)  # float32[Hq, p+1]
+                K = np.repeat(k_cache[blocks, :, offsets], group, axis=1)  # float32[n, Hq, D]
+                V = np.repeat(v_cache[blocks, :, offsets], group, axis=1)  # float32[n, Hq, D]
+                scores = np.einsum("hd,khd->hk", q[t], K) * np.float32(scale)  # float32[Hq, n]
                 weights = np.exp(scores - scores.max(axis=1, keepdims=True))  # softmax, shifted: no overflow
                 weights /= weights.sum(axis=1, keepdims=True)
                 out[t] = np.einsum("hk,khd->hd", weights, V)

@@ -21,6 +21,9 @@ when every block still holds what it held at scheduling). A pending source whose
 off the free list until `take_copies`, so no block is both a source and a destination of one step's copies
 (they run in parallel).
 
+A sliding window over every layer (`window`): a block no query to come can see goes back, its entry -1 (the
+kernels read only the window's keys); a cached one stays findable, KV intact, until evicted (still exact).
+
 Every admitted sequence also owns a row of `tables`, a matrix that mirrors its block table (zero-padded), so
 the batch builder takes a step's block tables with one NumPy gather instead of converting lists every step.
 """
@@ -40,10 +43,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, window=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0 and not in the prefix cache
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, least recently used first
@@ -53,9 +57,8 @@ class BlockManager:
         self.prefix_hits = 0  # of them, tokens served from the cache
         self.tables = np.zeros((16, 16), np.int32)  # int32[rows, width]: row seq.block_row = seq.block_table
         self._free_rows = list(range(16))
-        self.pending_copies: list[
-            tuple[int, int]
-        ] = []  # (source, destination) blocks to copy before the forward
+        # (source, destination) blocks to copy before the forward
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,7 +151,7 @@ class BlockManager:
         them first writes into the shared partial block gets a copy of it (grow)."""
         shared = parent.block_table[: self.blocks_for(parent.num_computed_tokens)]
         for block in shared:
-            self.ref_counts[block] += 1
+            self.ref_counts[block] += block >= 0
         child.block_table = list(shared)
         child.block_row = self._take_row()
         self.tables[child.block_row, : len(shared)] = shared
@@ -178,13 +181,13 @@ class BlockManager:
         return block
 
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
-        """Offer seq's newly full blocks among its first `num_tokens` (computed) tokens to the prefix cache.
-        The engine passes what the step being updated computed: with overlap, seq.num_computed_tokens already
-        counts the next step's chunk, whose last token may not be on the host yet, and seq may have been
-        freed (preempted) since: it then holds no block to offer."""
-        if not self.enable_prefix_caching or seq.block_row < 0:
+        """Offer seq's newly full blocks among its first `num_tokens` (computed) tokens to the prefix cache,
+        then free those before a sliding window. The engine passes what the step being updated computed: with
+        overlap, seq.num_computed_tokens already counts the next step's chunk, whose last token may not be on
+        the host yet, and seq may have been freed (preempted) since: it then holds no block to offer."""
+        if seq.block_row < 0:
             return
-        num_full = num_tokens // self.block_size
+        num_full = num_tokens // self.block_size if self.enable_prefix_caching else 0
         for i in range(seq.num_registered_blocks, num_full):
             block, h = seq.block_table[i], self._hash(seq, i)
             # a twin computed concurrently by another sequence keeps the entry; this block stays private
@@ -192,10 +195,16 @@ class BlockManager:
                 self.cached_blocks[h] = block
                 self.block_hash[block] = h
         seq.num_registered_blocks = num_full
+        # the next query (position num_tokens) sees no key before num_tokens - window + 1, nor do later ones
+        dead = 0 if self.window is None else (num_tokens - self.window + 1) // self.block_size
+        while dead > 0 and seq.block_table[dead - 1] >= 0:  # those before a freed block went before it
+            dead -= 1
+            self._release(seq.block_table[dead])
+            seq.block_table[dead] = self.tables[seq.block_row, dead] = -1
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""
-        for block in reversed(seq.block_table):
+        for block in reversed([block for block in seq.block_table if block >= 0]):  # -1: freed (window)
             self._release(block)
         if seq.block_row >= 0:
             self.tables[seq.block_row] = 0
@@ -252,11 +261,12 @@ class BlockManager:
         expected = [0] * self.num_blocks
         rows = np.zeros_like(self.tables)
         for seq in live:
-            assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"
+            held = [block for block in seq.block_table if block >= 0]  # -1: freed before the window
+            assert len(held) == len(set(held)), f"{seq.request_id} repeats a block"
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, seq.request_id
             assert seq.block_row >= 0, f"{seq.request_id} runs without a row of tables"
             rows[seq.block_row, : len(seq.block_table)] = seq.block_table
-            for block in seq.block_table:
+            for block in held:
                 expected[block] += 1
         assert expected == self.ref_counts, "ref counts disagree with the block tables"
         assert (rows == self.tables).all(), "the tables matrix disagrees with the block tables"

@@ -23,7 +23,7 @@ from minisarathi.engine.scheduler import SchedulerOutput
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
 from minisarathi.paths import default_model_dir
@@ -131,7 +131,8 @@ class LLMEngine:
         weights = f"{self.model.weight_format}, {self.model.weight_bytes / 2**20:.1f} MiB on {config.device}"
         kv_pool = f"{num_blocks} blocks of {config.block_size} tokens, {pool:.1f} MiB"
         log.info("weights: %s; KV pool: %s", weights, kv_pool)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
+        self.block_manager = BlockManager(*blocks)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
         self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
@@ -519,9 +520,8 @@ class LLMEngine:
 
     def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
-        if self.block_manager.enable_prefix_caching:
-            for (seq, n), begin in zip(step.scheduled.items(), step.starts):
-                self.block_manager.register_computed(seq, begin + n)
+        for (seq, n), begin in zip(step.scheduled.items(), step.starts):
+            self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = [], [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
             done = self._append_token(seq, token, sampled, row, now)

@@ -11,15 +11,12 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from minisarathi.backends.base import Backend
-from minisarathi.backends.devices import make_backend
 from minisarathi.batch import Batch
 from minisarathi.config import ModelConfig
 from minisarathi.model.decode_graphs import DecodeGraphs
-from minisarathi.model.loader import load_weights
 from minisarathi.parallel.communicator import Communicator
 from minisarathi.quant.layouts import weight_format
 from minisarathi.validation import check_int
@@ -51,6 +48,10 @@ class LlamaModel:
         dtype) or float32 arrays; ops the backend that places them and runs the forward pass.
         comm: one rank of a tensor-parallel group, which runs `config` and `weights` as sharded by
         minisarathi/parallel/sharding.py and sums o_proj's and down_proj's partial outputs over the ranks."""
+        if (
+            type(self) is LlamaModel and config.architecture == "Gemma3ForCausalLM"
+        ):  # the tensor-parallel ranks'
+            raise ValueError("Gemma 3 runs without tensor parallelism: its forward is model/gemma.py's")
         self.config = config
         self.ops = ops
         self.comm = comm
@@ -60,13 +61,9 @@ class LlamaModel:
         self.lm_head = ops.linear_weight(
             self.embed_tokens if config.tie_word_embeddings else ops.weight(weights["lm_head"])
         )
+        fields = LayerWeights.__dataclass_fields__
         self.layers = [
-            LayerWeights(
-                **{
-                    name: self._place(name, weights.get(f"layers.{i}.{name}"))
-                    for name in LayerWeights.__dataclass_fields__
-                }
-            )
+            LayerWeights(**{name: self._place(name, weights.get(f"layers.{i}.{name}")) for name in fields})
             for i in range(config.num_hidden_layers)
         ]
         # float32 on every backend (16-bit angles would ruin far positions), built once from float64 angles.
@@ -146,7 +143,7 @@ class LlamaModel:
         q_size, kv_size = c.num_attention_heads * D, c.num_key_value_heads * D
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)  # [T, H]
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+        for layer, (k_cache, v_cache), window in zip(self.layers, kv_cache, c.layer_windows):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
@@ -162,7 +159,7 @@ class LlamaModel:
             ops.rope_store_kv(
                 q, k, v, k_cache, v_cache, batch.positions, batch.slot_mapping, self.rope_cos_sin
             )
-            attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, Hq, D]
+            attn = ops.paged_attention(q, k_cache, v_cache, batch, self.scale, window)  # [T, Hq, D]
             hidden = ops.linear(attn.reshape(T, q_size), layer.o_proj, layer.o_bias)  # [T, H]
             if self.comm is not None:
                 hidden = self.comm.all_reduce(hidden)
@@ -178,11 +175,3 @@ class LlamaModel:
             hidden, residual = hidden[rows], residual[rows]
         x, _ = ops.add_rms_norm(hidden, residual, self.norm, c.rms_norm_eps)
         return ops.linear(x, self.lm_head)  # [N, vocab]
-
-
-def load_model(path: str | Path, device: str = "cpu", dtype: str = "auto") -> LlamaModel:
-    """A Hugging Face folder's model on the backend for `device` (minisarathi/backends/devices.py), computing
-    in `dtype` ("auto": the checkpoint's on the CUDA backends)."""
-    config = ModelConfig.from_pretrained(path)
-    backend = make_backend(device, config.dtype if dtype == "auto" else dtype, explicit_dtype=dtype != "auto")
-    return LlamaModel(config, load_weights(path, config), backend)

@@ -60,11 +60,11 @@ class CheckpointWeights(Mapping):
     """The model's weights under the names LlamaModel uses, as CheckpointTensors, q/k/v and gate/up fused.
 
     Keys: embed_tokens, norm, lm_head (untied only), and per layer i `layers.{i}.` + input_layernorm,
-    qkv_proj, qkv_bias (if config.qkv_bias), q_norm and k_norm (if config.qk_norm), o_proj, o_bias (if
-    config.o_bias), post_attention_layernorm, gate_up_proj, down_proj. Weights keep HF's [out, in] layout.
-    Every tensor is checked when this is built; a fused one is concatenated (one host copy in the stored
-    dtype) each time it is read, so the host holds at most one fused tensor while a backend places them
-    one by one.
+    post_attention_layernorm, config.extra_layer_norms (Gemma 3), qkv_proj, qkv_bias (if config.qkv_bias),
+    q_norm and k_norm (if config.qk_norm), o_proj, o_bias (if config.o_bias), gate_up_proj, down_proj.
+    Weights keep HF's [out, in] layout. Every tensor is checked when this is built; a fused one is
+    concatenated (one host copy in the stored dtype) each time it is read, so the host holds at most one
+    fused tensor while a backend places them one by one.
     """
 
     def __init__(self, stored: dict[str, CheckpointTensor], parts: dict[str, list[str]]):
@@ -104,27 +104,18 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
         parts["lm_head"] = use(("lm_head.weight", (c.vocab_size, H)))
     for i in range(c.num_hidden_layers):
         attn, mlp, out = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
-        parts[out + "input_layernorm"] = use((f"model.layers.{i}.input_layernorm.weight", (H,)))
-        parts[out + "qkv_proj"] = use(
-            (attn + "q_proj.weight", (q_size, H)),
-            (attn + "k_proj.weight", (kv_size, H)),
-            (attn + "v_proj.weight", (kv_size, H)),
-        )
+        for norm in ("input_layernorm", "post_attention_layernorm", *c.extra_layer_norms):
+            parts[out + norm] = use((f"model.layers.{i}.{norm}.weight", (H,)))
+        qkv = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
+        parts[out + "qkv_proj"] = use(*((f"{attn}{name}.weight", (rows, H)) for name, rows in qkv))
         if c.qkv_bias:
-            parts[out + "qkv_bias"] = use(
-                (attn + "q_proj.bias", (q_size,)),
-                (attn + "k_proj.bias", (kv_size,)),
-                (attn + "v_proj.bias", (kv_size,)),
-            )
+            parts[out + "qkv_bias"] = use(*((f"{attn}{name}.bias", (rows,)) for name, rows in qkv))
         if c.qk_norm:
             parts[out + "q_norm"] = use((attn + "q_norm.weight", (c.head_dim,)))
             parts[out + "k_norm"] = use((attn + "k_norm.weight", (c.head_dim,)))
         parts[out + "o_proj"] = use((attn + "o_proj.weight", (H, q_size)))
         if c.o_bias:
             parts[out + "o_bias"] = use((attn + "o_proj.bias", (H,)))
-        parts[out + "post_attention_layernorm"] = use(
-            (f"model.layers.{i}.post_attention_layernorm.weight", (H,))
-        )
         parts[out + "gate_up_proj"] = use(
             (mlp + "gate_proj.weight", (I, H)), (mlp + "up_proj.weight", (I, H))
         )

@@ -18,7 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN = 24
@@ -133,20 +140,60 @@ VARIANTS = {
         torch.bfloat16,
         None,
     ),
+    # Mistral with a sliding window of 6 over every layer: the 24-token prompt is 4 windows long
+    "mistral_sliding": (
+        MistralConfig(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=6,
+        ),
+        torch.float32,
+        None,
+    ),
+    # Gemma 3: local layers (window 6 under the 24-token prompt, their own RoPE base) around a global one
+    # with linear RoPE scaling, q/k norms, a query_pre_attn_scalar other than head_dim, soft-capped logits
+    "gemma3_sliding": (
+        Gemma3TextConfig(
+            **COMMON | {"num_hidden_layers": 3},
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=8.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+        ),
+        torch.float32,
+        None,
+    ),
 }
 
 
 def randomize(model: torch.nn.Module) -> None:
     """Weights large enough that logits are peaked (greedy has clear winners); norms near 1, not exactly 1."""
+    gemma = "gemma3" in type(model).__name__.lower()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
+            if name == "model.norm.weight" and gemma:  # (1 + w) about 5: the small tied table's logits
+                param.copy_(4 + 0.2 * torch.randn_like(param))
+            elif "norm" in name:  # Gemma 3 scales by (1 + w): about 1.5
+                param.copy_((0.5 if gemma else 1) + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.normal_(0, 0.5)
             else:
                 param.normal_(0, 2.0 / param.shape[-1] ** 0.5 if param.ndim == 2 else 1.0)
-        model.get_input_embeddings().weight.normal_(0, 1.0)
+        # Gemma 3 scales its (tied) embedding by sqrt(hidden): smaller, so the current token does not drown
+        # out the layers (greedy would repeat it)
+        model.get_input_embeddings().weight.normal_(0, 0.05 if gemma else 1.0)
 
 
 def make(name: str, config, dtype: torch.dtype, shard_size: str | None, seed: int) -> None:

@@ -14,7 +14,8 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import ModelConfig
 from minisarathi.dtypes import bf16_to_float32
-from minisarathi.model.llama import LlamaModel, load_model
+from minisarathi.model.families import FAMILIES, load_model
+from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch
@@ -26,7 +27,7 @@ GOLDEN_MODELS = sorted(path.parent.name for path in GOLDEN.glob("*/golden.npz"))
 
 def build_model(path: Path, ops) -> LlamaModel:
     config = ModelConfig.from_pretrained(path)
-    return LlamaModel(config, load_weights(path, config), ops)
+    return FAMILIES.get(config.architecture, LlamaModel)(config, load_weights(path, config), ops)
 
 
 def run_mixed_steps(model, prompts: list[list[int]], new_tokens: int, chunk_size: int, block_size: int = 4):

@@ -15,7 +15,7 @@ import pytest
 from minisarathi.backends import cuda_ops, emulator
 from minisarathi.backends.cuda_ops import QuantWeight
 from minisarathi.dtypes import convert, to_float32
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.quant.layouts import Fp8Rows, IntGroups, Stacked, UintGroups, pack_low
 from minisarathi.testing import prefill_then_greedy

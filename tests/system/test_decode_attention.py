@@ -301,7 +301,9 @@ def assert_close(out, expected, dtype):
 def op_plan(ops, batch, q, k_cache):
     """The plan CudaOps._decode_plan makes for this batch: what ops.paged_attention launches."""
     Hq, Hk, D, block_size = q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2]
-    return ops._decode_plan(batch, np.ones(batch.num_seqs, bool), Hq, Hk, D, q.dtype.itemsize, block_size)[0]
+    return ops._decode_plan(
+        batch, np.ones(batch.num_seqs, bool), Hq, Hk, D, q.dtype.itemsize, block_size, np.int32(0)
+    )[0]
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -322,7 +324,7 @@ def test_bucket_grid_does_not_grow_with_max_model_len(rows):
             16,
         )
         batch.plan_context_len = capacity
-        plan = ops._decode_plan(batch, np.ones(rows, bool), 32, 8, 128, 2, 16)[0]
+        plan = ops._decode_plan(batch, np.ones(rows, bool), 32, 8, 128, 2, 16, np.int32(0))[0]
         grids.add(len(plan.items))
         assert len(plan.items) * 8 <= 2 * wave
         begin, end = split_ranges(plan, batch.context_lens)

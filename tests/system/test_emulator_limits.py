@@ -139,7 +139,7 @@ def test_prefill_attention_opts_in_once_over_steps(monkeypatch):
     q = np.zeros((batch.num_tokens, 1, 128), np.uint16)
     ops = cuda_ops.emulated("bfloat16")
     for _ in range(3):
-        ops._prefill_attention(q, k_cache, v_cache, batch, 128**-0.5, np.zeros_like(q))
+        ops._prefill_attention(q, k_cache, v_cache, batch, 128**-0.5, np.zeros_like(q), np.int32(0))
     assert launches == [True] * 3
     assert sets == ["prefill_attention_kernel<__nv_bfloat16, 128>"]
 

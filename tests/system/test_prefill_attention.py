@@ -66,7 +66,7 @@ def check(dtype, Hq, Hk, D, block_size, runs, seed=0, splits=None):
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
 
     out = on_device(np.full(q.shape, np.nan, np.float32), dtype)
-    ops._prefill_attention(q, k_cache, v_cache, batch, scale, out, splits)
+    ops._prefill_attention(q, k_cache, v_cache, batch, scale, out, np.int32(0), splits)
     np.testing.assert_allclose(as_float32(out)[prefill_rows], expected[prefill_rows], rtol=0, atol=atol)
     assert np.isnan(as_float32(out)[~prefill_rows]).all()
 
@@ -173,7 +173,7 @@ def test_cache_rows_past_int32():
     )
     prefill_rows = np.repeat(np.diff(batch.query_start) > 1, np.diff(batch.query_start))
     out = on_device(np.full(q.shape, np.nan, np.float32), dtype)
-    cuda_ops.emulated(dtype)._prefill_attention(q, k_cache, v_cache, far, scale, out)
+    cuda_ops.emulated(dtype)._prefill_attention(q, k_cache, v_cache, far, scale, out, np.int32(0))
     np.testing.assert_allclose(
         as_float32(out)[prefill_rows],
         expected[prefill_rows],

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from minisarathi.llm import LLM
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.testing import prefill_then_greedy, relative_error

@@ -85,13 +85,12 @@ def test_inv_freq_variants():
     assert np.all(llama3[medium] < default[medium]) and np.all(llama3[medium] > default[medium] / 8)
 
 
-def test_mistral_window_covering_everything_is_fine():
-    assert (
-        config(architectures=["MistralForCausalLM"], sliding_window=None).architecture == "MistralForCausalLM"
-    )
-    assert (
-        config(architectures=["MistralForCausalLM"], sliding_window=256).architecture == "MistralForCausalLM"
-    )
+def test_mistral_window_covering_everything_is_full_attention():
+    for window in (None, 256, 1000):
+        full = config(architectures=["MistralForCausalLM"], sliding_window=window)
+        assert full.sliding_window is None and full.layer_windows == [None] * full.num_hidden_layers
+    sliding = config(architectures=["MistralForCausalLM"], sliding_window=128)
+    assert sliding.layer_windows == [128] * sliding.num_hidden_layers and sliding.kv_window == 128
 
 
 @pytest.mark.parametrize(
@@ -99,7 +98,8 @@ def test_mistral_window_covering_everything_is_fine():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, ["architectures", "GPT2LMHeadModel"]),
         ({"architectures": None}, ["architectures"]),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, ["sliding_window", "128"]),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, ["sliding_window", "0"]),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4.5}, ["sliding_window", "4.5"]),
         ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, ["truncate", "False"]),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ["rope_type", "longrope"]),

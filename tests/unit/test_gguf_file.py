@@ -19,7 +19,7 @@ from minisarathi import LLM, SamplingParams  # noqa: E402
 from minisarathi.cli import main  # noqa: E402
 from minisarathi.config import ModelConfig  # noqa: E402
 from minisarathi.dtypes import convert, to_float32  # noqa: E402
-from minisarathi.model.llama import load_model  # noqa: E402
+from minisarathi.model.families import load_model  # noqa: E402
 from minisarathi.model.loader import load_weights  # noqa: E402
 from minisarathi.quant.gguf_file import UnsupportedGGUF, hf_name, read_gguf  # noqa: E402
 from minisarathi.quant.layouts import IntGroups, UnsupportedTensorType  # noqa: E402

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from minisarathi.config import ModelConfig  # noqa: E402
-from minisarathi.model.llama import load_model  # noqa: E402
+from minisarathi.model.families import load_model  # noqa: E402
 from minisarathi.model.loader import load_weights, read_checkpoint  # noqa: E402
 from minisarathi.quant.gguf_file import hf_name, read_gguf  # noqa: E402
 from minisarathi.quant.layouts import IntGroups, Stacked, UintGroups  # noqa: E402

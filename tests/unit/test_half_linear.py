@@ -16,7 +16,8 @@ from minisarathi.backends.devices import make_backend
 from minisarathi.backends.reference import ReferenceOps
 from minisarathi.config import ModelConfig
 from minisarathi.dtypes import bf16_to_float32, convert, float32_to_bf16
-from minisarathi.model.llama import LINEAR_WEIGHTS, LlamaModel, load_model
+from minisarathi.model.families import load_model
+from minisarathi.model.llama import LINEAR_WEIGHTS, LlamaModel
 from minisarathi.model.loader import CheckpointTensor, load_weights
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import prefill_then_greedy, relative_error

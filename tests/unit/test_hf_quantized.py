@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minisarathi.config import ModelConfig
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.quant import hf_quantized
 from minisarathi.quant.layouts import E4M3, Fp8Rows, IntGroups, UintGroups, concatenate_rows

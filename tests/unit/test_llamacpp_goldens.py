@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from minisarathi.model.llama import load_model  # noqa: E402
+from minisarathi.model.families import load_model  # noqa: E402
 from minisarathi.testing import prefill_then_greedy  # noqa: E402
 
 ROOT = Path(__file__).parents[2]

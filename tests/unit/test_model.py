@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import ScheduledChunk, build_batch, prefill_then_greedy, relative_error
 

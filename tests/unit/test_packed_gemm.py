@@ -15,7 +15,8 @@ from minisarathi.backends.cpu.ops import CpuOps
 from minisarathi.backends.cpu.packed_gemm import PackedGemm, PackedWeight
 from minisarathi.backends.cpu.process_setup import configure_cpu
 from minisarathi.bench.random_model import write_random_model
-from minisarathi.model.llama import LINEAR_WEIGHTS, load_model
+from minisarathi.model.families import load_model
+from minisarathi.model.llama import LINEAR_WEIGHTS
 from minisarathi.testing import ScheduledChunk, build_batch, fma32
 
 needs_kernel = pytest.mark.skipif(

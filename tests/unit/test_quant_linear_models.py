@@ -20,7 +20,8 @@ gguf = pytest.importorskip("gguf")
 from minisarathi.backends.cpu import quant_linear  # noqa: E402
 from minisarathi.backends.cpu.quant_linear import QuantWeight  # noqa: E402
 from minisarathi.config import ModelConfig  # noqa: E402
-from minisarathi.model.llama import LINEAR_WEIGHTS, load_model  # noqa: E402
+from minisarathi.model.families import load_model  # noqa: E402
+from minisarathi.model.llama import LINEAR_WEIGHTS  # noqa: E402
 from minisarathi.model.loader import load_weights  # noqa: E402
 from minisarathi.testing import float64_logits, prefill_then_greedy, relative_error  # noqa: E402
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minisarathi.engine.engine import LLMEngine
-from minisarathi.model.llama import load_model
+from minisarathi.model.families import load_model
 from minisarathi.model.loader import read_checkpoint
 from minisarathi.paths import default_model_dir
 from minisarathi.quant.layouts import weight_format

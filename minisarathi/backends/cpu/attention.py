@@ -67,7 +67,8 @@ class AttentionPlan:
         self.cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self._arrays = (batch.query_start, batch.context_lens, batch.block_tables)
         q_lens = np.diff(batch.query_start)
-        decodes = np.flatnonzero(q_lens == 1)
+        decodes = self.decodes = np.flatnonzero(q_lens == 1)
+        self._window_masks: dict[int, np.ndarray] = {}  # window -> window_mask(window)
         self.native_decodes = (
             None
             if native_query_heads is None or not len(decodes)
@@ -124,6 +125,17 @@ class AttentionPlan:
                     context_len,
                 )
             )
+
+    def window_mask(self, window: int) -> np.ndarray:
+        """float32[S, 1, 1, decode_keys]: -inf on each decode's keys at or before its position - window
+        (keys before context_len - window), made once per window and batch."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            first = self.batch.context_lens[self.decodes] - window  # int[S]: each one's first visible key
+            hidden = np.arange(self.decode_keys) < first[:, None]
+            mask = np.where(hidden, np.float32(-np.inf), np.float32(0))
+            mask = self._window_masks[window] = mask[:, None, None]
+        return mask
 
     def describes(self, batch: Batch, k_cache: np.ndarray) -> bool:
         """Whether this plan is for `batch` (the same object, its arrays not replaced) and caches like
@@ -259,10 +271,12 @@ def paged_attention(
     plan: AttentionPlan,
     buffers: GatherBuffers,
     scale: float,
+    window: int | None = None,
     decode_kv: DecodeKV | None = None,
     native: tuple[CpuAttention, tuple[int, int]] | None = None,
 ) -> np.ndarray:
-    """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
+    """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache; with a
+    sliding window, only to keys past its position - window.
 
     Single-token runs (decodes) are done together: by the native kernel where the plan says so (native: the
     kernel and the caches' data addresses), else padded to the longest context; longer runs (prefill chunks)
@@ -275,7 +289,7 @@ def paged_attention(
     out = np.empty((T, Hk, G, D), dtype=np.float32)
     if plan.native_decodes is not None:
         kernel, cache_addresses = native
-        kernel.decode(q, cache_addresses, plan.native_decodes, scale, out.reshape(T, Hq, D))
+        kernel.decode(q, cache_addresses, plan.native_decodes, scale, out.reshape(T, Hq, D), window)
     if plan.prefills or plan.num_decodes and plan.native_decodes is None:
         q = (q * np.float32(scale)).reshape(T, Hk, G, D)
     if plan.num_decodes and plan.native_decodes is None:
@@ -305,31 +319,43 @@ def paged_attention(
                 scores = q_decode[rows] @ k.swapaxes(-1, -2)  # float32[s, Hk, G, n]
             if plan.decode_mask is not None:
                 scores += plan.decode_mask[rows]
+            if window is not None:
+                scores += plan.window_mask(window)[rows]
             denominator = _exp_in_place(scores)
             np.matmul(scores, v, out=out_decode[rows])  # float32[s, Hk, G, D]
             out_decode[rows] /= denominator
         if not isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = out_decode
     for start, end, tiles, context_len in plan.prefills:
+        if window is not None:  # only the blocks from the first query's window on (those before may be freed)
+            skipped = max(0, context_len - (end - start) - window + 1) // block_size
+            tiles = tiles.reshape(Hk, -1)[:, skipped:].ravel()
+            context_len -= skipped * block_size  # keys counted from the first gathered one: the same masks
         k, v = buffers.gather(k_cache, v_cache, tiles)
         k, v = k.reshape(Hk, 1, -1, D), v.reshape(Hk, 1, -1, D)  # [Hk, 1, n, D]: padding past context_len
-        _prefill_attention(q[start:end], k, v, context_len, out[start:end])
+        _prefill_attention(q[start:end], k, v, context_len, out[start:end], window)
     return out.reshape(T, Hq, D)
 
 
 def _prefill_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int, out: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, context_len: int, out: np.ndarray, window: int | None
 ) -> None:
     q_len = q.shape[0]
-    history = context_len - q_len  # keys every query of the chunk sees
+    history = context_len - q_len  # keys every query of the chunk sees (without a window)
     for start in range(0, q_len, QUERY_TILE):
         end = min(start + QUERY_TILE, q_len)
         visible = history + end
-        # float32[Hk, G, t, visible]
-        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, :visible].swapaxes(-1, -2)
-        scores[..., history + start :] += _CAUSAL_TILE[: end - start, : end - start]
+        # a window: the tile reads from its first row's first key; the rows after it see fewer
+        first = 0 if window is None else max(0, history + start - window + 1)
+        # float32[Hk, G, t, visible - first]
+        scores = q[start:end].transpose(1, 2, 0, 3) @ k[:, :, first:visible].swapaxes(-1, -2)
+        scores[..., history + start - first :] += _CAUSAL_TILE[: end - start, : end - start]
+        if window is not None:
+            positions = np.arange(history + start, history + end)[:, None]  # int[t, 1]
+            keys = np.arange(first, visible)  # int[visible - first]
+            scores += np.where(keys <= positions - window, np.float32(-np.inf), np.float32(0))
         denominator = _exp_in_place(scores)
-        tile = scores @ v[:, :, :visible]  # float32[Hk, G, t, D]
+        tile = scores @ v[:, :, first:visible]  # float32[Hk, G, t, D]
         tile /= denominator
         out[start:end] = tile.transpose(2, 0, 1, 3)
 

@@ -469,7 +469,7 @@ namespace {
 template <int LANES, int64_t SLICE>
 int decode(Score score, float (*exp_and_sum)(float*, int64_t), const WeightedSum* weighted_sum_of,
            const DecodeBatch* batch, const float* q, int64_t q_stride, const float* k_cache,
-           const float* v_cache, float scale, float* out) {
+           const float* v_cache, float scale, int64_t window, float* out) {
     const int32_t* block_tables = batch->block_tables;
     const int32_t* context_lens = batch->context_lens;
     const int64_t *seqs = batch->seqs, *rows = batch->rows;
@@ -488,13 +488,16 @@ int decode(Score score, float (*exp_and_sum)(float*, int64_t), const WeightedSum
     const int64_t head_stride = bs * D;
     const int64_t block_stride = Hk * head_stride;
     for (int64_t i = 0; i < num_decodes; ++i) {
-        const int64_t n = context_lens[seqs[i]];
+        const int64_t len = context_lens[seqs[i]];
         const int32_t* table = block_tables + seqs[i] * table_stride;
-        if (n > table_stride * bs) return -2;
-        for (int64_t b = 0; b * bs < n; ++b) {
+        if (len > table_stride * bs) return -2;
+        // A sliding window: keys first .. len - 1 only (the blocks before them may be freed: never read).
+        const int64_t first = window > 0 && len > window ? len - window : 0, n = len - first;
+        for (int64_t b = first / bs; b * bs < len; ++b) {
             if (table[b] < 0 || table[b] >= num_blocks) return -2;
             const int64_t base = table[b] * block_stride;
-            for (int64_t t = b * bs; t < n && t < (b + 1) * bs; ++t) offsets[t] = base + (t - b * bs) * D;
+            for (int64_t t = b * bs > first ? b * bs : first; t < len && t < (b + 1) * bs; ++t)
+                offsets[t - first] = base + (t - b * bs) * D;
         }
         const float* qi = q + rows[i] * q_stride;
         float* oi = out + rows[i] * out_stride;
@@ -538,7 +541,7 @@ __attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const flo
 
 // For each decode i, on path isa: sequence b.seqs[i], whose query is row b.rows[i] of q and whose output goes
 // to that row of out, attends to its context_lens[seq] keys, key t in block block_tables[seq][t / bs] at
-// offset t % bs.
+// offset t % bs; with window > 0 only its last `window` keys (0: all of them).
 //   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
 //   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
 //   out: float32[..][Hq][D], C order
@@ -547,14 +550,15 @@ __attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const flo
 // when this CPU cannot run the path.
 __attribute__((visibility("default"))) int decode_attention(int isa, const DecodeBatch* batch, const float* q,
                                                            int64_t q_stride, const float* k_cache,
-                                                           const float* v_cache, float scale, float* out) {
+                                                           const float* v_cache, float scale, int64_t window,
+                                                           float* out) {
     if (!supported(isa)) return -3;
     if (isa == AVX512)
         return decode<avx512::LANES, avx512::SLICE>(batch->D <= 8 ? avx512::score_pairs : avx512::score,
                                                     avx512::exp_and_sum, avx512::weighted_sum_of, batch, q,
-                                                    q_stride, k_cache, v_cache, scale, out);
+                                                    q_stride, k_cache, v_cache, scale, window, out);
     return decode<avx2::LANES, avx2::SLICE>(avx2::score, avx2::exp_and_sum, avx2::weighted_sum_of, batch, q,
-                                            q_stride, k_cache, v_cache, scale, out);
+                                            q_stride, k_cache, v_cache, scale, window, out);
 }
 
 }  // extern "C"

@@ -73,7 +73,7 @@ class CpuAttention:
 
     def __init__(self, lib: ctypes.CDLL, isa: str | None = None):
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.decode_attention.argtypes = [i32, ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
+        lib.decode_attention.argtypes = [i32, ptr, ptr, i64, ptr, ptr, ctypes.c_float, i64, ptr]
         lib.decode_attention.restype = i32
         lib.exp_nonpositive_of.argtypes = [i32, ptr, i64, ptr]
         lib.exp_nonpositive_of.restype = i32
@@ -99,9 +99,11 @@ class CpuAttention:
         decodes: DecodeRows,
         scale: float,
         out: np.ndarray,
+        window: int | None = None,
     ) -> None:
         """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D]).
-        cache_addresses: the data of the caches (C order, of the shape `decodes` was made for)."""
+        cache_addresses: the data of the caches (C order, of the shape `decodes` was made for). window: a
+        sliding window, each decode attending to its last `window` keys only."""
         if q.dtype != np.float32 or out.dtype != np.float32:
             raise TypeError(f"decode attention: q and out must be float32, got {q.dtype} and {out.dtype}")
         if q.shape[1:] != decodes.query_shape:
@@ -115,6 +117,7 @@ class CpuAttention:
             q.strides[0] // 4,
             *cache_addresses,
             scale,
+            window or 0,
             out.ctypes.data,
         )
         if status == -1:

@@ -22,6 +22,7 @@ from minisarathi.backends.cpu.half_linear import HalfWeight
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
 from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
 from minisarathi.backends.cpu.quant_linear import QuantWeight
+from minisarathi.backends.gemma_ops import GemmaNumpyOps
 from minisarathi.batch import Batch
 from minisarathi.model.loader import CheckpointTensor
 from minisarathi.sampler import Sampler
@@ -38,7 +39,7 @@ def transposed_linear(rows: int, blas_core: str | None) -> bool:
     return blas_core in AVX512_CORES and rows in TRANSPOSED_ROWS
 
 
-class CpuOps:
+class CpuOps(GemmaNumpyOps):
     """The Backend interface (minisarathi/backends/base.py) on the CPU.
 
     Every layer of a forward pass sees the same batch, so what the ops derive from the batch alone (RoPE's
@@ -174,9 +175,16 @@ class CpuOps:
         v_cache[blocks, :, offsets] = v
 
     def paged_attention(
-        self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, scale: float
+        self,
+        q: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        batch: Batch,
+        scale: float,
+        window: int | None = None,
     ) -> np.ndarray:
-        """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache.
+        """float32[T, Hq, D]: each query attends causally to its own sequence's keys in the paged cache (with
+        a sliding window, to the last `window` of them up to its own).
 
         Single-token runs (decodes) are done together: by the native kernel, which reads the cache in place,
         where native_attention.runs says so for the model's head_dim (fixed per model, so a row's result never
@@ -194,10 +202,12 @@ class CpuOps:
         if plan.native_decodes is not None:
             native = native_attention.kernel(), self._addresses(k_cache, v_cache)
             return attention.paged_attention(
-                q, k_cache, v_cache, plan, self._gather_buffers, scale, native=native
+                q, k_cache, v_cache, plan, self._gather_buffers, scale, window, native=native
             )
         decode_kv = self._layer_decode_kv(k_cache, v_cache) if plan.keeps_decode_kv else None
-        return attention.paged_attention(q, k_cache, v_cache, plan, self._gather_buffers, scale, decode_kv)
+        return attention.paged_attention(
+            q, k_cache, v_cache, plan, self._gather_buffers, scale, window, decode_kv
+        )
 
     def _addresses(self, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[int, int]:
         """k_cache's and v_cache's data addresses, read once per layer's caches (.ctypes.data is slow)."""
