@@ -299,7 +299,6 @@ class EventStream:
     (stop_reason, usage) and message_stop. Fed the chat path's pieces of text and finish reasons."""
 
     def __init__(self, request_id: str, request: GenerationRequest, input_tokens: int):
-        self.request = request
         self.tools = None if request.tools is None else ToolStream(request.tools)
         self.block: str | None = None  # the open block's type
         self.blocks = 0

@@ -1,13 +1,12 @@
 """The Anthropic Messages door (/v1/messages) through the official `anthropic` SDK, on the bundled model
-with a Qwen-style template that has tools (tests/golden/chat_templates/tools.jinja): greedy answers equal
-the chat door's for the same conversation (system, tool_use and tool_result turns rendered through the same
-template), stop reasons and usage, the stream's events in Anthropic's strict order and its final message,
-tool_choice "any" always giving a tool_use whose input validates (jsonschema), streamed or not, and errors
-in Anthropic's shape."""
+and a random one, both with a Qwen-style template that has tools (tests/golden/chat_templates/tools.jinja):
+greedy answers equal the chat door's for the same conversation (system, tool_use and tool_result turns
+rendered through the same template), stop reasons and usage, the stream's events in Anthropic's strict
+order and its final message, tool_choice "any" always giving a tool_use whose input validates
+(jsonschema), streamed or not, and errors in Anthropic's shape."""
 
 import http.client
 import json
-import shutil
 
 import pytest
 
@@ -16,9 +15,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("llguidance", reason="tool calls need the structured extra (llguidance)")
 jsonschema = pytest.importorskip("jsonschema", reason="the schema checks need jsonschema (the test extra)")
 from test_http import API_KEY, launch, raw  # noqa: E402
-from test_tool_calls_door import SCHEMAS, TEMPLATE  # noqa: E402
-
-from minisarathi.paths import default_model_dir  # noqa: E402
+from test_tool_calls_door import SCHEMAS, model_dir  # noqa: E402, F401 (the bundled and a random model)
 
 pytestmark = pytest.mark.system
 
@@ -30,13 +27,9 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bundled")
-    for f in default_model_dir().iterdir():
-        shutil.copy(f, folder / f.name)
-    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+def server(model_dir):  # noqa: F811 (the imported fixture)
     args = ("--http-port", "0", "--served-model-name", "m", "--num-kv-blocks", "512")
-    with launch(*args, model_dir=folder) as s:
+    with launch(*args, model_dir=model_dir) as s:
         s.client = anthropic.Anthropic(
             base_url=f"http://127.0.0.1:{s.http_port}", api_key=API_KEY, max_retries=0
         )
@@ -254,6 +247,11 @@ def test_errors_in_anthropic_shape(server):
     with pytest.raises(anthropic.BadRequestError) as e:
         create(server, top_k="x")
     assert e.value.status_code == 400 and "top_k" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        server.client.messages.create(
+            model="claude", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert e.value.body["error"]["type"] == "not_found_error" and "claude" in e.value.body["error"]["message"]
     wrong = anthropic.Anthropic(base_url=server.client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         wrong.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

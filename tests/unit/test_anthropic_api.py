@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("llguidance", reason="tools need the structured extra (llguidance)")
 from minisarathi.outputs import CompletionOutput  # noqa: E402
-from minisarathi.server.anthropic_api import EventStream, error_body, parse_messages  # noqa: E402
+from minisarathi.server.anthropic_api import EventStream, error_body, error_status, parse_messages  # noqa: E402
 from minisarathi.server.openai_api import DoorLimits, OpenAIError, parse_chat  # noqa: E402
 from minisarathi.server.tool_calls import FORMATS, ToolFormat  # noqa: E402
 
@@ -124,9 +124,9 @@ def test_error_types_by_status():
     }
     for status, kind in kinds.items():
         assert error_body(OpenAIError(status, "x"))["error"]["type"] == kind
-    assert (
-        error_body(OpenAIError(429, "queue full", code="overloaded"))["error"]["type"] == "overloaded_error"
-    )
+    full = OpenAIError(429, "queue full", code="overloaded")  # the engine's queue, not a key's quota
+    assert error_body(full)["error"]["type"] == "overloaded_error" and error_status(full) == 529
+    assert error_status(OpenAIError(429, "over quota", code="rate_limit_exceeded")) == 429
 
 
 def order(events: list[dict]) -> list[str]:
