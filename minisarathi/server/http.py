@@ -2,8 +2,9 @@
 key and metrics as the msgpack door, all the Hub's (aiohttp because it is asyncio-native: it runs on the
 hub's loop, with no second thread or event loop, and it streams responses with backpressure).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the key is required on /v1/
-when one is configured), GET /health, GET /ready, GET /metrics (open, as probes and scrapers expect).
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's: anthropic_api),
+GET /v1/models (the key is required on /v1/ when one is configured), GET /health, GET /ready, GET /metrics
+(open, as probes and scrapers expect).
 A request's choices are engine requests whose outputs the hub hands to this door on the loop; a
 client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
 """

@@ -2,6 +2,10 @@
 door's (checked by comparing against the chat request written by hand), errors name Anthropic's fields,
 and the event stream keeps Anthropic's order whatever way the text is split."""
 
+import asyncio
+import json
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("llguidance", reason="tools need the structured extra (llguidance)")
@@ -166,3 +170,39 @@ def test_the_event_stream_keeps_anthropics_order_however_the_text_is_split():
         assert parts == {0: "hi ", 1: '{"q": "a"}', 2: '{"q": "b"}'}, cut
         assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
         assert events[-2]["usage"] == {"output_tokens": 3}
+
+
+def test_an_engine_error_mid_stream_is_an_error_event():
+    """A stream whose request fails after its first text (the server shutting down): the events so far,
+    then Anthropic's error event, and no message_stop that would claim the answer complete."""
+    pytest.importorskip("aiohttp")
+    from minisarathi.outputs import RequestOutput
+    from minisarathi.server.anthropic_api import write_events
+    from minisarathi.server.http import _Choice, _from_rpc
+    from minisarathi.server.protocol import ABORTED, RPCError
+
+    request = messages(messages=[{"role": "user", "content": "q"}], stream=True)
+    request.prompts = [[1, 2, 3]]
+    choice = _Choice(0, 0, 0, "http:msg_1", stream=True)
+    choice.receive(RequestOutput("msg_1", None, [1, 2, 3], [CompletionOutput(0, "Once", [5])], False))
+    choice.receive(RPCError(ABORTED, "the server is shutting down"))
+    call = SimpleNamespace(choices=[choice], request=request, request_id="msg_1", wake=asyncio.Event())
+    sent = []
+
+    async def send(data: bytes) -> None:
+        sent.append(data)
+
+    asyncio.run(write_events(call, send, _from_rpc))
+    events = [e.split("\n") for e in b"".join(sent).decode().split("\n\n") if e]
+    assert [name for name, _ in events] == [
+        "event: message_start",
+        "event: ping",
+        "event: content_block_start",
+        "event: content_block_delta",
+        "event: error",
+    ]
+    error = json.loads(events[-1][1].removeprefix("data: "))
+    assert error == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the server is shutting down"},
+    }
