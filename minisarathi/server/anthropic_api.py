@@ -257,7 +257,13 @@ def stop_reason(reason: str | None, completion: CompletionOutput) -> tuple[str |
     return ("end_turn" if reason == "stop" else None), None
 
 
-def message_body(
+def message_body(call) -> dict:
+    """http.py's _Call, finished, as Anthropic's message (Messages has no n: one choice)."""
+    completion = call.choices[0].output.outputs[0]
+    return _message(call.request_id, call.request, completion, len(call.request.prompts[0]))
+
+
+def _message(
     request_id: str, request: GenerationRequest, completion: CompletionOutput, input_tokens: int
 ) -> dict:
     """A whole answer as Anthropic's message: text and tool_use blocks, in the order the model wrote them
@@ -303,7 +309,7 @@ class EventStream:
         self.block: str | None = None  # the open block's type
         self.blocks = 0
         self.ended = False
-        start = message_body(request_id, request, CompletionOutput(0, "", []), input_tokens)
+        start = _message(request_id, request, CompletionOutput(0, "", []), input_tokens)
         self.start = [{"type": "message_start", "message": start}, {"type": "ping"}]
 
     def events(self, piece: str, reason: str | None, completion: CompletionOutput) -> list[dict]:

@@ -257,7 +257,7 @@ class _Call:
     """One HTTP generation request while it runs."""
 
     request_id: str
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "messages" (Anthropic's)
     request: GenerationRequest
     client: str
     received: float
@@ -613,13 +613,7 @@ class HttpDoor:
             error = next((c.error for c in call.choices if c.error is not None), None)
             if error is not None:
                 raise _from_rpc(error)
-            if call.kind == "messages":
-                completion = call.choices[0].output.outputs[0]
-                body = anthropic_api.message_body(
-                    call.request_id, call.request, completion, len(call.request.prompts[0])
-                )
-            else:
-                body = self._final_body(call)
+            body = anthropic_api.message_body(call) if call.kind == "messages" else self._final_body(call)
             return web.json_response(body, headers={REQUEST_ID_HEADER: call.request_id})
         finally:
             self._end(call)
