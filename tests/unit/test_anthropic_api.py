@@ -7,6 +7,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("llguidance", reason="tools need the structured extra (llguidance)")
 from minisarathi.outputs import CompletionOutput  # noqa: E402
@@ -206,3 +208,46 @@ def test_an_engine_error_mid_stream_is_an_error_event():
         "type": "error",
         "error": {"type": "overloaded_error", "message": "the server is shutting down"},
     }
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.sampled_from(["", "text", "tool_use", "tool_result", "user"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                ["type", "text", "role", "content", "id", "name", "input", "tool_use_id", "input_schema"]
+            ),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+
+
+_TURNS = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": _JSON | st.lists(_JSON)}
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    _TURNS,
+    st.dictionaries(
+        st.sampled_from(["system", "tools", "tool_choice", "stop_sequences", "top_k", "stream"]), _JSON
+    ),
+)
+def test_any_json_is_taken_or_refused_as_a_400(turns, fields):
+    """Whatever JSON a client sends in the fields and turns, the adapter answers a request or a 400, never a
+    crash (which the door would answer as a 500)."""
+    try:
+        messages(messages=turns + [{"role": "user", "content": "q"}], **fields)
+    except OpenAIError as e:
+        assert e.status == 400 and error_body(e)["error"]["message"]
