@@ -51,7 +51,7 @@ def parse_messages(body, model: str, limits: DoorLimits, tool_format: ToolFormat
         raise OpenAIError(400, "the request body must be a JSON object")
     for key in body:
         if key not in FIELDS:
-            raise bad(key, f"unknown field {_show(key)}")
+            raise bad(key, f"unknown field {short(repr(key), 100)}")
     for name in ("model", "max_tokens"):  # both required, as Anthropic requires them
         if body.get(name) is None:
             raise bad(name, f"{name} is required")
@@ -144,7 +144,7 @@ def _messages(messages) -> list[dict]:
                 raise bad(
                     at,
                     f"{at}: only text blocks, tool_use (assistant) and tool_result (user) blocks are "
-                    f"supported, got type {_show(kind)}",
+                    f"supported, got type {short(repr(kind), 100)}",
                 )
         if role == "assistant":
             turn = {"role": role, "content": "\n".join(texts) if texts or not calls else None}
@@ -216,7 +216,7 @@ def _tool_choice(choice) -> dict:
         return {}
     usage = '{"type": "auto" | "any" | "none"} or {"type": "tool", "name": string}'
     if not isinstance(choice, dict) or not set(choice) <= {"type", "name", "disable_parallel_tool_use"}:
-        raise bad("tool_choice", f"tool_choice must be {usage}, got {_show(choice)}")
+        raise bad("tool_choice", f"tool_choice must be {usage}, got {short(repr(choice), 100)}")
     kind, parallel = choice.get("type"), choice.get("disable_parallel_tool_use", False)
     if not isinstance(parallel, bool):
         raise bad(
@@ -227,12 +227,8 @@ def _tool_choice(choice) -> dict:
     elif kind in _TOOL_CHOICES and "name" not in choice:
         result = {"tool_choice": _TOOL_CHOICES[kind]}
     else:
-        raise bad("tool_choice", f"tool_choice must be {usage}, got {_show(choice)}")
+        raise bad("tool_choice", f"tool_choice must be {usage}, got {short(repr(choice), 100)}")
     return {**result, "parallel_tool_calls": False} if parallel else result
-
-
-def _show(value) -> str:
-    return short(repr(value), 100)
 
 
 # ---------------------------------------------------------------------------------------------- responses
