@@ -2,8 +2,9 @@
 key and metrics as the msgpack door, all the Hub's (aiohttp because it is asyncio-native: it runs on the
 hub's loop, with no second thread or event loop, and it streams responses with backpressure).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the key is required on /v1/
-when one is configured), GET /health, GET /ready, GET /metrics (open, as probes and scrapers expect).
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's: anthropic_api),
+GET /v1/models (the key is required on /v1/ when one is configured), GET /health, GET /ready, GET /metrics
+(open, as probes and scrapers expect).
 A request's choices are engine requests whose outputs the hub hands to this door on the loop; a
 client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from minisarathi.outputs import RequestOutput
+from minisarathi.server import anthropic_api
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
 from minisarathi.server.gate import Arrival, RateLimitedLog, bind, client_address
@@ -256,7 +258,7 @@ class _Call:
     """One HTTP generation request while it runs."""
 
     request_id: str
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "messages" (Anthropic's)
     request: GenerationRequest
     client: str
     received: float
@@ -315,6 +317,7 @@ class HttpDoor:
             routes += [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/messages", self._messages),
                 web.get("/v1/models", self._models),
                 web.get("/v1/models/{model}", self._model),
             ]
@@ -367,19 +370,21 @@ class HttpDoor:
         conn = self.connections.get(request.transport)
         if conn is not None:
             conn.request_started()
+        # Anthropic's error shape on its path, OpenAI's elsewhere
+        error_response = anthropic_api.error_response if request.path == "/v1/messages" else _error_response
         try:
             if request.path.startswith("/v1/"):
                 await self._authenticate(request, conn)
             return await handler(request)
         except OpenAIError as e:
-            response = _error_response(e)
+            response = error_response(e)
             if e.status == 408:  # the rest of a body that is late is not waited for
                 response.force_close()
             if "request_id" in request:  # the id is known once the handler read it
                 response.headers[REQUEST_ID_HEADER] = request["request_id"]
             return response
         except web.HTTPRequestEntityTooLarge:
-            return _error_response(
+            return error_response(
                 OpenAIError(
                     413,
                     f"the request body exceeds {self.hub.limits.max_message_bytes} bytes",
@@ -387,7 +392,7 @@ class HttpDoor:
                 )
             )
         except web.HTTPException as e:  # aiohttp's own: unknown path (404), wrong method (405)
-            response = _error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
+            response = error_response(OpenAIError(e.status, f"{e.reason} ({request.method} {request.path})"))
             if "Allow" in e.headers:  # RFC 9110: a 405 says which methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
             return response
@@ -396,7 +401,7 @@ class HttpDoor:
         ):  # a bug: the client still gets OpenAI's error shape and the id to report; the log the rest
             request_id = request.get("request_id")
             log.exception("%s %s %s failed", request_id or "-", request.method, request.path)
-            response = _error_response(
+            response = error_response(
                 OpenAIError(
                     500,
                     "internal server error" + (f" (request {request_id})" if request_id else ""),
@@ -467,7 +472,8 @@ class HttpDoor:
         given = request.headers.get(REQUEST_ID_HEADER)
         if given is not None and not valid_request_id(given):
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be {REQUEST_ID_RULE}", param=REQUEST_ID_HEADER)
-        request["request_id"] = given or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = {"chat": "chatcmpl-", "messages": "msg_"}.get(kind, "cmpl-")
+        request["request_id"] = given or f"{prefix}{uuid.uuid4().hex}"
         return request["request_id"]
 
     def _client_ip(self, request: web.Request) -> str:
@@ -521,8 +527,12 @@ class HttpDoor:
         await self._prepare(call, "prompt", add_special_tokens=True)
         return await self._generate(request, call)
 
-    async def _chat(self, request):
-        request_id = self._request_id(request, "chat")
+    async def _messages(self, request):
+        """Anthropic's Messages API: the chat path, with its body and answers in Anthropic's shapes."""
+        return await self._chat(request, "messages")
+
+    async def _chat(self, request, kind: str = "chat"):
+        request_id = self._request_id(request, kind)
         received = time.monotonic()
         body = await self._json(request)
         if self.templates is None:
@@ -534,8 +544,9 @@ class HttpDoor:
                 param="messages",
                 code="no_chat_template",
             )
-        parsed = parse_chat(body, self.model_name, self.limits, self.tool_format)
-        call = _Call(request_id, "chat", parsed, self._client_ip(request), received, request.get("key"))
+        parse = anthropic_api.parse_messages if kind == "messages" else parse_chat
+        parsed = parse(body, self.model_name, self.limits, self.tool_format)
+        call = _Call(request_id, kind, parsed, self._client_ip(request), received, request.get("key"))
         await self._prepare(call, "messages", add_special_tokens=False)
         return await self._generate(request, call)
 
@@ -611,7 +622,8 @@ class HttpDoor:
             error = next((c.error for c in call.choices if c.error is not None), None)
             if error is not None:
                 raise _from_rpc(error)
-            return web.json_response(self._final_body(call), headers={REQUEST_ID_HEADER: call.request_id})
+            body = anthropic_api.message_body(call) if call.kind == "messages" else self._final_body(call)
+            return web.json_response(body, headers={REQUEST_ID_HEADER: call.request_id})
         finally:
             self._end(call)
 
@@ -727,7 +739,13 @@ class HttpDoor:
         if request.transport is not None:
             bound_kernel_buffer(request.transport.get_extra_info("socket"))
         try:
-            await self._write_events(request, response, call)
+            if call.kind == "messages":
+                await anthropic_api.write_events(
+                    call, lambda data: self._send(request, response, call, data), _from_rpc
+                )
+                await response.write_eof()
+            else:
+                await self._write_events(request, response, call)
         except ConnectionError:  # the client went away between two writes
             pass
         return response
@@ -926,8 +944,11 @@ def _first_of_each_prompt(call: _Call) -> list[_Choice]:
 
 
 def _bearer(request: web.Request) -> str | None:
+    """The API key: Authorization: Bearer KEY, or Anthropic's x-api-key header."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _sse(event: dict) -> bytes:
