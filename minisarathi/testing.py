@@ -146,3 +146,14 @@ class FakeClock:
 
     def __call__(self):
         return self.now
+
+
+def greedy_in_shared_batches(model_dir, prompt: list[int], max_tokens: int, **engine_options):
+    """(greedy tokens of `prompt`, the LLM that ran them): in float32, the goldens' dtype (a bf16 run may flip
+    a near tie), beside a second, shorter prompt so that the two share batches."""
+    from minisarathi.llm import LLM
+    from minisarathi.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=64, **engine_options)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([prompt, prompt[:7]], params)[0].outputs[0].token_ids, llm

@@ -16,7 +16,7 @@ from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
-from minisarathi.testing import prefill_then_greedy, relative_error
+from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "mistral_sliding"
 
@@ -38,21 +38,10 @@ def golden():
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_greedy_tokens_equal_transformers_under_every_policy(model_dir, scheduler, device):
     prompt, expected = golden()
-    params = SamplingParams(temperature=0, max_tokens=len(expected), ignore_eos=True)
     for chunk_size, block_size in ((1, 4), (5, 2), (64, 16)):
-        llm = LLM(
-            model_dir,
-            scheduler=scheduler,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            device=device,
-            dtype="float32",
-            num_kv_blocks=64,
-            max_model_len=64,
-        )
-        # beside a second, shorter prompt, so that the two share batches
-        outputs = llm.generate([prompt, prompt[:7]], params)
-        assert outputs[0].outputs[0].token_ids == expected, (chunk_size, outputs[0].outputs[0].token_ids)
+        options = dict(scheduler=scheduler, chunk_size=chunk_size, block_size=block_size, device=device)
+        tokens, _ = greedy_in_shared_batches(model_dir, prompt, len(expected), **options)
+        assert tokens == expected, (chunk_size, tokens)
 
 
 def logits_error(config: ModelConfig) -> float:

@@ -10,12 +10,10 @@ import pytest
 
 from minisarathi.backends.devices import make_backend
 from minisarathi.config import SCHEDULERS, ModelConfig
-from minisarathi.llm import LLM
 from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights
 from minisarathi.paths import default_model_dir
-from minisarathi.sampling_params import SamplingParams
-from minisarathi.testing import prefill_then_greedy, relative_error
+from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 
@@ -29,22 +27,10 @@ def test_greedy_tokens_equal_transformers_under_every_policy(name, scheduler, de
     model_dir = shutil.copytree(GOLDEN / name, tmp_path / name)
     shutil.copy(default_model_dir() / "tokenizer.json", model_dir)
     prompt, expected = golden["prompt"].tolist(), golden["greedy_tokens"].tolist()
-    params = SamplingParams(temperature=0, max_tokens=len(expected), ignore_eos=True)
-    # dtype float32: the goldens' argmax is over float32 logits (a bf16 run may flip a near tie)
     for chunk_size in (1, 5, 64):
-        llm = LLM(
-            model_dir,
-            scheduler=scheduler,
-            chunk_size=chunk_size,
-            block_size=4,
-            device=device,
-            dtype="float32",
-            num_kv_blocks=64,
-            max_model_len=64,
-        )
-        # beside a second, shorter prompt, so that the two share batches
-        outputs = llm.generate([prompt, prompt[:7]], params)
-        assert outputs[0].outputs[0].token_ids == expected, (chunk_size, outputs[0].outputs[0].token_ids)
+        options = dict(scheduler=scheduler, chunk_size=chunk_size, block_size=4, device=device)
+        tokens, _ = greedy_in_shared_batches(model_dir, prompt, len(expected), **options)
+        assert tokens == expected, (chunk_size, tokens)
 
 
 def _logits_error(config: ModelConfig, name: str) -> float:
