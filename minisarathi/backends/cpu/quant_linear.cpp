@@ -21,7 +21,11 @@
 // Scales and minimums are float32 per group, or factored as the K-quants store them: an int8 per group
 // times a float32 per 256 columns (their product, exact, is the group's float32 value).
 //
-// Determinism: each output is one float accumulator vector fed block by block in k order, then reduced
+// On AVX2 the 4-, 5- and 6-bit kinds take two blocks a step (64 weights: one 32-byte load of nibbles, the
+// activations stored in the matching order) and apply the K-quants' int8 scales in int16 (madd), so a float
+// multiply-add comes once per 64 weights instead of once per 32 (pair_tile).
+//
+// Determinism: each output is one float accumulator vector fed block (or pair) by block in k order, then reduced
 // the same way, whatever tile it falls in; the activations are quantized alike on every path. So a row's
 // result is bit-identical whatever batch it is in (for one ISA). Threads (OpenMP) split the outputs, so each
 // output keeps its chain and the result is also the same whatever the thread count.
