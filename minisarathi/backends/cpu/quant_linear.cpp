@@ -77,18 +77,18 @@ struct Activations {
     float* sum = nullptr;
     int8_t* qp = nullptr;
     float* sp = nullptr;
-    int64_t capacity = 0;  // of q, in bytes
+    int64_t capacity = 0;  // in bytes, of q and of qp: m * P * 64 (at least m * K); s and sum take a 32nd
     ~Activations() { free(q), free(s), free(sum), free(qp), free(sp); }
     bool reserve(int64_t m, int64_t k) {
-        if (m * k <= capacity) return true;
+        const int64_t bytes = m * ((k / BLOCK + 1) / 2) * 64;
+        if (bytes <= capacity) return true;
         free(q), free(s), free(sum), free(qp), free(sp);
-        const int64_t pairs = (k / BLOCK + 1) / 2;
-        q = (int8_t*)aligned_alloc(64, (m * k + 63) / 64 * 64);
-        s = (float*)malloc(m * (k / BLOCK) * sizeof(float));
-        sum = (float*)malloc(m * (k / BLOCK) * sizeof(float));
-        qp = (int8_t*)aligned_alloc(64, m * pairs * 64);
-        sp = (float*)aligned_alloc(64, m * pairs * 8 * sizeof(float));
-        capacity = (q && s && sum && qp && sp) ? m * k : 0;
+        q = (int8_t*)aligned_alloc(64, bytes);
+        s = (float*)malloc(bytes / BLOCK * sizeof(float));
+        sum = (float*)malloc(bytes / BLOCK * sizeof(float));
+        qp = (int8_t*)aligned_alloc(64, bytes);
+        sp = (float*)aligned_alloc(64, bytes / 8 * sizeof(float));
+        capacity = (q && s && sum && qp && sp) ? bytes : 0;
         return capacity != 0;
     }
     // Row t's pair-order copies from its q and s.
