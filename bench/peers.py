@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -211,7 +212,7 @@ class ServerProcess:
 
 
 def minisarathi_server(
-    model: str, threads: int, log: Path, env: dict, pin: list[str]
+    model: str, threads: int, log: Path, env: dict, pin: list[str], extra: list[str]
 ) -> tuple[ServerProcess, list[str]]:
     port = free_port()
     server = ServerProcess(
@@ -228,6 +229,7 @@ def minisarathi_server(
             str(threads),
             "--log-level",
             "WARNING",
+            *extra,
         ],
         port,
         log,
@@ -509,6 +511,11 @@ def main():
         "benchmark client on the others: on a shared machine each engine then gets the same "
         "cores, however many processes and threads it runs (default: no pinning)",
     )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help='more options of `minisarathi serve`, one string (e.g. "--tbt-slo-ms 1500")',
+    )
     parser.add_argument("--out", default=None, help="results folder (default: bench/out/<date>-peers)")
     args = parser.parse_args()
     models = [str(Path(m).resolve()) for m in args.models.split(",")]
@@ -536,7 +543,13 @@ def main():
     rows: list[dict] = []
 
     def record(row: dict) -> None:
-        row = {"threads": threads, "openblas_core": args.openblas_core, "cpus": args.cpus, **row}
+        row = {
+            "threads": threads,
+            "openblas_core": args.openblas_core,
+            "cpus": args.cpus,
+            "server_args": args.server_args,
+            **row,
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -579,7 +592,9 @@ def main():
                         continue
                     log = out / f"{label}.log"
                     if engine == SERVER:
-                        server, target = minisarathi_server(model, threads, log, env, pin)
+                        server, target = minisarathi_server(
+                            model, threads, log, env, pin, shlex.split(args.server_args)
+                        )
                     elif engine == VLLM:
                         server, target = vllm_server(peer_python, model, threads, log, pin)
                     else:

@@ -40,6 +40,33 @@ def test_the_set_count_is_applied_and_logged(threads, caplog):
     assert f"BLAS threads: {threads} (set)" in caplog.text
 
 
+def test_a_quantized_or_16_bit_weight_leaves_blas_one_thread():
+    """The native matmuls keep their threads and BLAS (then only attention's products) gets one, so that
+    OpenBLAS's spinning threads do not take the cores from the kernels'; a float32 weight leaves BLAS as
+    set (negative control), and configure_cpu sets it again."""
+    import numpy as np
+
+    from minisarathi.backends.cpu.ops import CpuOps
+    from minisarathi.model.loader import CheckpointTensor
+    from minisarathi.quant import kquants
+    from minisarathi.quant.layouts import GgmlType, from_gguf
+
+    w = np.random.default_rng(0).standard_normal((4, 256), dtype=np.float32)
+    quantized = CheckpointTensor("q", from_gguf("w", GgmlType.Q4_K, kquants.quantize(w, "Q4_K")))
+    process_setup.configure_cpu(2)
+    CpuOps().weight(w)
+    assert blas_threads_in_force() == {2} and process_setup.kernel_threads() == 2
+    CpuOps().weight(quantized)
+    assert blas_threads_in_force() == {1} and process_setup.kernel_threads() == 2
+    process_setup.configure_cpu(2)
+    assert blas_threads_in_force() == {2}
+    CpuOps("bfloat16").weight(w)
+    assert blas_threads_in_force() == {1}
+    process_setup.configure_cpu(1)  # one thread for all: nothing to yield
+    CpuOps().weight(quantized)
+    assert blas_threads_in_force() == {1} and process_setup.kernel_threads() == 1
+
+
 @pytest.mark.parametrize(
     "cpus, load, expected", [(2, 0.1, 2), (2, 0.7, 1), (2, 6.5, 1), (8, 2.2, 6), (4, 0.0, 4)]
 )

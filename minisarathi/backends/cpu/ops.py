@@ -20,7 +20,7 @@ from minisarathi.backends.cpu import attention, half_linear, native_attention, p
 from minisarathi.backends.cpu.attention import AttentionPlan, DecodeKV, GatherBuffers
 from minisarathi.backends.cpu.half_linear import HalfWeight
 from minisarathi.backends.cpu.packed_gemm import PackedWeight
-from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core
+from minisarathi.backends.cpu.process_setup import AVX512_CORES, openblas_core, yield_blas_to_kernels
 from minisarathi.backends.cpu.quant_linear import QuantWeight
 from minisarathi.backends.gemma_ops import GemmaNumpyOps
 from minisarathi.batch import Batch
@@ -74,8 +74,10 @@ class CpuOps(GemmaNumpyOps):
         """float32; a QuantWeight for a quantized matrix (quant_linear.runs; other quantized layouts, FP8,
         are dequantized); a HalfWeight for a 16-bit dtype's matrices."""
         if isinstance(array, CheckpointTensor) and quant_linear.runs(array.data):
+            yield_blas_to_kernels()
             return quant_linear.quant_weight(array.data)
         if half_linear.keeps(array, self.weight_dtype):
+            yield_blas_to_kernels()
             return half_linear.half_weight(array, self.weight_dtype)
         return np.ascontiguousarray(array, dtype=np.float32)
 

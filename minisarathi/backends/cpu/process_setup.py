@@ -147,6 +147,7 @@ def release_free_memory() -> None:
 
 
 _kernel_threads = 1  # the native matmuls' thread count; configure_cpu sets it by BLAS's rule
+_blas_yielded = False  # whether yield_blas_to_kernels has set BLAS to one thread since configure_cpu
 
 
 def kernel_threads() -> int:
@@ -155,10 +156,21 @@ def kernel_threads() -> int:
     return _kernel_threads
 
 
+def yield_blas_to_kernels() -> None:
+    """BLAS to one thread where the native matmuls run several: a model whose matrices they multiply
+    (quantized, 16-bit) leaves BLAS only attention's products, and OpenBLAS's threads, spinning after each,
+    took the cores from the kernels' OpenMP team (a 128-token prefill of a Q4_K_M TinyLlama 1.4x slower on
+    2 cores, docs/cpu_performance.md). Called as such a weight is made; configure_cpu undoes it."""
+    global _blas_yielded
+    if _kernel_threads > 1 and not _blas_yielded:
+        _blas_yielded = set_blas_threads(1)
+
+
 def configure_cpu(blas_threads: int | None) -> CpuSetup:
     """Apply EngineConfig.blas_threads (None: auto) to BLAS and the native matmuls, and the allocator
     thresholds, to this process."""
-    global _kernel_threads
+    global _kernel_threads, _blas_yielded
+    _blas_yielded = False
     threads, how = (blas_threads, "set") if blas_threads is not None else auto_blas_threads()
     _kernel_threads = threads
     if not set_blas_threads(threads):

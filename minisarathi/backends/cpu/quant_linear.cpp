@@ -21,7 +21,11 @@
 // Scales and minimums are float32 per group, or factored as the K-quants store them: an int8 per group
 // times a float32 per 256 columns (their product, exact, is the group's float32 value).
 //
-// Determinism: each output is one float accumulator vector fed block by block in k order, then reduced
+// On AVX2 the 4-, 5- and 6-bit kinds take two blocks a step (64 weights: one 32-byte load of nibbles, the
+// activations stored in the matching order) and apply the K-quants' int8 scales in int16 (madd), so a float
+// multiply-add comes once per 64 weights instead of once per 32 (pair_tile).
+//
+// Determinism: each output is one float accumulator vector fed block (or pair) by block in k order, then reduced
 // the same way, whatever tile it falls in; the activations are quantized alike on every path. So a row's
 // result is bit-identical whatever batch it is in (for one ISA). Threads (OpenMP) split the outputs, so each
 // output keeps its chain and the result is also the same whatever the thread count.
@@ -62,21 +66,45 @@ inline float factor(const float* v, const int8_t* sub, int64_t row, int64_t grou
 }
 
 // Activations quantized per block of 32: q int8[M, K], s float32[M, K / 32], sum float32[M, K / 32] (the
-// scale times the sum of the block's q). One buffer per thread, grown as needed, freed when the thread ends.
+// scale times the sum of the block's q); and the same in pairs of blocks for the 4-, 5- and 6-bit tiles,
+// in the order their nibbles unpack to: per pair of blocks b, b + 1 (b even), qp holds 64 bytes, b's codes
+// 0-15, b + 1's 0-15, b's 16-31, b + 1's 16-31 (zeros for a row's odd last block's missing partner), and
+// sp 8 floats, b's scale 4 times then b + 1's (0 for the missing one): qp int8[M, P * 64], sp float32[M,
+// P * 8], P = ceil(K / 64). One buffer per thread, grown as needed, freed when the thread ends.
 struct Activations {
     int8_t* q = nullptr;
     float* s = nullptr;
     float* sum = nullptr;
-    int64_t capacity = 0;  // of q, in bytes
-    ~Activations() { free(q), free(s), free(sum); }
+    int8_t* qp = nullptr;
+    float* sp = nullptr;
+    int64_t capacity = 0;  // in bytes, of q and of qp: m * P * 64 (at least m * K); s and sum take a 32nd
+    ~Activations() { free(q), free(s), free(sum), free(qp), free(sp); }
     bool reserve(int64_t m, int64_t k) {
-        if (m * k <= capacity) return true;
-        free(q), free(s), free(sum);
-        q = (int8_t*)aligned_alloc(64, (m * k + 63) / 64 * 64);
-        s = (float*)malloc(m * (k / BLOCK) * sizeof(float));
-        sum = (float*)malloc(m * (k / BLOCK) * sizeof(float));
-        capacity = (q && s && sum) ? m * k : 0;
+        const int64_t bytes = m * ((k / BLOCK + 1) / 2) * 64;
+        if (bytes <= capacity) return true;
+        free(q), free(s), free(sum), free(qp), free(sp);
+        q = (int8_t*)aligned_alloc(64, bytes);
+        s = (float*)malloc(bytes / BLOCK * sizeof(float));
+        sum = (float*)malloc(bytes / BLOCK * sizeof(float));
+        qp = (int8_t*)aligned_alloc(64, bytes);
+        sp = (float*)aligned_alloc(64, bytes / 8 * sizeof(float));
+        capacity = (q && s && sum && qp && sp) ? bytes : 0;
         return capacity != 0;
+    }
+    // Row t's pair-order copies from its q and s.
+    void pair_row(int64_t t, int64_t k) {
+        const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2;
+        for (int64_t b = 0; b < nb; ++b) {
+            int8_t* to = qp + (t * pairs + b / 2) * 64 + b % 2 * 16;
+            memcpy(to, q + t * k + b * BLOCK, 16);
+            memcpy(to + 32, q + t * k + b * BLOCK + 16, 16);
+            for (int e = 0; e < 4; ++e) sp[(t * pairs + b / 2) * 8 + b % 2 * 4 + e] = s[t * nb + b];
+        }
+        if (nb % 2) {
+            int8_t* to = qp + (t * pairs + nb / 2) * 64 + 16;
+            memset(to, 0, 16), memset(to + 32, 0, 16);
+            for (int e = 0; e < 4; ++e) sp[(t * pairs + nb / 2) * 8 + 4 + e] = 0.0f;
+        }
     }
 };
 
@@ -173,56 +201,59 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// Block b's 32 codes of row `row` as bytes in column order (INT8: the values; INT6: code - 32).
+// Block b's 32 int8 values of an INT8 row.
+inline __m256i int8_block(const Part& p, int64_t row, int64_t k, int64_t b) {
+    return _mm256_loadu_si256((const __m256i*)((const int8_t*)p.values + row * k + b * 32));
+}
+
+// Blocks b and b + 1 (b even; only b where `two` is false: the row's odd last block, its partner zeros) of
+// a 4-, 5- or 6-bit row as unsigned codes in the activations' pair order: lo = [b's codes 0-15 | b + 1's
+// 0-15], hi = [b's 16-31 | b + 1's 16-31] (one 32-byte load of the nibbles, no shuffle).
 template <int KIND>
-inline __m256i block(const Part& p, int64_t row, int64_t k, int64_t b) {
-    if (KIND == INT8) return _mm256_loadu_si256((const __m256i*)((const int8_t*)p.values + row * k + b * 32));
+inline void pair_codes(const Part& p, int64_t row, int64_t k, int64_t b, bool two, __m256i& lo, __m256i& hi) {
     const uint8_t* low = (const uint8_t*)p.values + row * (k / 2) + b * 16;
-    const __m128i packed = _mm_loadu_si128((const __m128i*)low);
+    const __m256i packed = two ? _mm256_loadu_si256((const __m256i*)low)
+                               : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)low));
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nib);
-    if (KIND == INT6) {
-        int64_t bits;
-        memcpy(&bits, p.high + row * (k / 4) + b * 8, 8);
-        __m256i top = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
-        top = _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(3)), 4);
-        return _mm256_sub_epi8(_mm256_or_si256(codes, top), _mm256_set1_epi8(32));
+    lo = _mm256_and_si256(packed, nib);
+    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+    if (KIND == INT6) {  // byte j of a block's 8: the top 2 bits of codes j, j + 8, j + 16, j + 24
+        const uint8_t* high = p.high + row * (k / 4) + b * 8;
+        const __m128i bits = two ? _mm_loadu_si128((const __m128i*)high) : _mm_loadl_epi64((const __m128i*)high);
+        const __m256i both = _mm256_permute4x64_epi64(_mm256_castsi128_si256(bits), 0x50);  // b, b, b+1, b+1
+        const __m256i three = _mm256_set1_epi8(3);
+        const __m256i top_lo = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 2, 0, 2)), three);
+        const __m256i top_hi = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(4, 6, 4, 6)), three);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(top_lo, 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(top_hi, 4));
     }
-    if (KIND == UINT5) {
-        uint32_t bits;
-        memcpy(&bits, p.high + row * (k / 8) + b * 4, 4);
-        // byte c of a broadcast of the 4 bytes: byte c / 8; select bit c % 8
-        __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                0x0303030303030303));
+    if (KIND == UINT5) {  // bit c % 8 of byte c / 8 of a block's 4: code c's fifth bit
+        uint64_t bits = 0;
+        memcpy(&bits, p.high + row * (k / 8) + b * 4, two ? 8 : 4);
+        const __m256i all = _mm256_set1_epi64x((int64_t)bits);
         const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-        spread = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        codes = _mm256_or_si256(codes, _mm256_and_si256(spread, _mm256_set1_epi8(0x10)));
+        const __m256i ten = _mm256_set1_epi8(0x10);
+        // byte c of lo: byte c / 8 of b's (lane 0) or b + 1's (lane 1) 4; of hi: 2 + c / 8
+        const __m256i spread_lo = _mm256_shuffle_epi8(
+            all, _mm256_setr_epi64x(0, 0x0101010101010101, 0x0404040404040404, 0x0505050505050505));
+        const __m256i spread_hi = _mm256_shuffle_epi8(
+            all, _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303, 0x0606060606060606,
+                                    0x0707070707070707));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread_lo, bit), bit), ten));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread_hi, bit), bit), ten));
     }
-    return codes;
 }
 
-// The weight scales of the 8 blocks from block b (a multiple of 8) of a row, GROUP 32: 8, GROUP 16: 16
-// floats: where factored, made in `buffer` (one 256-column factor times 8 or 16 int8s); else p.scale itself.
-template <int GROUP>
-inline const float* eight_blocks_scales(const Part& p, int64_t row, int64_t k, int64_t b, float* buffer) {
-    constexpr int PER_BLOCK = BLOCK / GROUP;
-    if (!p.scale_sub) return p.scale + row * (k / GROUP) + b * PER_BLOCK;
-    const __m256 d = _mm256_set1_ps(p.scale[row * (k / SUPER) + b / 8]);
-    const int8_t* sub = p.scale_sub + row * (k / GROUP) + b * PER_BLOCK;
-    for (int h = 0; h < PER_BLOCK; ++h) {
-        const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 8 * h)));
-        _mm256_storeu_ps(buffer + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(ints)));
-    }
-    return buffer;
+// int16 x 16: int16 e0 of `four` 8 times, then e1 8 times (a pair's two lanes).
+inline __m256i lanes_of(__m256i four, int e0, int e1) {
+    const __m256i index = _mm256_set_m128i(_mm_set1_epi16((short)((2 * e1 + 1) << 8 | 2 * e1)),
+                                           _mm_set1_epi16((short)((2 * e0 + 1) << 8 | 2 * e0)));
+    return _mm256_shuffle_epi8(four, index);
 }
 
-// Block b's weight scales per int32 lane (lanes 0-3: columns 0-15, 4-7: 16-31), from the 8 blocks' scales.
-template <int GROUP>
-inline __m256 block_scale(const float* eight, int64_t b) {
-    if (GROUP == 32) return _mm256_broadcast_ss(eight + b % 8);
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(eight + 2 * (b % 8))),
-                                _mm_broadcast_ss(eight + 2 * (b % 8) + 1), 1);
+// float x 8: f0 4 times, then f1 4 times.
+inline __m256 lanes_of(float f0, float f1) {
+    return _mm256_set_m128(_mm_set1_ps(f1), _mm_set1_ps(f0));
 }
 
 // sum over blocks of row's minimum * activation row t's block sum: 8 blocks a step (one factor's 256
@@ -245,39 +276,110 @@ inline float minimum_dot(const Part& p, int64_t row, int64_t nb, const float* su
     return rest;
 }
 
-template <int KIND, int GROUP, int NT, int NN>
-void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, float* out, int64_t ldo) {
-    constexpr bool SIGNED = KIND == INT8 || KIND == INT6;
+// INT8: one block a step, |w| x x * sign(w), a float scale per 16 or 32.
+template <int GROUP, int NT, int NN>
+inline void int8_tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, __m256 acc[NT][NN]) {
     const int64_t nb = k / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NT][NN];
-    for (int t = 0; t < NT; ++t)
-        for (int c = 0; c < NN; ++c) acc[t][c] = _mm256_setzero_ps();
-    alignas(32) float buffers[NN][16];
-    const float* eight[NN];
     for (int64_t b = 0; b < nb; ++b) {
         __m256i w[NN];
         __m256 ws[NN];
         for (int c = 0; c < NN; ++c) {
-            if (b % 8 == 0) eight[c] = eight_blocks_scales<GROUP>(p, j + c, k, b, buffers[c]);
-            w[c] = block<KIND>(p, j + c, k, b);
-            ws[c] = block_scale<GROUP>(eight[c], b);
+            w[c] = int8_block(p, j + c, k, b);
+            const float* sc = p.scale + (j + c) * (k / GROUP) + b * (BLOCK / GROUP);
+            ws[c] = GROUP == 32 ? _mm256_set1_ps(sc[0]) : lanes_of(sc[0], sc[1]);
         }
         for (int t = 0; t < NT; ++t) {
             const __m256i xq = _mm256_load_si256((const __m256i*)(a.q + (i + t) * k + b * BLOCK));
             const __m256 xs = _mm256_set1_ps(a.s[(i + t) * nb + b]);
             for (int c = 0; c < NN; ++c) {
-                const __m256i u = SIGNED ? _mm256_sign_epi8(w[c], w[c]) : w[c];
-                const __m256i v = SIGNED ? _mm256_sign_epi8(xq, w[c]) : xq;
+                const __m256i u = _mm256_sign_epi8(w[c], w[c]), v = _mm256_sign_epi8(xq, w[c]);
                 const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones);
                 acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[c], xs), acc[t][c]);
             }
         }
     }
+}
+
+// UINT4, UINT5, INT6: two blocks a step, in the activations' pair order. The unsigned codes' u8 x s8
+// products of a block's low and high 16 columns are added as int16 (no overflow: |sum| <= 4 * 63 * 127),
+// times the integer scales where FACTORED (madd with int16 scales: one float scale product per pair, per
+// 256 columns' factor) or summed (madd with ones) and scaled in float. INT6's code - 32 is the code's
+// product minus 32 times the activations' (one maddubs per row, shared by the outputs).
+template <int KIND, int GROUP, bool FACTORED, int NT, int NN>
+inline void pair_tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, __m256 acc[NT][NN]) {
+    const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2;
+    const __m256i ones = _mm256_set1_epi16(1), thirty_two = _mm256_set1_epi8(32);
+    constexpr int SCALES = GROUP == 32 ? 1 : 2;  // per pair: one scale vector, or lo's and hi's
+    __m256i scales[NN][4][SCALES];  // FACTORED: a super-block's int16 scales, per pair
+    __m256 factors[NN];             // FACTORED: its float32 factor
+    for (int64_t b = 0; b < nb; b += 2) {
+        const bool two = b + 1 < nb;
+        if (FACTORED && b % 8 == 0)  // k % 256 == 0: whole super-blocks
+            for (int c = 0; c < NN; ++c) {
+                const int64_t row = j + c;
+                factors[c] = _mm256_set1_ps(p.scale[row * (k / SUPER) + b / 8]);
+                const int8_t* sub = p.scale_sub + row * (k / GROUP) + b * (BLOCK / GROUP);
+                for (int q = 0; q < 4; ++q) {
+                    int32_t four = 0;  // the pair's 2 (GROUP 32) or 4 int8 scales
+                    memcpy(&four, sub + q * 2 * (BLOCK / GROUP), 2 * (BLOCK / GROUP));
+                    const __m256i wide = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+                    if (GROUP == 32) scales[c][q][0] = lanes_of(wide, 0, 1);
+                    else scales[c][q][0] = lanes_of(wide, 0, 2), scales[c][q][SCALES - 1] = lanes_of(wide, 1, 3);
+                }
+            }
+        __m256i lo[NN], hi[NN];
+        __m256 wlo[NN], whi[NN];  // not FACTORED: the float scales per lane
+        for (int c = 0; c < NN; ++c) {
+            pair_codes<KIND>(p, j + c, k, b, two, lo[c], hi[c]);
+            if (!FACTORED) {
+                const float* sc = p.scale + (j + c) * (k / GROUP) + b * (BLOCK / GROUP);
+                if (GROUP == 32) wlo[c] = lanes_of(sc[0], two ? sc[1] : 0.0f);
+                else wlo[c] = lanes_of(sc[0], two ? sc[2] : 0.0f), whi[c] = lanes_of(sc[1], two ? sc[3] : 0.0f);
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            const int8_t* xq = a.qp + ((i + t) * pairs + b / 2) * 64;
+            const __m256i xlo = _mm256_load_si256((const __m256i*)xq);
+            const __m256i xhi = _mm256_load_si256((const __m256i*)(xq + 32));
+            const __m256 xs = _mm256_load_ps(a.sp + ((i + t) * pairs + b / 2) * 8);
+            __m256i off_lo = _mm256_setzero_si256(), off_hi = off_lo;
+            if (KIND == INT6)
+                off_lo = _mm256_maddubs_epi16(thirty_two, xlo), off_hi = _mm256_maddubs_epi16(thirty_two, xhi);
+            for (int c = 0; c < NN; ++c) {
+                __m256i plo = _mm256_maddubs_epi16(lo[c], xlo), phi = _mm256_maddubs_epi16(hi[c], xhi);
+                if (KIND == INT6) plo = _mm256_sub_epi16(plo, off_lo), phi = _mm256_sub_epi16(phi, off_hi);
+                if (FACTORED) {
+                    const __m256i* sc = scales[c][b % 8 / 2];
+                    const __m256i dot =
+                        GROUP == 32 ? _mm256_madd_epi16(_mm256_add_epi16(plo, phi), sc[0])
+                                    : _mm256_add_epi32(_mm256_madd_epi16(plo, sc[0]), _mm256_madd_epi16(phi, sc[SCALES - 1]));
+                    acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xs, factors[c]), acc[t][c]);
+                } else if (GROUP == 32) {
+                    const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
+                    acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xs, wlo[c]), acc[t][c]);
+                } else {
+                    const __m256i dlo = _mm256_madd_epi16(plo, ones), dhi = _mm256_madd_epi16(phi, ones);
+                    acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_mul_ps(xs, wlo[c]), acc[t][c]);
+                    acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_mul_ps(xs, whi[c]), acc[t][c]);
+                }
+            }
+        }
+    }
+}
+
+template <int KIND, int GROUP, bool FACTORED, int NT, int NN>
+void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, float* out, int64_t ldo) {
+    __m256 acc[NT][NN];
+    for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < NN; ++c) acc[t][c] = _mm256_setzero_ps();
+    if constexpr (KIND == INT8) int8_tile<GROUP, NT, NN>(a, i, k, p, j, acc);
+    else pair_tile<KIND, GROUP, FACTORED, NT, NN>(a, i, k, p, j, acc);
+    const int64_t nb = k / BLOCK;
     for (int t = 0; t < NT; ++t)
         for (int c = 0; c < NN; ++c) {
             float r = hsum(acc[t][c]);
-            if (!SIGNED) r -= minimum_dot(p, j + c, nb, a.sum + (i + t) * nb);
+            if (KIND == UINT4 || KIND == UINT5) r -= minimum_dot(p, j + c, nb, a.sum + (i + t) * nb);
             out[(i + t) * ldo + j + c] = r;
         }
 }
@@ -336,11 +438,11 @@ struct Table {
     Table() { fill<0, 0>(); }
 };
 
-template <int KIND, int GROUP>
+template <int KIND, int GROUP, bool FACTORED>
 struct Avx2Fn {
     template <int T, int C>
     struct of {
-        static constexpr TileFn fn = avx2::tile<KIND, GROUP, T, C>;
+        static constexpr TileFn fn = avx2::tile<KIND, GROUP, FACTORED, T, C>;
     };
 };
 
@@ -357,9 +459,9 @@ struct Avx512Fn {
 // below 4 rows, 4 outputs on AVX2 too, so a decode step streams 4 weight rows at once.
 constexpr int AVX2_NT = 4, AVX2_NN = 2, AVX2_FEW_NN = 4, AVX512_NT = 4, AVX512_NN = 4;
 
-template <int KIND, int GROUP>
+template <int KIND, int GROUP, bool FACTORED>
 void run_avx2(const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
-    static const Table<AVX2_NT, AVX2_FEW_NN, Avx2Fn<KIND, GROUP>::template of> table;
+    static const Table<AVX2_NT, AVX2_FEW_NN, Avx2Fn<KIND, GROUP, FACTORED>::template of> table;
     run_part<AVX2_NT>(a, m, k, p, out, ldo, m < AVX2_NT ? AVX2_FEW_NN : AVX2_NN,
                       [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
 }
@@ -371,23 +473,29 @@ void run_avx512(const Activations& a, int64_t m, int64_t k, const Part& p, float
                         [](int nt, int nn) { return table.fns[nt - 1][nn - 1]; });
 }
 
-template <int KIND, int GROUP>
+template <int KIND, int GROUP, bool FACTORED = false>
 void run_kind(int isa, const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
     if (isa == cpu_isa::AVX512_VNNI)
         run_avx512<true, KIND, GROUP>(a, m, k, p, out, ldo);
     else if (isa == cpu_isa::AVX512)
         run_avx512<false, KIND, GROUP>(a, m, k, p, out, ldo);
     else
-        run_avx2<KIND, GROUP>(a, m, k, p, out, ldo);
+        run_avx2<KIND, GROUP, FACTORED>(a, m, k, p, out, ldo);
 }
 
 void run_vector(int isa, const Activations& a, int64_t m, int64_t k, const Part& p, float* out, int64_t ldo) {
     switch (p.kind * 100 + p.group) {
         case INT8 * 100 + 32: return run_kind<INT8, 32>(isa, a, m, k, p, out, ldo);
         case INT8 * 100 + 16: return run_kind<INT8, 16>(isa, a, m, k, p, out, ldo);
-        case INT6 * 100 + 16: return run_kind<INT6, 16>(isa, a, m, k, p, out, ldo);
-        case UINT4 * 100 + 32: return run_kind<UINT4, 32>(isa, a, m, k, p, out, ldo);
-        default: return run_kind<UINT5, 32>(isa, a, m, k, p, out, ldo);
+        case INT6 * 100 + 16:
+            if (p.scale_sub) return run_kind<INT6, 16, true>(isa, a, m, k, p, out, ldo);
+            return run_kind<INT6, 16>(isa, a, m, k, p, out, ldo);
+        case UINT4 * 100 + 32:
+            if (p.scale_sub) return run_kind<UINT4, 32, true>(isa, a, m, k, p, out, ldo);
+            return run_kind<UINT4, 32>(isa, a, m, k, p, out, ldo);
+        default:
+            if (p.scale_sub) return run_kind<UINT5, 32, true>(isa, a, m, k, p, out, ldo);
+            return run_kind<UINT5, 32>(isa, a, m, k, p, out, ldo);
     }
 }
 
@@ -396,6 +504,7 @@ bool valid(const Part& p) {
                          (p.kind == INT6 && p.group == 16) ||
                          ((p.kind == UINT4 || p.kind == UINT5) && p.group == 32);
     const bool arrays = p.values && p.scale && (p.kind == INT6 || p.kind == UINT5) == (p.high != nullptr) &&
+                        (p.kind != INT8 || !p.scale_sub) &&
                         (p.kind >= UINT4) == (p.minimum != nullptr) && (!p.minimum_sub || p.minimum);
     return grouped && arrays && p.rows >= 0;
 }
@@ -424,13 +533,13 @@ __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t 
     if (m == 0) return isa;
     thread_local Activations mine;
     if (!mine.reserve(m, k)) return -3;
-    const Activations& a = mine;  // the caller's buffer: inside the region `mine` would name each thread's own
+    Activations& a = mine;  // the caller's buffer: inside the region `mine` would name each thread's own
     const int64_t nb = k / BLOCK;
     // Each thread quantizes some rows, then (after the barrier) computes a share of every part's outputs.
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < m; ++t)
+        for (int64_t t = 0; t < m; ++t) {
             for (int64_t b = 0; b < nb; ++b) {
                 const float* src = x + t * k + b * BLOCK;
                 int8_t* q = a.q + t * k + b * BLOCK;
@@ -439,6 +548,8 @@ __attribute__((visibility("default"))) int quant_linear(const float* x, int64_t 
                 else
                     avx2::quantize_block(src, q, a.s + t * nb + b, a.sum + t * nb + b);
             }
+            if (isa == cpu_isa::AVX2) a.pair_row(t, k);  // the AVX2 4-, 5- and 6-bit tiles' order
+        }
         int64_t column = 0;
         for (int64_t i = 0; i < count; ++i) {
             if (isa == cpu_isa::SCALAR)
