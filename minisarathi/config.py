@@ -187,6 +187,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    norms_include_one: bool = False  # Gemma 3 from GGUF: llama.cpp's converter stored 1 + w, not w
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -320,6 +321,7 @@ class ModelConfig:
             final_logit_softcapping=None
             if softcap is None
             else check_float("final_logit_softcapping", softcap),
+            norms_include_one=config.get("norms_include_one", False) is True,
         )
 
     def local_rope_cos_sin(self) -> np.ndarray:
