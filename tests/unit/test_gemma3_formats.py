@@ -1,9 +1,12 @@
 """Gemma 3 in its other checkpoint forms: a GGUF `gemma3` file written as llama.cpp's converter writes it
-(tests/golden/make_gguf.py: 1 + w norms, llama.cpp's tensor names) gives the safetensors folder's logits."""
+(tests/golden/make_gguf.py: 1 + w norms, llama.cpp's tensor names) gives the safetensors folder's logits,
+and a Gemma3ForConditionalGeneration folder (text_config, language-model prefixes, vision tensors beside)
+gives transformers' logits for the tests/golden/gemma3_sliding weights."""
 
 import dataclasses
 import importlib.util
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -111,3 +114,71 @@ def test_gguf_gemma3_fields_as_llamacpp_reads_them():
     )  # no window: every layer full, head_dim scale
     assert small["query_pre_attn_scalar"] == 128 and set(small["layer_types"]) == {"full_attention"}
     assert small["final_logit_softcapping"] is None and small["rope_local_base_freq"] == 10000.0
+
+
+def multimodal_folder(tmp_path: Path, prefix: str) -> Path:
+    """The golden's weights under `prefix` as Gemma3ForConditionalGeneration keeps them, a vision tower's
+    and projector's tensors beside, its config under text_config."""
+    folder = tmp_path / "gemma3_mm"
+    folder.mkdir()
+    weights = {prefix + name.removeprefix("model."): a for name, a in golden_arrays().items()}
+    outer = prefix.removesuffix("model.")  # the multimodal model's own prefix: "model." or none
+    for name in ("vision_tower.vision_model.embeddings.patch_embedding.weight", "multi_modal_projector.w"):
+        weights[outer.replace("language_model.", "") + name] = np.ones((4, 3), np.float32)
+    save_file(weights, str(folder / "model.safetensors"))
+    text = json.loads((GOLDEN / "config.json").read_text())
+    del text["architectures"]
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": text,
+    }
+    config["vision_config"] = {"model_type": "siglip_vision_model", "hidden_size": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])  # transformers 5, 4
+def test_conditional_generation_folder_gives_transformers_logits(tmp_path, prefix, caplog):
+    folder = multimodal_folder(tmp_path, prefix)
+    with caplog.at_level(logging.INFO, logger="minisarathi.loader"):
+        error = relative_error(logits(folder), np.load(GOLDEN / "golden.npz")["logits"])
+    assert error <= 1e-4
+    assert "2 others (vision) ignored" in caplog.text
+
+
+def test_conditional_generation_without_the_text_prefix_is_a_missing_tensor(tmp_path):
+    folder = multimodal_folder(tmp_path, "text_model.")
+    with pytest.raises(ValueError, match="model.embed_tokens.weight.* is missing"):
+        logits(folder)
+
+
+def test_a_sparse_text_config_takes_transformers_defaults():
+    """google/gemma-3-4b-it's config: text_config names five fields, the dtype is beside it."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "sliding_window": 1024}
+    text["rope_scaling"] = {"factor": 8.0, "rope_type": "linear"}
+    config = ModelConfig.from_dict(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16", "text_config": text}
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert (config.vocab_size, config.rope_theta, config.local_rope_theta) == (262208, 1e6, 1e4)
+    assert config.rope_scaling.factor == 8.0 and config.dtype == "bfloat16" and config.multimodal
+    assert config.layer_windows[4:7] == [1024, None, 1024] and config.query_pre_attn_scalar == 256
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_the_multimodal_folder_serves(tmp_path):
+    from minisarathi.llm import LLM
+    from minisarathi.paths import default_model_dir
+    from minisarathi.sampling_params import SamplingParams
+
+    folder = multimodal_folder(tmp_path, "model.language_model.")
+    shutil.copy(default_model_dir() / "tokenizer.json", folder)
+    golden = np.load(GOLDEN / "golden.npz")
+    expected = golden["greedy_tokens"].tolist()
+    llm = LLM(folder, chunk_size=5, block_size=4, dtype="float32", num_kv_blocks=64, max_model_len=64)
+    out = llm.generate(
+        [golden["prompt"].tolist()], SamplingParams(temperature=0, max_tokens=len(expected), ignore_eos=True)
+    )
+    assert out[0].outputs[0].token_ids == expected
