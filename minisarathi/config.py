@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,24 @@ ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
 GEMMA3_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+# transformers' Gemma3TextConfig defaults, for the fields a checkpoint's config may leave out (the
+# multimodal ones' text_config often names only a few)
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "sliding_window": 4096,
+}
 
 
 @dataclass(frozen=True)
@@ -187,6 +204,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    norms_include_one: bool = False  # Gemma 3 from GGUF: llama.cpp's converter stored 1 + w, not w
+    multimodal: bool = False  # Gemma3ForConditionalGeneration: its text model's tensors are the model's
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -227,6 +246,8 @@ class ModelConfig:
             raise ValueError(f"mlp_bias must be false, got {config['mlp_bias']!r}")
         if arch == "Gemma3ForCausalLM":
             return cls._from_gemma3(config)
+        if arch == "Gemma3ForConditionalGeneration":
+            return cls._from_gemma3_multimodal(config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
         max_positions = _positive_int(config, "max_position_embeddings")
@@ -269,10 +290,21 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_gemma3_multimodal(cls, config: dict) -> ModelConfig:
+        """Gemma3ForConditionalGeneration's language model: its text_config, the dtype given beside it."""
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("a Gemma3ForConditionalGeneration config must have a text_config object")
+        dtype = config.get("dtype") or config.get("torch_dtype")
+        text = {"dtype": dtype, **text, "architectures": ["Gemma3ForCausalLM"]}
+        return dataclasses.replace(cls._from_gemma3(text), multimodal=True)
+
+    @classmethod
     def _from_gemma3(cls, config: dict) -> ModelConfig:
         """Gemma 3 text: GeGLU (tanh GELU), (1 + w) norms, q/k norms, interleaved sliding and global layers
         (layer_types, or every sliding_window_pattern-th global), each kind with its own RoPE, tied
         embeddings by default."""
+        config = {**GEMMA3_TEXT_DEFAULTS, **config}
         activation = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
@@ -320,6 +352,7 @@ class ModelConfig:
             final_logit_softcapping=None
             if softcap is None
             else check_float("final_logit_softcapping", softcap),
+            norms_include_one=config.get("norms_include_one", False) is True,
         )
 
     def local_rope_cos_sin(self) -> np.ndarray:
@@ -416,6 +449,29 @@ def _sliding_window(arch: str, config: dict, max_positions: int) -> int | None:
         return None
     check_int("sliding_window", window, lo=1)
     return window if window < max_positions else None
+
+
+# Gemma3ForConditionalGeneration's language-model prefixes: transformers >= 4.52's, then the older one
+LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model."}
+LANGUAGE_MODEL_PREFIXES["language_model.lm_head."] = "lm_head."
+
+
+def language_model(tensors: dict) -> dict:
+    """A multimodal checkpoint's text-model tensors under a causal LM's names; the rest (vision tower,
+    projector) are left out, and how many is logged."""
+    text = {}
+    for name, tensor in tensors.items():
+        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            text[LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix) :]] = tensor
+        elif name == "lm_head.weight":
+            text[name] = tensor
+    logging.getLogger("minisarathi.loader").info(
+        "multimodal checkpoint: %d text-model tensors read, %d others (vision) ignored",
+        len(text),
+        len(tensors) - len(text),
+    )
+    return text
 
 
 def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:

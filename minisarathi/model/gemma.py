@@ -1,12 +1,14 @@
-"""Gemma 3 text models (Gemma3ForCausalLM): the Llama forward pass with Gemma's differences, beside llama.py.
+"""Gemma 3 text models (Gemma3ForCausalLM, or Gemma3ForConditionalGeneration's language model): the Llama
+forward pass with Gemma's differences, beside llama.py.
 
 As transformers' Gemma3 computes them: every RMSNorm scales by (1 + w) (folded into the weights here, in
-float32), q and k get per-head norms, the attention output and the MLP output are normed before they join the
-residual (post_attention_layernorm, post_feedforward_layernorm) and the MLP input has its own norm
-(pre_feedforward_layernorm); the MLP is GeGLU with tanh GELU; the embedding is scaled by sqrt(hidden) in the
-weights' dtype (a scaled copy of the table: the tied lm_head reads the unscaled one); the attention scale is
-query_pre_attn_scalar**-0.5; sliding layers attend over their window with RoPE base local_rope_theta, global
-ones over everything with rope_theta and rope_scaling; the logits are soft-capped where the config says.
+float32; a GGUF file holds 1 + w already), q and k get per-head norms, the attention output and the MLP
+output are normed before they join the residual (post_attention_layernorm, post_feedforward_layernorm) and
+the MLP input has its own norm (pre_feedforward_layernorm); the MLP is GeGLU with tanh GELU; the embedding
+is scaled by sqrt(hidden) in the weights' dtype (a scaled copy of the table: the tied lm_head reads the
+unscaled one); the attention scale is query_pre_attn_scalar**-0.5; sliding layers attend over their window
+with RoPE base local_rope_theta, global ones over everything with rope_theta and rope_scaling; the logits
+are soft-capped where the config says.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class OnePlusNorms(Mapping):
 
 def scaled_embedding(table: CheckpointTensor, hidden_size: int) -> CheckpointTensor:
     """table * sqrt(hidden), the factor and the product rounded to the table's dtype, as transformers'
-    Gemma3TextScaledWordEmbedding multiplies each looked-up row."""
+    Gemma3TextScaledWordEmbedding multiplies each looked-up row. A quantized (GGUF) table is dequantized and
+    scaled in float32, as llama.cpp scales the rows it gathers: a float32 copy of the table."""
+    if table.dtype == "quantized":
+        return CheckpointTensor("float32", np.asarray(table) * np.float32(hidden_size**0.5))
     scale = convert(np.float32(hidden_size**0.5)[None], "float32", table.dtype)  # the factor in that dtype
     product = to_float32(table.data, table.dtype) * to_float32(scale, table.dtype)  # exact in float32
     return CheckpointTensor(table.dtype, convert(product, "float32", table.dtype))
@@ -55,7 +60,7 @@ def scaled_embedding(table: CheckpointTensor, hidden_size: int) -> CheckpointTen
 
 class Gemma3Model(LlamaModel):
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], ops: Backend):
-        weights = OnePlusNorms(weights)
+        weights = weights if config.norms_include_one else OnePlusNorms(weights)
         super().__init__(config, weights, ops)
         self.embed_tokens = ops.weight(scaled_embedding(weights["embed_tokens"], config.hidden_size))
         # per layer: (pre_feedforward_layernorm, post_feedforward_layernorm), each [H]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.config import ModelConfig, read_json_object
+from minisarathi.config import ModelConfig, language_model, read_json_object
 from minisarathi.dtypes import dtype_name, to_float32
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
 from minisarathi.quant.hf_quantized import quantized_linears
@@ -86,7 +86,7 @@ class CheckpointWeights(Mapping):
 
 def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeights:
     """The checkpoint's tensors under LlamaModel's names (see CheckpointWeights), memory-mapped."""
-    stored = read_checkpoint(model_dir)
+    stored = language_model(read_checkpoint(model_dir)) if config.multimodal else read_checkpoint(model_dir)
     c = config
     H, I = c.hidden_size, c.intermediate_size
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim

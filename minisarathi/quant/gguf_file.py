@@ -11,6 +11,7 @@ llama.cpp's converter reorders the rows of a llama model's attn_q and attn_k (an
 ggml's RoPE, which rotates adjacent pairs (x[2i], x[2i+1]), computes what Hugging Face's rotate_half
 computes on the pairs (x[i], x[i + D/2]). minisarathi's RoPE is the half-split one, so those rows are put
 back. Qwen2 files are converted without that reordering (ggml rotates them in the NeoX, half-split way).
+Gemma 3 files (not reordered either) hold each RMSNorm's 1 + w, which model/gemma.py then takes as is.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 # ggml tensor names (after "blk.N.") -> the Hugging Face names model/loader.py reads
 LAYER_TENSORS = {
@@ -53,6 +55,13 @@ LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is its pre-feedforward norm
+GEMMA3_LAYER_TENSORS = {
+    **LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -237,7 +246,7 @@ def header_config(meta: dict, infos: dict[str, TensorInfo], path) -> dict:
         raise UnsupportedGGUF(
             f"{path}: neither tokenizer.ggml.tokens nor token_embd.weight gives the vocabulary"
         )
-    return {
+    config = {
         "architectures": [hf_arch],
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
@@ -253,6 +262,26 @@ def header_config(meta: dict, infos: dict[str, TensorInfo], path) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": hf_arch == "LlamaForCausalLM" and "blk.0.attn_q.bias" in names,
         "dtype": "float32",  # what the weights are after dequantization
+    }
+    return config if arch != "gemma3" else {**config, **gemma3_config(meta, config)}
+
+
+def gemma3_config(meta: dict, config: dict) -> dict:
+    """Gemma 3's fields as llama.cpp reads them: a window (where gemma3.attention.sliding_window is given
+    and positive) on every layer but each sixth, whose RoPE base is 10000 unscaled; the attention scale
+    from head_dim but for the 62-layer 27B's hidden/heads; the norms' weights stored as 1 + w."""
+    window, layers = meta.get("gemma3.attention.sliding_window", 0), config["num_hidden_layers"]
+    full = [not window or (i + 1) % 6 == 0 for i in range(layers)]
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    return {
+        "sliding_window": window or config["max_position_embeddings"],  # no window: every layer is full
+        "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+        if layers == 62
+        else config["head_dim"],
+        "final_logit_softcapping": None if softcap is None else _float(softcap),
+        "norms_include_one": True,
     }
 
 
@@ -289,7 +318,7 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     the Hugging Face names model/loader.py reads.
     restore_rope_order=False keeps ggml's Q/K row order (a test's negative control)."""
     meta, infos = read_header(path)
-    _, _, permuted = architecture(meta, path)
+    arch, _, permuted = architecture(meta, path)
     config = header_config(meta, infos, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, types = {}, Counter()
@@ -297,7 +326,7 @@ def read_gguf(path: str | Path, *, restore_rope_order: bool = True) -> dict:
     mapped = np.memmap(path, dtype=np.uint8, mode="r")  # uint8[file size]; the float tensors are views
     with open(path, "rb") as file:
         for ggml_name, info in infos.items():
-            name = hf_name(ggml_name, path)
+            name = hf_name(ggml_name, path, GEMMA3_LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS)
             tensors[name], nbytes = tensor_weights(name, ggml_name, info, file, mapped)
             types[type_name(info.type)] += 1
             file_bytes += nbytes
@@ -350,11 +379,11 @@ def unpermute_rows(weights, n_head: int):
     return take_rows(weights, unpermute(np.arange(weights.shape[0]), n_head))
 
 
-def hf_name(name: str, path) -> str:
+def hf_name(name: str, path, layer_tensors: dict[str, str] = LAYER_TENSORS) -> str:
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     block, _, rest = name.partition(".")
     layer, _, rest = rest.partition(".")
-    if block == "blk" and layer.isdigit() and rest in LAYER_TENSORS:
-        return f"model.layers.{layer}.{LAYER_TENSORS[rest]}"
+    if block == "blk" and layer.isdigit() and rest in layer_tensors:
+        return f"model.layers.{layer}.{layer_tensors[rest]}"
     raise UnsupportedGGUF(f"{path}: tensor {name!r} is not one this loader knows")

@@ -1,7 +1,8 @@
-"""Writes a Hugging Face Llama/Qwen2 folder (safetensors, float32) as a GGUF file, as llama.cpp's
-convert_hf_to_gguf.py would: its metadata keys, tensor names, Q/K row order for llama, F32 norms and
-F16 for a matrix whose rows are no whole number of Q8_0 blocks. The tokenizer metadata comes from the
-folder's tokenizer.json (SentencePiece BPE), with each piece's score minus its id, SentencePiece's order.
+"""Writes a Hugging Face Llama/Qwen2/Qwen3/Gemma 3 folder (safetensors) as a GGUF file, as llama.cpp's
+convert_hf_to_gguf.py would: its metadata keys, tensor names, Q/K row order for llama, Gemma's norms
+stored as 1 + w, F32 norms and F16 for a matrix whose rows are no whole number of Q8_0 blocks. The
+tokenizer metadata comes from the folder's tokenizer.json (SentencePiece BPE), with each piece's score
+minus its id, SentencePiece's order.
 
     python tests/golden/make_gguf.py        # models/stories260K -> models/stories260K-gguf/*.gguf
 """
@@ -29,6 +30,7 @@ OUT = ROOT / "models" / "stories260K-gguf"
 FILES = {"stories260K-f32.gguf": T.F32, "stories260K-q8_0.gguf": T.Q8_0}
 FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHS["Gemma3ForCausalLM"] = "gemma3"
 NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -46,6 +48,13 @@ NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3's norms as llama.cpp names them (its ffn_norm is the pre-feedforward norm)
+GEMMA3_NAMES = {
+    **NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 GLOBAL["lm_head.weight"] = "output.weight"
 
@@ -60,13 +69,13 @@ def permute(rows: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, names: dict[str, str] = NAMES) -> str:
     if name in GLOBAL:
         return GLOBAL[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if not match or match[2] not in NAMES:
+    if not match or match[2] not in names:
         raise ValueError(f"tensor {name!r} has no GGUF name here")
-    return f"blk.{match[1]}.{NAMES[match[2]]}"
+    return f"blk.{match[1]}.{names[match[2]]}"
 
 
 def add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
@@ -146,19 +155,26 @@ def write_gguf(
         writer.add_rope_scaling_factor(scaling.factor)
         if scaling.rope_type == "yarn":
             writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+    if arch == "gemma3":  # the converter's Gemma3Model: no attention softcap, a window unless pattern is 1
+        writer.add_sliding_window(hp["sliding_window"])
+        if hp.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
     if callable(tokenizer):
         tokenizer(writer)
     elif tokenizer:
         add_tokenizer(writer, folder)
+    names = GEMMA3_NAMES if arch == "gemma3" else NAMES
     for name, tensor in read_checkpoint(folder).items():
         data = np.asarray(tensor, dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma3RMSNorm's 1 + w, added in float32
+            data = data + np.float32(1)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = permute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = permute(data, kv_heads)
-        kind = default_type(qtype, data) if type_of is None else type_of(gguf_name(name), data)
+        kind = default_type(qtype, data) if type_of is None else type_of(gguf_name(name, names), data)
         blocks = quantize(data, kind.name) if kind.name in TYPES else gguf.quants.quantize(data, kind)
-        writer.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
+        writer.add_tensor(gguf_name(name, names), blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
