@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_runner import CPU, Section, exit_code, run_sections  # noqa: E402
+from minisarathi import structured  # noqa: E402
 from minisarathi.backends import cuda_ops  # noqa: E402
 from minisarathi.backends.cpu.ops import CpuOps  # noqa: E402
 from minisarathi.config import rope_cos_sin_table  # noqa: E402
@@ -218,10 +219,13 @@ CHECKED_OPS = {
     "rope_store_kv",
     "paged_attention",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "softcap",
     "copy_blocks",
     "greedy",
     "apply_penalties",
     "sample",
+    "apply_token_bitmask",
 }
 
 
@@ -256,6 +260,12 @@ def check_ops(report, dtype: str) -> None:
             report, f"ops {dtype} add_rms_norm residual", ops, residual, host(want_residual, dtype), dtype
         )
         compare(report, f"ops {dtype} silu_and_mul", ops, ops.silu_and_mul(x), ref.silu_and_mul(x32), dtype)
+        want_gelu = ref.gelu_tanh_and_mul(x32)
+        compare(report, f"ops {dtype} gelu_tanh_and_mul", ops, ops.gelu_tanh_and_mul(x), want_gelu, dtype)
+        logits32 = random_host(rng, (9, 1000), dtype, 20.0)  # past the cap, where tanh bends
+        want_capped = ref.softcap(logits32, 8.0)
+        capped = ops.softcap(ops.weight(logits32), 8.0)
+        compare(report, f"ops {dtype} softcap", ops, capped, want_capped, dtype)
         table32, ids = random_host(rng, (1000, 64), dtype), np.array([0, 5, 999, 5], np.int32)
         compare(
             report,
@@ -437,7 +447,17 @@ def check_sampling(report) -> None:
             f"{same}/{rows} same ids as the NumPy Sampler",
         )
 
+    def token_bitmask():
+        rows = np.array([1, 3, N - 1], np.int64)
+        bitmask = rng.integers(0, 2**32, (len(rows), -(-V // 32)), dtype=np.uint32)  # uint32[R, ceil(V / 32)]
+        masked = ops.launcher.to_device(logits)
+        ops.apply_token_bitmask(masked, ops.launcher.to_device(rows), ops.launcher.to_device(bitmask))
+        want = structured.apply_token_bitmask(logits, rows, bitmask.view(np.int32))
+        same = np.array_equal(ops.launcher.to_host(masked), want)
+        report.row("sampling apply_token_bitmask", "ok" if same else "MISMATCH", f"{len(rows)} of {N} rows")
+
     report.check("sampling greedy argmax", argmax)
+    report.check("sampling apply_token_bitmask", token_bitmask)
     report.check(f"sampling GpuSampler {N}x{V}", every_kind)
     shapes = [
         (1, 10007),
