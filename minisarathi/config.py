@@ -252,6 +252,7 @@ class ModelConfig:
         if arch == "Gemma3ForConditionalGeneration":
             return cls._from_gemma3_multimodal(config)
         if arch == "Phi3ForCausalLM":
+            config = _phi3_legacy_rope(config)
             return _from_phi3(cls.from_dict({**config, "architectures": ["LlamaForCausalLM"]}), config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
@@ -563,7 +564,8 @@ def _read_yarn(config: dict, scaling: dict) -> RopeScaling:
 def _partial_rotary_dim(config: dict) -> int:
     """The head dims RoPE turns: int(head_dim * partial_rotary_factor), as transformers' Phi3 takes it."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     factor = config.get("partial_rotary_factor", 1.0) if factor is None else factor
     if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
@@ -573,6 +575,15 @@ def _partial_rotary_dim(config: dict) -> int:
             f"partial_rotary_factor {factor} gives {dim} of head_dim {head_dim}: both must be even"
         )
     return dim
+
+
+def _phi3_legacy_rope(config: dict) -> dict:
+    """config with rope type "su" or "yarn" named longrope, as transformers' Phi3Config reads them."""
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    scaling = config.get(key)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+        return {**config, key: {**scaling, "rope_type": "longrope"}}
+    return config
 
 
 def _from_phi3(llama: ModelConfig, config: dict) -> ModelConfig:

@@ -80,6 +80,16 @@ def test_short_factor_when_the_context_stays_short():
     assert short.ext_factors == (1.0, 1.1, 1.2, 1.3, 1.4, 1.5) and short.attention_factor == 1.0
 
 
+@pytest.mark.parametrize("legacy", ["su", "yarn"])
+def test_legacy_rope_type_names_are_longrope_as_transformers_reads_them(legacy):
+    config = json.loads((GOLDEN / "config.json").read_text())
+    rope = {k: v for k, v in config.pop("rope_parameters").items() if k != "rope_type"}
+    if legacy == "su":  # transformers 4's place for it, beside the rope dict
+        config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    old = ModelConfig.from_dict({**config, "rope_scaling": {**rope, "type": legacy}})
+    assert old == ModelConfig.from_pretrained(GOLDEN)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
