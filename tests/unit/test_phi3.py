@@ -13,7 +13,8 @@ import pytest
 from minisarathi.backends.devices import make_backend
 from minisarathi.config import SCHEDULERS, ModelConfig
 from minisarathi.model.llama import LlamaModel
-from minisarathi.model.loader import load_weights
+from minisarathi.model.loader import load_weights, read_checkpoint
+from minisarathi.model.phi3 import checkpoint_tensors
 from minisarathi.paths import default_model_dir
 from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
 
@@ -119,3 +120,22 @@ def test_a_fused_tensor_of_the_wrong_shape_is_named(tmp_path):
     config = ModelConfig.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.qkv_proj.weight' has shape \[127, 64\]"):
         load_weights(model_dir, config)
+
+
+def test_quantized_fused_tensors_are_refused():
+    config = ModelConfig.from_pretrained(GOLDEN)
+    tensors = read_checkpoint(GOLDEN)
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    tensors[name] = dataclasses.replace(tensors[name], dtype="quantized")
+    with pytest.raises(ValueError, match="quantized Phi3ForCausalLM checkpoints are not supported"):
+        checkpoint_tensors(tensors, config)
+
+
+def test_fused_tensors_become_views_of_the_stored_rows():
+    config = ModelConfig.from_pretrained(GOLDEN)
+    stored = read_checkpoint(GOLDEN)
+    tensors = checkpoint_tensors(stored, config)
+    fused = stored["model.layers.0.self_attn.qkv_proj.weight"].data
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in tensors
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert np.shares_memory(tensors[f"model.layers.0.self_attn.{name}.weight"].data, fused)
