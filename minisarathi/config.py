@@ -144,6 +144,7 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Phi3ForCausalLM",
 )
 GEMMA3_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 # transformers' Gemma3TextConfig defaults, for the fields a checkpoint's config may leave out (the
@@ -165,14 +166,15 @@ GEMMA3_TEXT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str  # "linear", "llama3" or "yarn" ("default" is stored as rope_scaling=None)
+    rope_type: str  # "linear", "llama3", "yarn" or "longrope" ("default" is stored as rope_scaling=None)
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 and yarn
     beta_fast: float = 32.0  # yarn only: the ramp between extrapolated and interpolated frequencies
     beta_slow: float = 1.0  # yarn only
-    attention_factor: float = 1.0  # yarn only: cos and sin are scaled by it (transformers' mscale)
+    attention_factor: float = 1.0  # yarn and longrope: cos and sin are scaled by it (transformers' mscale)
+    ext_factors: tuple[float, ...] = ()  # longrope: each frequency's divisor (long_factor or short_factor)
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     norms_include_one: bool = False  # Gemma 3 from GGUF: llama.cpp's converter stored 1 + w, not w
     multimodal: bool = False  # Gemma3ForConditionalGeneration: its text model's tensors are the model's
+    rotary_dim: int | None = None  # Phi-3's partial_rotary_factor: RoPE turns each head's first dims only
     # BOS and EOS ids are the tokenizer's business: minisarathi.tokenizer.Tokenizer reads them.
 
     @classmethod
@@ -248,6 +251,9 @@ class ModelConfig:
             return cls._from_gemma3(config)
         if arch == "Gemma3ForConditionalGeneration":
             return cls._from_gemma3_multimodal(config)
+        if arch == "Phi3ForCausalLM":
+            config = _phi3_legacy_rope(config)
+            return _from_phi3(cls.from_dict({**config, "architectures": ["LlamaForCausalLM"]}), config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
         max_positions = _positive_int(config, "max_position_embeddings")
@@ -377,23 +383,31 @@ class ModelConfig:
         is off by up to 0.004 rad at p = 100k). Built once per model; the rope_store_kv op reads it by
         position."""
         table = rope_cos_sin_table(self.rope_inv_freq(), self.max_position_embeddings)
-        scaling = self.rope_scaling
-        return (
-            table
-            if scaling is None or scaling.rope_type != "yarn"
-            else table * np.float32(scaling.attention_factor)
-        )
+        if self.rope_scaling is None:
+            return table
+        # the attention factor scales the turned dims only: partial rotary's passed ones stay cos 1, sin 0
+        turned = np.tile(np.arange(self.head_dim // 2) < (self.rotary_dim or self.head_dim) // 2, 2)  # [D]
+        return table * np.where(turned, np.float32(self.rope_scaling.attention_factor), np.float32(1))
 
     def rope_inv_freq(self) -> np.ndarray:
-        """float32[head_dim/2]: RoPE frequencies with the scaling folded in, computed in float64."""
-        inv_freq = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
-        scaling = self.rope_scaling
+        """float32[head_dim/2]: RoPE frequencies with the scaling folded in, computed in float64; zeros
+        (cos 1, sin 0) past rotary_dim/2, the dims partial rotary passes through (model/phi3.py's order)."""
+        dim = self.rotary_dim or self.head_dim
+        rotary = self._scaled_inv_freq(
+            1.0 / self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        )
+        return np.concatenate([rotary, np.zeros((self.head_dim - dim) // 2, np.float32)])
+
+    def _scaled_inv_freq(self, inv_freq: np.ndarray) -> np.ndarray:
+        scaling, dim = self.rope_scaling, self.rotary_dim or self.head_dim
         if scaling is None:
             return inv_freq.astype(np.float32)
         if scaling.rope_type == "linear":  # positions / factor == frequencies / factor
             return (inv_freq / scaling.factor).astype(np.float32)
         if scaling.rope_type == "yarn":
-            return _yarn_inv_freq(inv_freq, self.head_dim, self.rope_theta, scaling)
+            return _yarn_inv_freq(inv_freq, dim, self.rope_theta, scaling)
+        if scaling.rope_type == "longrope":  # as transformers' _compute_longrope_parameters, in float64
+            return (inv_freq / np.asarray(scaling.ext_factors, dtype=np.float64)).astype(np.float32)
         # llama3, as transformers' _compute_llama3_parameters: long wavelengths are slowed down by
         # `factor`, short ones kept, and the band between them interpolated smoothly.
         old_len = scaling.original_max_position_embeddings
@@ -486,9 +500,9 @@ def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("dynamic", "linear", "llama3", "yarn"):
+    if rope_type not in ("dynamic", "linear", "llama3", "yarn", "longrope"):
         raise ValueError(
-            f"rope_type must be one of default, dynamic, linear, llama3, yarn, got {rope_type!r}"
+            f"rope_type must be one of default, dynamic, linear, llama3, yarn, longrope, got {rope_type!r}"
         )
     if rope_type == "dynamic":
         # transformers' dynamic NTK rescales only past max_position_embeddings, which max_model_len never
@@ -497,6 +511,8 @@ def _read_rope(config: dict) -> tuple[float, RopeScaling | None]:
         return float(theta), None
     if rope_type == "yarn":
         return float(theta), _read_yarn(config, scaling)
+    if rope_type == "longrope":
+        return float(theta), _read_longrope(config, scaling)
     keys = (
         ("factor",)
         if rope_type == "linear"
@@ -543,3 +559,70 @@ def _read_yarn(config: dict, scaling: dict) -> RopeScaling:
         )
     values.pop("mscale", None), values.pop("mscale_all_dim", None)
     return RopeScaling("yarn", factor, **values)
+
+
+def _partial_rotary_dim(config: dict) -> int:
+    """The head dims RoPE turns: int(head_dim * partial_rotary_factor), as transformers' Phi3 takes it."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    factor = config.get("partial_rotary_factor", 1.0) if factor is None else factor
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2 or (head_dim - dim) % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} gives {dim} of head_dim {head_dim}: both must be even"
+        )
+    return dim
+
+
+def _phi3_legacy_rope(config: dict) -> dict:
+    """config with rope type "su" or "yarn" named longrope, as transformers' Phi3Config reads them."""
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    scaling = config.get(key)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+        return {**config, key: {**scaling, "rope_type": "longrope"}}
+    return config
+
+
+def _from_phi3(llama: ModelConfig, config: dict) -> ModelConfig:
+    """Phi3ForCausalLM: Llama's layers (the loader splits the fused qkv_proj and gate_up_proj), partial
+    rotary where partial_rotary_factor < 1."""
+    dim = _partial_rotary_dim(config)
+    return dataclasses.replace(
+        llama, architecture="Phi3ForCausalLM", rotary_dim=None if dim == llama.head_dim else dim
+    )
+
+
+def _read_longrope(config: dict, scaling: dict) -> RopeScaling:
+    """LongRoPE as transformers' _compute_longrope_parameters: each frequency divided by its factor, the
+    long_factor list where max_position_embeddings passes original_max_position_embeddings (the engine
+    turns every position with one table: see README, Supported checkpoints), short_factor otherwise; cos and
+    sin scaled by sqrt(1 + ln(factor) / ln(original)), factor max_position_embeddings / original if not
+    given."""
+    original = scaling.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    check_int("original_max_position_embeddings", original, lo=1)
+    factor = scaling.get("factor") or config["max_position_embeddings"] / original
+    _check_positive({"factor": factor}, ("factor",))
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    _check_positive({"attention_factor": attention_factor}, ("attention_factor",))
+    length = _partial_rotary_dim(config) // 2
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not (
+            isinstance(values, list)
+            and len(values) == length
+            and all(isinstance(v, (int, float)) and v > 0 for v in values)
+        ):
+            raise ValueError(f"rope scaling {key} must be a list of {length} positive numbers")
+    key = "long_factor" if config["max_position_embeddings"] > original else "short_factor"
+    return RopeScaling(
+        "longrope",
+        factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        ext_factors=tuple(float(v) for v in scaling[key]),
+    )

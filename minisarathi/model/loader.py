@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minisarathi.config import ModelConfig, language_model, read_json_object
+from minisarathi.config import ModelConfig, read_json_object
 from minisarathi.dtypes import dtype_name, to_float32
+from minisarathi.model.phi3 import checkpoint_tensors, rotary_order
 from minisarathi.quant.gguf_file import is_gguf, read_gguf
 from minisarathi.quant.hf_quantized import quantized_linears
 from minisarathi.quant.layouts import Layout, concatenate_rows
@@ -84,9 +85,9 @@ class CheckpointWeights(Mapping):
         return len(self._parts)
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeights:
-    """The checkpoint's tensors under LlamaModel's names (see CheckpointWeights), memory-mapped."""
-    stored = language_model(read_checkpoint(model_dir)) if config.multimodal else read_checkpoint(model_dir)
+def load_weights(model_dir: str | Path, config: ModelConfig) -> Mapping[str, CheckpointTensor]:
+    """The checkpoint's tensors, memory-mapped, under LlamaModel's names (CheckpointWeights, phi3.py)."""
+    stored = checkpoint_tensors(read_checkpoint(model_dir), config)  # Gemma 3 multimodal, Phi-3: renamed
     c = config
     H, I = c.hidden_size, c.intermediate_size
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -133,17 +134,16 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> CheckpointWeight
                 f"tensors {', '.join(names)} (fused into {name}) must share one dtype, got "
                 f"{', '.join(stored[n].dtype for n in names)}"
             )
-    return CheckpointWeights(stored, parts)
+    return rotary_order(CheckpointWeights(stored, parts), config)
 
 
 def read_checkpoint(model_dir: str | Path) -> dict[str, CheckpointTensor]:
     """name -> memory-mapped tensor over model.safetensors or its index's shards (or a GGUF file's)."""
     model_dir = Path(model_dir)
     if is_gguf(model_dir):
-        tensors = read_gguf(model_dir).items()
         return {
             n: CheckpointTensor(dtype_name(d) if isinstance(d, np.ndarray) else "quantized", d)
-            for n, d in tensors
+            for n, d in read_gguf(model_dir).items()
         }
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():

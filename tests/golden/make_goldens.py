@@ -23,6 +23,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -170,6 +171,29 @@ VARIANTS = {
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+        ),
+        torch.float32,
+        None,
+    ),
+    # Phi-3 (fused qkv_proj, gate_up_proj): LongRoPE with a short context of 16 under the 24-token prompt
+    # (transformers takes long_factor for every position then), partial rotary 0.75 (12 of 16 head dims)
+    "phi3_longrope_partial": (
+        Phi3Config(
+            **COMMON,
+            vocab_size=256,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 16,
+                "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
             },
         ),
         torch.float32,

@@ -35,6 +35,7 @@ CASES = [
     ("llama_linear_rope_bias", 2),
     ("qwen2_tied", 2),
     ("qwen3_yarn_tied", 2),  # q/k norms replicated on every rank
+    ("phi3_longrope_partial", 2),  # q/k rows in rotary order before the split by head
 ]
 
 

@@ -102,7 +102,7 @@ def test_mistral_window_covering_everything_is_full_attention():
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 4.5}, ["sliding_window", "4.5"]),
         ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, ["use_sliding_window", "True"]),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, ["truncate", "False"]),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ["rope_type", "longrope"]),
+        ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, ["rope_type", "mrope"]),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["factor", "None"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
         ({"rope_scaling": {"rope_type": "linear"}}, ["factor", "None"]),

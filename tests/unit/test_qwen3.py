@@ -100,7 +100,7 @@ def test_qwen3_config_reads_head_dim_and_qk_norm():
     "change, message",
     [
         ({"use_sliding_window": True}, "use_sliding_window must be false"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type must be one of"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type must be one of"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "rope scaling factor must be a positive number"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}}, "beta_fast must be"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, "truncate must be true"),
