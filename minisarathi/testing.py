@@ -157,3 +157,11 @@ def greedy_in_shared_batches(model_dir, prompt: list[int], max_tokens: int, **en
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=64, **engine_options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate([prompt, prompt[:7]], params)[0].outputs[0].token_ids, llm
+
+
+def sizes_to_run(sizes: tuple, scheduler: str, device: str) -> tuple:
+    """Every one of `sizes` (chunk sizes, or (chunk, block) pairs) on the CPU; on the CUDA emulator, whose
+    kernels run far slower, one per policy in turn, so that the policies together still cover every size."""
+    from minisarathi.config import SCHEDULERS
+
+    return sizes if device == "cpu" else (sizes[SCHEDULERS.index(scheduler) % len(sizes)],)

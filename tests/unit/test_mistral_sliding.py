@@ -16,7 +16,7 @@ from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
-from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
+from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error, sizes_to_run
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "mistral_sliding"
 
@@ -38,7 +38,7 @@ def golden():
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_greedy_tokens_equal_transformers_under_every_policy(model_dir, scheduler, device):
     prompt, expected = golden()
-    for chunk_size, block_size in ((1, 4), (5, 2), (64, 16)):
+    for chunk_size, block_size in sizes_to_run(((1, 4), (5, 2), (64, 16)), scheduler, device):
         options = dict(scheduler=scheduler, chunk_size=chunk_size, block_size=block_size, device=device)
         tokens, _ = greedy_in_shared_batches(model_dir, prompt, len(expected), **options)
         assert tokens == expected, (chunk_size, tokens)

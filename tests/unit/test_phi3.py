@@ -16,7 +16,7 @@ from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights, read_checkpoint
 from minisarathi.model.phi3 import checkpoint_tensors
 from minisarathi.paths import default_model_dir
-from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
+from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error, sizes_to_run
 
 NAME = "phi3_longrope_partial"
 GOLDEN = Path(__file__).parents[1] / "golden" / NAME
@@ -29,7 +29,7 @@ def test_greedy_tokens_equal_transformers_under_every_policy(scheduler, device, 
     model_dir = shutil.copytree(GOLDEN, tmp_path / NAME)
     shutil.copy(default_model_dir() / "tokenizer.json", model_dir)  # ids are only detokenized
     prompt, expected = golden["prompt"].tolist(), golden["greedy_tokens"].tolist()
-    for chunk_size in (1, 5, 64):
+    for chunk_size in sizes_to_run((1, 5, 64), scheduler, device):
         options = dict(scheduler=scheduler, chunk_size=chunk_size, block_size=4, device=device)
         tokens, _ = greedy_in_shared_batches(model_dir, prompt, len(expected), **options)
         assert tokens == expected, (chunk_size, tokens)

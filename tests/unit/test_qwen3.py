@@ -13,7 +13,7 @@ from minisarathi.config import SCHEDULERS, ModelConfig
 from minisarathi.model.llama import LlamaModel
 from minisarathi.model.loader import load_weights
 from minisarathi.paths import default_model_dir
-from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error
+from minisarathi.testing import greedy_in_shared_batches, prefill_then_greedy, relative_error, sizes_to_run
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 
@@ -27,7 +27,7 @@ def test_greedy_tokens_equal_transformers_under_every_policy(name, scheduler, de
     model_dir = shutil.copytree(GOLDEN / name, tmp_path / name)
     shutil.copy(default_model_dir() / "tokenizer.json", model_dir)
     prompt, expected = golden["prompt"].tolist(), golden["greedy_tokens"].tolist()
-    for chunk_size in (1, 5, 64):
+    for chunk_size in sizes_to_run((1, 5, 64), scheduler, device):
         options = dict(scheduler=scheduler, chunk_size=chunk_size, block_size=4, device=device)
         tokens, _ = greedy_in_shared_batches(model_dir, prompt, len(expected), **options)
         assert tokens == expected, (chunk_size, tokens)
