@@ -1,7 +1,8 @@
 """tbt_slo_ms mode's start-up profile: a handful of synthetic steps of chosen shapes, timed on the engine's
 own model, KV cache and sampler before any request arrives, so that the cost model has a fit from the first
-step (CostModel.add_profile); a profile cut short by its time limit may not determine the fit, and then the
-steps keep the fixed chunk_size budget until the engine's own steps do. It writes garbage K/V into the pool's
+step (CostModel.add_profile). The cheap shapes that determine the fit run first and whatever the time
+limit: on a slow model (quantized, 2 cores) the limit used to stop the profile before the fit was determined,
+and the steps ran the fixed chunk_size budget (multi-second prefills). It writes garbage K/V into the pool's
 blocks, which is harmless only while no sequence holds any: the engine runs it in its constructor.
 """
 
@@ -15,27 +16,30 @@ from minisarathi.batch import make_batch
 from minisarathi.engine.cost_model import StepShape
 from minisarathi.sampling_params import SamplingParams
 
-PROFILE_SECONDS = 3.0  # no shape starts that is expected to end past this (the costly ones come last)
+PROFILE_SECONDS = 3.0  # past the DETERMINING shapes, none starts that is expected to end past this
+DETERMINING = 6  # the plan's first shapes, which always run: more rows than the cost model's 5 coefficients
 MAX_PROFILE_TOKENS = 512  # the largest prefill chunk profiled: the fit extrapolates beyond it
 MAX_PROFILE_SEQS = 32  # the largest decode batch profiled
 PROFILE_PASSES = 2  # each shape timed twice: one sample of a step is noisy on a shared machine
 
 
 def profile_plan(token_budget: int, max_context: int, max_seqs: int) -> list[list[tuple[int, int]]]:
-    """Steps as lists of (start position, tokens) chunks, cheapest first. A chunk of one token is a decode
-    over start + 1 tokens; the others are prefills. The shapes vary every feature of the cost model
-    independently: one and many decodes over short and long histories, prefills of two sizes from position 0
-    and one late in a long context, and a hybrid step."""
+    """Steps as lists of (start position, tokens) chunks. A chunk of one token is a decode over start + 1
+    tokens; the others are prefills. The first DETERMINING shapes are cheap and vary every feature of the cost
+    model independently: one decode over a short and over a long history, many decodes, a small prefill from
+    position 0 and one late in a long context; then the costly ones: a hybrid step and full chunks."""
     tokens = max(2, min(token_budget, max_context, MAX_PROFILE_TOKENS))
     seqs = max(1, min(max_seqs, MAX_PROFILE_SEQS))
-    short, long = max(1, max_context // 8), max_context
+    short, long, small = max(1, max_context // 8), max_context, max(2, tokens // 8)
     return [
         [(short - 1, 1)],
-        [(0, max(2, tokens // 8))],
+        [(long - 1, 1)],
         [(short - 1, 1)] * seqs,
+        [(0, small)],
+        [(max(0, max_context - small), small)],
+        [(long - 1, 1)] * seqs,
         [(0, max(2, tokens // 2))] + [(max_context // 2 - 1, 1)] * max(1, seqs // 2),
         [(0, tokens)],
-        [(long - 1, 1)] * seqs,
         [(max(0, max_context - tokens), tokens)],
     ]
 
@@ -79,7 +83,7 @@ def run_profile(
         # a shape is expected to take what it took in the first pass, or, in the first pass, at least what the
         # previous (cheaper) one took: one long shape must not overrun the limit by seconds
         expected = seconds[i - len(plan)] if i >= len(plan) else (seconds[-1] if seconds else 0.0)
-        if time.perf_counter() - began + expected > PROFILE_SECONDS:
+        if i >= DETERMINING and time.perf_counter() - began + expected > PROFILE_SECONDS:
             break
         shape = StepShape()
         for start, n in step:
