@@ -30,8 +30,8 @@ from minisarathi.backends.cpu import native_sampling
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compact JSON: with flexible whitespace a small model can spend max_tokens on blanks between two commas.
 JSON_OPTIONS = {"whitespace_flexible": False}
-# A constraint's size, as JSON text. llguidance compiles ~1-3 KB/ms (a 90 KB enum of 5000 strings: 28 ms,
-# 2-core VM), on the door's event loop when the request is parsed, then again on the engine thread.
+# A constraint's size, as JSON text: it is compiled on the door's event loop, then again on the engine thread
+# (what that costs: docs/http.md).
 MAX_CONSTRAINT_CHARS = 64 << 10
 
 log = logging.getLogger(__name__)
