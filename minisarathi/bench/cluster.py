@@ -515,14 +515,16 @@ class ContinuousLoad:
                 self._record("http", f"{type(e).__name__}: {e}")
 
 
-GUESSER, KEY_HOLDER = "127.0.0.40", "127.0.0.41"  # two clients behind the balancer
+# Clients behind the balancer: a guesser per door (the doors share an address's backoff, so one guesser
+# would find the second door already slowed by the first), and a key holder.
+GUESSERS, KEY_HOLDER = {"msgpack": "127.0.0.40", "http": "127.0.0.42"}, "127.0.0.41"
 
 
 def brute_force_behind(kind: str, executable: str, work_dir: Path, proxy_protocol: bool, guesses: int = 12):
     """Two replicas with a key (and, with proxy_protocol, --proxy-protocol-from the balancer's 127.0.0.1)
-    behind round-robin balancers: per door, `guesses` wrong keys from GUESSER, each on a new connection, then
-    {"key_holder_s": a KEY_HOLDER's auth and 2-token generate (None: refused), "next_guess_s": GUESSER's next
-    wrong key}.
+    behind round-robin balancers: per door, `guesses` wrong keys from its GUESSERS address, each on a new
+    connection, then {"key_holder_s": a KEY_HOLDER's auth and 2-token generate (None: refused),
+    "next_guess_s": the guesser's next wrong key}.
     nginx: the msgpack door only (its http proxy sends no PROXY header)."""
     keys = work_dir / "keys.toml"
     secret = add_key(keys, "alice")
@@ -553,16 +555,16 @@ def brute_force_behind(kind: str, executable: str, work_dir: Path, proxy_protoco
 
 
 def _wrong_key_s(door: str, port: int) -> float:
-    """Seconds a wrong key from GUESSER takes to be refused, on a new connection."""
-    start = time.monotonic()
+    """Seconds a wrong key from the door's guesser takes to be refused, on a new connection."""
+    start, guesser = time.monotonic(), GUESSERS[door]
     if door == "msgpack":
-        with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(GUESSER, 0)) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(guesser, 0)) as sock:
             sock.sendall(msgpack.packb([0, 0, "auth", ["wrong"]]))
             answer = msgpack.unpackb(sock.recv(1 << 16))
         if answer[2]["code"] != UNAUTHORIZED:
             raise RuntimeError(f"a wrong key was answered {answer}")
     else:
-        _http_completion(port, GUESSER, "wrong", want=(401, 429))  # 429: its backoff queue was full
+        _http_completion(port, guesser, "wrong", want=(401, 429))  # 429: its backoff queue was full
     return time.monotonic() - start
 
 

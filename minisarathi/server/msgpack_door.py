@@ -63,7 +63,7 @@ _CLIENT_ID_PREFIX = "msgpack:"  # engine ids of requests whose client named them
 _UNAUTHENTICATED_READ_SIZE = 1 << 12
 _CLOSE_LINGER_S = 5.0
 _THROUGHPUT_WINDOW_S = 10.0
-_MAX_AUTH_FAILURES_PER_CONNECTION = 16
+_MAX_AUTH_FAILURES_PER_CONNECTION = 8
 # stats' steps_since summarizes at most this many steps: the summary holds the loop (and the GIL) while it
 # is made, like a short prompt's encode.
 STEP_SUMMARY_MAX_STEPS = 1024

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_nvrtc import ARCHITECTURES, nvrtc_options  # noqa: F401 (a fixture)
+from nvrtc_build import ARCHITECTURES, build
 from test_sass import _tool, local_memory_users, resources
 
 from minisarathi.backends import emulator
@@ -110,23 +110,12 @@ def test_decode_steps_refuse_query_runs(kernels):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("file", LEARN_FILES)
-def test_compiles_with_nvrtc_without_spills(nvrtc_options, file, arch):  # noqa: F811
-    nvrtc, options = nvrtc_options
-    program = nvrtc.createProgram((cuda_dir() / "learn" / file).read_text(), file, [], [])
-    try:
-        for name in name_expressions(file):
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, [*options, f"-arch={arch}", "-Xptxas=-v"])
-        except nvrtc.NVRTCError as exc:
-            pytest.fail(f"{file} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}")
-        log = nvrtc.getProgramLog(program)
-        assert "warning" not in log.lower(), log
-        used = resources(log)
-        assert {nvrtc.getLoweredName(program, name) for name in name_expressions(file)} <= set(used)
-        assert not local_memory_users(used), f"{file} ({arch}): {local_memory_users(used)}"
-    finally:
-        nvrtc.destroyProgram(program)
+def test_compiles_with_nvrtc_without_spills(file, arch):
+    built = build(cuda_dir() / "learn" / file, arch, tuple(name_expressions(file)))
+    assert "warning" not in built.log.lower(), built.log
+    used = resources(built.log)
+    assert set(built.lowered.values()) <= set(used)
+    assert not local_memory_users(used), f"{file} ({arch}): {local_memory_users(used)}"
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -166,9 +166,9 @@ def test_the_backoff_counts_the_client_behind_the_proxy(server):
         ("198.51.100.66", "198.51.100.66", "198.51.100.67"),
         ("2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:2::1"),
     ):
-        for _ in range(8):
+        for _ in range(5):
             guess_s(server, v2(hostile))
-        assert guess_s(server, v1(neighbour)) > 0.5  # 0.05 s doubling: the 9th waits 5 s at most
+        assert guess_s(server, v1(neighbour)) > 0.5  # 0.05 s doubling: the 6th waits 0.8 s
         assert guess_s(server, v1(other)) < 0.3
         start = time.monotonic()
         generate_msgpack(server, v1(other), f"Zoo backoff {other}")

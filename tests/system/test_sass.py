@@ -1,10 +1,10 @@
-"""Structure of the compiled kernels, checked without a GPU: nvcc -cubin for sm_80 and sm_90, ptxas -v for
-registers, stack frames and spills (none in any kernel of any file), cuobjdump -sass for the machine code.
+"""Structure of the compiled kernels, checked without a GPU: NVRTC's cubins for sm_80 and sm_90 (the code
+the CUDA backend loads, compiled once per file and architecture by nvrtc_build), ptxas -v for registers,
+stack frames and spills (none in any kernel of any file), cuobjdump -sass for the machine code.
 
-Skips with a reason without nvcc (a CUDA toolkit) or cuobjdump + nvdisasm (pip: nvidia-cuda-cuobjdump,
+Skips with a reason without NVRTC (see nvrtc_build) or cuobjdump + nvdisasm (pip: nvidia-cuda-cuobjdump,
 nvidia-cuda-nvdisasm, found through cuda.pathfinder; the `test` extra installs them).
-`compile_file` and `functions` are the helpers: one compile per file and architecture, every name
-expression instantiated, SASS split per kernel (mangled name).
+`compile_file` and `functions` are the helpers: SASS split per kernel (mangled name).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from nvrtc_build import ARCHITECTURES, build_kernel_file
 
 from minisarathi.backends import cuda_ops, decode_plan
-from minisarathi.paths import cuda_dir
 
-ARCHITECTURES = ["sm_80", "sm_90"]
 MANGLED_TYPES = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}
 
 
@@ -41,46 +40,18 @@ def _tool(name: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def compile_file(file: str, arch: str) -> tuple[str, str]:
-    """(SASS text, ptxas -v log) of cuda/<file> with every name expression instantiated."""
-    nvcc = _tool("nvcc") or (
-        Path("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None
-    )
+    """(SASS text, ptxas -v log) of cuda/<file> as NVRTC builds it for the CUDA backend."""
     cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
-    if nvcc is None:
-        pytest.skip("nvcc not found (no CUDA toolkit): SASS checks need it")
     if cuobjdump is None or nvdisasm is None:
         pytest.skip("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    built = build_kernel_file(file, arch)
     with tempfile.TemporaryDirectory() as tmp:
-        wrapper = Path(tmp) / "all.cu"
-        # Taking each kernel's address instantiates the templates, as NVRTC's name expressions do.
-        wrapper.write_text(
-            f'#include "{cuda_dir() / file}"\n'
-            + "".join(
-                f"void* kernel_{i} = (void*)&{n};\n" for i, n in enumerate(cuda_ops.name_expressions(file))
-            )
-        )
         cubin = Path(tmp) / "out.cubin"
-        built = subprocess.run(
-            [
-                str(nvcc),
-                "--cubin",
-                f"-arch={arch}",
-                "-std=c++17",
-                f"-I{cuda_dir()}",
-                "-Xptxas",
-                "-v,-warn-spills",
-                "-o",
-                str(cubin),
-                str(wrapper),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        assert built.returncode == 0, built.stderr
+        cubin.write_bytes(built.cubin)
         env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
         assert sass.returncode == 0, sass.stderr
-    return sass.stdout, built.stderr
+    return sass.stdout, built.log
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
