@@ -125,7 +125,7 @@ class CostModel:
         i = self._num_rows % len(self._times)
         self._rows[i] = _features(shape)
         # the rest of the step stands for its forward, behind which an overlapped mask hides
-        self._times[i] = seconds - self._added_mask_time(mask_seconds, seconds - mask_seconds)
+        self._times[i] = seconds - self.added_mask_time(mask_seconds, seconds - mask_seconds)
         self._num_rows += 1
         self._since_fit += 1
         if predicted is not None and seconds > 0:
@@ -184,9 +184,9 @@ class CostModel:
             + c[3] * shape.prefill_attention
             + c[4] * shape.decode_attention
         )
-        return forward + self._added_mask_time(self.mask_per_row * shape.constrained, forward)
+        return forward + self.added_mask_time(self.mask_per_row * shape.constrained, forward)
 
-    def _added_mask_time(self, mask_seconds: float, forward_seconds: float) -> float:
+    def added_mask_time(self, mask_seconds: float, forward_seconds: float) -> float:
         """What masks of mask_seconds add to a step whose forward takes forward_seconds."""
         return max(0.0, mask_seconds - forward_seconds) if self.overlapped else mask_seconds
 

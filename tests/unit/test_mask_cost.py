@@ -80,7 +80,7 @@ def test_under_overlap_the_masks_hide_behind_a_longer_forward():
 
 def test_negative_control_a_cost_model_that_ignores_the_masks_keeps_the_budget(monkeypatch):
     """The check above must fail where the masks are not priced."""
-    monkeypatch.setattr(CostModel, "_added_mask_time", lambda self, mask, forward: 0.0)
+    monkeypatch.setattr(CostModel, "added_mask_time", lambda self, mask, forward: 0.0)
     grants = [prefill_grant(known_model(1e-3, overlapped=False), k) for k in ROWS]
     assert not shrinks(grants) and len(set(grants)) == 1
 
