@@ -62,7 +62,7 @@ def chunk_attention(start: int, n: int) -> int:
 def step_shape(scheduled) -> StepShape:
     """The shape of a step from the scheduler's {sequence: tokens} before the step computes them. It runs
     every step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence).
-    A constrained row is a sequence with a matcher that samples: a decode, or the chunk that ends it."""
+    A constrained row samples under a matcher: a decode, or the chunk that ends its prompt."""
     prefill_tokens = decodes = prefill_attention = decode_history = constrained = 0
     for seq, n in scheduled.items():
         start = seq.num_computed_tokens
@@ -73,7 +73,8 @@ def step_shape(scheduled) -> StepShape:
         else:
             prefill_tokens += n
             prefill_attention += n * start + n * (n + 1) // 2
-            constrained += seq.matcher is not None and start + n == seq.num_tokens
+            if seq.matcher is not None and start + n == seq.num_tokens:  # n > 1 forks here: n rows
+                constrained += seq.params.n if seq.choices is None else 1
     return StepShape(prefill_tokens, decodes, prefill_attention, decode_history + decodes, constrained)
 
 

@@ -10,7 +10,7 @@ from minisarathi.config import EngineConfig
 from minisarathi.engine import engine as engine_module
 from minisarathi.engine import profile as profile_module
 from minisarathi.engine.block_manager import BlockManager
-from minisarathi.engine.cost_model import CostModel, StepShape
+from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.engine import LLMEngine
 from minisarathi.engine.sequence import Sequence
 from minisarathi.engine.slo_scheduler import make_scheduler
@@ -66,6 +66,23 @@ def test_the_prefill_budget_shrinks_as_constrained_rows_grow_on_the_cpu():
     assert shrinks(grants), grants
     # a constrained row's 1 ms is about a prompt token's (1 ms and its attention): 8 rows take 6-8 tokens off
     assert 6 <= grants[0] - grants[-1] <= 8
+
+
+def test_the_step_shape_counts_the_rows_that_sample_under_a_grammar():
+    """A constrained decode is one row; a constrained prompt's last chunk one per choice (n > 1 forks then),
+    its earlier chunks none; unconstrained rows none."""
+
+    def seq(i, n=1, matcher=MATCHER, computed=0, prompt=8):
+        params = SamplingParams(n=n, max_tokens=4)
+        s = Sequence(f"s{i}", None, [1] * prompt, params, RequestMetrics(0.0), prompt + 3, matcher=matcher)
+        s.num_computed_tokens, s.num_prefill_tokens = computed, prompt
+        return s
+
+    decode, free_decode = seq(0, computed=8), seq(1, matcher=None, computed=8)
+    for s in (decode, free_decode):
+        s.output_token_ids.append(5)
+    ending, cut = seq(2, n=3, computed=4), seq(3, n=3)
+    assert step_shape({decode: 1, free_decode: 1, ending: 4, cut: 4}).constrained == 1 + 3
 
 
 def test_under_overlap_the_masks_hide_behind_a_longer_forward():
