@@ -6,7 +6,12 @@ bundled stories260K by default, 512 tokens; llama.cpp's ggml-vocab-llama-bpe.ggu
 Each row walks its JSON schema with a random allowed token a step (a fresh matcher once one completes), so
 the masks are those of real positions in the output: inside strings, between keys, in numbers.
 
-    python -m bench.structured [--tokenizer PATH] [--rows 1 8 32] [--steps 100]
+What the masks add to a step, as the SLO cost model prices it (engine/cost_model.py): on the CPU the whole
+total; on the CUDA backend under overlap the bitmask is computed on the host while the device runs the
+forward (the kernel applies it there), so only max(0, bitmask - forward) shows, for each modeled forward
+time given with --forward-ms (the emulator runs kernels on the host, so the real overlap is not timed here).
+
+    python -m bench.structured [--tokenizer PATH] [--rows 1 8 32] [--steps 100] [--forward-ms 0.5 3.7]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import numpy as np
 
 from minisarathi import structured
+from minisarathi.engine.cost_model import CostModel
 from minisarathi.paths import default_model_dir
 from minisarathi.sampling_params import SamplingParams
 from minisarathi.tokenizer import Tokenizer
@@ -77,16 +83,22 @@ def main(argv=None) -> None:
     parser.add_argument("--tokenizer", default=str(default_model_dir()), help="model folder or GGUF file")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--forward-ms", type=float, nargs="*", default=[0.5, 3.7], help="modeled GPU forwards (ms)"
+    )
     args = parser.parse_args(argv)
+    overlapped = CostModel(overlapped=True)
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     vocab = tokenizer.vocab_size
     rng = np.random.default_rng(0)
     print(f"vocabulary {vocab} tokens; median per step over {args.steps} steps")
-    print(f"{'rows':>5} {'bitmask us':>11} {'apply us':>9} {'total us':>9} {'us per row':>11}")
+    shown = [f"{f'adds us @{f:g} ms':>16}" for f in args.forward_ms]
+    print(f"{'rows':>5} {'bitmask us':>11} {'apply us':>9} {'total us':>9} {'us per row':>11}", *shown)
     for rows in args.rows:
         mask_s, apply_s = run(tokenizer, vocab, rows, args.steps, rng)
         total = (mask_s + apply_s) * 1e6
-        print(f"{rows:5} {mask_s * 1e6:11.0f} {apply_s * 1e6:9.0f} {total:9.0f} {total / rows:11.1f}")
+        adds = [f"{overlapped.added_mask_time(mask_s, f / 1e3) * 1e6:16.0f}" for f in args.forward_ms]
+        print(f"{rows:5} {mask_s * 1e6:11.0f} {apply_s * 1e6:9.0f} {total:9.0f} {total / rows:11.1f}", *adds)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ history, the linear layers with the token count. The coefficients are a least-sq
 non-negative (so that more work never predicts less time, which the budget search relies on), over a
 sliding window of recent steps plus the start-up profile's steps, which keep the directions the recent
 load does not exercise (e.g. prefill cost during a decode-only stretch) anchored.
+
+Structured outputs add the masks of the step's constrained rows (minisarathi/structured.py), measured per row
+and added where they lengthen the step: all of it on the CPU, where the engine thread computes them between
+the forward and the sampling; under overlap (engine/overlap.py) the host computes them while the device runs
+the forward, so only max(0, masks - forward) is added. The fit is of the steps less that share.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ OUTLIER_PASSES = 3  # fits at most per refit
 EARLY_REFIT_SECONDS = 0.01  # a step at least this long ...
 EARLY_REFIT_ERROR = 0.2  # ... that missed its prediction by this share of its time is refitted at once,
 EARLY_REFIT_GAP = 4  # ... if at least this many steps came since the last fit (noisy steps miss often)
+MASK_WEIGHT = 1 / 16  # of a step's mask time per row in the running average: a stalled step moves it little
 # predicted / actual ratios: upper bucket edges of the prediction-error histogram
 ERROR_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, float("inf"))
 
@@ -36,6 +42,7 @@ class StepShape:
     decode_seqs: int = 0
     prefill_attention: int = 0  # sum over prefill tokens of their context length (position + 1)
     decode_attention: int = 0  # sum over decodes of their context length
+    constrained: int = 0  # rows that sample under a grammar: each computes and applies a mask
 
     def add_prefill(self, start: int, n: int) -> None:
         """n prompt tokens at positions start .. start + n - 1."""
@@ -54,25 +61,39 @@ def chunk_attention(start: int, n: int) -> int:
 
 def step_shape(scheduled) -> StepShape:
     """The shape of a step from the scheduler's {sequence: tokens} before the step computes them. It runs
-    every step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence)."""
-    prefill_tokens = decodes = prefill_attention = decode_history = 0
+    every step over every scheduled sequence: local sums, not StepShape's methods (~0.1 us per sequence).
+    A constrained row samples under a matcher: a decode, or the chunk that ends its prompt."""
+    prefill_tokens = decodes = prefill_attention = decode_history = constrained = 0
     for seq, n in scheduled.items():
         start = seq.num_computed_tokens
         if start >= seq.num_prefill_tokens:  # a decode: its one token sees the history and itself
             decodes += 1
             decode_history += start
+            constrained += seq.matcher is not None
         else:
             prefill_tokens += n
             prefill_attention += n * start + n * (n + 1) // 2
-    return StepShape(prefill_tokens, decodes, prefill_attention, decode_history + decodes)
+            if seq.matcher is not None and start + n == seq.num_tokens:  # n > 1 forks here: n rows
+                constrained += seq.params.n if seq.choices is None else 1
+    return StepShape(prefill_tokens, decodes, prefill_attention, decode_history + decodes, constrained)
 
 
 class CostModel:
-    def __init__(self, window: int = WINDOW, refit_every: int = REFIT_EVERY, online: bool = True):
+    def __init__(
+        self,
+        window: int = WINDOW,
+        refit_every: int = REFIT_EVERY,
+        online: bool = True,
+        overlapped: bool = False,
+    ):
         """online: refit while steps are added (tbt_slo_ms mode sizes the steps with it); False: only collect
-        them and fit when summary() is read, which keeps the fits off the step loop."""
+        them and fit when summary() is read, which keeps the fits off the step loop. overlapped: the engine
+        overlaps the host with the device, so the masks are hidden behind the forward up to its time."""
         self.refit_every = refit_every
         self.online = online
+        self.overlapped = overlapped
+        self.mask_per_row = 0.0  # seconds: the measured mask time of a constrained row, a running average
+        self._mask_steps = 0  # steps with a constrained row so far
         self._rows = np.zeros((window, len(FEATURES)))  # float64[window, features], a ring
         self._times = np.zeros(window)  # float64[window] seconds
         self._num_rows = 0  # rows written since the start
@@ -93,12 +114,19 @@ class CostModel:
         self._anchor_times = np.concatenate([self._anchor_times, seconds])
         self.fit()
 
-    def add(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
-        """One measured step (and what was predicted for it, for the error histogram); refits every few
-        steps."""
+    def add(
+        self, shape: StepShape, seconds: float, predicted: float | None = None, mask_seconds: float = 0.0
+    ) -> None:
+        """One measured step (and what was predicted for it, for the error histogram; what its masks took);
+        refits every few steps."""
+        if shape.constrained:
+            per_row = mask_seconds / shape.constrained
+            self._mask_steps += 1  # the mean of the first steps, then a running average
+            self.mask_per_row += max(MASK_WEIGHT, 1 / self._mask_steps) * (per_row - self.mask_per_row)
         i = self._num_rows % len(self._times)
         self._rows[i] = _features(shape)
-        self._times[i] = seconds
+        # the rest of the step stands for its forward, behind which an overlapped mask hides
+        self._times[i] = seconds - self.added_mask_time(mask_seconds, seconds - mask_seconds)
         self._num_rows += 1
         self._since_fit += 1
         if predicted is not None and seconds > 0:
@@ -150,13 +178,18 @@ class CostModel:
         if self.coefficients is None:
             return None
         c = self.coefficients
-        return float(
+        forward = float(
             c[0]
             + c[1] * shape.prefill_tokens
             + c[2] * shape.decode_seqs
             + c[3] * shape.prefill_attention
             + c[4] * shape.decode_attention
         )
+        return forward + self.added_mask_time(self.mask_per_row * shape.constrained, forward)
+
+    def added_mask_time(self, mask_seconds: float, forward_seconds: float) -> float:
+        """What masks of mask_seconds add to a step whose forward takes forward_seconds."""
+        return max(0.0, mask_seconds - forward_seconds) if self.overlapped else mask_seconds
 
     def prefill_time(self, start: int, n: int) -> float:
         """Predicted time n prompt tokens at positions start.. add to a step."""
@@ -181,12 +214,14 @@ class CostModel:
         return n
 
     def summary(self) -> dict:
-        """Coefficients by feature name (None before the first fit), fits so far, and the error histogram."""
+        """Coefficients by feature name (None before the first fit), the mask time per constrained row, fits
+        so far, and the error histogram."""
         if not self.online and self._since_fit:
             self.fit()
         coefficients = None if self.coefficients is None else dict(zip(FEATURES, self.coefficients.tolist()))
         return {
             "coefficients": coefficients,
+            "mask_seconds_per_row": self.mask_per_row,
             "fits": self.num_fits,
             "error_histogram": {
                 f"<={edge:g}": count for edge, count in zip(ERROR_BUCKETS, self.error_counts)

@@ -134,7 +134,7 @@ class LLMEngine:
         blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
         self.block_manager = BlockManager(*blocks)
         # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
-        self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
+        self.cost_model = CostModel(online=config.tbt_slo_ms is not None, overlapped=self.overlap)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
@@ -399,7 +399,7 @@ class LLMEngine:
     def _record(self, step: Step, start: float, ids_wait: float) -> None:
         """The call's StepRecord, and its time for the cost model and the scheduler."""
         step_time = time.monotonic() - start
-        self.cost_model.add(step.shape, step_time, step.predicted)
+        self.cost_model.add(step.shape, step_time, step.predicted, step.mask_time)
         schedule = step.schedule
         self.scheduler.observe(step.predicted, step_time)
         self.step_records.append(

@@ -3,6 +3,9 @@
 A step() call launches step N+1 and returns step N's outputs: it schedules N+1 and issues its forward (whose
 decode inputs are step N's ids, read on the device), then waits for step N's ids and updates N's sequences
 while the device runs N+1, and then issues N+1's sampling, without the rows of sequences that N finished.
+Structured outputs' masks for N+1 are computed there, before its sampling: after N's tokens reached the
+matchers, while the device still runs N+1's forward (so the cost model adds only what that forward does not
+hide).
 
 Meanwhile a sequence may change under its token in flight: aborted (the token is dropped), preempted or
 paused (it still takes the token and, if that finishes it, leaves its queue), or finished by step N (its
