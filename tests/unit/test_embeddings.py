@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from minisarathi.config import SCHEDULERS
 from minisarathi.engine.engine import LLMEngine
@@ -102,6 +103,16 @@ def test_abort_mid_prefill_frees_its_blocks(model_dir):
     (out,) = engine.step()
     assert out.finished and out.embedding is None and out.outputs[0].finish_reason == "abort"
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_base_model_checkpoint_embeds_alike(model_dir, tmp_path):
+    """Qwen3-Embedding's layout: the base model's tensors, without "model." (and no lm_head, tied)."""
+    base = shutil.copytree(model_dir, tmp_path / "base")
+    tensors = safetensors.numpy.load_file(base / "model.safetensors")
+    stripped = {n.removeprefix("model."): t for n, t in tensors.items() if n != "lm_head.weight"}
+    assert "embed_tokens.weight" in stripped
+    safetensors.numpy.save_file(stripped, base / "model.safetensors", metadata={"format": "pt"})
+    assert min(cosines(LLM(base, chunk_size=8, block_size=4).embed(PROMPTS))) >= MIN_COSINE
 
 
 def test_bad_embedding_requests_are_refused(model_dir):
