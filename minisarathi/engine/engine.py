@@ -23,6 +23,7 @@ from minisarathi.engine.scheduler import SchedulerOutput
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.slo_scheduler import make_scheduler
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
+from minisarathi.model import pooling
 from minisarathi.model.families import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minisarathi.parallel.group import TensorParallelError, TensorParallelModel
@@ -74,6 +75,7 @@ class Step:
     issue_time: float  # issuing the forward, then the sampling
     sampled: PendingSample | None = None
     mask_time: float = 0.0  # structured outputs: the constrained rows' masks, computed and applied (in issue)
+    pooled: tuple = ()  # embedding requests whose prompt ended here, and their rows (model/pooling.py)
 
     @property
     def scheduled(self) -> dict[Sequence, int]:
@@ -212,9 +214,9 @@ class LLMEngine:
         check_int("priority", priority, *PRIORITY_RANGE)
         if arrival_time is not None:
             check_float("arrival_time", arrival_time)
-        params = SamplingParams() if params is None else params
+        pooling_params, params = pooling.prefill_only(self, SamplingParams() if params is None else params)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         # type(t) is int first: the ABC check alone costs ~1 us a token (7% of a burst's time at stories260K)
@@ -256,15 +258,19 @@ class LLMEngine:
             RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             max_kv_tokens=final_len - 1,
             generator=None if params.seed is None else make_generator(params.seed),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens
-            )
-            if params.detokenize
-            else None,
+            detokenizer=self._detokenizer(ids, params),
             logprobs=None if params.logprobs is None else [],
             stream=stream,
             priority=priority,
             matcher=structured.matcher(params, self.tokenizer, vocab),
+            pooling=pooling_params,
+        )
+
+    def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:  # token ids only
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.skip_special_tokens, params.min_tokens
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -343,6 +349,7 @@ class LLMEngine:
         batch, samplers, num_prefill = self._make_batch(schedule.scheduled, starts)
         scheduled = time.monotonic()
         logits = self._forward(batch)
+        logits, samplers, pooled = pooling.take_rows(self.model, logits, samplers, num_prefill)
         return Step(
             schedule,
             starts,
@@ -355,6 +362,7 @@ class LLMEngine:
             batch.num_tokens - num_prefill,
             schedule_time=scheduled - start,
             issue_time=time.monotonic() - scheduled,
+            pooled=pooled,
         )
 
     def _forward(self, batch: Batch):
@@ -499,15 +507,7 @@ class LLMEngine:
             parent,
             metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, chunk_times=list(m.chunk_times)),
             generator=None if params.seed is None else make_generator((params.seed + index) % 2**64),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
-                parent.prompt_token_ids,
-                params.stop,
-                params.skip_special_tokens,
-                params.min_tokens,
-            )
-            if params.detokenize
-            else None,
+            detokenizer=self._detokenizer(parent.prompt_token_ids, params),
             seq_id=next(self._arrivals),
             matcher=parent.matcher and parent.matcher.deep_copy(),  # (the parent's has consumed nothing)
             output_token_ids=[],
@@ -522,7 +522,7 @@ class LLMEngine:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
         for (seq, n), begin in zip(step.scheduled.items(), step.starts):
             self.block_manager.register_computed(seq, begin + n)
-        outputs, finished, groups = [], [], {}
+        outputs, finished, groups = pooling.finish(self, step.pooled, now), [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
             done = self._append_token(seq, token, sampled, row, now)
             if done:
@@ -625,8 +625,7 @@ class LLMEngine:
             seq.num_cached_tokens,
         )
 
-    # introspection
-    # -------------------------------------------------------------------------------------------
+    # introspection -----------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         blocks = self.block_manager

@@ -28,6 +28,7 @@ class Sequence:
     generator: Any = None  # numpy Generator of a seeded request; None: the engine's shared one
     detokenizer: Any = None  # IncrementalDetokenizer; None when params.detokenize is False
     matcher: Any = None  # structured outputs: its grammar's llguidance LLMatcher (minisarathi/structured.py)
+    pooling: Any = None  # an embedding request's PoolingParams: prefill only, no sampling (model/pooling.py)
     stream: bool = True  # False: outputs only when it finishes
     seq_id: int = -1  # arrival order, given when queued; "newest" = largest
     priority: int = 0  # lower runs first (docs/scheduling.md, "Priorities")

@@ -94,6 +94,7 @@ class CapturedBucket:
     metadata: Any  # the static int32 device buffer the graph's kernels read (CudaOps.upload_batch)
     graph: Any  # launch() replays the bucket's run
     logits: Any  # [bucket, vocab] on the device: the graph writes them here at every replay
+    final_hidden: Any  # [bucket, H]: the rows after the final norm (model.final_hidden), written alike
 
 
 class DecodeGraphs:
@@ -144,7 +145,7 @@ class DecodeGraphs:
                 ops.launcher.free_graph_memory()
                 self.kv_cache = None
                 return
-            self.buckets[size] = CapturedBucket(metadata, graph, logits)
+            self.buckets[size] = CapturedBucket(metadata, graph, logits, self.model.final_hidden)
 
     def takes(self, batch: Batch) -> bool:
         """Decode-only (one token per sequence, every row sampled) and no larger than the largest bucket."""
@@ -168,5 +169,5 @@ class DecodeGraphs:
                 raise ValueError("kv_cache: the decode graphs were captured over another KV cache")
             ops.upload_batch(padded, into=bucket.metadata)
             bucket.graph.launch()
-            logits = bucket.logits
+            logits, self.model.final_hidden = bucket.logits, bucket.final_hidden
         return logits[: batch.num_seqs]

@@ -105,6 +105,7 @@ class Gemma3Model(LlamaModel):
         if len(rows) < T:  # only the sampled rows (see LlamaModel.run)
             hidden, residual = hidden[rows], residual[rows]
         x, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
+        self.final_hidden = x  # [N, H]: what embedding requests pool (model/pooling.py)
         logits = ops.linear(x, self.lm_head)  # [N, vocab]
         cap = c.final_logit_softcapping
         return logits if cap is None else ops.softcap(logits, cap)

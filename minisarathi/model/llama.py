@@ -174,4 +174,5 @@ class LlamaModel:
         if len(rows) < T:
             hidden, residual = hidden[rows], residual[rows]
         x, _ = ops.add_rms_norm(hidden, residual, self.norm, c.rms_norm_eps)
+        self.final_hidden = x  # [N, H]: what embedding requests pool (model/pooling.py)
         return ops.linear(x, self.lm_head)  # [N, vocab]

@@ -21,7 +21,10 @@ from minisarathi.config import ModelConfig, language_model
 
 def checkpoint_tensors(tensors: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     """A checkpoint's tensors under the Llama names the loader reads: a multimodal model's language model,
-    Phi-3's fused qkv_proj and gate_up_proj as row views q_proj/k_proj/v_proj and gate_proj/up_proj."""
+    Phi-3's fused qkv_proj and gate_up_proj as row views q_proj/k_proj/v_proj and gate_proj/up_proj, a base
+    model's (Qwen3-Embedding's checkpoints are Qwen3Model's, named without "model.") under "model."."""
+    if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
+        tensors = {f"model.{name}": tensor for name, tensor in tensors.items()}
     if config.multimodal:
         return language_model(tensors)
     if config.architecture != "Phi3ForCausalLM":

@@ -3,8 +3,8 @@ key and metrics as the msgpack door, all the Hub's (aiohttp because it is asynci
 hub's loop, with no second thread or event loop, and it streams responses with backpressure).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's: anthropic_api),
-GET /v1/models (the key is required on /v1/ when one is configured), GET /health, GET /ready, GET /metrics
-(open, as probes and scrapers expect).
+POST /v1/embeddings (server/embeddings.py), GET /v1/models (the key is required on /v1/ when one is
+configured), GET /health, GET /ready, GET /metrics (open, as probes and scrapers expect).
 A request's choices are engine requests whose outputs the hub hands to this door on the loop; a
 client that goes away (aiohttp cancels its handler) has them aborted, which frees their KV blocks.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from minisarathi.outputs import RequestOutput
-from minisarathi.server import anthropic_api
+from minisarathi.server import anthropic_api, embeddings
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.chat_template import ChatTemplate, ChatTemplateError, TemplateWorker
 from minisarathi.server.gate import Arrival, RateLimitedLog, bind, client_address
@@ -318,6 +318,7 @@ class HttpDoor:
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/messages", self._messages),
+                web.post("/v1/embeddings", self._embeddings),
                 web.get("/v1/models", self._models),
                 web.get("/v1/models/{model}", self._model),
             ]
@@ -472,7 +473,7 @@ class HttpDoor:
         given = request.headers.get(REQUEST_ID_HEADER)
         if given is not None and not valid_request_id(given):
             raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be {REQUEST_ID_RULE}", param=REQUEST_ID_HEADER)
-        prefix = {"chat": "chatcmpl-", "messages": "msg_"}.get(kind, "cmpl-")
+        prefix = {"chat": "chatcmpl-", "messages": "msg_", "embedding": "embd-"}.get(kind, "cmpl-")
         request["request_id"] = given or f"{prefix}{uuid.uuid4().hex}"
         return request["request_id"]
 
@@ -530,6 +531,21 @@ class HttpDoor:
     async def _messages(self, request):
         """Anthropic's Messages API: the chat path, with its body and answers in Anthropic's shapes."""
         return await self._chat(request, "messages")
+
+    async def _embeddings(self, request):
+        """OpenAI's embeddings: each input one prefill-only engine request (server/embeddings.py)."""
+        request_id = self._request_id(request, "embedding")
+        received = time.monotonic()
+        hidden = self.hub.engine.model_config.hidden_size
+        parsed = embeddings.parse_openai(await self._json(request), self.model_name, self.limits, hidden)
+        client = self._client_ip(request)
+        try:
+            body = await embeddings.http_embeddings(
+                self.hub, parsed, request_id, client, request.get("key"), received
+            )
+        except RPCError as e:
+            raise _from_rpc(e, self.hub.accepting) from None
+        return web.json_response(body, headers={REQUEST_ID_HEADER: request_id})
 
     async def _chat(self, request, kind: str = "chat"):
         request_id = self._request_id(request, kind)

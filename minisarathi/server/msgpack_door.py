@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from minisarathi.engine.step_log import step_time_summary
+from minisarathi.server import embeddings
 from minisarathi.server.auth import Key, Quota
 from minisarathi.server.client_options import ConnectionOptions, parse_options
 from minisarathi.server.gate import Arrival, bind, bind_unix, client_address
@@ -732,6 +733,7 @@ class MsgpackDoor:
     _handlers = {
         "options": _options,
         "generate": _generate,
+        "embed": embeddings.msgpack_embed,  # answered by its coroutine (server/embeddings.py)
         "abort": _abort,
         "tokenize": _tokenize,
         "detokenize": _detokenize,
