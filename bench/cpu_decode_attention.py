@@ -1,7 +1,7 @@
 """The CPU backend's decode attention alone, per step over a model's layers: NumPy's path (with its kept
 decode K/V) against the native kernel, in turns, on the same caches.
 
-    python -m bench.cpu_decode_attention                       # TinyLlama's shape: 22 layers, 32/4 heads, D 64
+    python -m bench.cpu_decode_attention          # TinyLlama's shape: 22 layers, 32/4 heads, D 64
     python -m bench.cpu_decode_attention --batches 1,16 --contexts 128,512,1024 --head-dim 128 --kv-heads 8
 
 Each step writes one new key per decode (CpuOps.store_kv, as the model does) and advances every context by
@@ -35,8 +35,12 @@ def run_steps(ops, caches, tables, contexts, q, block_size, steps, clock) -> flo
     for step in range(steps):
         chunks = [ScheduledChunk([0], c + step, t, True) for c, t in zip(contexts, tables)]
         batch = build_batch(chunks, block_size)
-        slots = np.array([t[(c + step) // block_size] * block_size + (c + step) % block_size
-                          for c, t in zip(contexts, tables)])
+        slots = np.array(
+            [
+                t[(c + step) // block_size] * block_size + (c + step) % block_size
+                for c, t in zip(contexts, tables)
+            ]
+        )
         start = clock()
         for k_cache, v_cache in caches:
             ops.store_kv(kv, kv, k_cache, v_cache, slots)
@@ -80,25 +84,45 @@ def main():
                 native_attention.runs = (lambda: True) if path == "native" else (lambda: False)
                 try:
                     ops = CpuOps()
-                    caches = [(ops.zeros((num_blocks, Hk, bs, D)), ops.zeros((num_blocks, Hk, bs, D)))
-                              for _ in range(args.layers)]
+                    caches = [
+                        (ops.zeros((num_blocks, Hk, bs, D)), ops.zeros((num_blocks, Hk, bs, D)))
+                        for _ in range(args.layers)
+                    ]
                     for k_cache, v_cache in caches:
                         k_cache[...] = rng.standard_normal(k_cache.shape, np.float32)
                         v_cache[...] = rng.standard_normal(v_cache.shape, np.float32)
                     run_steps(ops, caches, tables, contexts, q, bs, 1, clock)  # warm-up: keeps NumPy's copy
                     best = min(
-                        run_steps(ops, caches, tables, [c + 1 + r * args.steps for c in contexts], q, bs,
-                                  args.steps, clock)
+                        run_steps(
+                            ops,
+                            caches,
+                            tables,
+                            [c + 1 + r * args.steps for c in contexts],
+                            q,
+                            bs,
+                            args.steps,
+                            clock,
+                        )
                         for r in range(args.repeats)
                     )
                     times[path] = 1e3 * best / args.steps
                 finally:
                     native_attention.runs = runs
                 del caches, ops
-            row = {"batch": S, "context": context, "layers": args.layers, "Hq": Hq, "Hk": Hk, "D": D,
-                   "block_size": bs, "numpy_ms": round(times["numpy"], 3), "native_ms": round(times["native"], 3),
-                   "numpy/native": round(times["numpy"] / times["native"], 2), "isa": kernel.isa,
-                   "machine": platform.machine()}
+            row = {
+                "batch": S,
+                "context": context,
+                "layers": args.layers,
+                "Hq": Hq,
+                "Hk": Hk,
+                "D": D,
+                "block_size": bs,
+                "numpy_ms": round(times["numpy"], 3),
+                "native_ms": round(times["native"], 3),
+                "numpy/native": round(times["numpy"] / times["native"], 2),
+                "isa": kernel.isa,
+                "machine": platform.machine(),
+            }
             print(json.dumps(row), flush=True)
 
 

@@ -106,8 +106,8 @@ class CpuAttention:
     ) -> None:
         """Writes the decodes' rows of out (float32[T, Hq, D], C order) from q (float32[T, Hq, D]).
         cache_addresses: the data of the caches (C order, of the shape `decodes` was made for). window: a
-        sliding window, each decode attending to its last `window` keys only. threads: None, kernel_threads() (the
-        result is the same for any count)."""
+        sliding window, each decode attending to its last `window` keys only. threads: None, kernel_threads()
+        (the result is the same for any count)."""
         if q.dtype != np.float32 or out.dtype != np.float32:
             raise TypeError(f"decode attention: q and out must be float32, got {q.dtype} and {out.dtype}")
         if q.shape[1:] != decodes.query_shape:
