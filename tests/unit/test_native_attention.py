@@ -172,7 +172,7 @@ def test_matches_float64(path, runs, Hq, Hk, D, block_size):
     check_close(out, reference(q, k_cache, v_cache, batch, D**-0.5))
 
 
-@pytest.mark.parametrize("Hq, Hk, D", [(32, 4, 64), (12, 2, 40)])
+@pytest.mark.parametrize("Hq, Hk, D", [(32, 4, 64), (16, 2, 40)])  # work past MIN_PARALLEL_WORK
 def test_the_same_bits_on_any_thread_count_and_a_dropped_key_shows(path, Hq, Hk, D):
     """Threads take (decode, KV head) items: the output is the same bits on 1, 2 and 3 threads, every row
     written (out starts as NaN), and within float32 roundings of float64. Negative control: the reference

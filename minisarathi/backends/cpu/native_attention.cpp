@@ -470,9 +470,10 @@ struct DecodeBatch {
 
 namespace {
 
-// Below this many multiply-adds in a call (about 0.1 ms of one core) the decodes run on the calling thread:
-// an OpenMP region waits for every thread of its team to be on a core.
-constexpr int64_t MIN_PARALLEL_WORK = 1 << 18;
+// Below this many multiply-adds in a call (about 0.4 ms of one core) the decodes run on the calling thread:
+// an OpenMP region waits for every thread of its team to be on a core, which on a shared machine cost a
+// one-stream step at context 128 more than its attention (bench/cpu_decode_attention.py, load average 5).
+constexpr int64_t MIN_PARALLEL_WORK = 1 << 20;
 
 // decode_attention on one path: score (one head's scores of one decode), exp_and_sum, passes (the weighted
 // sum's, by query heads, vectors and tail).
