@@ -33,20 +33,11 @@ def path(request, monkeypatch):
     return attention
 
 
-@pytest.fixture(autouse=True)
-def kernel_at_every_head_dim(monkeypatch):
-    """The kernel handles any head_dim; the rule sends only small ones to it (MAX_HEAD_DIM, tested below). The
-    tests here exercise it at every head_dim."""
-    monkeypatch.setattr(native_attention, "MAX_HEAD_DIM", 1 << 20)
-
-
 @needs_kernel
-def test_the_rule_keeps_numpys_path_past_small_head_dims(monkeypatch):
-    """Measured in the whole forward, the kernel lost to NumPy's kept decode K/V at head_dim 32 and 64 once
-    contexts were long (native_attention.MAX_HEAD_DIM's comment): those models keep NumPy's path."""
-    monkeypatch.undo()
-    assert native_attention.runs(8) and native_attention.runs(native_attention.MAX_HEAD_DIM)
-    assert not native_attention.runs(native_attention.MAX_HEAD_DIM + 1) and not native_attention.runs(64)
+def test_every_model_runs_it_where_it_builds():
+    """The kernel beat NumPy's kept decode K/V at every shape measured (bench/cpu_decode_attention.py), and
+    reading the cache in place it needs none of that copy's memory: decodes use it wherever it runs."""
+    assert native_attention.runs()
 
 
 def case(seed, runs, Hq, Hk, D, block_size, spare_blocks=3):
@@ -168,6 +159,9 @@ LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)
         (6, 2, 200, 32),
         (2, 1, 1, 2),
         (16, 2, 16, 4),
+        (7, 1, 64, 16),
+        (10, 2, 40, 16),
+        (12, 2, 96, 8),
     ],
 )
 def test_matches_float64(path, runs, Hq, Hk, D, block_size):
@@ -176,6 +170,32 @@ def test_matches_float64(path, runs, Hq, Hk, D, block_size):
     out = CpuOps().paged_attention(q, k_cache, v_cache, batch, D**-0.5)
     assert out.shape == q.shape
     check_close(out, reference(q, k_cache, v_cache, batch, D**-0.5))
+
+
+@pytest.mark.parametrize("Hq, Hk, D", [(32, 4, 64), (16, 2, 40)])  # work past MIN_PARALLEL_WORK
+def test_the_same_bits_on_any_thread_count_and_a_dropped_key_shows(path, Hq, Hk, D):
+    """Threads take (decode, KV head) items: the output is the same bits on 1, 2 and 3 threads, every row
+    written (out starts as NaN), and within float32 roundings of float64. Negative control: the reference
+    with one key fewer for one decode (a block's or a segment's edge key dropped) is outside the tolerance."""
+    batch, q, k_cache, v_cache = case(21, LONG_RAGGED, Hq, Hk, D, 16)
+    decodes = np.flatnonzero(np.diff(batch.query_start) == 1)
+    rows = native_attention.DecodeRows(batch, decodes, k_cache.shape, Hq)
+    addresses = (k_cache.ctypes.data, v_cache.ctypes.data)
+    outs = []
+    for threads in (1, 2, 3):
+        out = np.full(q.shape, np.nan, np.float32)
+        path.decode(q, addresses, rows, 0.3, out, threads=threads)
+        outs.append(out[batch.query_start[decodes]])
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    ref = reference(q, k_cache, v_cache, batch, 0.3)[batch.query_start[decodes]]
+    check_close(outs[0], ref)
+    for s in (3, 4):  # (16, 1): its last key opens a block; (63, 1): its last key ends a 32-key segment
+        batch.context_lens[s] -= 1
+        wrong = reference(q, k_cache, v_cache, batch, 0.3)[batch.query_start[decodes]]
+        batch.context_lens[s] += 1
+        with pytest.raises(AssertionError):
+            check_close(outs[0], wrong)
 
 
 @needs_kernel
@@ -232,13 +252,13 @@ def test_cpu_ops_runs_it_and_keeps_no_decode_kv_memory(monkeypatch):
     monkeypatch.setattr(native_attention.CpuAttention, "decode", lambda *a: calls.append(1) or decode(*a))
     big = (4096, 4, 16, 64)  # 2 x 16 MiB: a cache whose decode K/V NumPy's path would keep
     ops = CpuOps()
-    assert native_attention.runs(big[-1])
+    assert native_attention.runs()
     ops.zeros(big)
     assert ops._kept_memory == {}
     batch, q, k_cache, v_cache = case(3, DECODES_FIRST, 8, 4, 8, 16)
     ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
     assert calls == [1]
-    monkeypatch.setattr(native_attention, "runs", lambda head_dim: False)
+    monkeypatch.setattr(native_attention, "runs", lambda: False)
     cpu_ops = CpuOps()
     cache = cpu_ops.zeros(big)
     assert list(cpu_ops._kept_memory) == [id(cache)]
@@ -279,7 +299,7 @@ def fresh_kernel():
 
 def test_turned_off_falls_back_to_numpy(monkeypatch, fresh_kernel):
     monkeypatch.setenv("MINISARATHI_CPU_ATTENTION", "0")
-    assert native_attention.kernel() is None and not native_attention.runs(8)
+    assert native_attention.kernel() is None and not native_attention.runs()
     batch, q, k_cache, v_cache = case(6, DECODES_BETWEEN, 8, 4, 8, 16)
     check_close(
         CpuOps().paged_attention(q, k_cache, v_cache, batch, 0.3), reference(q, k_cache, v_cache, batch, 0.3)

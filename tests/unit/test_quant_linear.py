@@ -93,7 +93,7 @@ def test_compact_form_dequantizes_as_the_layout(kind, k):
 
 def test_kquant_scales_are_kept_factored_and_others_per_group():
     """K-quant scales (and minimums) as int8 x float32 per 256 columns, as in the file; scales that have
-    no such factoring (Q4_0's fp16 per 32, random ones) stay float32 per group."""
+    no such factoring (Q4_0's fp16 per 32, random ones) stay float32 per group; Q8_0's stay fp16."""
     for kind, factored in [
         ("Q4_K", True),
         ("Q5_K", True),
@@ -107,6 +107,10 @@ def test_kquant_scales_are_kept_factored_and_others_per_group():
     # bytes a weight: Q4_K's file has 144 per 256 weights (4.5 bits), Q6_K's 210 (6.56 bits)
     assert quant_weight(random_layout("Q4_K", 4, 512, 1)).nbytes / (4 * 512) == 0.5 + 2 / 32 + 8 / 256
     assert quant_weight(random_layout("Q6_K", 4, 512, 1)).nbytes / (4 * 512) == 0.75 + 1 / 16 + 4 / 256
+    # Q8_0's fp16 scales stay fp16 (34 bytes per 32 weights, as the file); GPTQ-8's float32 ones stay float32
+    q8 = quant_weight(random_layout("Q8_0", 4, 512, 1))
+    assert q8.parts[0].scale.dtype == np.float16 and q8.nbytes / (4 * 512) == 34 / 32
+    assert quant_weight(random_layout("GPTQ-8", 4, 512, 1)).parts[0].scale.dtype == np.float32
 
 
 @needs_kernel

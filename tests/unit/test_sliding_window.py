@@ -56,7 +56,7 @@ def backends(monkeypatch, name):
     if name == "reference":
         return ReferenceOps()
     if name == "cpu-numpy":
-        monkeypatch.setattr(native_attention, "runs", lambda head_dim: False)
+        monkeypatch.setattr(native_attention, "runs", lambda: False)
     elif native_attention.kernel() is None:
         pytest.skip("no native decode kernel here")
     return CpuOps()
@@ -77,7 +77,7 @@ def test_matches_dense_float64_with_freed_blocks(monkeypatch, name, window):
 
 def test_kept_decode_kv_and_groups(monkeypatch):
     """NumPy's decode K/V kept across steps and gathered group by group, both with the window's mask."""
-    monkeypatch.setattr(native_attention, "runs", lambda head_dim: False)
+    monkeypatch.setattr(native_attention, "runs", lambda: False)
     batch, q, k_cache, v_cache = case(3, 6, drop=True)
     want = dense(q, k_cache, v_cache, batch, 0.4, 6)
     for group_bytes in (1, 1 << 30):

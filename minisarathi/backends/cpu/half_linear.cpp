@@ -15,10 +15,8 @@
 // changes only the order of memory accesses. Built without -ffast-math and with -ffp-contract=off so the
 // compiler keeps that chain. Threads (OpenMP) split the panel groups, so the result is also the same
 // whatever the thread count.
-// GCC 12 warns of its own intrinsics' deliberately undefined operands when they are inlined into a
-// function with a target attribute; the warnings are false.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "cpu_isa.h"  // its warnings' pragmas, half_to_float
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -62,27 +60,8 @@ void run_blocks(const Operands& a, int64_t m, int max_rows, Tile tile) {
     }
 }
 
-// 32-bit float from fp16 bits, exact: normal, subnormal, infinite; a NaN keeps its payload, made quiet.
-inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000 | (mantissa << 13) | (mantissa ? 0x400000 : 0);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else {
-        const float magnitude = (float)mantissa * 0x1p-24f;  // subnormal: mantissa * 2^-24, exact
-        memcpy(&bits, &magnitude, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 inline float widen_scalar(uint16_t v, int format) {
-    if (format == F16) return half_to_float(v);
+    if (format == F16) return cpu_isa::half_to_float(v);
     const uint32_t bits = (uint32_t)v << 16;
     float f;
     memcpy(&f, &bits, 4);

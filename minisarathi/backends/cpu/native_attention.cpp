@@ -1,25 +1,27 @@
 // Decode attention on the CPU: each single-token query attends to its sequence's keys, read straight from the
 // paged KV cache through its block table (no gather copy), for all decodes of a batch in one call.
 //
-// Why: NumPy's batched matmul makes one tiny BLAS call per (sequence, KV head) plus a gather, a mask, an exp
-// and a sum pass over the scores; at small head_dim that overhead is most of a decode step's attention.
+// Why: NumPy's path keeps a contiguous copy of the decodes' K/V (as large as the cache's first few MiB per
+// layer, for every layer) or gathers it each step, and makes one small BLAS call per (sequence, KV head).
 //
-// Per decode: the key offsets of the context are computed once (shared by the KV heads, and by K and V, which
-// have the same layout); its keys are scored 16 at a time for every KV head in turn (a block's K tiles are
-// adjacent, so the cache is read in order), the G query heads of a KV head from the same loaded keys (one
-// accumulator per key, vectorized over head_dim, then a 16-to-1 transposing sum tree gives the 16 scores as
-// one vector), K prefetched ahead into L1 and V into L2; then per query head the softmax runs on those vectors
-// with a polynomial exp, and the output is the weights times V, vectorized over head_dim, with a few
-// independent accumulator chains so the sum over keys is not bound by the latency of one chain of fused
-// multiply-adds.
+// The work is split into items, one per (decode, KV head), run by the engine's threads (OpenMP). An item
+// reads its head's K once and its V once, whatever the group G of query heads sharing them:
+// - scores: keys 8 or 16 at a time (a vector's lanes), the G query heads from the same keys, loaded once into
+//   L1 (one accumulator per key, vectorized over head_dim, then a transposing sum tree gives the scores of
+//   those keys as one vector); K rows prefetched into L1 PREFETCH_BYTES ahead;
+// - softmax per query head on those vectors, with a polynomial exp;
+// - the weighted sum of V, SEGMENT keys at a time (their V rows stay in L1 across the passes, and the next
+//   segment's are prefetched into L2): each pass keeps up to 4 query heads x a slice of head_dim in
+//   registers, so a V row loaded once feeds every query head of the group; a few independent chains per
+//   output where the pass is small, so the sum over keys is not bound by one chain's latency.
 //
 // Two paths, chosen at run time: AVX-512 (16 lanes) and AVX2 + FMA (8 lanes, the same steps over half-width
 // vectors; its sums over lanes take other trees, so its last bits differ from the AVX-512 path's).
 //
 // Determinism: every number a decode's output depends on is computed from that decode's own query, keys and
 // context length, in an order fixed by the context length alone: a row's result is bit-identical whatever
-// batch it is in (which other rows, how many, in what order). Built without -ffast-math, so the compiler
-// keeps the written order of every sum.
+// batch it is in (which other rows, how many, in what order) and whatever the thread count. Built without
+// -ffast-math, so the compiler keeps the written order of every sum.
 // GCC 12 warns of its own intrinsics' deliberately undefined operands when they are inlined into a
 // function with a target attribute; the warnings are false.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -32,36 +34,38 @@ namespace {
 
 enum Isa { NONE = 0, AVX2 = 2, AVX512 = 3 };   // native_attention.py's ISAS
 
-// Keys whose K rows are fetched into L1 this far ahead of their scores: a head's keys are bs-row tiles Hk
+// K rows are asked into L1 this many bytes of keys ahead of their scores: a head's keys are bs-row tiles Hk
 // tiles apart, a pattern the hardware prefetchers miss (long decodes stalled on those loads).
-constexpr int64_t PREFETCH_KEYS = 64;
+constexpr int64_t PREFETCH_BYTES = 8192;
+// Keys per segment of the weighted sum (a multiple of 8, every U below): at head_dim 128, 16 KiB of V in L1.
+constexpr int64_t SEGMENT = 32;
 
-// Asks for the K rows of keys [t, t + KEYS) (clipped to n) into L1, and the V rows of [t - PREFETCH_KEYS, ...)
-// into L2, where the weighted sum will read them after the softmax. One prefetch per 64-byte line.
-template <int KEYS>
-inline void prefetch(const float* k, const float* v, const int64_t* offsets, int64_t t, int64_t n, int64_t D,
-                     int64_t Hk, int64_t head_stride) {
-    for (int64_t j = t; j < t + KEYS && j < n; ++j)
-        for (int64_t h = 0; h < Hk; ++h)
-            for (int64_t d = 0; d < D; d += 16)
-                _mm_prefetch((const char*)(k + offsets[j] + h * head_stride + d), _MM_HINT_T0);
-    for (int64_t j = t < PREFETCH_KEYS ? n : t - PREFETCH_KEYS; j < t - PREFETCH_KEYS + KEYS && j < n; ++j)
-        for (int64_t h = 0; h < Hk; ++h)
-            for (int64_t d = 0; d < D; d += 16)
-                _mm_prefetch((const char*)(v + offsets[j] + h * head_stride + d), _MM_HINT_T1);
+// Asks for the rows of keys [t0, t1) (clipped to n), key t at x + offsets[t], into L1 (T0) or L2 (T1).
+template <int HINT>
+inline void prefetch_rows(const float* x, const int64_t* offsets, int64_t t0, int64_t t1, int64_t n, int64_t D) {
+    for (int64_t j = t0; j < t1 && j < n; ++j)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(x + offsets[j] + d), (_mm_hint)HINT);
 }
 
-// out[0 .. C * LANES) of weighted_sum<C, U> (the last vector's first `width` lanes only).
-using WeightedSum = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*);
-using Score = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
-                       const int64_t*, int64_t, float*, int64_t);
+// Chains of accumulators per output in a weighted-sum pass of GB query heads x C vectors: about 8
+// independent accumulators in all (a power of two, so a segment's keys split evenly).
+constexpr int chains(int GB, int C) { return GB * C == 1 ? 8 : GB * C == 2 ? 4 : GB * C <= 4 ? 2 : 1; }
+
+// One pass of the weighted sum over keys [t0, t1) (t0 a multiple of SEGMENT), GB query heads x C vectors:
+// w: the GB heads' weights, rows w_stride apart; v: V rows (key t at v + offsets[t]); chain u of head g holds
+// at sums + (u * G + g) * Dp its keys t % U == u (between segments: t0 > 0 reads them, t1 < n writes them);
+// after the last segment out[g * D ..] = the chains added in order / totals[g]. The last vector: its first
+// `width` lanes only.
+using Pass = void (*)(const float* w, int64_t w_stride, const float* v, const int64_t* offsets, int64_t t0,
+                      int64_t t1, int64_t n, int64_t width, const float* totals, float* sums, int64_t G,
+                      int64_t Dp, float* out, int64_t D);
+using Score = void (*)(const float*, int64_t, int64_t, const float*, const int64_t*, int64_t, float*, int64_t);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 namespace avx512 {
 
 constexpr int LANES = 16;
-constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weighted sum: 8 zmm accumulators
 
 // e^x for x <= 0 (scores minus their max), 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-7
 // polynomial for e^r, then 2^n by vscalefps, which goes through the subnormals to 0 for very negative x);
@@ -120,58 +124,55 @@ inline void key_rows(const float* k, const int64_t* offsets, int64_t t0, int64_t
 }
 
 // scores[g][t] = q[g] . k[t] for t < n (and garbage up to n rounded up to 16, never read as a weight);
-// q: float32[G][D], already scaled; k: the head's keys, key t at k + offsets[t].
-void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v, int64_t head_stride,
-           const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
-    const int64_t full = D / LANES;
+// q: float32[G][D], already scaled; k: one head's keys, key t at k + offsets[t].
+void score(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n,
+           float* scores, int64_t scores_stride) {
+    const int64_t full = D / LANES, ahead = (PREFETCH_BYTES / (D * 4) + LANES - 1) / LANES * LANES;
     const __mmask16 tail = first_lanes(D % LANES);
-    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
-        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
-        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
+    prefetch_rows<_MM_HINT_T0>(k, offsets, 0, ahead, n, D);
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        prefetch_rows<_MM_HINT_T0>(k, offsets, t0 + ahead, t0 + ahead + LANES, n, D);
         const float* key[LANES];
         key_rows(k, offsets, t0, n, key);
-        for (int64_t hg = 0; hg < Hk * G; ++hg) {   // every head of a key group: its K tiles are adjacent
-            const float* qg = q + hg * D;
-            const int64_t at = hg / G * head_stride;
+        for (int64_t g = 0; g < G; ++g) {   // the group's query heads from the same keys, in L1
+            const float* qg = q + g * D;
             __m512 acc[LANES];
             for (int i = 0; i < LANES; ++i) acc[i] = _mm512_setzero_ps();
             for (int64_t c = 0; c < full; ++c) {
                 const __m512 qv = _mm512_loadu_ps(qg + c * LANES);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[i] + at + c * LANES), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(key[i] + c * LANES), acc[i]);
             }
             if (tail) {
                 const __m512 qv = _mm512_maskz_loadu_ps(tail, qg + full * LANES);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, key[i] + at + full * LANES), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, key[i] + full * LANES), acc[i]);
             }
-            _mm512_storeu_ps(scores + hg * scores_stride + t0, sum_each(acc));
+            _mm512_storeu_ps(scores + g * scores_stride + t0, sum_each(acc));
         }
     }
 }
 
 // score() for D <= 8: two keys per vector (one in each 256-bit half), so the sum tree starts at its second
 // stage and the 8 vectors of 16 keys are loaded once for the G queries.
-void score_pairs(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v,
-                 int64_t head_stride, const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
+void score_pairs(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n,
+                 float* scores, int64_t scores_stride) {
     const __mmask16 low = first_lanes(D), high = (__mmask16)(low << 8);
-    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
-        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
-        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
+    const int64_t ahead = (PREFETCH_BYTES / (D * 4) + LANES - 1) / LANES * LANES;
+    prefetch_rows<_MM_HINT_T0>(k, offsets, 0, ahead, n, D);
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        prefetch_rows<_MM_HINT_T0>(k, offsets, t0 + ahead, t0 + ahead + LANES, n, D);
         const float* key[LANES];
         key_rows(k, offsets, t0, n, key);
-        for (int64_t h = 0; h < Hk; ++h) {   // every head of a key group: its K tiles are adjacent
-            __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
-            for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
-                pair[i] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(low, key[2 * i] + h * head_stride), high,
-                                               key[2 * i + 1] + h * head_stride - 8);
-            for (int64_t g = 0; g < G; ++g) {
-                const __m512 qv = _mm512_maskz_loadu_ps(low, q + (h * G + g) * D);
-                const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // q in both halves
-                __m512 b[8];
-                for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
-                _mm512_storeu_ps(scores + (h * G + g) * scores_stride + t0, sum_halves(b));
-            }
+        __m512 pair[8];   // a[2i] of sum_each in lanes 0-7, a[2i + 1] in lanes 8-15
+        for (int i = 0; i < 8; ++i)   // lanes 8-15 read from key - 8: only lanes 8 .. 8 + D - 1 are read
+            pair[i] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(low, key[2 * i]), high, key[2 * i + 1] - 8);
+        for (int64_t g = 0; g < G; ++g) {
+            const __m512 qv = _mm512_maskz_loadu_ps(low, q + g * D);
+            const __m512 qq = _mm512_shuffle_f32x4(qv, qv, _MM_SHUFFLE(1, 0, 1, 0));   // q in both halves
+            __m512 b[8];
+            for (int i = 0; i < 8; ++i) b[i] = _mm512_mul_ps(pair[i], qq);
+            _mm512_storeu_ps(scores + g * scores_stride + t0, sum_halves(b));
         }
     }
 }
@@ -192,57 +193,64 @@ float exp_and_sum(float* s, int64_t n) {
     return _mm512_reduce_add_ps(sum);
 }
 
-// out[0 .. C * 16) (the last vector's first `width` lanes only) = sum over t < n of w[t] * v[offsets[t] + ...],
-// divided by total. U chains of accumulators take keys t % U; they are added in order at the end.
-template <int C, int U>
-void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width, float total,
-                  float* out) {
-    const __mmask16 last = first_lanes(width);
-    __m512 acc[U][C];
+// A Pass (above) of GB heads x C vectors; TAIL: the last vector is partial (masked).
+template <int GB, int C, bool TAIL>
+void weighted_sum(const float* w, int64_t w_stride, const float* v, const int64_t* offsets, int64_t t0,
+                  int64_t t1, int64_t n, int64_t width, const float* totals, float* sums, int64_t G, int64_t Dp,
+                  float* out, int64_t D) {
+    constexpr int U = chains(GB, C);
+    const __mmask16 last = first_lanes(TAIL ? width : LANES);
+    __m512 acc[U][GB][C];
     #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
-        #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + U <= n; t += U)
+        #pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g)
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; ++c)
+                acc[u][g][c] = t0 ? _mm512_loadu_ps(sums + (u * G + g) * Dp + c * LANES) : _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; t += U)
         #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) {
-            const __m512 wt = _mm512_set1_ps(w[t + u]);
+            if (t + u >= t1) break;   // the context's last n % U keys
             const float* vt = v + offsets[t + u];
+            __m512 x[C];
             #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                const __m512 x = c == C - 1 ? _mm512_maskz_loadu_ps(last, vt + c * LANES) : _mm512_loadu_ps(vt + c * LANES);
-                acc[u][c] = _mm512_fmadd_ps(wt, x, acc[u][c]);
+            for (int c = 0; c < C; ++c)
+                x[c] = TAIL && c == C - 1 ? _mm512_maskz_loadu_ps(last, vt + c * LANES) : _mm512_loadu_ps(vt + c * LANES);
+            #pragma GCC unroll 4
+            for (int g = 0; g < GB; ++g) {
+                const __m512 wt = _mm512_set1_ps(w[g * w_stride + t + u]);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; ++c) acc[u][g][c] = _mm512_fmadd_ps(wt, x[c], acc[u][g][c]);
             }
         }
-    #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u)   // the last n % U keys (u a constant: the accumulators stay in registers)
-        if (t + u < n) {
-            const __m512 wt = _mm512_set1_ps(w[t + u]);
-            const float* vt = v + offsets[t + u];
-            #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                const __m512 x = c == C - 1 ? _mm512_maskz_loadu_ps(last, vt + c * LANES)
-                                            : _mm512_loadu_ps(vt + c * LANES);
-                acc[u][c] = _mm512_fmadd_ps(wt, x, acc[u][c]);
-            }
-        }
-    const __m512 denominator = _mm512_set1_ps(total);
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-        __m512 r = acc[0][c];
+    #pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
         #pragma GCC unroll 8
-        for (int u = 1; u < U; ++u) r = _mm512_add_ps(r, acc[u][c]);
-        r = _mm512_div_ps(r, denominator);
-        if (c == C - 1) _mm512_mask_storeu_ps(out + c * LANES, last, r);
-        else _mm512_storeu_ps(out + c * LANES, r);
-    }
+        for (int c = 0; c < C; ++c) {
+            if (t1 < n) {
+                #pragma GCC unroll 8
+                for (int u = 0; u < U; ++u) _mm512_storeu_ps(sums + (u * G + g) * Dp + c * LANES, acc[u][g][c]);
+                continue;
+            }
+            __m512 r = acc[0][g][c];
+            #pragma GCC unroll 8
+            for (int u = 1; u < U; ++u) r = _mm512_add_ps(r, acc[u][g][c]);
+            r = _mm512_div_ps(r, _mm512_set1_ps(totals[g]));
+            if (TAIL && c == C - 1) _mm512_mask_storeu_ps(out + g * D + c * LANES, last, r);
+            else _mm512_storeu_ps(out + g * D + c * LANES, r);
+        }
 }
 
-// by vectors per pass (1-8); fewer vectors, more chains: about 4-8 independent accumulators each time
-constexpr WeightedSum weighted_sum_of[9] = {nullptr, &weighted_sum<1, 4>, &weighted_sum<2, 2>, &weighted_sum<3, 2>,
-                                            &weighted_sum<4, 1>, &weighted_sum<5, 1>, &weighted_sum<6, 1>,
-                                            &weighted_sum<7, 1>, &weighted_sum<8, 1>};
+// passes[GB][C][TAIL] (C up to 8 / GB)
+#define PASS(GB, C) {&weighted_sum<GB, C, false>, &weighted_sum<GB, C, true>}
+constexpr Pass passes[5][9][2] = {
+    {},
+    {{}, PASS(1, 1), PASS(1, 2), PASS(1, 3), PASS(1, 4), PASS(1, 5), PASS(1, 6), PASS(1, 7), PASS(1, 8)},
+    {{}, PASS(2, 1), PASS(2, 2), PASS(2, 3), PASS(2, 4)},
+    {{}, PASS(3, 1), PASS(3, 2)},
+    {{}, PASS(4, 1), PASS(4, 2)}};
+#undef PASS
 
 void exp_of(const float* x, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i += LANES) {
@@ -259,7 +267,6 @@ void exp_of(const float* x, int64_t n, float* out) {
 namespace avx2 {
 
 constexpr int LANES = 8;
-constexpr int64_t SLICE = 8 * LANES;   // head_dim columns per pass of the weighted sum: 8 ymm accumulators
 
 inline __m256i first_lanes(int64_t count) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < LANES ? count : LANES)),
@@ -311,32 +318,30 @@ inline float max_lanes(__m256 v) {
 }
 
 // avx512::score over 8 keys at a time (any D; no pairs: a head of 8 fills a vector).
-void score(const float* q, int64_t Hk, int64_t G, int64_t D, const float* k, const float* v, int64_t head_stride,
-           const int64_t* offsets, int64_t n, float* scores, int64_t scores_stride) {
-    const int64_t full = D / LANES;
+void score(const float* q, int64_t G, int64_t D, const float* k, const int64_t* offsets, int64_t n,
+           float* scores, int64_t scores_stride) {
+    const int64_t full = D / LANES, ahead = (PREFETCH_BYTES / (D * 4) + LANES - 1) / LANES * LANES;
     const __m256i tail = first_lanes(D % LANES);
-    for (int64_t t0 = -PREFETCH_KEYS; t0 < n + PREFETCH_KEYS; t0 += LANES) {
-        prefetch<LANES>(k, v, offsets, t0 + PREFETCH_KEYS, n, D, Hk, head_stride);
-        if (t0 < 0 || t0 >= n) continue;   // the first K rows' and the last V rows' prefetches
+    prefetch_rows<_MM_HINT_T0>(k, offsets, 0, ahead, n, D);
+    for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+        prefetch_rows<_MM_HINT_T0>(k, offsets, t0 + ahead, t0 + ahead + LANES, n, D);
         const float* key[LANES];   // past n the context's first key again, its score unused
         for (int j = 0; j < LANES; ++j) key[j] = k + offsets[t0 + j < n ? t0 + j : 0];
-        for (int64_t hg = 0; hg < Hk * G; ++hg) {   // every head of a key group: its K tiles are adjacent
-            const float* qg = q + hg * D;
-            const int64_t at = hg / G * head_stride;
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + g * D;
             __m256 acc[LANES];
             for (int i = 0; i < LANES; ++i) acc[i] = _mm256_setzero_ps();
             for (int64_t c = 0; c < full; ++c) {
                 const __m256 qv = _mm256_loadu_ps(qg + c * LANES);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[i] + at + c * LANES), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[i] + c * LANES), acc[i]);
             }
             if (D % LANES) {
                 const __m256 qv = _mm256_maskload_ps(qg + full * LANES, tail);
                 for (int i = 0; i < LANES; ++i)
-                    acc[i] =
-                        _mm256_fmadd_ps(qv, _mm256_maskload_ps(key[i] + at + full * LANES, tail), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(key[i] + full * LANES, tail), acc[i]);
             }
-            _mm256_storeu_ps(scores + hg * scores_stride + t0, sum_each(acc));
+            _mm256_storeu_ps(scores + g * scores_stride + t0, sum_each(acc));
         }
     }
 }
@@ -359,62 +364,63 @@ float exp_and_sum(float* s, int64_t n) {
 }
 
 // avx512::weighted_sum over 8 lanes.
-template <int C, int U>
-void weighted_sum(const float* w, const float* v, const int64_t* offsets, int64_t n, int64_t width,
-                  float total, float* out) {
-    const __m256i last = first_lanes(width);
-    __m256 acc[U][C];
+template <int GB, int C, bool TAIL>
+void weighted_sum(const float* w, int64_t w_stride, const float* v, const int64_t* offsets, int64_t t0,
+                  int64_t t1, int64_t n, int64_t width, const float* totals, float* sums, int64_t G, int64_t Dp,
+                  float* out, int64_t D) {
+    constexpr int U = chains(GB, C);
+    const __m256i last = first_lanes(TAIL ? width : LANES);
+    __m256 acc[U][GB][C];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + U <= n; t += U)
+            for (int c = 0; c < C; ++c)
+                acc[u][g][c] = t0 ? _mm256_loadu_ps(sums + (u * G + g) * Dp + c * LANES) : _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; t += U)
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) {
-            const __m256 wt = _mm256_broadcast_ss(w + t + u);
+            if (t + u >= t1) break;   // the context's last n % U keys
             const float* vt = v + offsets[t + u];
+            __m256 x[C];
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
-                                            : _mm256_loadu_ps(vt + c * LANES);
-                acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
+            for (int c = 0; c < C; ++c)
+                x[c] = TAIL && c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last) : _mm256_loadu_ps(vt + c * LANES);
+#pragma GCC unroll 4
+            for (int g = 0; g < GB; ++g) {
+                const __m256 wt = _mm256_broadcast_ss(w + g * w_stride + t + u);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; ++c) acc[u][g][c] = _mm256_fmadd_ps(wt, x[c], acc[u][g][c]);
             }
         }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u)   // the last n % U keys
-        if (t + u < n) {
-            const __m256 wt = _mm256_broadcast_ss(w + t + u);
-            const float* vt = v + offsets[t + u];
+        for (int c = 0; c < C; ++c) {
+            if (t1 < n) {
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                const __m256 x = c == C - 1 ? _mm256_maskload_ps(vt + c * LANES, last)
-                                            : _mm256_loadu_ps(vt + c * LANES);
-                acc[u][c] = _mm256_fmadd_ps(wt, x, acc[u][c]);
+                for (int u = 0; u < U; ++u) _mm256_storeu_ps(sums + (u * G + g) * Dp + c * LANES, acc[u][g][c]);
+                continue;
             }
+            __m256 r = acc[0][g][c];
+#pragma GCC unroll 8
+            for (int u = 1; u < U; ++u) r = _mm256_add_ps(r, acc[u][g][c]);
+            r = _mm256_div_ps(r, _mm256_set1_ps(totals[g]));
+            if (TAIL && c == C - 1) _mm256_maskstore_ps(out + g * D + c * LANES, last, r);
+            else _mm256_storeu_ps(out + g * D + c * LANES, r);
         }
-    const __m256 denominator = _mm256_set1_ps(total);
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-        __m256 r = acc[0][c];
-#pragma GCC unroll 8
-        for (int u = 1; u < U; ++u) r = _mm256_add_ps(r, acc[u][c]);
-        r = _mm256_div_ps(r, denominator);
-        if (c == C - 1) _mm256_maskstore_ps(out + c * LANES, last, r);
-        else _mm256_storeu_ps(out + c * LANES, r);
-    }
 }
 
-// by vectors per pass (1-8), as avx512::weighted_sum_of
-constexpr WeightedSum weighted_sum_of[9] = {nullptr,
-                                            &weighted_sum<1, 4>,
-                                            &weighted_sum<2, 2>,
-                                            &weighted_sum<3, 2>,
-                                            &weighted_sum<4, 1>,
-                                            &weighted_sum<5, 1>,
-                                            &weighted_sum<6, 1>,
-                                            &weighted_sum<7, 1>,
-                                            &weighted_sum<8, 1>};
+// passes[GB][C][TAIL], as avx512::passes
+#define PASS(GB, C) {&weighted_sum<GB, C, false>, &weighted_sum<GB, C, true>}
+constexpr Pass passes[5][9][2] = {
+    {},
+    {{}, PASS(1, 1), PASS(1, 2), PASS(1, 3), PASS(1, 4), PASS(1, 5), PASS(1, 6), PASS(1, 7), PASS(1, 8)},
+    {{}, PASS(2, 1), PASS(2, 2), PASS(2, 3), PASS(2, 4)},
+    {{}, PASS(3, 1), PASS(3, 2)},
+    {{}, PASS(4, 1), PASS(4, 2)}};
+#undef PASS
 
 void exp_of(const float* x, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i += LANES) {
@@ -464,61 +470,87 @@ struct DecodeBatch {
 
 namespace {
 
-// decode_attention on one path: score (its scores of one decode), exp_and_sum, weighted_sum_of (by vectors
-// of LANES per pass of SLICE columns).
-template <int LANES, int64_t SLICE>
-int decode(Score score, float (*exp_and_sum)(float*, int64_t), const WeightedSum* weighted_sum_of,
+// Below this many multiply-adds in a call (about 0.4 ms of one core) the decodes run on the calling thread:
+// an OpenMP region waits for every thread of its team to be on a core, which on a shared machine cost a
+// one-stream step at context 128 more than its attention (bench/cpu_decode_attention.py, load average 5).
+constexpr int64_t MIN_PARALLEL_WORK = 1 << 20;
+
+// decode_attention on one path: score (one head's scores of one decode), exp_and_sum, passes (the weighted
+// sum's, by query heads, vectors and tail).
+template <int LANES>
+int decode(Score score, float (*exp_and_sum)(float*, int64_t), const Pass (*passes)[9][2],
            const DecodeBatch* batch, const float* q, int64_t q_stride, const float* k_cache,
-           const float* v_cache, float scale, int64_t window, float* out) {
+           const float* v_cache, float scale, int64_t window, int threads, float* out) {
     const int32_t* block_tables = batch->block_tables;
     const int32_t* context_lens = batch->context_lens;
     const int64_t *seqs = batch->seqs, *rows = batch->rows;
     const int64_t table_stride = batch->table_stride, num_decodes = batch->num_decodes;
     const int64_t num_blocks = batch->num_blocks, Hk = batch->Hk, G = batch->G, D = batch->D, bs = batch->bs;
-    const int64_t out_stride = Hk * G * D;
-    int64_t longest = 0;
-    for (int64_t i = 0; i < num_decodes; ++i)
-        if (context_lens[seqs[i]] > longest) longest = context_lens[seqs[i]];
-    const int64_t padded = (longest + LANES - 1) / LANES * LANES;   // a score row: whole vectors
-    char* memory = (char*)scratch(padded * 8 + Hk * G * padded * 4 + Hk * G * D * 4);
-    if (!memory) return -1;
-    int64_t* offsets = (int64_t*)memory;                        // [longest]: key t's place in head 0
-    float* scores = (float*)(memory + padded * 8);              // [Hk * G][padded]
-    float* scaled = scores + Hk * G * padded;                   // [Hk * G][D]: the decode's queries, scaled
-    const int64_t head_stride = bs * D;
-    const int64_t block_stride = Hk * head_stride;
-    for (int64_t i = 0; i < num_decodes; ++i) {
+    const int64_t out_stride = Hk * G * D, head_stride = bs * D, block_stride = Hk * head_stride;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES;   // a row of the chains' sums: whole vectors
+    int64_t longest = 0, keys = 0;
+    for (int64_t i = 0; i < num_decodes; ++i) {   // every table entry a decode reads is checked before any read
         const int64_t len = context_lens[seqs[i]];
         const int32_t* table = block_tables + seqs[i] * table_stride;
         if (len > table_stride * bs) return -2;
+        const int64_t first = window > 0 && len > window ? len - window : 0;
+        for (int64_t b = first / bs; b * bs < len; ++b)
+            if (table[b] < 0 || table[b] >= num_blocks) return -2;
+        longest = len - first > longest ? len - first : longest;
+        keys += len - first;
+    }
+    const int64_t padded = (longest + LANES - 1) / LANES * LANES;   // a score row: whole vectors
+    const int64_t bytes = padded * 8 + G * padded * 4 + G * D * 4 + 8 * G * Dp * 4 + G * 4;
+    const int team = keys * Hk * G * D < MIN_PARALLEL_WORK ? 1 : threads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(team)
+    for (int64_t item = 0; item < num_decodes * Hk; ++item) {
+        const int64_t i = item / Hk, h = item % Hk;
+        char* memory = (char*)scratch(bytes);
+        if (!memory) {
+            failed = 1;
+            continue;
+        }
+        int64_t* offsets = (int64_t*)memory;             // [n]: key t's place in the caches, head h
+        float* scores = (float*)(memory + padded * 8);   // [G][padded]
+        float* scaled = scores + G * padded;             // [G][D]: the head's queries, scaled
+        float* sums = scaled + G * D;                    // [8][G][Dp]: the weighted sum's chains
+        float* totals = sums + 8 * G * Dp;               // [G]: the softmax's denominators
+        const int64_t len = context_lens[seqs[i]];
+        const int32_t* table = block_tables + seqs[i] * table_stride;
         // A sliding window: keys first .. len - 1 only (the blocks before them may be freed: never read).
         const int64_t first = window > 0 && len > window ? len - window : 0, n = len - first;
+        float* oi = out + rows[i] * out_stride + h * G * D;
+        if (n <= 0) {   // no keys (never from the engine): zeros rather than 0 / 0
+            for (int64_t j = 0; j < G * D; ++j) oi[j] = 0.0f;
+            continue;
+        }
         for (int64_t b = first / bs; b * bs < len; ++b) {
-            if (table[b] < 0 || table[b] >= num_blocks) return -2;
-            const int64_t base = table[b] * block_stride;
+            const int64_t base = table[b] * block_stride + h * head_stride;
             for (int64_t t = b * bs > first ? b * bs : first; t < len && t < (b + 1) * bs; ++t)
                 offsets[t - first] = base + (t - b * bs) * D;
         }
-        const float* qi = q + rows[i] * q_stride;
-        float* oi = out + rows[i] * out_stride;
-        if (n <= 0) {   // no keys (never from the engine): zeros rather than 0 / 0
-            for (int64_t j = 0; j < Hk * G * D; ++j) oi[j] = 0.0f;
-            continue;
-        }
-        for (int64_t j = 0; j < Hk * G * D; ++j) scaled[j] = qi[j] * scale;
-        score(scaled, Hk, G, D, k_cache, v_cache, head_stride, offsets, n, scores, padded);
-        for (int64_t hg = 0; hg < Hk * G; ++hg) {
-            float* w = scores + hg * padded;
-            const float total = exp_and_sum(w, n);
-            for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
-                const int64_t width = D - d0 < SLICE ? D - d0 : SLICE;
-                const int vectors = (int)((width + LANES - 1) / LANES);
-                weighted_sum_of[vectors](w, v_cache + hg / G * head_stride + d0, offsets, n,
-                                         width - (vectors - 1) * LANES, total, oi + hg * D + d0);
+        const float* qi = q + rows[i] * q_stride + h * G * D;
+        for (int64_t j = 0; j < G * D; ++j) scaled[j] = qi[j] * scale;
+        score(scaled, G, D, k_cache, offsets, n, scores, padded);
+        for (int64_t g = 0; g < G; ++g) totals[g] = exp_and_sum(scores + g * padded, n);
+        prefetch_rows<_MM_HINT_T1>(v_cache, offsets, 0, SEGMENT, n, D);
+        for (int64_t t0 = 0; t0 < n; t0 += SEGMENT) {
+            const int64_t t1 = t0 + SEGMENT < n ? t0 + SEGMENT : n;
+            prefetch_rows<_MM_HINT_T1>(v_cache, offsets, t1, t1 + SEGMENT, n, D);
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t GB = G - g0 < 4 ? G - g0 : 4, most = 8 / GB;
+                for (int64_t d0 = 0; d0 < D; d0 += most * LANES) {
+                    const int64_t C = (D - d0 + LANES - 1) / LANES < most ? (D - d0 + LANES - 1) / LANES : most;
+                    const int64_t width = D - d0 - (C - 1) * LANES < LANES ? D - d0 - (C - 1) * LANES : LANES;
+                    passes[GB][C][width < LANES](scores + g0 * padded, padded, v_cache + d0, offsets, t0, t1, n,
+                                                 width, totals + g0, sums + g0 * Dp + d0, G, Dp,
+                                                 oi + g0 * D + d0, D);
+                }
             }
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 }  // namespace
@@ -545,20 +577,21 @@ __attribute__((visibility("default"))) int exp_nonpositive_of(int isa, const flo
 //   q: float32 rows of [Hq = Hk * G][D] (row stride q_stride floats), unscaled; scores use q * scale (float32)
 //   k_cache, v_cache: float32[num_blocks][Hk][bs][D]
 //   out: float32[..][Hq][D], C order
-// Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
+// threads: at most this many OpenMP threads (each a share of the (decode, KV head) items; the result is the
+// same for any count). Returns 0; -1 when the scratch memory could not be allocated; -2 when a block-table entry within a context
 // is not a block of the cache, or a context is longer than its block-table row holds (nothing is read); -3
 // when this CPU cannot run the path.
 __attribute__((visibility("default"))) int decode_attention(int isa, const DecodeBatch* batch, const float* q,
                                                            int64_t q_stride, const float* k_cache,
                                                            const float* v_cache, float scale, int64_t window,
-                                                           float* out) {
+                                                           int threads, float* out) {
     if (!supported(isa)) return -3;
     if (isa == AVX512)
-        return decode<avx512::LANES, avx512::SLICE>(batch->D <= 8 ? avx512::score_pairs : avx512::score,
-                                                    avx512::exp_and_sum, avx512::weighted_sum_of, batch, q,
-                                                    q_stride, k_cache, v_cache, scale, window, out);
-    return decode<avx2::LANES, avx2::SLICE>(avx2::score, avx2::exp_and_sum, avx2::weighted_sum_of, batch, q,
-                                            q_stride, k_cache, v_cache, scale, window, out);
+        return decode<avx512::LANES>(batch->D <= 8 ? avx512::score_pairs : avx512::score, avx512::exp_and_sum,
+                                     avx512::passes, batch, q, q_stride, k_cache, v_cache, scale, window,
+                                     threads, out);
+    return decode<avx2::LANES>(avx2::score, avx2::exp_and_sum, avx2::passes, batch, q, q_stride, k_cache,
+                               v_cache, scale, window, threads, out);
 }
 
 }  // extern "C"

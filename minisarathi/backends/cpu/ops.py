@@ -109,7 +109,7 @@ class CpuOps(GemmaNumpyOps):
         # and, for the same reason, the memory a layer's decode K/V is kept in (attention.kept_memory),
         # where the cache is large enough for its decode K/V ever to be kept (AttentionPlan.keeps_decode_kv)
         # and decodes run on NumPy (the native kernel reads the cache in place: native_attention.runs)
-        if 2 * out.nbytes > attention.DECODE_GROUP_BYTES and not native_attention.runs(shape[-1]):
+        if 2 * out.nbytes > attention.DECODE_GROUP_BYTES and not native_attention.runs():
             self._kept_memory[id(out)] = attention.kept_memory(out.size)
             weakref.finalize(out, self._kept_memory.pop, id(out), None)
         return out
@@ -189,15 +189,15 @@ class CpuOps(GemmaNumpyOps):
         a sliding window, to the last `window` of them up to its own).
 
         Single-token runs (decodes) are done together: by the native kernel, which reads the cache in place,
-        where native_attention.runs says so for the model's head_dim (fixed per model, so a row's result never
-        depends on its batch); else on NumPy, padded to the longest context (the padding reads block-table
+        where it runs here (native_attention.runs: fixed per machine, so a row's result never depends on its
+        batch); else on NumPy, padded to the longest context (the padding reads block-table
         entries past a context and masks them out, so the cache must hold finite numbers, as zeros() and a
         finite model keep it). Longer runs (prefill chunks) one sequence at a time, on NumPy. How: see
         minisarathi/backends/cpu/attention.py and native_attention.py.
         """
         plan = self._attention_plan
         if plan is None or not plan.describes(batch, k_cache):
-            native_query_heads = q.shape[1] if native_attention.runs(k_cache.shape[-1]) else None
+            native_query_heads = q.shape[1] if native_attention.runs() else None
             plan = self._attention_plan = AttentionPlan(
                 batch, *k_cache.shape, native_query_heads=native_query_heads
             )

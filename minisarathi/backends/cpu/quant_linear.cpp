@@ -8,7 +8,8 @@
 // activation rounding (at most half an activation step per weight) plus float32 rounding.
 //
 // Part kinds (one per compact layout family; a fused weight is several parts stacked on their rows):
-//   INT8  int8 values [N, K], a float32 scale per group of 16 or 32: w = scale * value   (Q8_0, GPTQ-8)
+//   INT8  int8 values [N, K], a float32 or fp16 scale per group of 16 or 32: w = scale * value
+//         (Q8_0, GPTQ-8; fp16 where the file's scales are, as Q8_0's: 34 bytes per 32 weights, not 36)
 //   INT6  6-bit codes as 4 + 2 bits, a scale per 16: w = scale * (code - 32)               (Q6_K)
 //         low  uint8[N, K / 2]: per block of 32, byte i holds code i (low nibble) and code i + 16 (high)
 //         high uint8[N, K / 4]: per block of 32, byte j holds the top 2 bits of codes j, j+8, j+16, j+24
@@ -53,6 +54,7 @@ struct Part {
     const int8_t* scale_sub;  // int8[N, K / group] or null
     const float* minimum;   // UINT4, UINT5: float32[N, K / 32] or [N, K / 256]; else null
     const int8_t* minimum_sub;  // int8[N, K / 32] or null
+    int64_t half_scale;     // INT8: 1 where scale holds fp16 bits (uint16[N, K / group]), else 0
 };
 
 constexpr int SUPER = 256;  // columns per float32 factor of factored scales
@@ -108,6 +110,12 @@ struct Activations {
     }
 };
 
+// Group g's scale of a row of `groups` groups: factor() or an INT8 part's fp16 scale, widened exactly.
+inline float scale_at(const Part& p, int64_t row, int64_t groups, int64_t group, int64_t g) {
+    if (p.half_scale) return cpu_isa::half_to_float(((const uint16_t*)p.scale)[row * groups + g]);
+    return factor(p.scale, p.scale_sub, row, groups, group, g);
+}
+
 void quantize_block_scalar(const float* x, int8_t* q, float* s, float* sum) {
     float amax = 0.0f;
     for (int e = 0; e < BLOCK; ++e) amax = fmaxf(amax, fabsf(x[e]));
@@ -148,7 +156,7 @@ void scalar_part(const Activations& a, int64_t m, int64_t k, const Part& p, floa
                     int32_t dot = 0;
                     for (int64_t e = first; e < first + p.group; ++e)
                         dot += code_at(p, c, k, e) * a.q[t * k + e];
-                    const float ws = factor(p.scale, p.scale_sub, c, ng, p.group, first / p.group);
+                    const float ws = scale_at(p, c, ng, p.group, first / p.group);
                     acc += (float)dot * (ws * a.s[t * nb + b]);
                 }
             if (p.minimum)
@@ -161,7 +169,7 @@ void scalar_part(const Activations& a, int64_t m, int64_t k, const Part& p, floa
 // ---------------------------------------------------------------------------------------------------- AVX2
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 
 void quantize_block(const float* x, int8_t* q, float* s, float* sum) {
@@ -276,6 +284,21 @@ inline float minimum_dot(const Part& p, int64_t row, int64_t nb, const float* su
     return rest;
 }
 
+// An INT8 part's scale of block b of a row in every lane (GROUP 16: the first's in lanes 0-3, the second's in
+// 4-7), float32 or fp16 (broadcast as fp16, then widened by F16C: exact).
+template <int GROUP>
+inline __m256 int8_scales(const Part& p, int64_t row, int64_t k, int64_t b) {
+    const int64_t g = row * (k / GROUP) + b * (BLOCK / GROUP);
+    if (p.half_scale) {
+        const uint16_t* sc = (const uint16_t*)p.scale + g;
+        if (GROUP == 32) return _mm256_cvtph_ps(_mm_set1_epi16((short)sc[0]));
+        return _mm256_cvtph_ps(_mm_set_epi16((short)sc[1], (short)sc[1], (short)sc[1], (short)sc[1],
+                                             (short)sc[0], (short)sc[0], (short)sc[0], (short)sc[0]));
+    }
+    const float* sc = p.scale + g;
+    return GROUP == 32 ? _mm256_set1_ps(sc[0]) : lanes_of(sc[0], sc[1]);
+}
+
 // INT8: one block a step, |w| x x * sign(w), a float scale per 16 or 32.
 template <int GROUP, int NT, int NN>
 inline void int8_tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, __m256 acc[NT][NN]) {
@@ -286,8 +309,7 @@ inline void int8_tile(const Activations& a, int64_t i, int64_t k, const Part& p,
         __m256 ws[NN];
         for (int c = 0; c < NN; ++c) {
             w[c] = int8_block(p, j + c, k, b);
-            const float* sc = p.scale + (j + c) * (k / GROUP) + b * (BLOCK / GROUP);
-            ws[c] = GROUP == 32 ? _mm256_set1_ps(sc[0]) : lanes_of(sc[0], sc[1]);
+            ws[c] = int8_scales<GROUP>(p, j + c, k, b);
         }
         for (int t = 0; t < NT; ++t) {
             const __m256i xq = _mm256_load_si256((const __m256i*)(a.q + (i + t) * k + b * BLOCK));
@@ -390,7 +412,7 @@ void tile(const Activations& a, int64_t i, int64_t k, const Part& p, int64_t j, 
 // ------------------------------------------------------------------------------------- AVX-512BW (+ VNNI)
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 #define QUANT_LINEAR_VNNI 0
 #include "quant_linear_avx512.h"
@@ -399,7 +421,7 @@ namespace avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 namespace avx512_vnni {
 #define QUANT_LINEAR_VNNI 1
 #include "quant_linear_avx512.h"
@@ -504,7 +526,7 @@ bool valid(const Part& p) {
                          (p.kind == INT6 && p.group == 16) ||
                          ((p.kind == UINT4 || p.kind == UINT5) && p.group == 32);
     const bool arrays = p.values && p.scale && (p.kind == INT6 || p.kind == UINT5) == (p.high != nullptr) &&
-                        (p.kind != INT8 || !p.scale_sub) &&
+                        (p.kind != INT8 || !p.scale_sub) && (p.kind == INT8 || !p.half_scale) &&
                         (p.kind >= UINT4) == (p.minimum != nullptr) && (!p.minimum_sub || p.minimum);
     return grouped && arrays && p.rows >= 0;
 }

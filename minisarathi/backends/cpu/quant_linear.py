@@ -1,10 +1,11 @@
 """The CPU's matmul for quantized weights kept compact: quant_linear.cpp, compiled at first use (ctypes).
 
 Every quantized matrix layout (minisarathi/quant/layouts.py) is kept in a form close to its file's bytes and
-multiplied there: IntGroups of 8 bits (Q8_0, GPTQ-8) as int8 values and a float32 scale per 16 or 32
-columns; IntGroups of 6 bits (Q6_K) as 4 + 2 bits a weight and a scale per 16; UintGroups (Q4_0, Q4_K, Q5_K,
-AWQ, GPTQ-4) as their nibbles (and fifth bits) with a scale and a minimum per 32; a Stacked weight (fused
-parts of different layouts) as its parts, one call over all. The kernel quantizes the activations to int8
+multiplied there: IntGroups of 8 bits (Q8_0, GPTQ-8) as int8 values and a scale per 16 or 32
+columns (fp16 where the layout's are: Q8_0's, else float32); IntGroups of 6 bits (Q6_K) as 4 + 2 bits a
+weight and a scale per 16; UintGroups (Q4_0, Q4_K, Q5_K, AWQ, GPTQ-4) as their nibbles (and fifth bits)
+with a scale and a minimum per 32; a Stacked weight (fused parts of different layouts) as its parts, one
+call over all. The kernel quantizes the activations to int8
 per block of 32 columns and takes int8 dot products (AVX2, AVX-512BW, AVX512-VNNI, chosen at run time, and
 a scalar path). Where no library can be built (no C++ compiler, MINISARATHI_QUANT_LINEAR=0), `matmul`
 dequantizes the weight and uses NumPy's matmul on the exact activations: slower, the same memory.
@@ -49,6 +50,7 @@ class PartStruct(ctypes.Structure):
         ("scale_sub", ctypes.c_void_p),
         ("minimum", ctypes.c_void_p),
         ("minimum_sub", ctypes.c_void_p),
+        ("half_scale", ctypes.c_int64),
     ]
 
 
@@ -67,7 +69,10 @@ class Part:
     group: int  # columns per scale: 16 or 32
     values: np.ndarray  # int8: int8[N, K]; else uint8[N, K // 2], UintGroups.low's order
     high: np.ndarray | None  # int6: uint8[N, K // 4] (top 2 bits); uint5: uint8[N, K // 8]; else None
-    scale: np.ndarray  # float32[N, K // group], or float32[N, K // 256] where scale_sub is given
+    scale: (
+        np.ndarray
+    )  # float32[N, K // group], or float32[N, K // 256] where scale_sub is given; int8: float16
+    # [N, K // group] where the layout's scales are (Q8_0's, exactly as the file keeps them)
     scale_sub: np.ndarray | None  # int8[N, K // group]: a group's scale = its 256 columns' factor * this
     minimum: np.ndarray | None  # uint4, uint5: float32[N, K // 32], or [N, K // 256] as scale; else None
     minimum_sub: np.ndarray | None  # int8[N, K // 32] or None
@@ -87,7 +92,8 @@ class Part:
 
     def struct(self) -> PartStruct:
         addresses = (None if a is None else a.ctypes.data for a in self.arrays())
-        return PartStruct(KINDS[self.kind], self.group, self.shape[0], *addresses)
+        half = self.scale.dtype == np.float16
+        return PartStruct(KINDS[self.kind], self.group, self.shape[0], *addresses, half)
 
     def layout(self, rows=slice(None)) -> IntGroups | UintGroups:
         """Rows `rows` as the layout they came from (dequantize() gives their float32 values)."""
@@ -217,9 +223,11 @@ def _part(layout: IntGroups | UintGroups) -> Part:
         scale, scale_sub = factored(f32(layout.scale), 16)
         low = pack_low(codes.reshape(n, k))
         return Part("int6", 16, low, high, scale, scale_sub, None, None, layout.source)
-    # a group of 32 or more shares its scale over whole blocks: one scale per block of 32
+    # a group of 32 or more shares its scale over whole blocks: one scale per block of 32; fp16 scales stay
+    # fp16 (2 bytes fewer a block to read, widened exactly by the kernel)
     group = 16 if layout.group == 16 else BLOCK
-    scale = np.repeat(f32(layout.scale), layout.group // group, axis=1)  # float32[N, K // group]
+    scale = layout.scale if layout.scale.dtype == np.float16 else f32(layout.scale)
+    scale = np.ascontiguousarray(np.repeat(scale, layout.group // group, axis=1))  # [N, K // group]
     values = np.ascontiguousarray(layout.values)
     return Part("int8", group, values, None, scale, None, None, None, layout.source)
 

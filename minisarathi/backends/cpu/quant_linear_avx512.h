@@ -37,7 +37,8 @@ inline __m512 weight_scales(const Part& p, int64_t row, int64_t k, int64_t b, bo
     const int per_block = BLOCK / GROUP;
     float four[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int g = 0; g < (two ? 2 : 1) * per_block; ++g)
-        four[g] = factor(p.scale, p.scale_sub, row, k / GROUP, GROUP, b * per_block + g);
+        four[g] = p.half_scale ? _cvtsh_ss(((const uint16_t*)p.scale)[row * (k / GROUP) + b * per_block + g])
+                               : factor(p.scale, p.scale_sub, row, k / GROUP, GROUP, b * per_block + g);
     const __m128 s = _mm_loadu_ps(four);
     const __m512i index = GROUP == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                       : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
