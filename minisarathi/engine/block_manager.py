@@ -202,6 +202,12 @@ class BlockManager:
             self._release(seq.block_table[dead])
             seq.block_table[dead] = self.tables[seq.block_row, dead] = -1
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens (rejected draft tokens' slots)."""
+        while len(seq.block_table) > self.blocks_for(num_tokens):
+            self._release(seq.block_table.pop())
+            self.tables[seq.block_row, len(seq.block_table)] = 0
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""
         for block in reversed([block for block in seq.block_table if block >= 0]):  # -1: freed (window)

@@ -22,6 +22,7 @@ from minisarathi.engine.profile import run_profile
 from minisarathi.engine.scheduler import SchedulerOutput
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.slo_scheduler import make_scheduler
+from minisarathi.engine.speculative import Speculation
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model.families import load_model
 from minisarathi.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -75,10 +76,6 @@ class Step:
     sampled: PendingSample | None = None
     mask_time: float = 0.0  # structured outputs: the constrained rows' masks, computed and applied (in issue)
 
-    @property
-    def scheduled(self) -> dict[Sequence, int]:
-        return self.schedule.scheduled
-
 
 def engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
     """config with `options` (EngineConfig fields) replaced, or the defaults with them."""
@@ -95,9 +92,11 @@ class LLMEngine:
     overlap = False
 
     def __new__(cls, model: str | Path | None = None, config: EngineConfig | None = None, **options):
-        """The hook of overlap (engine/overlap.py): an OverlappingEngine where the config asks for one."""
-        if cls is LLMEngine and overlaps(engine_config(config, options)):
+        """The hooks of overlap and speculation (engine/overlap.py, engine/speculative.py)."""
+        if cls is LLMEngine and overlaps(config := engine_config(config, options)):
             cls = OverlappingEngine
+        elif cls is LLMEngine and config.speculative_config:
+            cls = SpeculativeEngine
         return super().__new__(cls)
 
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options):
@@ -451,7 +450,7 @@ class LLMEngine:
             if end > max_end:
                 max_end = end
             rows.append(seq.block_row)
-            if begin >= seq.num_prefill_tokens:  # a decode: its one uncomputed token is the last sampled one
+            if n == 1 and begin >= seq.num_prefill_tokens:  # a decode: it feeds its last sampled token
                 token_ids.append(self._decode_token(seq, len(token_ids)))
                 ends = True
             else:
@@ -520,10 +519,12 @@ class LLMEngine:
 
     def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
-        for (seq, n), begin in zip(step.scheduled.items(), step.starts):
+        for (seq, n), begin in zip(step.schedule.scheduled.items(), step.starts):
             self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = [], [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
+            if seq.is_finished:  # speculation: a token after one that finished it (engine/speculative.py)
+                continue
             done = self._append_token(seq, token, sampled, row, now)
             if done:
                 finished.append(seq)
@@ -663,3 +664,7 @@ class LLMEngine:
 
 class OverlappingEngine(Overlap, LLMEngine):
     """LLMEngine with each step launched before the previous one's ids are on the host (engine/overlap.py)."""
+
+
+class SpeculativeEngine(Speculation, LLMEngine):
+    """LLMEngine with draft tokens verified inside the step's budget (engine/speculative.py)."""

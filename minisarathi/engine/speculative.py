@@ -1,0 +1,256 @@
+"""Speculative decoding inside the token budget: n-gram (prompt lookup) drafts, verified as a chunk.
+
+Each step the policy schedules as it always does; then, only from the budget the step left (tokens, and with
+tbt_slo_ms the predicted time), each plain decode may take up to k draft tokens: the continuation of the
+latest earlier occurrence of its last n tokens (prompt + output so far, n from prompt_lookup_max down to
+prompt_lookup_min). Its last token and the drafts run as one chunk of k + 1 tokens (causal attention over its
+history, the chunked-prefill path), with logits at all k + 1 positions. Row j is sampled as the sequence
+would be after drafts[:j] (the sampler's min_tokens mask and penalties see them), and the draft is accepted
+while each row's sampled token equals it; the first row that differs gives its own token (greedy: the
+model's next token). For a deterministic draft this *is* standard rejection sampling: draft x is accepted
+with probability p(x), and on rejection the token is distributed as p with x removed, renormalized. The
+rejected drafts' KV slots are rolled back (blocks past the accepted tokens freed). k per sequence follows its
+recent acceptance. Constrained rows (structured outputs) do not speculate.
+
+Two mixins: Speculating over the scheduler's policy class (slo_scheduler.make_scheduler composes it), and
+Speculation over LLMEngine (engine.py's SpeculativeEngine), which overrides _make_batch (the drafts in the
+chunk, logits at every position), _update (acceptance, rollback) and stats().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minisarathi.engine.cost_model import step_shape
+from minisarathi.validation import check_int
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for method "ngram" (its names and defaults)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+
+def speculative_config(value: Any) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from a dict of vLLM's keys (or one already made, or None); ValueError if bad."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+    method = value.get("method", "ngram")
+    if method == "draft_model" or "model" in value:
+        raise ValueError("speculative_config: method 'draft_model' is not supported yet (only 'ngram')")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(str, unknown))}")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    k = value["num_speculative_tokens"]
+    check_int("speculative_config num_speculative_tokens", k, lo=1)
+    # vLLM's defaults: either bound defaults to the other, both to 5
+    high, low = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+    high, low = high or low or 5, low or high or 5
+    check_int("speculative_config prompt_lookup_max", high, lo=1)
+    check_int("speculative_config prompt_lookup_min", low, lo=1)
+    if low > high:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
+    return SpeculativeConfig(k, high, low)
+
+
+def propose(tokens: list[int], k: int, high: int, low: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n of `tokens`, for the largest
+    n in [low, high] that occurs; [] if none does."""
+    if k <= 0 or len(tokens) <= low:
+        return []
+    data = np.array(tokens, np.int32).tobytes()  # bytes.rfind searches in C, 4 bytes per token
+    end = len(data) - 4  # an occurrence must end before the last token, so that something follows it
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        pattern, stop = data[-4 * n :], end
+        while (at := data.rfind(pattern, 0, stop)) >= 0:
+            if at % 4 == 0:  # aligned to a token
+                follow = at // 4 + n
+                return tokens[follow : follow + k]
+            stop = at + len(pattern) - 1
+    return []
+
+
+@dataclass
+class Acceptance:
+    """Counters as vLLM's spec_decode metrics: verification steps, tokens proposed, tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def summary(self) -> dict:
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return {**dataclasses.asdict(self), "mean_acceptance_length": mean}
+
+
+class Speculating:
+    """Over a policy class: after the policy's schedule, drafts for its plain decodes from the budget left."""
+
+    def __init__(self, config, block_manager, *args, **kwargs):
+        super().__init__(config, block_manager, *args, **kwargs)
+        self.spec = config.speculative_config
+        self.drafts: dict = {}  # sequence -> this step's draft tokens (non-empty lists only)
+        self.lookahead: dict = {}  # sequence -> its k: drafts it may take next (adapted to its acceptance)
+        self.acceptance = Acceptance()
+
+    def schedule(self):
+        out = super().schedule()
+        self.drafts = {}
+        self._speculate(out)
+        return out
+
+    def _speculate(self, out) -> None:
+        """Grow the step's plain decodes by drafts, in queue order, while the step's budget allows: tokens
+        within chunk_size, and with tbt_slo_ms a predicted time within the step's limit. Never preempts nor
+        evicts a cached block."""
+        tokens = self.token_budget - out.num_tokens
+        cost_model = getattr(self, "cost_model", None)
+        seconds = None
+        if out.time_limit is not None and cost_model is not None and cost_model.fitted:
+            seconds = out.time_limit - cost_model.predict(step_shape(out.scheduled))
+        blocks, spec, size = self.blocks, self.spec, self.blocks.block_size
+        for seq, n in list(out.scheduled.items()):
+            if tokens <= 0:
+                break
+            if n != 1 or seq.in_prefill or seq.matcher is not None:
+                continue
+            start = seq.num_computed_tokens
+            room = blocks.max_growth(seq) - len(blocks.evictable) * size - 1  # past the decode's own token
+            # the drafts and the token after them stay within the sequence's final length
+            k = min(self.lookahead.get(seq, spec.num_speculative_tokens), tokens, room)
+            k = min(k, seq.max_kv_tokens - seq.num_tokens)
+            if seconds is not None:
+                while k > 0 and cost_model.prefill_time(start, k + 1) > seconds:
+                    k -= 1
+            tokens_so_far = seq.prompt_token_ids + seq.output_token_ids
+            draft = propose(tokens_so_far, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            if not draft:
+                continue
+            blocks.grow(seq, start + 1 + len(draft))
+            out.scheduled[seq] = 1 + len(draft)
+            self.drafts[seq] = draft
+            tokens -= len(draft)
+            if seconds is not None:
+                seconds -= cost_model.prefill_time(start, len(draft) + 1)
+
+    def accepted(self, seq, proposed: int, accepted: int) -> None:
+        """seq's drafts of this step were verified: count them and adapt its k (one more after a full
+        acceptance, else one more than it accepted)."""
+        self.acceptance.num_drafts += 1
+        self.acceptance.num_draft_tokens += proposed
+        self.acceptance.num_accepted_tokens += accepted
+        k = self.lookahead.get(seq, self.spec.num_speculative_tokens)
+        self.lookahead[seq] = min(
+            k + 1 if accepted == proposed else accepted + 1, self.spec.num_speculative_tokens
+        )
+
+    def remove_finished(self, finished) -> None:
+        super().remove_finished(finished)
+        for seq in finished:
+            self.lookahead.pop(seq, None)
+
+    def abort(self, seq) -> None:
+        super().abort(seq)
+        self.lookahead.pop(seq, None)
+
+
+def speculating(policy: type) -> type:
+    """The policy class with speculation after its schedule."""
+    return type(f"Speculating{policy.__name__}", (Speculating, policy), {})
+
+
+class Speculation:
+    """Over LLMEngine: verification chunks in the batch, acceptance and rollback after sampling."""
+
+    def _make_batch(self, scheduled, starts):
+        """The drafts ride in their sequences' chunks (appended for the call, as the chunk's tokens); their
+        rows of logits are wanted too, each sampled by a view of the sequence after the drafts before it."""
+        drafts = self._drafts = self.scheduler.drafts
+        if not drafts:
+            return super()._make_batch(scheduled, starts)
+        for seq, draft in drafts.items():
+            seq.output_token_ids += draft
+        try:
+            batch, samplers, num_prefill = super()._make_batch(scheduled, starts)
+        finally:
+            for seq, draft in drafts.items():
+                del seq.output_token_ids[-len(draft) :]
+        rows, expanded = [], []
+        for row, seq in zip(batch.logits_indices.tolist(), samplers):
+            draft = drafts.get(seq)
+            if draft is None:
+                rows.append(row)
+                expanded.append(seq)
+                continue
+            rows += range(row - len(draft), row + 1)
+            expanded.append(seq)  # row 0 samples as the sequence is
+            history = seq.output_token_ids
+            expanded += [
+                dataclasses.replace(seq, output_token_ids=history + draft[:j])
+                for j in range(1, len(draft) + 1)
+            ]
+        batch.logits_indices = np.array(rows, np.int32)  # int32[N + drafts]
+        verify = sum(len(draft) + 1 for draft in drafts.values())  # decode tokens, not prefill ones
+        return batch, expanded, num_prefill - verify
+
+    def _update(self, step, sampled, now):
+        """Accept each sequence's drafts while its rows sampled them, roll the rest back, then append the
+        accepted tokens and the first other one as plain decoding would, one by one."""
+        drafts = self._drafts
+        if not drafts:
+            return super()._update(step, sampled, now)
+        ids, samplers, rows, i = sampled.token_ids.tolist(), step.samplers, [], 0
+        kept = []
+        while i < len(samplers):
+            seq = samplers[i]
+            draft = drafts.get(seq)
+            if draft is None:
+                rows.append(i)
+                kept.append(seq)
+                i += 1
+                continue
+            m = 0
+            while m < len(draft) and ids[i + m] == draft[m]:
+                m += 1
+            rows += range(i, i + m + 1)
+            kept += [seq] * (m + 1)
+            self.scheduler.accepted(seq, len(draft), m)
+            # KV holds the last token and the m accepted drafts; the token sampled after them is uncomputed
+            seq.num_computed_tokens -= len(draft) - m
+            self.block_manager.shrink(seq, seq.num_computed_tokens)
+            step.schedule.scheduled[seq] = (
+                1  # offered to the prefix cache below, once its tokens are appended
+            )
+            i += len(draft) + 1
+        step.samplers = kept
+        sampled = dataclasses.replace(
+            sampled,
+            token_ids=sampled.token_ids[rows],
+            logprobs=[sampled.logprobs[r] for r in rows],
+            ranks=[sampled.ranks[r] for r in rows],
+        )
+        outputs = super()._update(step, sampled, now)
+        for seq in drafts:
+            self.block_manager.register_computed(seq, seq.num_computed_tokens)
+        # a sequence with several tokens this step reports once, its latest snapshot
+        return list({o.request_id: o for o in outputs}.values())
+
+    def stats(self) -> dict:
+        return {**super().stats(), "spec_decode": self.scheduler.acceptance.summary()}
