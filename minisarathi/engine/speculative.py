@@ -87,6 +87,16 @@ def propose(tokens: list[int], k: int, high: int, low: int) -> list[int]:
     return []
 
 
+def accepted_length(sampled: list[int], draft: list[int]) -> int:
+    """How many leading drafts stand: draft[j] while row j (which saw draft[:j]) sampled it. With a
+    deterministic draft this is rejection sampling: x is kept with probability p(x), and a rejection's token
+    (that row's own sample) is distributed as p without x, renormalized."""
+    m = 0
+    while m < len(draft) and sampled[m] == draft[m]:
+        m += 1
+    return m
+
+
 @dataclass
 class Acceptance:
     """Counters as vLLM's spec_decode metrics: verification steps, tokens proposed, tokens accepted."""
@@ -226,9 +236,7 @@ class Speculation:
                 kept.append(seq)
                 i += 1
                 continue
-            m = 0
-            while m < len(draft) and ids[i + m] == draft[m]:
-                m += 1
+            m = accepted_length(ids[i : i + len(draft) + 1], draft)
             rows += range(i, i + m + 1)
             kept += [seq] * (m + 1)
             self.scheduler.accepted(seq, len(draft), m)
