@@ -120,7 +120,7 @@ def test_stop_strings_min_tokens_logprobs_and_n():
     """Against plain decoding of the same requests: a stop string met mid-acceptance, min_tokens with EOS
     masked, logprobs of the accepted tokens, greedy n = 2."""
     requests = [
-        ("stop", REPETITIVE, greedy(60, stop=["ball. Tom"])),
+        ("stop", REPETITIVE, greedy(60, stop=["Tom saw"])),
         ("eos", "Once upon a time", SamplingParams(temperature=0, max_tokens=60, min_tokens=30)),
         ("lp", REPETITIVE, greedy(24, logprobs=2)),
         ("n2", REPETITIVE, greedy(24, n=2)),
