@@ -132,8 +132,8 @@ class LLMEngine:
         log.info("weights: %s; KV pool: %s", weights, kv_pool)
         blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
         self.block_manager = BlockManager(*blocks)
-        # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
-        self.cost_model = CostModel(online=config.tbt_slo_ms is not None)
+        # fitted from every step's record; tbt_slo_ms mode sizes the steps with it, speculation prices drafts
+        self.cost_model = CostModel(online=config.tbt_slo_ms is not None or bool(config.speculative_config))
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)

@@ -94,10 +94,13 @@ def make_scheduler(
 ) -> Scheduler:
     """config.scheduler's policy; with tbt_slo_ms (sarathi only), Sarathi's under the time budget; with
     speculative_config, drafts after the policy's schedule (engine/speculative.py)."""
+    cost_model = cost_model or CostModel()
     if config.tbt_slo_ms is not None:
-        policy, args = SloScheduler, (cost_model or CostModel(),)
+        policy, args = SloScheduler, (cost_model,)
     else:
         policy, args = POLICIES[config.scheduler], ()
-    if config.speculative_config:
-        policy = speculating(policy)
-    return policy(config, block_manager, max_model_len, *args)
+    if not config.speculative_config:
+        return policy(config, block_manager, max_model_len, *args)
+    scheduler = speculating(policy)(config, block_manager, max_model_len, *args)
+    scheduler.cost_model = cost_model  # it prices the drafts
+    return scheduler

@@ -10,7 +10,8 @@ while each row's sampled token equals it; the first row that differs gives its o
 model's next token). For a deterministic draft this *is* standard rejection sampling: draft x is accepted
 with probability p(x), and on rejection the token is distributed as p with x removed, renormalized. The
 rejected drafts' KV slots are rolled back (blocks past the accepted tokens freed). k per sequence follows its
-recent acceptance. Constrained rows (structured outputs) do not speculate.
+recent acceptance and the drafts' predicted cost (Speculating._speculate). Constrained rows (structured
+outputs) do not speculate.
 
 Two mixins: Speculating over the scheduler's policy class (slo_scheduler.make_scheduler composes it), and
 Speculation over LLMEngine (engine.py's SpeculativeEngine), which overrides _make_batch (the drafts in the
@@ -29,6 +30,8 @@ from minisarathi.engine.cost_model import step_shape
 from minisarathi.validation import check_int
 
 METHODS = ("ngram",)
+HISTORY_DECAY = 0.8  # per verification: a sequence's acceptance rate follows its last ~5 verifications
+MIN_CHANCE = 0.2  # before the cost model's first fit: drafts go while their chance of acceptance is this
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,9 @@ class Speculating:
     def __init__(self, config, block_manager, *args, **kwargs):
         super().__init__(config, block_manager, *args, **kwargs)
         self.spec = config.speculative_config
+        self.cost_model = None  # set by make_scheduler: the engine's, fitted online while speculating
         self.drafts: dict = {}  # sequence -> this step's draft tokens (non-empty lists only)
-        self.lookahead: dict = {}  # sequence -> its k: drafts it may take next (adapted to its acceptance)
+        self.history: dict = {}  # sequence -> (drafts accepted, drafts tried), decayed
         self.acceptance = Acceptance()
 
     def schedule(self):
@@ -126,15 +130,30 @@ class Speculating:
         self._speculate(out)
         return out
 
+    def chance(self, seq) -> float:
+        """seq's recent rate of accepted drafts among those it tried (Laplace's rule: 1/2 before any)."""
+        accepted, tried = self.history.get(seq, (0.0, 0.0))
+        return (accepted + 1) / (tried + 2)
+
     def _speculate(self, out) -> None:
-        """Grow the step's plain decodes by drafts, in queue order, while the step's budget allows: tokens
-        within chunk_size, and with tbt_slo_ms a predicted time within the step's limit. Never preempts nor
-        evicts a cached block."""
+        """Grow the step's plain decodes by drafts, in queue order, within what the step leaves: tokens within
+        chunk_size, and with tbt_slo_ms a predicted time within the step's limit. Once the cost model is
+        fitted, a draft token goes in only while its chance of acceptance (the sequence's recent rate to the
+        power of its place) times what an accepted token saves exceeds its predicted cost. A token saves its
+        sequence's share of a later step: its own decode, plus the step's fixed overhead only where the whole
+        step is saved, counted as overhead / decodes^2 (all of it for one stream; next to nothing in a big
+        batch, whose steps run for the other sequences anyway). Before the fit, drafts go in while that chance
+        is at least MIN_CHANCE. Never preempts nor evicts."""
         tokens = self.token_budget - out.num_tokens
-        cost_model = getattr(self, "cost_model", None)
+        model = self.cost_model
+        priced = model is not None and model.fitted
         seconds = None
-        if out.time_limit is not None and cost_model is not None and cost_model.fitted:
-            seconds = out.time_limit - cost_model.predict(step_shape(out.scheduled))
+        if priced:
+            if out.time_limit is not None:
+                seconds = out.time_limit - model.predict(step_shape(out.scheduled))
+            decodes = sum(1 for seq, n in out.scheduled.items() if n == 1 and not seq.in_prefill)
+            overhead, per_token, per_decode, prefill_key, decode_key = model.coefficients.tolist()
+            shared = overhead / max(decodes, 1) ** 2
         blocks, spec, size = self.blocks, self.spec, self.blocks.block_size
         for seq, n in list(out.scheduled.items()):
             if tokens <= 0:
@@ -142,15 +161,31 @@ class Speculating:
             if n != 1 or seq.in_prefill or seq.matcher is not None:
                 continue
             start = seq.num_computed_tokens
-            room = blocks.max_growth(seq) - len(blocks.evictable) * size - 1  # past the decode's own token
             # the drafts and the token after them stay within the sequence's final length
-            k = min(self.lookahead.get(seq, spec.num_speculative_tokens), tokens, room)
-            k = min(k, seq.max_kv_tokens - seq.num_tokens)
-            if seconds is not None:
-                while k > 0 and cost_model.prefill_time(start, k + 1) > seconds:
-                    k -= 1
-            tokens_so_far = seq.prompt_token_ids + seq.output_token_ids
-            draft = propose(tokens_so_far, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            k = min(spec.num_speculative_tokens, tokens, seq.max_kv_tokens - seq.num_tokens)
+            rate, chance, worth, extra = self.chance(seq), 1.0, 0, 0.0
+            if (
+                priced
+            ):  # what an accepted token saves: its decode in a later step, and a share of the overhead
+                saved = per_decode + decode_key * (start + 1) + shared
+            while worth < k:  # the drafts worth verifying, from their chances alone (the lookup is the cost)
+                chance *= rate
+                if not priced:
+                    if chance < MIN_CHANCE:
+                        break
+                else:  # the chunk's next token, at position start + worth + 1, as a prefill token
+                    cost = per_token + prefill_key * (start + worth + 2)
+                    if chance * saved <= cost or (seconds is not None and extra + cost > seconds):
+                        break
+                    extra += cost
+                worth += 1
+            room = blocks.max_growth(seq) - len(blocks.evictable) * size - 1 if worth else 0  # past its token
+            draft = propose(
+                seq.prompt_token_ids + seq.output_token_ids,
+                min(worth, room),
+                spec.prompt_lookup_max,
+                spec.prompt_lookup_min,
+            )
             if not draft:
                 continue
             blocks.grow(seq, start + 1 + len(draft))
@@ -158,27 +193,28 @@ class Speculating:
             self.drafts[seq] = draft
             tokens -= len(draft)
             if seconds is not None:
-                seconds -= cost_model.prefill_time(start, len(draft) + 1)
+                seconds -= model.prefill_time(start, len(draft) + 1) - model.prefill_time(start, 1)
 
     def accepted(self, seq, proposed: int, accepted: int) -> None:
-        """seq's drafts of this step were verified: count them and adapt its k (one more after a full
-        acceptance, else one more than it accepted)."""
+        """seq's drafts of this step were verified: count them, and its recent acceptance (the drafts
+        tried: the accepted ones and the first rejected one)."""
         self.acceptance.num_drafts += 1
         self.acceptance.num_draft_tokens += proposed
         self.acceptance.num_accepted_tokens += accepted
-        k = self.lookahead.get(seq, self.spec.num_speculative_tokens)
-        self.lookahead[seq] = min(
-            k + 1 if accepted == proposed else accepted + 1, self.spec.num_speculative_tokens
+        kept, tried = self.history.get(seq, (0.0, 0.0))
+        self.history[seq] = (
+            HISTORY_DECAY * kept + accepted,
+            HISTORY_DECAY * tried + accepted + (accepted < proposed),
         )
 
     def remove_finished(self, finished) -> None:
         super().remove_finished(finished)
         for seq in finished:
-            self.lookahead.pop(seq, None)
+            self.history.pop(seq, None)
 
     def abort(self, seq) -> None:
         super().abort(seq)
-        self.lookahead.pop(seq, None)
+        self.history.pop(seq, None)
 
 
 def speculating(policy: type) -> type:
@@ -186,12 +222,25 @@ def speculating(policy: type) -> type:
     return type(f"Speculating{policy.__name__}", (Speculating, policy), {})
 
 
+@dataclass(slots=True)
+class DraftRow:
+    """What sampling reads of a sequence, for the row that follows draft[:j]: its output so far includes them
+    (min_tokens and the penalties count them); its random stream is the sequence's."""
+
+    params: Any
+    generator: Any
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    choices: list | None
+    matcher: Any = None  # constrained rows do not speculate
+
+
 class Speculation:
     """Over LLMEngine: verification chunks in the batch, acceptance and rollback after sampling."""
 
     def _make_batch(self, scheduled, starts):
         """The drafts ride in their sequences' chunks (appended for the call, as the chunk's tokens); their
-        rows of logits are wanted too, each sampled by a view of the sequence after the drafts before it."""
+        rows of logits are wanted too, each sampled as the sequence after the drafts before it (DraftRow)."""
         drafts = self._drafts = self.scheduler.drafts
         if not drafts:
             return super()._make_batch(scheduled, starts)
@@ -213,7 +262,7 @@ class Speculation:
             expanded.append(seq)  # row 0 samples as the sequence is
             history = seq.output_token_ids
             expanded += [
-                dataclasses.replace(seq, output_token_ids=history + draft[:j])
+                DraftRow(seq.params, seq.generator, seq.prompt_token_ids, history + draft[:j], seq.choices)
                 for j in range(1, len(draft) + 1)
             ]
         batch.logits_indices = np.array(rows, np.int32)  # int32[N + drafts]
