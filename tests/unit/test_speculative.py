@@ -212,3 +212,35 @@ def test_counters_reach_metrics_under_vllms_names():
     plain = Metrics("m", max_model_len=512, token_budget=512)
     plain.read_engine(LLMEngine())  # no speculation: no spec_decode series
     assert "spec_decode" not in plain.exposition().decode()
+
+
+def test_constrained_rows_do_not_speculate():
+    """Structured outputs: a constrained row never takes drafts (its mask would need the drafts consumed);
+    the unconstrained request beside it does, and keeps its plain tokens."""
+    pytest.importorskip("llguidance")
+    engine = LLMEngine(speculative_config=ngram(4))
+    constrained = greedy(24, structured={"regex": "(ab)+"})
+    seen = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        out = original()
+        seen.extend(seq.request_id for seq in engine.scheduler.drafts)
+        return out
+
+    engine.scheduler.schedule = schedule
+    finals = run(engine, [("c", REPETITIVE, constrained), ("u", REPETITIVE, greedy())])
+    assert "c" not in seen and "u" in seen
+    assert finals["u"][0][0] == run(LLMEngine(), [("u", REPETITIVE, greedy())])["u"][0][0]
+
+
+@pytest.mark.system
+def test_greedy_identity_on_the_cuda_emulator():
+    """The verification chunk on the CUDA backend's kernels (the prefill path), emulated: plain tokens."""
+    options = dict(device="cuda-emulated", chunk_size=16, block_size=4, cuda_graphs=False, max_num_seqs=4)
+    requests = [(p, p, greedy(16)) for p in PROMPTS[:2]]
+    plain = run(LLMEngine(**options), requests)
+    engine = LLMEngine(**options, speculative_config=ngram(3))
+    spec = run(engine, requests)
+    assert {p: spec[p][0][0] for p in PROMPTS[:2]} == {p: plain[p][0][0] for p in PROMPTS[:2]}
+    assert engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
