@@ -50,6 +50,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per single stream")
     parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream of 16 / 64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="the same for both engines (default: all CPUs)",
+    )
     args = parser.parse_args()
     config = {
         "method": "ngram",
@@ -57,7 +63,8 @@ def main() -> None:
         "prompt_lookup_max": args.lookup_max,
         "prompt_lookup_min": args.lookup_min,
     }
-    plain, spec = LLM(), LLM(speculative_config=config)
+    plain = LLM(blas_threads=args.blas_threads)
+    spec = LLM(speculative_config=config, blas_threads=args.blas_threads)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -107,12 +114,14 @@ def main() -> None:
         prompts = [STREAM_PROMPTS[i % len(STREAM_PROMPTS)] for i in range(streams)]
         params = SamplingParams(temperature=0, max_tokens=args.stream_tokens, ignore_eos=True)
         best = {"plain": None, "spec": None}
+        before = spec.engine.stats()["spec_decode"]["num_drafts"]
         for _ in range(args.repeats):
             for name, llm in (("plain", plain), ("spec", spec)):
                 run = timed(llm, prompts, params)
                 if best[name] is None or run[0] < best[name][0]:
                     best[name] = run
         (t_plain, n, _), (t_spec, _, _) = best["plain"], best["spec"]
+        drafts = spec.engine.stats()["spec_decode"]["num_drafts"] - before
         result["streams"].append(
             {
                 "streams": streams,
@@ -120,6 +129,7 @@ def main() -> None:
                 "plain_tok_s": round(n / t_plain, 1),
                 "spec_tok_s": round(n / t_spec, 1),
                 "speedup": round(t_plain / t_spec, 3),
+                "verifications_per_run": drafts / args.repeats,
             }
         )
     result["load_average_after"] = os.getloadavg()

@@ -179,7 +179,9 @@ class Speculating:
                         break
                     extra += cost
                 worth += 1
-            room = blocks.max_growth(seq) - len(blocks.evictable) * size - 1 if worth else 0  # past its token
+            if not worth:
+                continue
+            room = blocks.max_growth(seq) - len(blocks.evictable) * size - 1  # past the decode's own token
             draft = propose(
                 seq.prompt_token_ids + seq.output_token_ids,
                 min(worth, room),
