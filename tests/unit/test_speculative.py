@@ -102,7 +102,9 @@ def test_greedy_output_is_token_identical(options, reference):
     finals = run(engine, [(p, p, greedy()) for p in PROMPTS])
     assert {p: finals[p][0][0] for p in PROMPTS} == reference
     stats = engine.stats()["spec_decode"]
-    assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] >= stats["num_accepted_tokens"]
+    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"]
+    # with tbt_slo_ms the drafts depend on the machine's timing (the cost model, the margin): maybe none
+    assert stats["num_accepted_tokens"] > 0 or "tbt_slo_ms" in options
     if "num_kv_blocks" in options:
         assert engine.stats()["num_preemptions"] > 0
 
