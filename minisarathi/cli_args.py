@@ -5,6 +5,7 @@ check that refuses a flag that would not take effect. Imports none of the comman
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -164,6 +165,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "and finishes outputs while the GPU computes, on the CUDA backend on a GPU)",
     )
     g.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=d.speculative_config,
+        metavar="JSON",
+        help='vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\': '
+        "draft tokens verified within each step's budget (docs/scheduling.md)",
+    )
+    g.add_argument(
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_const",
@@ -171,6 +180,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.cuda_graphs,
         help="run every step eagerly (default on the CUDA backends: decode steps as CUDA graphs)",
     )
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a JSON-object flag: an error naming the flag instead of a traceback."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from minisarathi.dtypes import DTYPES
+from minisarathi.engine.speculative import SpeculativeConfig, speculative_config
 from minisarathi.quant.gguf_file import config_dict, is_gguf
 from minisarathi.quant.hf_quantized import read_scheme
 from minisarathi.validation import check_float, check_int
@@ -85,6 +86,9 @@ class EngineConfig:
     # on for the CUDA backends ("cuda", "cuda-emulated"), off on "cpu"; True on "cpu" runs the padded buckets
     # without graphs (NumPy has none); False: every step eager. Tensor-parallel ranks run eagerly.
     cuda_graphs: bool | None = None
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m}; drafts verified within each step's budget (docs/scheduling.md, "Speculation")
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -115,6 +119,9 @@ class EngineConfig:
                 f"{self.cuda_graphs!r}"
             )
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        self.speculative_config = speculative_config(self.speculative_config)
+        if self.speculative_config and self.overlap:
+            raise ValueError("speculative_config needs overlap off: the drafts come from the host's tokens")
         for name in ("tbt_slo_ms", "priority_aging_s", "rank_timeout_s"):
             value = getattr(self, name)
             if value is not None and not check_float(name, value) > 0:

@@ -87,8 +87,7 @@ class BlockManager:
         return hits
 
     def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int) -> bool:
-        """Whether seq can take `cached` and grow to `num_tokens` tokens while `watermark` blocks stay
-        free."""
+        """Whether seq can take `cached` and grow to `num_tokens` tokens leaving `watermark` blocks free."""
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # evictable blocks it takes off the pool
         new = self.blocks_for(num_tokens) - len(cached)
         return self.num_free_blocks - revived - new >= watermark
@@ -117,8 +116,7 @@ class BlockManager:
         return offset != 0 and block < len(seq.block_table) and self.ref_counts[seq.block_table[block]] > 1
 
     def max_growth(self, seq: Sequence) -> int:
-        """How many more tokens seq's blocks plus every free block can hold (a shared tail must be copied
-        into a free block first)."""
+        """Tokens seq's blocks plus every free block can still hold (a shared tail is copied first)."""
         own = len(seq.block_table) - self.shared_tail(seq)
         return (own + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
 
@@ -202,6 +200,12 @@ class BlockManager:
             self._release(seq.block_table[dead])
             seq.block_table[dead] = self.tables[seq.block_row, dead] = -1
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens (rejected draft tokens' slots)."""
+        while len(seq.block_table) > self.blocks_for(num_tokens):
+            self._release(seq.block_table.pop())
+            self.tables[seq.block_row, len(seq.block_table)] = 0
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail goes back first so prefixes (more shared) are evicted last."""
         for block in reversed([block for block in seq.block_table if block >= 0]):  # -1: freed (window)
@@ -236,8 +240,7 @@ class BlockManager:
         return self._free_rows.pop()
 
     def _widen(self, num_blocks: int) -> None:
-        """Make `tables` hold rows of `num_blocks` blocks (a longer table than ever before: the next power of
-        2)."""
+        """Make `tables` rows hold `num_blocks` blocks (when longer than ever: the next power of 2)."""
         width = self.tables.shape[1]
         if num_blocks > width:
             wider = np.zeros((len(self.tables), 1 << (num_blocks - 1).bit_length()), np.int32)

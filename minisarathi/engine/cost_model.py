@@ -66,7 +66,7 @@ def step_shape(scheduled) -> StepShape:
     prefill_tokens = decodes = prefill_attention = decode_history = constrained = 0
     for seq, n in scheduled.items():
         start = seq.num_computed_tokens
-        if start >= seq.num_prefill_tokens:  # a decode: its one token sees the history and itself
+        if n == 1 and start >= seq.num_prefill_tokens:  # a decode: its token sees the history and itself
             decodes += 1
             decode_history += start
             constrained += seq.matcher is not None

@@ -22,6 +22,7 @@ from minisarathi.engine.profile import run_profile
 from minisarathi.engine.scheduler import SchedulerOutput
 from minisarathi.engine.sequence import Sequence, SequenceStatus
 from minisarathi.engine.slo_scheduler import make_scheduler
+from minisarathi.engine.speculative import Speculation
 from minisarathi.engine.step_log import STEP_RECORDS_KEPT, StepLog, StepRecord
 from minisarathi.model import pooling
 from minisarathi.model.families import load_model
@@ -77,10 +78,6 @@ class Step:
     mask_time: float = 0.0  # structured outputs: the constrained rows' masks, computed and applied (in issue)
     pooled: tuple = ()  # embedding requests whose prompt ended here, and their rows (model/pooling.py)
 
-    @property
-    def scheduled(self) -> dict[Sequence, int]:
-        return self.schedule.scheduled
-
 
 def engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
     """config with `options` (EngineConfig fields) replaced, or the defaults with them."""
@@ -97,9 +94,11 @@ class LLMEngine:
     overlap = False
 
     def __new__(cls, model: str | Path | None = None, config: EngineConfig | None = None, **options):
-        """The hook of overlap (engine/overlap.py): an OverlappingEngine where the config asks for one."""
-        if cls is LLMEngine and overlaps(engine_config(config, options)):
+        """The hooks of overlap and speculation (engine/overlap.py, engine/speculative.py)."""
+        if cls is LLMEngine and overlaps(config := engine_config(config, options)):
             cls = OverlappingEngine
+        elif cls is LLMEngine and config.speculative_config:
+            cls = SpeculativeEngine
         return super().__new__(cls)
 
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **options):
@@ -135,8 +134,9 @@ class LLMEngine:
         log.info("weights: %s; KV pool: %s", weights, kv_pool)
         blocks = (num_blocks, config.block_size, config.enable_prefix_caching, self.model_config.kv_window)
         self.block_manager = BlockManager(*blocks)
-        # fitted from every step's record; tbt_slo_ms mode sizes the steps with it
-        self.cost_model = CostModel(online=config.tbt_slo_ms is not None, overlapped=self.overlap)
+        # fitted from every step's record; tbt_slo_ms mode sizes the steps with it, speculation prices drafts
+        online = config.tbt_slo_ms is not None or bool(config.speculative_config)
+        self.cost_model = CostModel(online=online, overlapped=self.overlap)
         self.scheduler = make_scheduler(config, self.block_manager, self.max_model_len, self.cost_model)
         # The model's own sampler: on the CUDA backend it samples on the device (only ids cross to the host).
         self.sampler = self.model.new_sampler(config.seed, self.tokenizer.eos_token_ids)
@@ -459,7 +459,7 @@ class LLMEngine:
             if end > max_end:
                 max_end = end
             rows.append(seq.block_row)
-            if begin >= seq.num_prefill_tokens:  # a decode: its one uncomputed token is the last sampled one
+            if n == 1 and begin >= seq.num_prefill_tokens:  # a decode: it feeds its last sampled token
                 token_ids.append(self._decode_token(seq, len(token_ids)))
                 ends = True
             else:
@@ -520,10 +520,12 @@ class LLMEngine:
 
     def _update(self, step: Step, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         """Appends the sampled tokens, finishes what is done, frees its blocks; the step's outputs."""
-        for (seq, n), begin in zip(step.scheduled.items(), step.starts):
+        for (seq, n), begin in zip(step.schedule.scheduled.items(), step.starts):
             self.block_manager.register_computed(seq, begin + n)
         outputs, finished, groups = pooling.finish(self, step.pooled, now), [], {}
         for row, (seq, token) in enumerate(zip(step.samplers, sampled.token_ids.tolist())):
+            if seq.is_finished:  # speculation: a token after one that finished it (engine/speculative.py)
+                continue
             done = self._append_token(seq, token, sampled, row, now)
             if done:
                 finished.append(seq)
@@ -662,3 +664,7 @@ class LLMEngine:
 
 class OverlappingEngine(Overlap, LLMEngine):
     """LLMEngine with each step launched before the previous one's ids are on the host (engine/overlap.py)."""
+
+
+class SpeculativeEngine(Speculation, LLMEngine):
+    """LLMEngine with draft tokens verified inside the step's budget (engine/speculative.py)."""

@@ -35,9 +35,9 @@ from minisarathi.sampler import SamplerOutput
 def overlaps(config: EngineConfig) -> bool:
     """config.overlap; None: where the forward runs asynchronously, the CUDA backend on a GPU. The NumPy
     backend and the emulator compute on the host while the forward is issued, so there is nothing to overlap;
-    tensor parallelism's ranks take their input ids from the host."""
-    if config.overlap is not None:
-        return config.overlap
+    tensor parallelism's ranks take their input ids from the host, and so do speculation's drafts."""
+    if config.overlap is not None or config.speculative_config:
+        return bool(config.overlap)
     return config.tensor_parallel_size == 1 and resolve_device(config.device) == "cuda"
 
 

@@ -181,8 +181,7 @@ class Scheduler:
     # building blocks of the policies --------------------------------------------------------------------
 
     def _decodes(self, out: SchedulerOutput) -> None:
-        """One token for every running decode, in queue order, preempting the last in queue order on block
-        shortage."""
+        """One token per running decode, in queue order; a block shortage preempts the last in queue order."""
         block_size = self.blocks.block_size
         scheduled = out.scheduled
         running = SequenceStatus.RUNNING  # one enum lookup, not one per sequence (slow in Python 3.11)
@@ -333,8 +332,7 @@ class Scheduler:
 
 
 class SarathiScheduler(Scheduler):
-    """Stall-free hybrid batches: all decodes, then ongoing chunked prefills, then new prompts, in
-    chunk_size."""
+    """Stall-free hybrid batches in chunk_size: all decodes, then ongoing prefill chunks, then new prompts."""
 
     def _schedule(self, out):
         self._decodes(out)
@@ -380,8 +378,7 @@ class SimpleChunkingScheduler(Scheduler):
 
 
 class FasterTransformerScheduler(Scheduler):
-    """Static batching: a batch of whole prompts is admitted only when nothing runs, then decoded to the
-    end."""
+    """Static batching: whole prompts admitted only when nothing runs, then decoded to the end."""
 
     reserve_final_length = True
 

@@ -19,6 +19,7 @@ from minisarathi.config import EngineConfig
 from minisarathi.engine.block_manager import BlockManager
 from minisarathi.engine.cost_model import CostModel, StepShape, step_shape
 from minisarathi.engine.scheduler import POLICIES, PrefillBudget, SarathiScheduler, Scheduler, SchedulerOutput
+from minisarathi.engine.speculative import speculating
 from minisarathi.engine.tbt_slo import TbtSlo
 
 ONE_DECODE = StepShape(decode_seqs=1, decode_attention=1)  # the cheapest step with a decode
@@ -91,7 +92,15 @@ class SloScheduler(SarathiScheduler):
 def make_scheduler(
     config: EngineConfig, block_manager: BlockManager, max_model_len: int, cost_model: CostModel | None = None
 ) -> Scheduler:
-    """config.scheduler's policy; with tbt_slo_ms (sarathi only), Sarathi's under the time budget."""
+    """config.scheduler's policy; with tbt_slo_ms (sarathi only), Sarathi's under the time budget; with
+    speculative_config, drafts after the policy's schedule (engine/speculative.py)."""
+    cost_model = cost_model or CostModel()
     if config.tbt_slo_ms is not None:
-        return SloScheduler(config, block_manager, max_model_len, cost_model or CostModel())
-    return POLICIES[config.scheduler](config, block_manager, max_model_len)
+        policy, args = SloScheduler, (cost_model,)
+    else:
+        policy, args = POLICIES[config.scheduler], ()
+    if not config.speculative_config:
+        return policy(config, block_manager, max_model_len, *args)
+    scheduler = speculating(policy)(config, block_manager, max_model_len, *args)
+    scheduler.cost_model = cost_model  # it prices the drafts
+    return scheduler

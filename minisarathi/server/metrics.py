@@ -268,6 +268,14 @@ class _EngineCollector:
                 "Steps run overloaded.",
                 slo["overloaded_steps"],
             )
+        spec = state.get("spec_decode")  # vLLM's spec_decode counters (engine/speculative.py)
+        if spec is not None:
+            for name, doc in (
+                ("num_drafts", "Verification steps of draft tokens (one per sequence and step)."),
+                ("num_draft_tokens", "Draft tokens proposed."),
+                ("num_accepted_tokens", "Draft tokens accepted."),
+            ):
+                yield family(CounterMetricFamily, "spec_decode_" + name, doc, spec[name])
 
 
 class _SecurityCollector:

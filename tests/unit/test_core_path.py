@@ -29,6 +29,7 @@ LAYERS = (
     "engine.overlap",
     "engine.slo_scheduler",
     "engine.tbt_slo",
+    "engine.speculative",
     "engine.cost_model",
     "engine.profile",
     "model.decode_graphs",
@@ -44,6 +45,7 @@ HOOKS = {
     "engine/engine.py": {
         "engine.overlap",
         "engine.slo_scheduler",
+        "engine.speculative",
         "engine.cost_model",
         "engine.profile",
         "parallel.group",

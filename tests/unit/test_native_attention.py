@@ -144,7 +144,11 @@ DECODES_BETWEEN = [(12, 6), (9, 1), (30, 1), (0, 9), (17, 1), (3, 1), (15, 1)]
 LONG_RAGGED = [(1199, 1), (0, 1), (517, 1), (16, 1), (63, 1), (40, 24), (300, 1)]
 
 
-@pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN, LONG_RAGGED])
+# speculation's verification chunks: runs of up to NATIVE_RUN_TOKENS, a decode per query on the kernel
+SHORT_RUNS = [(9, 1), (30, 5), (0, 8), (17, 2), (3, 9), (40, 1)]
+
+
+@pytest.mark.parametrize("runs", [DECODES_FIRST, DECODES_BETWEEN, LONG_RAGGED, SHORT_RUNS])
 @pytest.mark.parametrize(
     "Hq, Hk, D, block_size",
     [
@@ -241,6 +245,21 @@ def test_a_decode_is_bit_identical_whatever_its_batch(path, Hq, Hk, D, block_siz
         got, rows = alone_in(order)
         decode_rows = [i for i, s in enumerate(order) if runs[s][1] == 1]
         np.testing.assert_array_equal(got[decode_rows], whole[rows[decode_rows]])
+
+
+@pytest.mark.parametrize("Hq, Hk, D, block_size", [(8, 4, 8, 16), (12, 3, 24, 5)])
+def test_a_short_runs_queries_are_bit_identical_to_decodes(path, Hq, Hk, D, block_size):
+    """A verification chunk's query j is the decode at its position: the same bits as that decode alone,
+    so speculation changes no attention result."""
+    batch, q, k_cache, v_cache = case(4, [(21, 6)], Hq, Hk, D, block_size)
+    table = batch.block_tables[0, : -(-27 // block_size)].tolist()
+    ops = CpuOps()
+    whole = ops.paged_attention(q, k_cache, v_cache, batch, 0.3)
+    for j in range(6):
+        alone = build_batch([ScheduledChunk([0], 21 + j, table, True)], block_size)
+        np.testing.assert_array_equal(
+            ops.paged_attention(q[j : j + 1], k_cache, v_cache, alone, 0.3)[0], whole[j]
+        )
 
 
 @needs_kernel

@@ -39,6 +39,9 @@ TRANSPOSED_SCORES_KEYS = 384
 # (a fresh chunk does about half the work of the full square) and its scores stay in L2 for long prompts,
 # with still few calls per chunk.
 QUERY_TILE = 64
+# Runs of up to this many tokens go to the native decode kernel as one decode per query (where it runs): a
+# speculative verification chunk costs one call there instead of a NumPy product per sequence and layer.
+NATIVE_RUN_TOKENS = 8
 _CAUSAL_TILE = np.triu(np.full((QUERY_TILE, QUERY_TILE), -np.inf, dtype=np.float32), k=1)  # built once
 
 
@@ -69,10 +72,13 @@ class AttentionPlan:
         q_lens = np.diff(batch.query_start)
         decodes = self.decodes = np.flatnonzero(q_lens == 1)
         self._window_masks: dict[int, np.ndarray] = {}  # window -> window_mask(window)
+        # the native kernel also takes short runs (speculation's verification chunks), a decode per query
+        longest_decode_run = 1 if native_query_heads is None else NATIVE_RUN_TOKENS
+        native_runs = np.flatnonzero(q_lens <= longest_decode_run)
         self.native_decodes = (
             None
-            if native_query_heads is None or not len(decodes)
-            else DecodeRows(batch, decodes, self.cache_shape, native_query_heads)
+            if native_query_heads is None or not len(native_runs)
+            else DecodeRows(batch, native_runs, self.cache_shape, native_query_heads)
         )
         # The engine puts decodes first: then their rows are a slice and q, out are views, not copies.
         first_are_decodes = decodes[-1:].tolist() == [len(decodes) - 1]
@@ -114,7 +120,7 @@ class AttentionPlan:
                 ),
             )
         self.prefills = []  # (first row, last row + 1, tiles, context length) per longer run
-        for s in np.flatnonzero(q_lens > 1).tolist():
+        for s in np.flatnonzero(q_lens > longest_decode_run).tolist():
             context_len = int(batch.context_lens[s])
             table = batch.block_tables[s, : -(-context_len // block_size)]
             self.prefills.append(
@@ -279,9 +285,10 @@ def paged_attention(
     sliding window, only to keys past its position - window.
 
     Single-token runs (decodes) are done together: by the native kernel where the plan says so (native: the
-    kernel and the caches' data addresses), else padded to the longest context; longer runs (prefill chunks)
-    one sequence at a time. GQA never copies K/V per query head: queries are grouped as [Hk, G] and the G
-    queries of a KV head share its keys in one product.
+    kernel and the caches' data addresses; it also takes runs of up to NATIVE_RUN_TOKENS, a decode per query),
+    else padded to the longest context; longer runs (prefill chunks) one sequence at a time. GQA never
+    copies K/V per query head: queries are grouped as [Hk, G] and the G queries of a KV head share its keys
+    in one product.
     """
     T, Hq, D = q.shape
     Hk, block_size = k_cache.shape[1:3]

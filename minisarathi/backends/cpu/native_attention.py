@@ -44,11 +44,22 @@ class DecodeRows:
     def __init__(
         self, batch: Batch, decodes: np.ndarray, cache_shape: tuple[int, int, int, int], query_heads: int
     ):
+        """decodes: the sequences it runs, single tokens or short runs (speculation's verification chunks),
+        whose query j is a decode over the keys up to its own position."""
         num_blocks, Hk, block_size, D = cache_shape
-        self.seqs = decodes.astype(np.int64)  # int64[S]: decode sequences
-        self.rows = batch.query_start[decodes].astype(np.int64)  # int64[S]: their token rows
-        self.block_tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)  # int32[num_seqs, B]
-        self.context_lens = np.ascontiguousarray(batch.context_lens, dtype=np.int32)  # int32[num_seqs]
+        q_lens = np.diff(batch.query_start)[decodes]
+        if (q_lens == 1).all():
+            self.seqs = decodes.astype(np.int64)  # int64[S]: decode sequences
+            self.rows = batch.query_start[decodes].astype(np.int64)  # int64[S]: their token rows
+            tables, context_lens = batch.block_tables, batch.context_lens
+        else:  # one entry per query, as a sequence of its own: its run's table, its own context
+            entry = np.repeat(decodes, q_lens)  # int[E]: each query's sequence
+            after = np.repeat(np.cumsum(q_lens), q_lens) - np.arange(1, len(entry) + 1)  # queries after it
+            self.rows = (batch.query_start[entry + 1] - 1 - after).astype(np.int64)  # int64[E]
+            tables, context_lens = batch.block_tables[entry], batch.context_lens[entry] - after
+            self.seqs = np.arange(len(entry), dtype=np.int64)
+        self.block_tables = np.ascontiguousarray(tables, dtype=np.int32)  # int32[num_seqs or E, B]
+        self.context_lens = np.ascontiguousarray(context_lens, dtype=np.int32)  # int32[num_seqs or E]
         self.fields = np.array(
             [
                 self.block_tables.ctypes.data,
