@@ -298,9 +298,9 @@ class Listener:
                 if wait := self.hub.backoff_wait_s(arrival.address):
                     await asyncio.sleep(wait)
                 async with asyncio.timeout(deadline):
-                    # no TLS state before the client's first byte: a stalled handshake that sends nothing
-                    # cost an SSL object and its buffers, and their teardown when it was evicted
-                    await _readable(sock)
+                    # no TLS state before the client's ClientHello is whole: each stalled handshake cost an
+                    # SSL object, 256 KiB of buffers and the door's protocol, torn down when it was evicted
+                    await _first_record(sock)
                     await loop.connect_accepted_socket(
                         protocol, sock, ssl=self.tls, ssl_handshake_timeout=deadline
                     )
@@ -337,6 +337,25 @@ class Listener:
         _reset(sock)
         self.hub.pool.disconnect(arrival)
         return False
+
+
+_TLS_HANDSHAKE = 0x16  # the content type of a TLS record carrying a ClientHello
+_TLS_MAX_RECORD = (1 << 14) + 2048  # a record's most bytes after its 5-byte header (RFC 8446, 5.2)
+
+
+async def _first_record(sock: socket.socket) -> None:
+    """Until the client's first TLS record (its ClientHello) is whole in the socket's buffer, or its bytes
+    cannot be one, or the stream ended: the kernel holds the partial record (SO_RCVLOWAT), not the loop."""
+    want = 5  # the record's header, then the whole record
+    while True:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        await _readable(sock)
+        head = sock.recv(5, socket.MSG_PEEK)
+        length = int.from_bytes(head[3:5], "big")
+        if want > 5 or len(head) < 5 or head[0] != _TLS_HANDSHAKE or not 0 < length <= _TLS_MAX_RECORD:
+            break  # the handshake takes it from here (and refuses what is not TLS)
+        want = 5 + length
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 async def _readable(sock: socket.socket) -> None:
