@@ -26,8 +26,9 @@ A server with an API key runs the bundled model. A bystander (with the key) time
                           after the 5th failure (the target: <= 20)
   slowloris               --stalled (1100) connections from 127.0.0.2, half on each door, reopened as the
                           server closes them: silent, half a header, a body that never ends (HTTP); with
-                          --tls, stalled handshakes. The server has 1024 file descriptors. Meanwhile 20 fresh
-                          key holders on each door must be served
+                          --tls, stalled handshakes (silent, or a record header and no ClientHello). The
+                          server has 1024 file descriptors. Meanwhile 20 fresh key holders on each door must
+                          be served
   multi_prompt            one /v1/completions request of 1,020 prompts after another from a key with rpm 1,
                           concurrent 1: the statuses it gets
   hostile_template        chat requests that make the server's chat template (HOSTILE_TEMPLATE) run a nested
@@ -37,6 +38,7 @@ The server has a keys file (the bystander's key, and a small one: rpm 1, concurr
 HOSTILE_TEMPLATE as its chat template (only the hostile_template scenario's messages make it do harm). In
 each of the last four scenarios a key holder's 300-token stream runs beside the attack: lost_streams 1 if it
 did not get every token. p99_over_idle_p99 compares the bystander's P99 with its idle one (the target: <= 3).
+loop_cpu_share: the cores the server's event-loop thread used while the bystander ran beside the attack.
 
 After each scenario the server must return to no request held and every KV block free. One JSON line per
 scenario: bystander p50/p99 (ms) and p99 over the idle p50 measured just before the attack (the machine is
@@ -360,8 +362,9 @@ async def brute_force(target, stop) -> dict:
 
 async def slowloris(target, stop) -> dict:
     """`--stalled` connections from ATTACKER, half on each door, each reopened as soon as the server closes
-    it: ones that send nothing (under --tls: stalled handshakes), half a header, a body that never ends (with
-    the small key, so that it passes auth)."""
+    it: ones that send nothing, half a header, a body that never ends (with the small key, so that it passes
+    auth); under --tls, handshakes that stall: half send nothing, half a TLS record header announcing a
+    ClientHello that never comes."""
     closed = 0
     small = SMALL_KEY.encode()
     stalls = (
@@ -371,16 +374,19 @@ async def slowloris(target, stop) -> dict:
         + small
         + b"\r\nContent-Length: 100000\r\n\r\n{",
     )
+    tls_stalls = (b"", b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes, none of them sent
 
     async def staller(i: int):
         nonlocal closed
         port = target.http_port if i % 2 else target.port
+        if target.tls_ca is not None:  # plain TCP to the TLS port: the handshake is the attack's
+            stall = tls_stalls[i // 2 % len(tls_stalls)]
+        else:
+            stall = stalls[i // 2 % len(stalls)] if port == target.http_port else b""
         while not stop.is_set():
             try:
-                # a handshake that stalls: a plain TCP connection to the TLS port sends nothing
                 reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0))
-                if target.tls_ca is None and port == target.http_port:
-                    writer.write(stalls[i // 2 % len(stalls)])
+                writer.write(stall)
                 await reader.read()  # until the server closes it
                 writer.close()
             except (ConnectionError, OSError):
@@ -745,6 +751,13 @@ def _ca_file(tmp: str, tls: bool) -> str | None:
     return os.path.join(tmp, "ca.pem") if tls else None
 
 
+def _loop_cpu_s(server) -> float:
+    """CPU seconds the server's main thread (its event loop) has used so far."""
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def scenario_report(name: str, target: Target, server, args) -> dict:
     """One scenario against the running server: its report (the bystander, the attack, the server after)."""
     report = {"scenario": name, "tls": args.tls}
@@ -768,7 +781,9 @@ def scenario_report(name: str, target: Target, server, args) -> dict:
         time.sleep(2.0)  # the attack under way
         lost = stream_beside(target) if name in STREAM_BESIDE else None
         first_step = server_stats(target)["steps"]
+        loop_cpu_before, bystander_start = _loop_cpu_s(server), time.perf_counter()
         latencies = bystander(target, args.samples)
+        loop_cpu = (_loop_cpu_s(server) - loop_cpu_before) / (time.perf_counter() - bystander_start)
         if name in ("unauthenticated_flood", "slowloris"):  # while their connections are open
             report.update(key_holder_connects(target, 20))
         if name == "slowloris":
@@ -784,6 +799,7 @@ def scenario_report(name: str, target: Target, server, args) -> dict:
             idle_before=idle_now,
             p99_over_idle_p50=round(percentiles(latencies)["p99_ms"] / idle_now["p50_ms"], 2),
             p99_over_idle_p99=round(percentiles(latencies)["p99_ms"] / idle_now["p99_ms"], 2),
+            loop_cpu_share=round(loop_cpu, 2),
             during={
                 k: held[k]
                 for k in (

@@ -4,9 +4,11 @@ import asyncio
 import errno
 import logging
 import socket
+import ssl
 from types import SimpleNamespace
 
 import pytest
+import trustme
 
 from minisarathi.server import gate
 from minisarathi.server.gate import AcceptRate, AuthGate, Listener, RateLimitedLog, client_address
@@ -138,35 +140,41 @@ def test_a_rate_limited_log_writes_one_line_per_interval_with_a_count(clock, cap
     assert [r.getMessage() for r in caplog.records] == ["refused x", "refused y (and 49 more like it in 60s)"]
 
 
+def fake_hub(pool=None, keys=None, auth_timeout_s: float = 5.0) -> SimpleNamespace:
+    """What a Listener uses of the hub; the pool lets everyone in."""
+    pool = pool or SimpleNamespace(connect=lambda conn: None, disconnect=lambda conn: None)
+    pool.__dict__.setdefault("crowded", lambda address: None)
+    pool.__dict__.setdefault("too_fast", lambda address: None)
+    return SimpleNamespace(
+        pool=pool,
+        keys=keys,
+        limits=SimpleNamespace(auth_timeout_s=auth_timeout_s),
+        backoff_wait_s=lambda address: 0.0,
+    )
+
+
+class FailingSocket(socket.socket):
+    """A listening socket whose next accept() calls raise `failures` (popped), as past the fd limit."""
+
+    failures: list = []
+
+    def accept(self):
+        if self.failures:
+            raise self.failures.pop()
+        return super().accept()
+
+
 def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog):
     """asyncio's server logged a traceback for each accept() that ran out of descriptors."""
     made = []
 
     async def serve() -> None:
         listening = socket.create_server(("127.0.0.1", 0))
-        pool = SimpleNamespace(
-            connect=lambda conn: None,
-            crowded=lambda address: None,
-            too_fast=lambda address: None,
-            disconnect=lambda conn: None,
-        )
-        hub = SimpleNamespace(
-            pool=pool,
-            keys=None,
-            limits=SimpleNamespace(auth_timeout_s=5.0),
-        )
+        listening = FailingSocket(fileno=listening.detach())
+        FailingSocket.failures = [OSError(errno.EMFILE, "Too many open files")] * 5
         listener = Listener(
-            hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None, None
+            fake_hub(), listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), None, None
         )
-        loop = asyncio.get_running_loop()
-        accept, failures = loop.sock_accept, [OSError(errno.EMFILE, "Too many open files")] * 5
-
-        async def sock_accept(sock):
-            if failures:
-                raise failures.pop()
-            return await accept(sock)
-
-        loop.sock_accept = sock_accept
         listener.start()
         with socket.create_connection(listening.getsockname()):
             for _ in range(200):
@@ -177,10 +185,101 @@ def test_accept_past_the_file_descriptor_limit_retries_and_logs_one_line(caplog)
 
     asyncio.run(serve())
     assert len(made) == 1 and made[0].address == "127.0.0.1"
+    assert not FailingSocket.failures  # each retried, 0.1 s apart
     assert [r.getMessage() for r in caplog.records] == [
         "cannot accept a connection: Too many open files; retrying"
     ]
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_backlog_of_connections_is_accepted_a_few_per_loop_turn():
+    """The accept loop drained the whole backlog without yielding: with 1,100 reconnecting TLS stallers one
+    loop turn took up to 400 ms, and every other client's reads and writes waited."""
+    counted, per_turn = [], []
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        listening = socket.create_server(("127.0.0.1", 0), backlog=64)
+        hub = fake_hub(SimpleNamespace(connect=counted.append, disconnect=lambda conn: None), keys=())
+        listener = Listener(hub, listening, lambda arrival: asyncio.Protocol(), None, None)
+        clients = [socket.create_connection(listening.getsockname()) for _ in range(40)]  # in the backlog
+
+        def tick(seen: int) -> None:  # once per loop turn: the connections accepted during the last one
+            per_turn.append(len(counted) - seen)
+            if len(counted) < len(clients):
+                loop.call_soon(tick, len(counted))
+
+        listener.start()
+        loop.call_soon(tick, 0)
+        for _ in range(200):
+            if len(counted) == len(clients):
+                break
+            await asyncio.sleep(0.01)
+        listener.close()
+        for sock in clients:
+            sock.close()
+
+    asyncio.run(serve())
+    assert len(counted) == 40
+    assert max(per_turn) <= Listener.ACCEPTS_PER_TURN < 40
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """A non-blocking socket's peer has closed it (an end of stream or a reset; no byte was sent to it)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:  # closed with the client's bytes unread
+        return True
+
+
+def test_a_stalled_handshake_gets_no_tls_state_and_the_deadline_still_closes_it():
+    """Each stalled TLS handshake (a client that connects and sends nothing, or part of a ClientHello) got an
+    SSL object, 256 KiB of buffers and the door's protocol at accept, torn down again when it was evicted:
+    most of the loop's time per connection churned by a slowloris. TLS now starts with a whole ClientHello
+    record, within the same deadline."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    made = []
+    # nothing, the first byte, a record header, all but one byte of a 512-byte ClientHello record
+    stalls = [b"", b"\x16", b"\x16\x03\x01\x02\x00", b"\x16\x03\x01\x02\x00" + b"\x01" * 511]
+
+    async def serve() -> None:
+        listening = socket.create_server(("127.0.0.1", 0))
+        hub = fake_hub(auth_timeout_s=0.5)
+        listener = Listener(
+            hub, listening, lambda arrival: made.append(arrival) or asyncio.Protocol(), server_context, None
+        )
+        listener.start()
+        address = listening.getsockname()
+        stalled = [socket.create_connection(address) for _ in range(8)]
+        for i, sock in enumerate(stalled):
+            sock.sendall(stalls[i % len(stalls)])
+            sock.setblocking(False)
+        not_tls = socket.create_connection(address)
+        not_tls.sendall(b"GET / HTTP/1.1\r\n\r\n")  # a plaintext client: TLS refuses it at once
+        not_tls.setblocking(False)
+        reader, writer = await asyncio.open_connection(*address, ssl=client_context)  # a whole handshake
+        await asyncio.sleep(0.1)
+        assert len(made) == 2  # the whole handshake and the plaintext one: no TLS for the stalled ones
+        assert closed_by_peer(not_tls)  # long before the deadline
+        assert not any(closed_by_peer(sock) for sock in stalled)
+        writer.close()
+        for _ in range(300):  # the deadline closes the stalled ones
+            if all(map(closed_by_peer, stalled)):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("stalled handshakes outlived the deadline")
+        listener.close()
+        for sock in [*stalled, not_tls]:
+            sock.close()
+
+    asyncio.run(serve())
 
 
 def test_the_accept_rate_is_a_bucket_per_address(clock):
