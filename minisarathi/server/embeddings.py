@@ -18,7 +18,7 @@ from minisarathi.model.pooling import PoolingParams
 from minisarathi.outputs import RequestOutput
 from minisarathi.server.auth import Key
 from minisarathi.server.hub import EngineRefused, Hub
-from minisarathi.server.openai_api import DoorLimits, OpenAIError, bad, check_prompt_length
+from minisarathi.server.openai_api import DoorLimits, OpenAIError, bad, check_body, check_prompt_length
 from minisarathi.server.protocol import (
     INVALID_PARAMS,
     PROMPT_TOO_LONG,
@@ -59,19 +59,7 @@ def _dimensions(value, hidden_size: int, error) -> PoolingParams:
 
 def parse_openai(body, model: str, limits: DoorLimits, hidden_size: int) -> EmbeddingRequest:
     """A /v1/embeddings body; OpenAIError (400, naming the field) for anything wrong."""
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
-    for key in body:
-        if key not in OPENAI_FIELDS:
-            raise bad(key, f"unknown field {short(repr(key))}")
-    requested = body.get("model")
-    if requested is not None and requested != model:
-        raise OpenAIError(
-            404,
-            f"the model {short(repr(requested))} does not exist; this server serves {model!r}",
-            param="model",
-            code="model_not_found",
-        )
+    check_body(body, OPENAI_FIELDS, model)
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise bad(

@@ -175,7 +175,7 @@ def _is_noop(name: str, value, body: dict) -> bool:
 def parse_completion(body, model: str, limits: DoorLimits) -> GenerationRequest:
     """A /v1/completions body. Its text prompts are left for the door to tokenize (with the model's BOS) and
     check with check_prompt_length."""
-    body = _check_body(body, COMPLETION_FIELDS, model)
+    body = check_body(body, COMPLETION_FIELDS, model)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "prompt is required")
     texts, prompts = _prompts(body["prompt"], limits)
@@ -194,7 +194,7 @@ def parse_chat(
     """A /v1/chat/completions body. Its messages are left for the door to render (in the template worker,
     after the quota check), then to tokenize without added special tokens (the template writes its own) and
     check with check_prompt_length. tool_format: the model's tool-call format (None: tools are refused)."""
-    body = _check_body(body, CHAT_FIELDS, model)
+    body = check_body(body, CHAT_FIELDS, model)
     try:
         tools, tools_constraint = parse_tools(body, tool_format)
     except ToolError as e:
@@ -275,7 +275,8 @@ def _template_kwargs(kwargs) -> dict | None:
     return kwargs
 
 
-def _check_body(body, fields: set[str], model: str) -> dict:
+def check_body(body, fields: set[str], model: str) -> dict:
+    """body as a JSON object of known `fields` for the served `model`; OpenAIError naming what is wrong."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     for key in body:

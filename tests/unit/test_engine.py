@@ -577,10 +577,10 @@ FAKE_COSTS = np.array([2e-3, 0.2e-3, 0.5e-3, 2e-6, 5e-6])
 
 class FakeClock:
     """Stands in for the `time` module of the engine and the profile: time passes only in the model's forward,
-    by FAKE_COSTS applied to the batch (a one-token row is a decode)."""
+    by `costs` (the cost model's features) applied to the batch (a one-token row is a decode)."""
 
-    def __init__(self):
-        self.now = 1000.0
+    def __init__(self, costs=FAKE_COSTS):
+        self.now, self.costs = 1000.0, costs
 
     def monotonic(self):
         return self.now
@@ -593,7 +593,7 @@ class FakeClock:
         decode = q == 1
         prefill_attention = (q * start + q * (q + 1) // 2)[~decode].sum()
         self.now += float(
-            FAKE_COSTS
+            self.costs
             @ [1, q[~decode].sum(), decode.sum(), prefill_attention, batch.context_lens[decode].sum()]
         )
 

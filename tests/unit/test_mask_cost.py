@@ -5,6 +5,7 @@ constrained decodes grow on the CPU, and not under overlap while the forward is 
 
 import numpy as np
 import pytest
+from test_engine import FakeClock
 
 from minisarathi.config import EngineConfig
 from minisarathi.engine import engine as engine_module
@@ -151,27 +152,6 @@ def test_overlapped_masks_shorter_than_the_forward_add_nothing():
     assert model.predict(shape) == pytest.approx(40e-3)
 
 
-class FakeClock:
-    """The engine's and the profile's `time`: time passes only in the forward (COSTS, a one-token row is a
-    decode) and in the masks (MASK_COST a constrained row)."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self):
-        return self.now
-
-    perf_counter = monotonic
-
-    def charge(self, batch):
-        q = np.diff(batch.query_start).astype(np.int64)
-        start = batch.context_lens.astype(np.int64) - q
-        decode = q == 1
-        prefill_attention = (q * start + q * (q + 1) // 2)[~decode].sum()
-        features = [1, q[~decode].sum(), decode.sum(), prefill_attention, batch.context_lens[decode].sum()]
-        self.now += float(COSTS @ features)
-
-
 MASK_COST = 0.7e-3
 
 
@@ -182,7 +162,7 @@ def test_the_engine_prices_its_masks(monkeypatch):
     from minisarathi import structured
     from minisarathi.model import llama
 
-    clock = FakeClock()
+    clock = FakeClock(COSTS)  # the forward's time; the masks' is added below
     forward, mask_logits = llama.LlamaModel.forward, structured.mask_logits
 
     def timed_forward(self, batch, kv_cache, device_logits=False):
