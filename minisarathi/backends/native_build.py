@@ -2,12 +2,14 @@
 
 Used by the CUDA emulator (every .cu file) and the fast CPU backend's native kernels (through
 minisarathi/backends/cpu/native.py). A library is built once per content, compiler and flags; later processes
-find it by name. Threads and processes that race to build the same library each compile to a unique temporary
-name and rename it into place atomically.
+find it by name. Threads and processes that want the same library at once (replicas, tensor-parallel ranks,
+test workers) wait for one build: a thread lock, then an flock on <library>.lock; the build goes to a unique
+temporary name renamed into place atomically, so a reader never sees half a library.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shlex
@@ -82,23 +84,37 @@ def build_shared_library(
     with lock:  # one build per target in this process; other libraries build in parallel
         if target.exists():
             return target
-        fd, tmp_cpp = tempfile.mkstemp(suffix=".cpp", prefix=stem + "-", dir=out_dir)
-        with os.fdopen(fd, "w") as f:
-            f.write(translation_unit)
-        tmp_so = tmp_cpp[:-4] + ".so"
-        try:
-            cmd = [*shlex.split(compiler), *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]  # CXX="ccache g++"
-            try:
-                result = subprocess.run(cmd, capture_output=True, text=True)
-            except FileNotFoundError as exc:
-                raise RuntimeError(
-                    f"{purpose} needs a C++ compiler ({compiler!r} not found; set CXX)"
-                ) from exc
-            if result.returncode != 0:
-                raise RuntimeError(f"{purpose}: build of {stem} failed:\n{' '.join(cmd)}\n{result.stderr}")
-            os.replace(tmp_so, target)
-        finally:
-            for leftover in (tmp_cpp, tmp_so):
-                if os.path.exists(leftover) and leftover != str(target):
-                    os.unlink(leftover)
+        with open(f"{target}.lock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when closed, also if this process dies
+            if not target.exists():  # another process built it while this one waited
+                _compile(translation_unit, stem, out_dir, target, compiler, flags, purpose)
     return target
+
+
+def _compile(
+    translation_unit: str,
+    stem: str,
+    out_dir: Path,
+    target: Path,
+    compiler: str,
+    flags: list[str],
+    purpose: str,
+) -> None:
+    """Compiles into a temporary name in out_dir, then renames it to target."""
+    fd, tmp_cpp = tempfile.mkstemp(suffix=".cpp", prefix=stem + "-", dir=out_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(translation_unit)
+    tmp_so = tmp_cpp[:-4] + ".so"
+    try:
+        cmd = [*shlex.split(compiler), *flags, "-x", "c++", tmp_cpp, "-o", tmp_so]  # CXX="ccache g++"
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as exc:
+            raise RuntimeError(f"{purpose} needs a C++ compiler ({compiler!r} not found; set CXX)") from exc
+        if result.returncode != 0:
+            raise RuntimeError(f"{purpose}: build of {stem} failed:\n{' '.join(cmd)}\n{result.stderr}")
+        os.replace(tmp_so, target)
+    finally:
+        for leftover in (tmp_cpp, tmp_so):
+            if os.path.exists(leftover) and leftover != str(target):
+                os.unlink(leftover)

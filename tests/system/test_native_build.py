@@ -1,8 +1,10 @@
-"""native_build's cache folder: the temporary fallback is used only when it is private to this user, and the
-compiler is a command line as CXX allows."""
+"""native_build's cache folder: the temporary fallback is used only when it is private to this user; the
+compiler is a command line as CXX allows; processes that want one library at once wait for one build."""
 
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -68,3 +70,27 @@ def test_the_compiler_is_a_command_line(tmp_path, monkeypatch):
         "a test",
     )
     assert path.is_file() and path.parent == tmp_path / "kind"
+
+
+def test_processes_that_want_one_library_at_once_wait_for_one_build(tmp_path):
+    """Four processes ask for the same library together (as replicas or test workers starting at once):
+    the compiler runs once, and every process gets the library. The compiler is a script that logs each
+    run and takes a second, so that the requests overlap."""
+    log = tmp_path / "runs"
+    compiler = tmp_path / "slow-g++"
+    compiler.write_text(f'#!/bin/sh\necho run >> "{log}"\nsleep 1\nexec g++ "$@"\n')
+    compiler.chmod(0o755)
+    ask = (
+        "from minisarathi.backends import native_build; print(native_build.build_shared_library("
+        f"'kind', 'answer', 'extern \"C\" int answer() {{ return 42; }}\\n', [], {str(compiler)!r}, "
+        "['-shared', '-fPIC'], 'a test'))"
+    )
+    env = {**os.environ, "MINISARATHI_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", ask], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    paths = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert [p.returncode for p in procs] == [0] * 4
+    assert len(paths) == 1 and os.path.isfile(paths.pop())
+    assert log.read_text().splitlines() == ["run"]

@@ -64,18 +64,30 @@ EMULATED = [
 NEEDS_NATIVE_CDF = pytest.mark.skipif(native_sampling.kernel(16, 4) is None, reason="no C++ compiler here")
 
 
-@pytest.fixture(
-    params=[
-        Sampler,
-        sampler_without_the_native_cdf,
-        pytest.param(gpu_sampler_on_the_emulator, id="GpuSampler-emulated", marks=EMULATED),
-        pytest.param(gpu_sampler_with_split_rows, id="GpuSampler-emulated-split-rows", marks=EMULATED),
-    ],
-    ids=lambda p: getattr(p, "__name__", p),
-)
+# (id, Sampler(vocab_size, seed=0, eos_token_ids=()) or a GpuSampler on emulated kernels, marks)
+SAMPLERS = [
+    ("Sampler", Sampler, ()),
+    ("sampler_without_the_native_cdf", sampler_without_the_native_cdf, ()),
+    ("GpuSampler-emulated", gpu_sampler_on_the_emulator, EMULATED),
+    ("GpuSampler-emulated-split-rows", gpu_sampler_with_split_rows, EMULATED),
+]
+
+
+@pytest.fixture(params=[pytest.param(make, id=name, marks=marks) for name, make, marks in SAMPLERS])
 def make_sampler(request):
-    """Sampler(vocab_size, seed=0, eos_token_ids=()) or the GpuSampler on emulated kernels."""
     return request.param
+
+
+def with_samplers(params, split_rows):
+    """(p, make_sampler) for every p and sampler, except that split rows (three emulated CTAs a row, the
+    slowest case) take only the params at indexes `split_rows`: the split changes where a row's candidates
+    are merged, not the filters, so the cases that combine the most filters cover it."""
+    return [
+        pytest.param(p, make, id=f"{name}-p{i}", marks=marks)
+        for i, p in enumerate(params)
+        for name, make, marks in SAMPLERS
+        if make is not gpu_sampler_with_split_rows or i in split_rows
+    ]
 
 
 def draws(make_sampler, n: int) -> int:
@@ -359,16 +371,19 @@ def test_unseeded_rows_follow_the_engine_seed(make_sampler):
 
 
 @pytest.mark.parametrize(
-    "p",
-    [
-        SP(top_k=3),
-        SP(top_p=0.5),
-        SP(min_p=0.2),
-        SP(top_k=5, top_p=0.7, temperature=0.7),
-        SP(top_k=1, temperature=2.0),
-        SP(top_p=0.3, min_p=0.05, temperature=1.5),
-        SP(top_p=1e-6),
-    ],
+    ("p", "make_sampler"),
+    with_samplers(
+        [
+            SP(top_k=3),
+            SP(top_p=0.5),
+            SP(min_p=0.2),
+            SP(top_k=5, top_p=0.7, temperature=0.7),
+            SP(top_k=1, temperature=2.0),
+            SP(top_p=0.3, min_p=0.05, temperature=1.5),
+            SP(top_p=1e-6),
+        ],
+        split_rows={3, 5, 6},
+    ),
 )
 def test_filters_never_return_excluded_tokens(p, make_sampler):
     n = draws(make_sampler, 6000)
@@ -596,7 +611,10 @@ def test_extreme_draws_stay_inside_the_kept_set(make_sampler):
 
 
 @pytest.mark.parametrize(
-    "p", [SP(), SP(temperature=0.6, top_k=6), SP(temperature=1.4, top_p=0.8, min_p=0.02)]
+    ("p", "make_sampler"),
+    with_samplers(
+        [SP(), SP(temperature=0.6, top_k=6), SP(temperature=1.4, top_p=0.8, min_p=0.02)], split_rows={2}
+    ),
 )
 def test_frequencies_fit_the_distribution(p, make_sampler):
     n = draws(make_sampler, 20000)
