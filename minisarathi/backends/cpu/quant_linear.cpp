@@ -341,21 +341,13 @@ inline void pair_tile(const Activations& a, int64_t i, int64_t k, const Part& p,
             for (int c = 0; c < NN; ++c) {
                 const int64_t row = j + c;
                 factors[c] = _mm256_set1_ps(p.scale[row * (k / SUPER) + b / 8]);
-                // the super-block's 8 (GROUP 32) or 16 int8 scales, as int16 in both lanes, 8 at a time
                 const int8_t* sub = p.scale_sub + row * (k / GROUP) + b * (BLOCK / GROUP);
-                const __m128i bytes = GROUP == 32 ? _mm_loadl_epi64((const __m128i*)sub)
-                                                  : _mm_loadu_si128((const __m128i*)sub);
-                const __m256i wide[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(bytes)),
-                                         _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(bytes, 8)))};
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; ++q) {  // pair q's scales: 2q and 2q + 1, or 4q to 4q + 3
-                    if (GROUP == 32) {
-                        scales[c][q][0] = lanes_of(wide[0], 2 * q, 2 * q + 1);
-                    } else {
-                        const int e = 4 * (q % 2);
-                        scales[c][q][0] = lanes_of(wide[q / 2], e, e + 2);
-                        scales[c][q][SCALES - 1] = lanes_of(wide[q / 2], e + 1, e + 3);
-                    }
+                for (int q = 0; q < 4; ++q) {
+                    int32_t four = 0;  // the pair's 2 (GROUP 32) or 4 int8 scales
+                    memcpy(&four, sub + q * 2 * (BLOCK / GROUP), 2 * (BLOCK / GROUP));
+                    const __m256i wide = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+                    if (GROUP == 32) scales[c][q][0] = lanes_of(wide, 0, 1);
+                    else scales[c][q][0] = lanes_of(wide, 0, 2), scales[c][q][SCALES - 1] = lanes_of(wide, 1, 3);
                 }
             }
         __m256i lo[NN], hi[NN];
